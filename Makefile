@@ -1,0 +1,23 @@
+# Quick start:  make demo   (set up + run the main job on the embedded sample data)
+#               make test   (set up + run the whole test suite)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export OMP_NUM_THREADS ?= 1
+export DS_ACCELERATOR ?= cpu
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
+
+.PHONY: setup demo test lint bench
+setup:
+	@VENV=$(VENV) scripts/setup_env.sh
+
+demo: setup
+	$(PY) -m megatron_lev demo
+
+test: setup
+	$(PY) -m pytest tests
+
+lint: setup
+	$(PY) -m ruff check megatron_lev tests tools pretrain benchmarks
+
+bench: setup
+	$(PY) benchmarks/run_all.py

@@ -1,0 +1,5 @@
+import sys
+
+from megatron_lev.cli import main
+
+sys.exit(main())

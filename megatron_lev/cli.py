@@ -1,0 +1,51 @@
+"""`megatron-lev <subcommand>` (also `python -m megatron_lev`).
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and
+`main(args) -> int | None`; the registry below maps names to modules, so adding a
+subcommand is one line. Modules are imported only when their command runs (or
+for `--help`), keeping start-up fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "config": ("megatron_lev.commands.config_cmd", "print the resolved, validated run config"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("command", nargs="?")
+    known, _ = parser.parse_known_args(argv[:1])
+    full = argparse.ArgumentParser(
+        prog="megatron-lev",
+        description="Pretraining with the Leviathan (LEV) input layer on DeepSpeed.")
+    sub = full.add_subparsers(dest="command", metavar="<command>")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.set_defaults(_module=module)
+        if known.command == name:
+            importlib.import_module(module).add_arguments(p)
+    args = full.parse_args(argv)
+    if not getattr(args, "_module", None):
+        full.print_help()
+        return 2
+    from megatron_lev.config import ConfigError
+
+    try:
+        rc = importlib.import_module(args._module).main(args)
+    except ConfigError as exc:
+        print(f"megatron-lev {args.command}: config error: {exc}", file=sys.stderr)
+        return 2
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

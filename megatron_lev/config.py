@@ -1,0 +1,460 @@
+"""Typed run configuration: dataclasses loaded from YAML, overridden with dotted keys.
+
+A run is described by one `RunConfig` with five sections (model, parallel, data,
+train, logging). `load_config(paths, overrides)` merges YAML files left to right,
+applies `section.key=value` overrides, type-checks every value, refuses unknown
+keys (with a suggestion), and validates the combination before any heavy work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EMBEDDINGS = ("tied", "untied", "albert", "flat_mlp", "factorized_mlp", "lev")
+PRECISIONS = ("fp32", "bf16", "fp16")
+LR_DECAY_STYLES = ("cosine", "linear", "constant")
+PARTITION_METHODS = ("parameters", "uniform")
+TOKENIZER_TYPES = ("hf", "sentencepiece", "tiktoken")
+
+
+class ConfigError(ValueError):
+    """A configuration value or combination is invalid; the message names the key."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class LevConfig:
+    """Hyperparameters of the LEV layer (spec: LEV.md, 'The LEV layer, exactly')."""
+
+    k: int = 3  # digits of the compositional index
+    d_seed: int = 128  # seed width
+    heads: int = 8  # h
+    kappa: int = 16  # spline knots
+    rank: int = 64  # r of the separable product
+    residual: bool = False  # optional `+ W_res z` path of the paper's earlier version
+    chunk_size: int = 4096  # unique ids processed per chunk
+    recompute: bool = True  # recompute chunks in backward instead of storing activations
+    w_out_init_scale: float = 1.0  # multiplies the spec's N(0, 0.02/sqrt(h)) init of W_out
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_kv_heads: int | None = None  # None: multi-head attention; fewer: grouped-query
+    ffn_hidden_size: int | None = None  # None: SwiGLU default, 8/3 * hidden rounded to 64
+    seq_length: int = 128
+    vocab_size: int | None = None  # None: taken from the tokenizer
+    make_vocab_size_divisible_by: int = 128  # padded to a multiple of this x TP
+    embedding: str = "lev"  # one of EMBEDDINGS
+    lev: LevConfig = field(default_factory=LevConfig)
+    baseline_dim: int | None = None  # albert/flat_mlp bottleneck e; None: sized to match LEV
+    baseline_hidden: int | None = None  # MLP hidden width of the MLP baselines; None: sized to match LEV
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    activation_checkpointing: bool = False
+    checkpoint_num_layers: int = 1
+
+    def validate(self) -> None:
+        _positive(self, "model", ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                                  "make_vocab_size_divisible_by", "checkpoint_num_layers"])
+        _choice("model.embedding", self.embedding, EMBEDDINGS)
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} must be divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}")
+        kv = self.num_kv_heads or self.num_attention_heads
+        if kv <= 0 or self.num_attention_heads % kv:
+            raise ConfigError(
+                f"model.num_kv_heads={self.num_kv_heads} must divide "
+                f"model.num_attention_heads={self.num_attention_heads}")
+        if self.vocab_size is not None and self.vocab_size <= 0:
+            raise ConfigError(f"model.vocab_size must be positive, got {self.vocab_size}")
+        for key in ("k", "d_seed", "heads", "kappa", "rank", "chunk_size"):
+            if getattr(self.lev, key) <= 0:
+                raise ConfigError(f"model.lev.{key} must be positive, got {getattr(self.lev, key)}")
+        if self.lev.kappa < 3:
+            raise ConfigError(f"model.lev.kappa={self.lev.kappa}: a quadratic B-spline needs at least 3 knots")
+        for key in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"model.{key} must be in [0, 1), got {getattr(self, key)}")
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return int(math.ceil(8 * self.hidden_size / 3 / 64) * 64)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_attention_heads
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    partition_method: str = "parameters"  # how blocks are split across pipeline stages
+    zero_stage: int = 1
+    cpu_offload: bool = False  # ZeRO-3 parameter + optimizer offload to CPU
+    distributed_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
+
+    def validate(self) -> None:
+        _positive(self, "parallel", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
+        _choice("parallel.partition_method", self.partition_method, PARTITION_METHODS)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.pipeline_model_parallel_size > 1 and self.zero_stage > 1:
+            raise ConfigError(
+                f"parallel.zero_stage={self.zero_stage} cannot be combined with pipeline parallelism "
+                f"(parallel.pipeline_model_parallel_size={self.pipeline_model_parallel_size}): DeepSpeed "
+                "shards gradients across micro-batches only with ZeRO 0/1 under a pipeline. "
+                "Use parallel.zero_stage=1, or parallel.pipeline_model_parallel_size=1 for ZeRO-2/3.")
+        if self.cpu_offload and self.zero_stage != 3:
+            raise ConfigError("parallel.cpu_offload=true needs parallel.zero_stage=3")
+        if self.distributed_backend not in (None, "nccl", "gloo"):
+            raise ConfigError(f"parallel.distributed_backend must be nccl or gloo, got {self.distributed_backend}")
+
+
+@dataclass
+class DataConfig:
+    # Megatron-style blend: ["path/prefix"] or ["0.7", "a_prefix", "0.3", "b_prefix"]
+    data_path: list[str] = field(default_factory=list)
+    valid_data_path: list[str] = field(default_factory=list)  # separate validation shards (optional)
+    split: str = "969,30,1"  # train,valid,test by document when valid_data_path is empty
+    tokenizer_type: str = "hf"  # one of TOKENIZER_TYPES
+    tokenizer_path: str | None = None
+    cache_dir: str | None = None  # index cache; default: beside the data
+    seed: int = 1234
+    num_workers: int = 0
+    reset_position_ids: bool = False
+
+    def validate(self) -> None:
+        _choice("data.tokenizer_type", self.tokenizer_type, TOKENIZER_TYPES)
+        parts = self.split.split(",")
+        try:
+            weights = [float(p) for p in parts]
+        except ValueError:
+            raise ConfigError(f"data.split={self.split!r} must be comma-separated numbers, e.g. '969,30,1'") from None
+        if len(weights) != 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ConfigError(f"data.split={self.split!r} must be three non-negative numbers train,valid,test")
+        if len(self.data_path) > 1 and len(self.data_path) % 2:
+            raise ConfigError(
+                "data.data_path with several entries must alternate weight and prefix, "
+                f"e.g. ['0.7', 'a_text_document', '0.3', 'b_text_document']; got {self.data_path}")
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    global_batch_size: int | None = None  # None: micro_batch_size x DP (no accumulation)
+    train_iters: int | None = 100
+    train_tokens: int | None = None  # token budget; converted to iterations
+    chinchilla: bool = False  # token budget = 20 tokens per parameter
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    lr_decay_style: str = "cosine"
+    lr_warmup_iters: int | None = None
+    lr_warmup_fraction: float = 0.01
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    precision: str = "fp32"
+    seed: int = 1234
+    ds_config: str | None = None  # a DeepSpeed JSON template from ds_configs/; None: by zero_stage
+    save: str | None = None  # checkpoint directory
+    load: str | None = None  # checkpoint directory to resume from (default: save)
+    save_interval: int = 0  # 0: only at the end
+    keep_last: int = 2
+    eval_interval: int = 0
+    eval_iters: int = 10
+    max_consecutive_skips: int = 10  # non-finite steps in a row before the run stops
+
+    def validate(self) -> None:
+        _positive(self, "train", ["micro_batch_size", "eval_iters", "keep_last", "max_consecutive_skips"])
+        _choice("train.precision", self.precision, PRECISIONS)
+        _choice("train.lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
+        if self.global_batch_size is not None and self.global_batch_size <= 0:
+            raise ConfigError(f"train.global_batch_size must be positive, got {self.global_batch_size}")
+        if self.train_iters is None and self.train_tokens is None and not self.chinchilla:
+            raise ConfigError("set one of train.train_iters, train.train_tokens or train.chinchilla=true")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"need 0 <= train.min_lr <= train.lr and train.lr > 0; got lr={self.lr}, "
+                              f"min_lr={self.min_lr}")
+        if not 0 <= self.lr_warmup_fraction < 1:
+            raise ConfigError(f"train.lr_warmup_fraction must be in [0, 1), got {self.lr_warmup_fraction}")
+        for key in ("save_interval", "eval_interval"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    output_dir: str = "runs/default"  # resolved config, logs and TensorBoard go here
+    tensorboard: bool = True
+    log_all_ranks: bool = False  # every rank also writes logs/rank{N}.log
+    peak_tflops: float = 989.0  # per device, for MFU (H100 dense bf16)
+    progress_bar: bool = True
+
+    def validate(self) -> None:
+        _positive(self, "logging", ["log_interval"])
+        if self.peak_tflops <= 0:
+            raise ConfigError(f"logging.peak_tflops must be positive, got {self.peak_tflops}")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self, world_size: int | None = None) -> RunConfig:
+        """Check every section and the combinations; `world_size` adds the layout checks."""
+        for section in (self.model, self.parallel, self.data, self.train, self.logging):
+            section.validate()
+        m, p, t = self.model, self.parallel, self.train
+        tp = p.tensor_model_parallel_size
+        if m.num_attention_heads % tp:
+            raise ConfigError(
+                f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                f"parallel.tensor_model_parallel_size={tp}: choose a TP size that divides the heads")
+        if m.kv_heads % tp:
+            raise ConfigError(
+                f"model.num_kv_heads={m.kv_heads} is not divisible by parallel.tensor_model_parallel_size={tp}")
+        if m.ffn_size % tp:
+            raise ConfigError(f"model ffn size {m.ffn_size} is not divisible by parallel.tensor_model_parallel_size={tp}")
+        if m.embedding in ("lev", "factorized_mlp") and m.lev.heads % tp:
+            raise ConfigError(
+                f"model.lev.heads={m.lev.heads} is not divisible by parallel.tensor_model_parallel_size={tp}: "
+                "LEV heads are split across tensor-parallel ranks; set model.lev.heads to a multiple of TP")
+        if p.pipeline_model_parallel_size > m.num_layers:
+            raise ConfigError(
+                f"parallel.pipeline_model_parallel_size={p.pipeline_model_parallel_size} exceeds "
+                f"model.num_layers={m.num_layers}: every pipeline stage needs at least one block")
+        if t.precision == "bf16" and p.pipeline_model_parallel_size > 1 and p.zero_stage == 0:
+            raise ConfigError(
+                "train.precision=bf16 with pipeline parallelism needs parallel.zero_stage=1 "
+                "(DeepSpeed cannot reload bf16 + pipeline + ZeRO-0 optimizer state)")
+        if world_size is not None:
+            mp = tp * p.pipeline_model_parallel_size
+            if world_size % mp:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by tensor x pipeline = {tp} x "
+                    f"{p.pipeline_model_parallel_size} = {mp}: world = TP x PP x DP")
+            dp = world_size // mp
+            if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
+                raise ConfigError(
+                    f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                    f"train.micro_batch_size x DP = {t.micro_batch_size} x {dp}: change the global "
+                    "batch or the micro-batch so that gradient accumulation is a whole number")
+        return self
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.parallel.tensor_model_parallel_size * self.parallel.pipeline_model_parallel_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write the resolved config as `config.yaml` atomically; returns the path."""
+        path = Path(directory) / "config.yaml"
+        atomic_write_text(path, self.to_yaml())
+        return path
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(paths: str | os.PathLike | list | None = None, overrides: list[str] | None = None,
+                world_size: int | None = None, validate: bool = True) -> RunConfig:
+    """Merge YAML files (later wins), apply dotted overrides, type-check, validate."""
+    if paths is None:
+        paths = []
+    elif isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    merged: dict[str, Any] = {}
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+        includes = data.pop("include", [])
+        for inc in [includes] if isinstance(includes, str) else includes:
+            _deep_merge(merged, load_config([path.parent / inc], validate=False).to_dict())
+        _deep_merge(merged, data)
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_dotted(merged, key, value)
+    cfg = from_dict(RunConfig, merged, prefix="")
+    if validate:
+        cfg.validate(world_size)
+    return cfg
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`model.lev.k=4` -> ("model.lev.k", 4); values are parsed as YAML scalars/lists."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. model.embedding=lev")
+    key, raw = item.split("=", 1)
+    key = key.strip().lstrip("-")
+    if not key or "." not in key:
+        raise ConfigError(f"override {item!r}: the key must be dotted, e.g. train.lr=3e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def from_dict(cls, data: Any, prefix: str):
+    """Build dataclass `cls` from a mapping, checking keys and types; errors name the key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {type(data).__name__}: {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key), list(fields), n=1)
+        hint = f"; did you mean '{_join(prefix, close[0])}'?" if close else ""
+        raise ConfigError(f"unknown config key '{_join(prefix, key)}'{hint} "
+                          f"(allowed: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, _join(prefix, name))
+    return cls(**kwargs)
+
+
+def _coerce(tp, value, key):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        errors = []
+        for arg in non_none:
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0])
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if origin is list:
+        if isinstance(value, (str, int, float)):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {type(value).__name__}: {value!r}")
+        return [_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)] if args else value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return int(value)
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{key} must be a number, got {value!r}") from None
+        if not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _deep_merge(dst: dict, src: dict) -> dict:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _deep_merge(dst[k], v)
+        else:
+            dst[k] = v
+    return dst
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {key}: '{part}' is a value, not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else str(name)
+
+
+def _positive(obj, section: str, names: list[str]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is None or value <= 0:
+            raise ConfigError(f"{section}.{name} must be a positive integer, got {value!r}")
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        close = difflib.get_close_matches(str(value), allowed, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint}")
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to a temp file beside `path`, fsync, then rename over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")

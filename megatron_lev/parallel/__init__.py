@@ -1,0 +1,1 @@
+"""Tensor / pipeline / data parallel plumbing. Imports nothing else of the project."""

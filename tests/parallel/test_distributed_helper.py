@@ -1,0 +1,79 @@
+import pytest
+import torch
+
+from megatron_lev.testing import DistributedTestError, run_distributed
+
+
+def _all_reduce_rank():
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item()
+
+
+def _fails_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank one")
+    dist.barrier()
+    return "rank 0 sees the peer vanish; the helper must report rank 1 as the root cause"
+
+
+@pytest.mark.multiprocess
+def test_two_process_all_reduce():
+    results = run_distributed(_all_reduce_rank, world_size=2)
+    assert results == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+@pytest.mark.multiprocess
+def test_child_traceback_is_reported():
+    with pytest.raises(DistributedTestError, match=r"(?s)rank 1 of 2 failed first.*ValueError: boom on rank one"):
+        run_distributed(_fails_on_rank_one, world_size=2, timeout=60)
+
+
+def _tp_regions(x):
+    from megatron_lev.parallel import mappings, state
+
+    state.initialize_model_parallel(tensor_model_parallel_size=2)
+    rank = state.get_tensor_model_parallel_rank()
+    x = x.clone().requires_grad_(True)
+    # copy -> per-rank scale -> reduce == sum of scales; grad of x = sum of scales as well
+    y = mappings.copy_to_tensor_parallel_region(x) * (rank + 1.0)
+    out = mappings.reduce_from_tensor_parallel_region(y)
+    part = mappings.scatter_to_tensor_parallel_region(out)
+    full = mappings.gather_from_tensor_parallel_region(part * 2)
+    full.sum().backward()
+    state.destroy_model_parallel()
+    return out.detach(), full.detach(), x.grad
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_regions_match_single_process():
+    x = torch.randn(3, 4, dtype=torch.float64)
+    results = run_distributed(_tp_regions, world_size=2, args=(x,))
+    for out, full, grad in results:
+        torch.testing.assert_close(out, 3 * x)
+        torch.testing.assert_close(full, 6 * x)
+        # d(sum(2 * 3x))/dx = 6, reached through reduce (identity) and copy (all-reduce of 2*(r+1))
+        torch.testing.assert_close(grad, torch.full_like(x, 6.0))
+
+
+def _groups(tp, pp):
+    import torch.distributed as dist
+
+    from megatron_lev.parallel import state
+
+    state.initialize_model_parallel(tp, pp)
+    out = (dist.get_rank(), state.get_tensor_model_parallel_rank(), state.get_pipeline_model_parallel_rank(),
+           state.get_data_parallel_rank(), state.get_data_parallel_world_size())
+    state.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_group_layout_matches_deepspeed_topology():
+    # world 4 = TP 2 x PP 2 x DP 1: rank = pp * 2 + tp
+    results = run_distributed(_groups, world_size=4, args=(2, 2))
+    assert results == [(0, 0, 0, 0, 1), (1, 1, 0, 0, 1), (2, 0, 1, 0, 1), (3, 1, 1, 0, 1)]

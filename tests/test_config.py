@@ -1,0 +1,104 @@
+import pytest
+
+from megatron_lev.config import ConfigError, RunConfig, load_config, parse_override
+
+
+def write(tmp_path, text, name="run.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_defaults_validate():
+    cfg = RunConfig().validate(world_size=1)
+    assert cfg.model.embedding == "lev"
+    assert cfg.model.lev.k == 3 and cfg.model.lev.d_seed == 128 and cfg.model.lev.kappa == 16
+
+
+def test_yaml_and_dotted_overrides(tmp_path):
+    base = write(tmp_path, "model:\n  hidden_size: 64\n  lev:\n    rank: 8\ntrain:\n  lr: 1.0e-3\n")
+    cfg = load_config([base], ["model.embedding=tied", "train.lr=3e-4", "model.lev.heads=2",
+                               "data.data_path=[a, b, c, d]"])
+    assert cfg.model.hidden_size == 64 and cfg.model.lev.rank == 8
+    assert cfg.model.embedding == "tied" and cfg.model.lev.heads == 2
+    assert cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.data.data_path == ["a", "b", "c", "d"]
+
+
+def test_later_files_override_and_include(tmp_path):
+    write(tmp_path, "model:\n  num_layers: 3\n  hidden_size: 96\n  num_attention_heads: 3\n", "base.yaml")
+    child = write(tmp_path, "include: base.yaml\nmodel:\n  num_layers: 5\n", "child.yaml")
+    cfg = load_config([child])
+    assert (cfg.model.num_layers, cfg.model.hidden_size) == (5, 96)
+
+
+def test_unknown_key_is_an_error_with_suggestion(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.embeding'.*did you mean 'model.embedding'"):
+        load_config([], ["model.embeding=lev"])
+    bad = write(tmp_path, "trian:\n  lr: 1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'trian'; did you mean 'train'"):
+        load_config([bad])
+
+
+def test_type_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"model.num_layers must be an integer, got 'many'"):
+        load_config([], ["model.num_layers=many"])
+    with pytest.raises(ConfigError, match=r"model.activation_checkpointing must be true or false"):
+        load_config([], ["model.activation_checkpointing=3"])
+
+
+def test_choice_errors_list_allowed_values():
+    with pytest.raises(ConfigError, match=r"model.embedding='levv' is not one of .*did you mean 'lev'"):
+        load_config([], ["model.embedding=levv"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.num_attention_heads=3", "model.hidden_size=96", "parallel.tensor_model_parallel_size=2"],
+     r"num_attention_heads=3 is not divisible by parallel.tensor_model_parallel_size=2"),
+    (["model.lev.heads=6", "model.num_attention_heads=4", "parallel.tensor_model_parallel_size=4"],
+     r"model.lev.heads=6 is not divisible by parallel.tensor_model_parallel_size=4"),
+    (["parallel.pipeline_model_parallel_size=2", "parallel.zero_stage=2"],
+     r"zero_stage=2 cannot be combined with pipeline parallelism.*Use parallel.zero_stage=1"),
+    (["parallel.pipeline_model_parallel_size=2", "parallel.zero_stage=0", "train.precision=bf16"],
+     r"bf16 with pipeline parallelism needs parallel.zero_stage=1"),
+    (["parallel.pipeline_model_parallel_size=3"], r"exceeds model.num_layers=2"),
+    (["train.train_iters=null"], r"set one of train.train_iters, train.train_tokens"),
+])
+def test_refused_combinations(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([], overrides)
+
+
+def test_world_size_layout_checks():
+    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by tensor x pipeline = 2 x 2"):
+        load_config([], ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"],
+                    world_size=6)
+    with pytest.raises(ConfigError, match=r"global_batch_size=6 is not divisible by train.micro_batch_size x DP = 4 x 1"):
+        load_config([], ["train.global_batch_size=6"], world_size=1)
+    cfg = load_config([], ["parallel.tensor_model_parallel_size=2", "train.global_batch_size=16"], world_size=8)
+    assert cfg.data_parallel_size(8) == 4
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        parse_override("model.embedding")
+    with pytest.raises(ConfigError, match="the key must be dotted"):
+        parse_override("lr=3")
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config([], ["model.embedding=albert", "train.lr=1e-3"])
+    path = cfg.save(tmp_path / "run")
+    again = load_config([path])
+    assert again == cfg
+    assert not list((tmp_path / "run").glob(".*tmp*")), "temp file left behind"
+
+
+def test_cli_config_command(tmp_path, capsys):
+    from megatron_lev.cli import main
+
+    assert main(["config", "model.embedding=tied", "--save", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "embedding: tied" in out and (tmp_path / "config.yaml").exists()
+    assert main(["config", "model.nope=1"]) == 2
+    assert "unknown config key 'model.nope'" in capsys.readouterr().err
