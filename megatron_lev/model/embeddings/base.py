@@ -1,0 +1,55 @@
+"""The one interface every input-embedding variant implements.
+
+An `InputEmbedding` maps token ids `(B, S)` to hidden states `(B, S, D)` — the
+full width `D` on every tensor-parallel rank — and can `materialize()` its dense
+`(V, D)` table (for export, evaluation and the capacity analysis). Only `tied`
+shares its table with the output head (`tied_output_weight()`).
+
+Adding a variant: subclass `InputEmbedding` in one file of this package and add
+one line to `REGISTRY` in `megatron_lev/model/embeddings/__init__.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class InputEmbedding(nn.Module):
+    """Token ids -> `(B, S, D)`; see the module docstring."""
+
+    vocab_size: int
+    hidden_size: int
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def materialize(self, chunk_size: int = 8192) -> torch.Tensor:
+        """The dense `(V, D)` input table, computed in chunks without autograd.
+
+        The default looks up every id in chunks; variants with a cheaper form override it.
+        """
+        device = next(self.parameters()).device
+        rows = []
+        for start in range(0, self.vocab_size, chunk_size):
+            ids = torch.arange(start, min(start + chunk_size, self.vocab_size), device=device)
+            rows.append(self.forward(ids.unsqueeze(0)).squeeze(0))
+        return torch.cat(rows, dim=0)
+
+    def tied_output_weight(self) -> nn.Parameter | None:
+        """The (vocab-parallel) table the output head reuses, for `tied`; else None."""
+        return None
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise a clear error for ids outside [0, vocab_size) (instead of a silent wrong row or a CUDA assert)."""
+    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TypeError(f"token ids must be an integer tensor, got {input_ids.dtype}")
+    if input_ids.numel() == 0:
+        return
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise IndexError(f"token id {bad} is outside the vocabulary [0, {vocab_size}); check that the "
+                         "tokenizer matches model.vocab_size")
