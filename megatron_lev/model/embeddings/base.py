@@ -11,18 +11,21 @@ one line to `REGISTRY` in `megatron_lev/model/embeddings/__init__.py`.
 
 from __future__ import annotations
 
+import abc
+
 import torch
 from torch import nn
 
 
-class InputEmbedding(nn.Module):
+class InputEmbedding(nn.Module, abc.ABC):
     """Token ids -> `(B, S, D)`; see the module docstring."""
 
     vocab_size: int
     hidden_size: int
 
+    @abc.abstractmethod
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
-        raise NotImplementedError
+        """Embed `input_ids`; implementations call `check_token_ids` first."""
 
     @torch.no_grad()
     def materialize(self, chunk_size: int = 8192) -> torch.Tensor:
