@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# System packages the test suite needs beyond the Python environment: a real Slurm
+# (controller, node daemon and client commands) for tests/slurm. No munge: the test
+# cluster uses AuthType=auth/none. Runs as root (CI); idempotent and quiet; a
+# machine that already has the commands is left untouched.
+set -euo pipefail
+PACKAGES=(slurmctld slurmd slurm-client)
+missing=()
+for cmd in slurmctld slurmd sbatch squeue scontrol scancel srun; do
+    command -v "$cmd" >/dev/null 2>&1 || missing+=("$cmd")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+    echo "[system] slurm already installed ($(dpkg-query -W -f='${Version}' slurm-client 2>/dev/null || echo 'not from apt'))"
+    exit 0
+fi
+if [ "$(id -u)" -ne 0 ]; then
+    echo "[system] missing ${missing[*]}; run this script as root to install ${PACKAGES[*]}" >&2
+    exit 1
+fi
+export DEBIAN_FRONTEND=noninteractive
+echo "[system] installing ${PACKAGES[*]} (missing: ${missing[*]})"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}"; } >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "[system] installing ${PACKAGES[*]} failed (apt output above)" >&2
+    exit 1
+fi
+echo "[system] installed slurm $(dpkg-query -W -f='${Version}' slurm-client)"
