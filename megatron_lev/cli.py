@@ -15,6 +15,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("megatron_lev.commands.config_cmd", "print the resolved, validated run config"),
+    "lm-eval-tasks": ("megatron_lev.commands.lm_eval_tasks", "write offline lm-eval task YAMLs for local downstream data"),
 }
 
 
