@@ -1,0 +1,92 @@
+"""A resumable pipeline of shell steps: each step runs once, records that it finished, and says why it failed.
+
+A step is a command line (run through `python -m megatron_lev ...` or another program)
+plus the files it must leave behind. A finished step writes `<out>/.steps/<name>.json`
+(atomically) and is skipped on the next run, unless its outputs have gone missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_lev.config import atomic_write_json
+
+
+class StepFailed(RuntimeError):
+    """A step's command exited non-zero or did not produce its outputs."""
+
+
+@dataclass
+class Step:
+    name: str
+    describe: str
+    command: Callable[[], list[str]]  # built lazily: may depend on earlier steps' outputs
+    outputs: Callable[[], list[Path]] = field(default=lambda: [])
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class StepRunner:
+    def __init__(self, out_dir: Path, force: bool = False, log=print):
+        self.out_dir = Path(out_dir)
+        self.state_dir = self.out_dir / ".steps"
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.force = force
+        self.log = log
+        self.timings: dict[str, float] = {}
+
+    def _marker(self, step: Step) -> Path:
+        return self.state_dir / f"{step.name}.json"
+
+    def is_done(self, step: Step) -> bool:
+        marker = self._marker(step)
+        if self.force or not marker.exists():
+            return False
+        return all(Path(p).exists() for p in step.outputs())
+
+    def run(self, steps: list[Step]) -> None:
+        total = len(steps)
+        for i, step in enumerate(steps, 1):
+            header = f"[{i}/{total}] {step.name}: {step.describe}"
+            if self.is_done(step):
+                recorded = json.loads(self._marker(step).read_text())
+                self.timings[step.name] = recorded.get("seconds", 0.0)
+                self.log(f"{header} — already done, skipping")
+                continue
+            cmd = step.command()
+            self.log(f"{header}\n    $ {shlex.join(cmd)}")
+            env = dict(os.environ)
+            env.update(step.env)
+            log_path = self.out_dir / "logs" / f"{step.name}.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            start = time.time()
+            with open(log_path, "w") as log_file:
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                        text=True, bufsize=1)
+                assert proc.stdout is not None
+                tail: list[str] = []
+                for line in proc.stdout:
+                    log_file.write(line)
+                    tail = (tail + [line])[-30:]
+                    if os.environ.get("MEGATRON_LEV_DEMO_QUIET") != "1":
+                        sys.stdout.write("    " + line)
+                        sys.stdout.flush()
+                rc = proc.wait()
+            seconds = time.time() - start
+            if rc != 0:
+                raise StepFailed(f"step '{step.name}' failed (exit status {rc}) after {seconds:.0f}s; "
+                                 f"command: {shlex.join(cmd)}\nlast lines of {log_path}:\n" + "".join(tail))
+            missing = [str(p) for p in step.outputs() if not Path(p).exists()]
+            if missing:
+                raise StepFailed(f"step '{step.name}' finished but did not produce {', '.join(missing)} "
+                                 f"(log: {log_path})")
+            self.timings[step.name] = seconds
+            atomic_write_json(self._marker(step), {"seconds": seconds, "command": cmd})
+            self.log(f"    done in {seconds:.1f}s")
