@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lev.parallel import state
-from megatron_lev.parallel.mappings import reduce_from_tensor_parallel_region
+from megatron_lev.parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
 
 
 def init_sharded_(param: torch.Tensor, full_shape: tuple[int, ...], dim: int,
@@ -65,3 +70,93 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local, self.weight)  # (..., D)
         out = out.masked_fill(mask.unsqueeze(-1), 0.0)
         return reduce_from_tensor_parallel_region(out)
+
+
+def init_fused_sharded_(param: torch.Tensor, part_sizes: tuple[int, ...], in_features: int,
+                        init_fn: Callable[[torch.Tensor], object]) -> None:
+    """Init a column-parallel weight fused from parts (e.g. Q, K, V): rank r keeps its slice of each part.
+
+    The full `(sum(part_sizes), in_features)` tensor is drawn once, split into its parts,
+    each part is chunked over TP ranks, and the rank's chunks are concatenated in order.
+    """
+    full = torch.empty(sum(part_sizes), in_features, dtype=torch.float32)
+    init_fn(full)
+    world, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    shard = torch.cat([p.chunk(world, dim=0)[rank] for p in full.split(list(part_sizes), dim=0)], dim=0)
+    with torch.no_grad():
+        param.copy_(shard.to(param.dtype))
+
+
+def _mark(param: nn.Parameter, partition_dim: int) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+
+
+class ColumnParallelLinear(nn.Module):
+    """`y = x A^T` with `A (out, in)` split by output rows: each rank computes `out/tp` features.
+
+    Input `(.., in)` is replicated (copy region: its gradient is all-reduced); output
+    `(.., out/tp)` stays sharded unless `gather_output`. `part_sizes` fuses several
+    matrices (QKV, gate/up): each part is split across ranks separately, and a rank's
+    shard is the concatenation of its slice of every part (see `init_fused_sharded_`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, gather_output: bool = False,
+                 init_std: float = 0.02, part_sizes: tuple[int, ...] | None = None,
+                 params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        world = state.get_tensor_model_parallel_world_size()
+        self.part_sizes = tuple(part_sizes) if part_sizes else (out_features,)
+        if sum(self.part_sizes) != out_features:
+            raise ValueError(f"part_sizes {self.part_sizes} must sum to out_features={out_features}")
+        for size in self.part_sizes:
+            if size % world:
+                raise ValueError(f"output size {size} is not divisible by tensor-parallel size {world}")
+        self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
+        self.weight = nn.Parameter(torch.empty(out_features // world, in_features, dtype=params_dtype))
+        _mark(self.weight, 0)
+        init_fused_sharded_(self.weight, self.part_sizes, in_features,
+                            lambda t: nn.init.normal_(t, mean=0.0, std=init_std))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features // world, dtype=params_dtype))
+            _mark(self.bias, 0)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (.., in) -> (.., out/tp) or (.., out)
+        y = F.linear(copy_to_tensor_parallel_region(x), self.weight, self.bias)
+        if self.gather_output:
+            if len(self.part_sizes) > 1:
+                raise ValueError("gather_output of a fused column-parallel layer would interleave its parts")
+            y = gather_from_tensor_parallel_region(y)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """`y = x A^T` with `A (out, in)` split by input columns; partial products are all-reduced.
+
+    Input `(.., in/tp)` is already sharded (the output of a column-parallel layer) unless
+    `input_is_parallel=False`, in which case it is scattered first. Output `(.., out)` is full.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, input_is_parallel: bool = True,
+                 init_std: float = 0.02, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        world = state.get_tensor_model_parallel_world_size()
+        if in_features % world:
+            raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {world}")
+        self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, input_is_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // world, dtype=params_dtype))
+        _mark(self.weight, 1)
+        init_sharded_(self.weight, (out_features, in_features), 1,
+                      lambda t: nn.init.normal_(t, mean=0.0, std=init_std))
+        if bias:  # replicated, added once after the reduction
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=params_dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (.., in/tp) -> (.., out)
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x)
+        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

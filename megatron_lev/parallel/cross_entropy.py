@@ -1,0 +1,62 @@
+"""Cross-entropy over vocabulary-parallel logits, without gathering the full vocabulary.
+
+Each TP rank holds logits for its `V/tp` vocabulary rows. The max, the sum of
+exponentials and the target's logit are each all-reduced over the TP group (three
+`(B, S)`-sized collectives), so no rank ever holds `(B, S, V)` logits. The softmax
+shard is kept for a closed-form backward: `grad = softmax - onehot(target)`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_lev.parallel import state
+
+
+def _all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(x, op=op, group=state.get_tensor_model_parallel_group())
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # logits: (.., V/tp) this rank's shard; target: (..) global token ids
+        rank = state.get_tensor_model_parallel_rank()
+        ctx.input_dtype = logits.dtype
+        per = logits.shape[-1]
+        start = rank * per
+        logits = logits.float()  # the input is never modified in place below
+        logits_max = _all_reduce(logits.max(dim=-1).values, op=dist.ReduceOp.MAX)  # (..)
+        shifted = logits - logits_max.unsqueeze(-1)  # (.., V/tp)
+
+        outside = (target < start) | (target >= start + per)  # (..) target row lives on another rank
+        local_target = (target - start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = _all_reduce(target_logit.masked_fill(outside, 0.0))  # (..)
+
+        exp = shifted.exp_()  # reuse the buffer: (.., V/tp)
+        sum_exp = _all_reduce(exp.sum(dim=-1))  # (..)
+        loss = sum_exp.log() - target_logit  # (..) fp32
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, outside, local_target)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, outside, local_target = ctx.saved_tensors
+        grad = softmax.clone()  # (.., V/tp)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), (~outside).to(grad.dtype).unsqueeze(-1).neg())
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.input_dtype), None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-token loss `(..)` in fp32 from this rank's logits `(.., V/tp)` and global target ids `(..)`."""
+    if logits_shard.shape[:-1] != target.shape:
+        raise ValueError(f"logits {tuple(logits_shard.shape)} and target {tuple(target.shape)} disagree: "
+                         "expected logits (.., V/tp) and target (..)")
+    return _VocabParallelCrossEntropy.apply(logits_shard, target)
