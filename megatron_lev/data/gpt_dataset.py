@@ -1,0 +1,194 @@
+"""GPT training samples of S + 1 tokens over MMIDIDX shards, with train/valid/test splits and blends.
+
+`build_train_valid_test_datasets(data_cfg, seq_length, (n_train, n_valid, n_test))`
+returns three torch Datasets (None for an empty split) whose item i is
+`{"tokens": int64 array of S + 1}`. Their index arrays (see `indices.py`) are cached
+as `.npy` files keyed by a hash of what defines them; one rank builds, the others wait.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_lev.data import indices as ix
+from megatron_lev.data.indexed import IndexedDataset
+
+INDEX_VERSION = 1  # bump when the index scheme changes, so old caches are not reused
+
+
+def _save_npy(path: Path, arr: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, arr)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _dist():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed
+    return None
+
+
+def cached_arrays(cache_dir: Path, name: str, description: dict, build) -> dict[str, np.ndarray]:
+    """Map the arrays `build()` returns from `<cache_dir>/<name>_<hash>_*.npy`, building them if missing.
+
+    Global rank 0 builds while the others wait at a barrier; a node that cannot see
+    rank 0's files (no shared file system) builds them once on its local rank 0.
+    The description JSON is written last and marks a complete cache.
+    """
+    text = json.dumps({"version": INDEX_VERSION, **description}, sort_keys=True)
+    key = hashlib.md5(text.encode()).hexdigest()[:16]
+    cache_dir = Path(cache_dir)
+    marker = cache_dir / f"{name}_{key}_description.json"
+
+    def build_and_save() -> None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        arrays = build()
+        for k, arr in arrays.items():
+            _save_npy(cache_dir / f"{name}_{key}_{k}.npy", arr)
+        tmp = marker.with_name(f".{marker.name}.tmp.{os.getpid()}")
+        tmp.write_text(json.dumps({"arrays": sorted(arrays), **json.loads(text)}, indent=2) + "\n")
+        os.replace(tmp, marker)
+
+    dist = _dist()
+    if dist is None:
+        if not marker.exists():
+            build_and_save()
+    else:
+        if dist.get_rank() == 0 and not marker.exists():
+            build_and_save()
+        dist.barrier()
+        if not marker.exists() and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            build_and_save()
+        dist.barrier()
+        if not marker.exists():
+            build_and_save()
+    names = json.loads(marker.read_text())["arrays"]
+    return {k: np.load(cache_dir / f"{name}_{key}_{k}.npy", mmap_mode="r") for k in names}
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """`num_samples` samples of S + 1 tokens from documents `[doc_start, doc_end)` of one shard."""
+
+    def __init__(self, name: str, indexed: IndexedDataset, doc_range: tuple[int, int], num_samples: int,
+                 seq_length: int, seed: int, cache_dir: str | os.PathLike | None = None):
+        self.name, self.indexed, self.seq_length = name, indexed, seq_length
+        self.num_samples = num_samples
+        start, end = doc_range
+        first_seq, last_seq = int(indexed.doc_idx[start]), int(indexed.doc_idx[end])
+        documents = np.arange(first_seq, last_seq, dtype=np.int32)
+        tokens = int(indexed.sizes[first_seq:last_seq].sum(dtype=np.int64))
+        if tokens == 0:
+            raise ValueError(f"{indexed.prefix}: split {name!r} (documents {start}-{end}) has no tokens")
+        self.epochs = ix.num_epochs(tokens, seq_length, num_samples)
+        description = {"class": "GPTDataset", "prefix": Path(indexed.prefix).name, "sequences": len(indexed),
+                       "tokens": indexed.num_tokens, "documents": [start, end], "num_samples": num_samples,
+                       "seq_length": seq_length, "seed": seed}
+
+        def build() -> dict[str, np.ndarray]:
+            rng = np.random.RandomState(seed)
+            doc_idx = ix.build_doc_idx(documents, self.epochs, rng)
+            sample_idx = ix.build_sample_idx(indexed.sizes, doc_idx, seq_length, num_samples)
+            shuffle_idx = ix.build_shuffle_idx(num_samples, np.random.RandomState(seed + 1))
+            return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
+
+        cache = Path(cache_dir) if cache_dir else Path(indexed.prefix).parent / "index-cache"
+        arrays = cached_arrays(cache, f"{Path(indexed.prefix).name}_{name}", description, build)
+        self.doc_idx, self.sample_idx, self.shuffle_idx = arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def sample(self, j: int) -> np.ndarray:
+        """Sample j in stream order (before the shuffle): (S + 1,) int64."""
+        (d0, o0), (d1, o1) = self.sample_idx[j], self.sample_idx[j + 1]
+        if d0 == d1:
+            return self.indexed.get(int(self.doc_idx[d0]), int(o0), int(o1 - o0 + 1)).astype(np.int64)
+        pieces = [self.indexed.get(int(self.doc_idx[d0]), int(o0))]
+        pieces += [self.indexed[int(self.doc_idx[d])] for d in range(d0 + 1, d1)]
+        pieces.append(self.indexed.get(int(self.doc_idx[d1]), 0, int(o1) + 1))
+        return np.concatenate(pieces).astype(np.int64)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return {"tokens": self.sample(int(self.shuffle_idx[i]))}
+
+
+class BlendedDataset(torch.utils.data.Dataset):
+    """Several datasets mixed by weight with Megatron's greedy rule (see `indices.build_blending_indices`)."""
+
+    def __init__(self, datasets: list, dataset_index: np.ndarray, dataset_sample_index: np.ndarray):
+        self.datasets, self.dataset_index, self.dataset_sample_index = datasets, dataset_index, dataset_sample_index
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
+
+
+def parse_blend(paths: list[str]) -> list[tuple[float, str]]:
+    """`[prefix]` or `[w1, p1, w2, p2, ...]` -> [(weight, prefix)]."""
+    if len(paths) == 1:
+        return [(1.0, paths[0])]
+    if len(paths) % 2:
+        raise ValueError(f"data path {paths}: a blend alternates weight and prefix")
+    try:
+        return [(float(paths[i]), paths[i + 1]) for i in range(0, len(paths), 2)]
+    except ValueError:
+        raise ValueError(f"data path {paths}: weights must be numbers (e.g. ['0.7', 'a', '0.3', 'b'])") from None
+
+
+def _blend(name: str, sources: list[tuple[float, IndexedDataset, tuple[int, int]]], num_samples: int,
+           seq_length: int, seed: int, cache_dir):
+    """One dataset (single source) or a BlendedDataset whose children hold exactly what is drawn."""
+    if num_samples <= 0 or all(r[1] <= r[0] for _, _, r in sources):
+        return None
+    if len(sources) == 1:
+        _, ds, rng = sources[0]
+        return GPTDataset(name, ds, rng, num_samples, seq_length, seed, cache_dir)
+    weights = [w for w, _, _ in sources]
+    description = {"class": "BlendedDataset", "weights": weights, "num_samples": num_samples,
+                   "prefixes": [Path(ds.prefix).name for _, ds, _ in sources]}
+    cache = Path(cache_dir) if cache_dir else Path(sources[0][1].prefix).parent / "index-cache"
+    arrays = cached_arrays(cache, f"blend_{name}", description,
+                           lambda: dict(zip(("dataset_index", "dataset_sample_index"),
+                                            ix.build_blending_indices(weights, num_samples))))
+    counts = np.bincount(arrays["dataset_index"], minlength=len(sources))
+    children = []
+    for (_, ds, rng), count in zip(sources, counts):
+        if count and rng[1] <= rng[0]:
+            raise ValueError(f"{ds.prefix}: split {name!r} has no documents but the blend draws {count} samples")
+        children.append(GPTDataset(name, ds, rng, int(count), seq_length, seed, cache_dir) if count else None)
+    return BlendedDataset(children, arrays["dataset_index"], arrays["dataset_sample_index"])
+
+
+def build_train_valid_test_datasets(data_cfg, seq_length: int, num_samples: tuple[int, int, int],
+                                    cache_dir: str | os.PathLike | None = None):
+    """(train, valid, test) from `data.data_path` split by `data.split`, or valid from `data.valid_data_path`."""
+    if not data_cfg.data_path:
+        raise ValueError("data.data_path is empty: give a shard prefix or a weight/prefix blend")
+    cache_dir = cache_dir or data_cfg.cache_dir
+    train_blend = [(w, IndexedDataset(p)) for w, p in parse_blend(list(data_cfg.data_path))]
+    n_train, n_valid, n_test = num_samples
+    seed = data_cfg.seed
+    if data_cfg.valid_data_path:
+        valid_blend = [(w, IndexedDataset(p)) for w, p in parse_blend(list(data_cfg.valid_data_path))]
+        train = _blend("train", [(w, ds, (0, ds.num_documents)) for w, ds in train_blend],
+                       n_train, seq_length, seed, cache_dir)
+        valid = _blend("valid", [(w, ds, (0, ds.num_documents)) for w, ds in valid_blend],
+                       n_valid, seq_length, seed, cache_dir)
+        return train, valid, None
+    ranges = [ix.split_documents(ds.num_documents, data_cfg.split) for _, ds in train_blend]
+    out = []
+    for k, (name, n) in enumerate(zip(("train", "valid", "test"), (n_train, n_valid, n_test))):
+        sources = [(w, ds, r[k]) for (w, ds), r in zip(train_blend, ranges)]
+        out.append(_blend(name, sources, n, seq_length, seed, cache_dir))
+    return tuple(out)
