@@ -15,6 +15,9 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("megatron_lev.commands.config_cmd", "print the resolved, validated run config"),
+    "capacity": ("megatron_lev.commands.capacity", "representational capacity of embedding matrices; packing sweep and refit"),
+    "evaluate": ("megatron_lev.commands.evaluate", "perplexity overall, by token frequency and in bits per byte"),
+    "compare": ("megatron_lev.commands.compare", "compare runs against TIED: perplexity changes and tokens-to-target"),
     "lm-eval-tasks": ("megatron_lev.commands.lm_eval_tasks", "write offline lm-eval task YAMLs for local downstream data"),
 }
 

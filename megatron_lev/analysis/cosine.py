@@ -1,0 +1,127 @@
+"""Exact distribution statistics of pairwise cosine similarities of an embedding matrix.
+
+All `V(V-1)/2` pairs `i < j` are visited in blocks: `X_i @ X_j^T` of row-normalised float32
+blocks, reduced at once into float64 running sums of `c` and `c^2` and a streaming
+histogram, so memory is O(block^2), never V x V.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+
+@dataclass
+class CosineStats:
+    """Mean, std and accepted deviation `eps = mu + 2 sigma` over the pairs, with a histogram."""
+
+    rows: int               # rows kept (non-zero norm)
+    dropped_zero_rows: int
+    dim: int
+    pairs: int              # pairs the mean/std are over
+    mean: float
+    std: float
+    eps: float
+    hist_edges: np.ndarray  # (bins + 1,) over [-1, 1]
+    hist_counts: np.ndarray  # (bins,) int64
+    hist_pairs: int         # pairs in the histogram (all of them unless hist_stride > 1)
+    sampled_rows: int | None  # None: exact over all rows
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return {"rows": self.rows, "dropped_zero_rows": self.dropped_zero_rows, "dim": self.dim,
+                "pairs": self.pairs, "mean": self.mean, "std": self.std, "eps": self.eps,
+                "exact": self.sampled_rows is None, "sampled_rows": self.sampled_rows,
+                "hist_pairs": self.hist_pairs, "seconds": self.seconds}
+
+
+def normalized_rows(matrix: torch.Tensor | np.ndarray) -> tuple[torch.Tensor, int]:
+    """(V, d) -> (V', d) float32 unit rows with zero-norm rows dropped, and how many were dropped."""
+    x = torch.as_tensor(np.asarray(matrix) if not isinstance(matrix, torch.Tensor) else matrix)
+    if x.ndim != 2:
+        raise ValueError(f"embedding matrix must be 2-D (V, d), got shape {tuple(x.shape)}")
+    x = x.detach().to("cpu", torch.float64)
+    norms = x.norm(dim=1)                                      # (V,)
+    keep = norms > 0
+    x = (x[keep] / norms[keep, None]).to(torch.float32)        # (V', d)
+    return x.contiguous(), int((~keep).sum())
+
+
+def cosine_stats(matrix: torch.Tensor | np.ndarray, block: int = 4096, bins: int = 2000,
+                 sample: int | None = None, seed: int = 0, hist_stride: int = 1,
+                 device: str | torch.device | None = None, progress: bool = False) -> CosineStats:
+    """Exact mu, sigma, eps of cos(row_i, row_j) over all i < j (or over `sample` random rows).
+
+    `hist_stride` > 1 histograms every k-th row of each block only (a cheaper plot);
+    mu, sigma and eps are always over every pair.
+    """
+    if block < 1 or bins < 1 or hist_stride < 1:
+        raise ValueError("block, bins and hist_stride must be >= 1")
+    start = time.perf_counter()
+    x, dropped = normalized_rows(matrix)
+    if sample is not None and sample < x.shape[0]:
+        if sample < 2:
+            raise ValueError(f"--sample must be >= 2 rows, got {sample}")
+        gen = torch.Generator().manual_seed(seed)
+        x = x[torch.randperm(x.shape[0], generator=gen)[:sample]].contiguous()
+    else:
+        sample = None
+    n, d = x.shape
+    if n < 2:
+        raise ValueError(f"need at least 2 non-zero rows, got {n}")
+    dev = torch.device(device) if device is not None else x.device
+    x = x.to(dev)
+    s1 = s2 = 0.0                                  # float64 running sums of c and c^2
+    counts = torch.zeros(bins, dtype=torch.float64, device=dev)
+    hist_pairs = 0
+    triu = torch.ones(block, block, dtype=torch.bool, device=dev).triu(1)
+    starts = range(0, n, block)
+    total = len(starts) * (len(starts) + 1) // 2
+    bar = tqdm(total=total, desc="cosine blocks", unit="blk", disable=not progress)
+    for i in starts:
+        xi = x[i:i + block]                                    # (b, d)
+        for j in starts[i // block:]:
+            g = xi @ x[j:j + block].T                          # (b, b') cosines
+            if j == i:
+                g = g[triu[:g.shape[0], :g.shape[1]]]          # strict upper triangle, 1-D
+            hist_src = g if hist_stride == 1 else g[::hist_stride]
+            s1 += float(g.sum())                               # per-block float32, summed in float64
+            flat = g.reshape(-1)
+            s2 += float(torch.dot(flat, flat))
+            hist_src = hist_src.clamp(-1.0, 1.0)                # rounding can exceed 1 by an ulp
+            counts += torch.histc(hist_src, bins=bins, min=-1.0, max=1.0).to(torch.float64)
+            hist_pairs += hist_src.numel()
+            bar.update(1)
+    bar.close()
+    pairs = n * (n - 1) // 2
+    mean = s1 / pairs
+    std = math.sqrt(max(s2 / pairs - mean * mean, 0.0))
+    return CosineStats(rows=n, dropped_zero_rows=dropped, dim=d,
+                       pairs=pairs, mean=mean, std=std, eps=mean + 2 * std,
+                       hist_edges=np.linspace(-1.0, 1.0, bins + 1),
+                       hist_counts=counts.cpu().numpy().round().astype(np.int64), hist_pairs=hist_pairs,
+                       sampled_rows=sample, seconds=time.perf_counter() - start)
+
+
+def gram_moments(matrix: torch.Tensor | np.ndarray) -> tuple[float, float]:
+    """Exact mu, sigma over all pairs in O(V d^2) float64, without visiting pairs (a cross-check).
+
+    sum_{i<j} c_ij = (|sum_i x_i|^2 - sum_i |x_i|^2) / 2 and
+    sum_{i<j} c_ij^2 = (|X^T X|_F^2 - sum_i |x_i|^4) / 2 for unit rows x_i.
+    """
+    x, _ = normalized_rows(matrix)
+    x = x.to(torch.float64)
+    n = x.shape[0]
+    sq = (x * x).sum(dim=1)                                    # (V',) ~ 1
+    total = x.sum(dim=0)                                       # (d,)
+    s1 = (float(total @ total) - float(sq.sum())) / 2
+    gram = x.T @ x                                             # (d, d)
+    s2 = (float((gram * gram).sum()) - float((sq * sq).sum())) / 2
+    pairs = n * (n - 1) // 2
+    mean = s1 / pairs
+    return mean, math.sqrt(max(s2 / pairs - mean * mean, 0.0))

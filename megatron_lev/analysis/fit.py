@@ -1,0 +1,79 @@
+"""Refit the capacity constants to packing results `(k, d, eps*)` by non-linear least squares.
+
+The adjusted and fitted forms take a log of `k/d` (resp. `k^a/d`), defined only for k > d;
+for k <= d an exactly orthogonal packing exists (eps* = 0). So those forms are fitted on the
+rows with k > d, and every form is scored (R^2) on all rows with its prediction clamped to 0
+where its log argument is not positive; MAPE is over the rows with k > d (relative error
+against eps* ~ 0 means nothing).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import least_squares
+
+
+def _jl(p, k, d):
+    return np.sqrt(p[0] * np.log(k) / d)
+
+
+def _adjusted(p, k, d):
+    return np.sqrt(p[0] * np.clip(np.log(k / d), 0.0, None) / d)
+
+
+def _fitted(p, k, d):
+    return np.sqrt(p[0] * np.clip(p[1] * np.log(k) - np.log(d), 0.0, None) ** p[2] / d ** p[3])
+
+
+# form key -> (predict eps, parameter names, start point, rows it is fitted on)
+FORMS = {
+    "jl": (_jl, ("C",), (1.0,), lambda k, d: np.ones_like(k, dtype=bool)),
+    "adjusted": (_adjusted, ("C",), (1.0,), lambda k, d: k > d),
+    "fitted": (_fitted, ("C", "a", "b", "c"), (0.5, 1.05, 1.4, 0.97), lambda k, d: k > d),
+}
+
+
+def load_packing(path: str | Path) -> np.ndarray:
+    """Rows `[k, d, eps*]` from a JSON list (the paper's sweep files and our sweep output)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read packing results ({exc})") from exc
+    if isinstance(data, dict):
+        data = data.get("rows", [])
+    arr = np.asarray(data, dtype=np.float64)
+    if arr.ndim != 2 or arr.shape[1] != 3 or len(arr) == 0:
+        raise ValueError(f"{path}: expected a non-empty list of [k, d, eps*] rows, got shape {arr.shape}")
+    return arr
+
+
+def refit(rows: np.ndarray) -> dict[str, dict]:
+    """Fit every form; returns {form: {"params": {...}, "r2", "mape_percent", "n_fit", "n"}}."""
+    k, d, eps = (np.asarray(c, dtype=np.float64) for c in np.asarray(rows).T)
+    out = {}
+    for key, (predict, names, start, domain) in FORMS.items():
+        mask = domain(k, d)
+        if mask.sum() < len(names):
+            raise ValueError(f"too few rows with k > d to fit the {key} form ({int(mask.sum())})")
+        km, dm, em = k[mask], d[mask], eps[mask]
+        sol = least_squares(lambda p, km=km, dm=dm, em=em, f=predict: f(p, km, dm) - em,
+                            np.asarray(start), method="lm", xtol=1e-14, ftol=1e-14)
+        pred = predict(sol.x, k, d)
+        r2 = 1.0 - float(((pred - eps) ** 2).sum() / ((eps - eps.mean()) ** 2).sum())
+        rel = k > d
+        mape = float(np.mean(np.abs(pred[rel] - eps[rel]) / eps[rel]) * 100)
+        out[key] = {"params": dict(zip(names, map(float, sol.x))), "r2": r2,
+                    "mape_percent": mape, "n_fit": int(mask.sum()), "n": len(k)}
+    return out
+
+
+def fit_markdown(fits: dict[str, dict]) -> str:
+    lines = ["| form | constants | R^2 | MAPE % | rows fitted |", "|---|---|---|---|---|"]
+    for key, f in fits.items():
+        consts = ", ".join(f"{n} = {v:.5g}" for n, v in f["params"].items())
+        lines.append(f"| {key} | {consts} | {f['r2']:.4f} | {f['mape_percent']:.2f} | {f['n_fit']}/{f['n']} |")
+    return "\n".join(lines) + "\n"
