@@ -1,0 +1,56 @@
+"""Train a SentencePiece BPE tokenizer (byte fallback) on Pile-format input.
+
+Pieces: id 0 `<unk>`, id 1 `<|endoftext|>` (the EOD appended after every document;
+it is the model's `eos_id`), no BOS/PAD. Text is kept as is (identity normalisation,
+no dummy prefix, whitespace preserved), so `decode(encode(text)) == text`, and any
+byte outside the learned pieces falls back to `<0xNN>` pieces instead of `<unk>`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from megatron_lev.data.readers import Problem, check_text, find_inputs, iter_chunks, parse_line
+
+EOD_PIECE = "<|endoftext|>"
+
+
+def iter_training_lines(inputs: list[str], max_mb: float, json_key: str = "text") -> Iterator[str]:
+    """Non-empty lines of the documents, in input order, up to `max_mb` of text."""
+    budget, used = int(max_mb * 1e6), 0
+    problems: list[Problem] = []
+    for chunk in iter_chunks(find_inputs(inputs), problems, text_key=json_key):
+        for item in chunk.lines:
+            text = item[0] if chunk.records else parse_line(item, json_key)[0]
+            if text is None or check_text(text):
+                continue
+            for line in text.split("\n"):
+                if line.strip():
+                    yield line
+                    used += len(line)
+                    if used >= budget:
+                        return
+
+
+def train_sentencepiece(inputs: list[str], model_prefix: str, vocab_size: int = 8000, max_mb: float = 50.0,
+                        json_key: str = "text", num_threads: int | None = None) -> dict:
+    """Train and write `<model_prefix>.model/.vocab` (atomically); returns a summary."""
+    import sentencepiece as spm
+
+    out = Path(model_prefix)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_prefix = out.parent / f".{out.name}.tmp.{os.getpid()}"
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter_training_lines(inputs, max_mb, json_key), model_prefix=str(tmp_prefix),
+        model_type="bpe", vocab_size=vocab_size, byte_fallback=True, character_coverage=0.9995,
+        unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, eos_piece=EOD_PIECE,
+        normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
+        split_digits=True, allow_whitespace_only_pieces=True, max_sentence_length=1 << 16,
+        num_threads=num_threads or os.cpu_count() or 1, minloglevel=2)
+    for ext in (".vocab", ".model"):  # the model last: its presence means a complete pair
+        os.replace(f"{tmp_prefix}{ext}", f"{out}{ext}")
+    sp = spm.SentencePieceProcessor(model_file=f"{out}.model")
+    return {"model": f"{out}.model", "vocab": f"{out}.vocab", "vocab_size": sp.get_piece_size(),
+            "eod": sp.eos_id(), "eod_piece": EOD_PIECE}
