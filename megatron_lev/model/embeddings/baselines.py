@@ -1,0 +1,155 @@
+"""The five baseline input embeddings of the paper's comparison (spec: LEV.md, "Baselines").
+
+tied / untied: a dense vocab-parallel `V x D` table (tied shares it with the head).
+albert: `V x e` table then a linear `e -> D`. flat_mlp: `V x e` table then an MLP
+`e -> hidden -> D`. factorized_mlp: LEV's codebook seed `z(i)` then an MLP
+`d_seed -> hidden -> D`. Widths not set in the config are matched to LEV's count
+(`sizing.baseline_sizes`). The compressed variants run their projection only on
+the unique ids of the batch. Small projections/MLPs are replicated across TP ranks;
+the tables are vocab-parallel. No biases, like the transformer blocks.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lev.config import ModelConfig
+from megatron_lev.model.embeddings.base import InputEmbedding, check_token_ids
+from megatron_lev.model.embeddings.lev import Codebooks
+from megatron_lev.model.embeddings.sizing import baseline_sizes
+from megatron_lev.parallel.layers import VocabParallelEmbedding
+
+
+class DenseEmbedding(InputEmbedding):
+    """A dense vocab-parallel `V x D` table; `tied=True` lets the output head reuse it."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, init_std: float = 0.02, tied: bool = False):
+        super().__init__()
+        self.vocab_size, self.hidden_size, self.tied = vocab_size, hidden_size, tied
+        self.table = VocabParallelEmbedding(vocab_size, hidden_size, init_std=init_std)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
+        check_token_ids(input_ids, self.vocab_size)
+        return self.table(input_ids)
+
+    def tied_output_weight(self) -> nn.Parameter | None:
+        return self.table.weight if self.tied else None
+
+
+class TiedEmbedding(DenseEmbedding):
+    """`tied`: the dense table, shared with the output head."""
+
+    @classmethod
+    def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> TiedEmbedding:
+        return cls(vocab_size, model_cfg.hidden_size, model_cfg.init_std, tied=True)
+
+
+class UntiedEmbedding(DenseEmbedding):
+    """`untied`: the dense table; the head has its own."""
+
+    @classmethod
+    def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> UntiedEmbedding:
+        return cls(vocab_size, model_cfg.hidden_size, model_cfg.init_std, tied=False)
+
+
+def _linear(fan_in: int, fan_out: int, init_std: float) -> nn.Linear:
+    layer = nn.Linear(fan_in, fan_out, bias=False)
+    nn.init.normal_(layer.weight, 0.0, init_std)
+    return layer
+
+
+class _CompressedEmbedding(InputEmbedding):
+    """A small per-token code (table row or seed) then a projection, run once per unique id."""
+
+    @abc.abstractmethod
+    def code(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, e)
+        """The per-token code: a table row or the codebook seed."""
+
+    @abc.abstractmethod
+    def project(self, code: torch.Tensor) -> torch.Tensor:  # (N, e) -> (N, D)
+        """The projection to the model width."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
+        check_token_ids(input_ids, self.vocab_size)
+        unique, inverse = torch.unique(input_ids.reshape(-1), return_inverse=True)
+        return self.project(self.code(unique))[inverse].view(*input_ids.shape, self.hidden_size)
+
+
+class AlbertEmbedding(_CompressedEmbedding):
+    """`albert`: a vocab-parallel `V x e` table then a linear `e -> D` (linear compression)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dim: int, init_std: float = 0.02):
+        super().__init__()
+        self.vocab_size, self.hidden_size, self.dim = vocab_size, hidden_size, dim
+        self.table = VocabParallelEmbedding(vocab_size, dim, init_std=init_std)
+        self.proj = _linear(dim, hidden_size, init_std)
+
+    @classmethod
+    def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> AlbertEmbedding:
+        dim, _ = baseline_sizes("albert", vocab_size, model_cfg.hidden_size, model_cfg)
+        return cls(vocab_size, model_cfg.hidden_size, dim, model_cfg.init_std)
+
+    def code(self, ids):
+        return self.table(ids)
+
+    def project(self, code):
+        return self.proj(code)
+
+
+class _MlpHead(nn.Module):
+    """`e -> hidden -> D` with a GELU between, no biases."""
+
+    def __init__(self, dim: int, hidden: int, hidden_size: int, init_std: float):
+        super().__init__()
+        self.up, self.down = _linear(dim, hidden, init_std), _linear(hidden, hidden_size, init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, e) -> (N, D)
+        return self.down(F.gelu(self.up(x)))
+
+
+class FlatMlpEmbedding(_CompressedEmbedding):
+    """`flat_mlp`: a vocab-parallel `V x e` table then an MLP (adds non-linearity)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dim: int, hidden: int, init_std: float = 0.02):
+        super().__init__()
+        self.vocab_size, self.hidden_size, self.dim, self.hidden = vocab_size, hidden_size, dim, hidden
+        self.table = VocabParallelEmbedding(vocab_size, dim, init_std=init_std)
+        self.mlp = _MlpHead(dim, hidden, hidden_size, init_std)
+
+    @classmethod
+    def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> FlatMlpEmbedding:
+        dim, hidden = baseline_sizes("flat_mlp", vocab_size, model_cfg.hidden_size, model_cfg)
+        return cls(vocab_size, model_cfg.hidden_size, dim, hidden, model_cfg.init_std)
+
+    def code(self, ids):
+        return self.table(ids)
+
+    def project(self, code):
+        return self.mlp(code)
+
+
+class FactorizedMlpEmbedding(_CompressedEmbedding):
+    """`factorized_mlp`: LEV's compositional codebook seed `z(i)` then an MLP `d_seed -> hidden -> D`."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, k: int, d_seed: int, hidden: int,
+                 init_std: float = 0.02):
+        super().__init__()
+        self.vocab_size, self.hidden_size, self.hidden = vocab_size, hidden_size, hidden
+        self.codebooks = Codebooks(vocab_size, k, d_seed, init_std)  # replicated
+        self.mlp = _MlpHead(d_seed, hidden, hidden_size, init_std)
+
+    @classmethod
+    def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> FactorizedMlpEmbedding:
+        _, hidden = baseline_sizes("factorized_mlp", vocab_size, model_cfg.hidden_size, model_cfg)
+        lev = model_cfg.lev
+        return cls(vocab_size, model_cfg.hidden_size, lev.k, lev.d_seed, hidden, model_cfg.init_std)
+
+    def code(self, ids):
+        return self.codebooks(ids)
+
+    def project(self, code):
+        return self.mlp(code)
