@@ -60,8 +60,9 @@ def refit(rows: np.ndarray) -> dict[str, dict]:
         if mask.sum() < len(names):
             raise ValueError(f"too few rows with k > d to fit the {key} form ({int(mask.sum())})")
         km, dm, em = k[mask], d[mask], eps[mask]
-        sol = least_squares(lambda p, km=km, dm=dm, em=em, f=predict: f(p, km, dm) - em,
-                            np.asarray(start), method="lm", xtol=1e-14, ftol=1e-14)
+        with np.errstate(invalid="ignore"):    # trial points may leave the domain; lm backs off
+            sol = least_squares(lambda p, km=km, dm=dm, em=em, f=predict: f(p, km, dm) - em,
+                                np.asarray(start), method="lm", xtol=1e-14, ftol=1e-14)
         pred = predict(sol.x, k, d)
         r2 = 1.0 - float(((pred - eps) ** 2).sum() / ((eps - eps.mean()) ** 2).sum())
         rel = k > d
