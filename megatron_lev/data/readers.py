@@ -9,9 +9,9 @@ invalid UTF-8, empty documents and truncated compressed files become `Problem`s.
 from __future__ import annotations
 
 import glob
-import gzip
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,12 +103,27 @@ def _zst_blocks(f, path: str, problems: list[Problem], block: int = 1 << 20) -> 
 
 
 def _gz_blocks(f, path: str, problems: list[Problem], block: int = 1 << 20) -> Iterator[bytes]:
-    with gzip.GzipFile(fileobj=f) as g:
-        try:
-            while data := g.read(block):
-                yield data
-        except (EOFError, gzip.BadGzipFile, OSError) as exc:
-            problems.append(Problem(path, -1, "truncated_file", f"gzip stream is truncated or corrupt: {exc}"))
+    """Decompress (multi-member) gzip incrementally, so a truncated file still yields what precedes the cut."""
+    dobj = zlib.decompressobj(wbits=31)
+    fed = False
+    while data := f.read(block):
+        while data:
+            try:
+                out = dobj.decompress(data)
+            except zlib.error as exc:
+                problems.append(Problem(path, -1, "truncated_file", f"corrupt gzip data: {exc}"))
+                return
+            fed = True
+            if out:
+                yield out
+            if dobj.eof:
+                data = dobj.unused_data
+                dobj = zlib.decompressobj(wbits=31)
+                fed = False
+            else:
+                data = b""
+    if fed:
+        problems.append(Problem(path, -1, "truncated_file", "gzip stream ends in the middle of a member"))
 
 
 def _plain_blocks(f, path: str, problems: list[Problem], block: int = 1 << 20) -> Iterator[bytes]:
