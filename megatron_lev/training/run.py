@@ -1,0 +1,155 @@
+"""`pretrain(cfg)`: validate, join the process group, build tokenizer/model/engine/data, train.
+
+Order matters for users: everything that can be checked from the config and the
+tokenizer is checked before the model or the data indices are built.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_lev.config import ConfigError, RunConfig
+from megatron_lev.logging import get_logger, setup_logging
+from megatron_lev.parallel import state
+from megatron_lev.training.batches import make_loader, pipeline_batches, token_batches
+from megatron_lev.training.ds_config import batch_layout, build_ds_config, validate_training
+from megatron_lev.training.engine import build_engine, disable_cpu_shm_comm
+from megatron_lev.training.health import injected_nan_steps
+from megatron_lev.training.launch import device as current_device
+from megatron_lev.training.launch import init_distributed
+from megatron_lev.training.metrics import MetricsWriter
+from megatron_lev.training.schedule import training_budget
+from megatron_lev.training.trainer import Trainer, TrainResult
+
+log = get_logger(__name__)
+
+
+def check_vocab(cfg: RunConfig, tokenizer_vocab: int) -> int:
+    """The vocabulary the model must cover: the tokenizer's, or model.vocab_size if set (and large enough)."""
+    want = cfg.model.vocab_size
+    if want is not None and want < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={want} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}, "
+            f"{cfg.data.tokenizer_path}): token ids up to {tokenizer_vocab - 1} would be out of range; "
+            "unset model.vocab_size (it is taken from the tokenizer) or use the matching tokenizer")
+    return want if want is not None else tokenizer_vocab
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Parameters of the whole model: tensor-parallel shards summed over TP, stages over PP."""
+    sharded = sum(p.numel() for p in model.parameters() if getattr(p, "tensor_model_parallel", False))
+    replicated = sum(p.numel() for p in model.parameters() if not getattr(p, "tensor_model_parallel", False))
+    counts = torch.tensor([float(sharded), float(replicated)], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        counts = counts.cuda()
+    if state.get_tensor_model_parallel_world_size() > 1:
+        sharded_only = counts.clone()
+        dist.all_reduce(sharded_only, group=state.get_tensor_model_parallel_group())
+        counts[0] = sharded_only[0]
+    if state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(counts, group=state.get_pipeline_model_parallel_group())
+    return int(counts.sum().item())
+
+
+class FirstOutputRMS:
+    """Records the RMS of a module's output at its first forward (the input-embedding scale, LEV.md)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.value: float | None = None
+        self._handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, module, inputs, output) -> None:
+        if self.value is None and isinstance(output, torch.Tensor):
+            self.value = float(output.detach().float().pow(2).mean().sqrt())
+            self._handle.remove()
+
+
+def find_input_embedding(model: nn.Module) -> nn.Module | None:
+    from megatron_lev.model.embeddings.base import InputEmbedding
+
+    return next((m for m in model.modules() if isinstance(m, InputEmbedding)), None)
+
+
+def pretrain(cfg: RunConfig) -> TrainResult:
+    """Run (or resume) the pretraining described by `cfg` on the launcher's processes."""
+    from megatron_lev.model.flops import flops_per_token
+
+    from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
+    from megatron_lev.data.tokenizers import build_tokenizer
+    from megatron_lev.model.build import build_model, padded_vocab_size
+    from megatron_lev.parallel.random import model_parallel_manual_seed
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[2] / ".torch_extensions"))
+    disable_cpu_shm_comm()
+    env = init_distributed(cfg.parallel.distributed_backend)
+    out = Path(cfg.logging.output_dir)
+    setup_logging(log_dir=out / "logs" if cfg.logging.log_all_ranks else None)
+    world, rank, dev = env.world_size, env.rank, current_device()
+    validate_training(cfg, world, cuda=torch.cuda.is_available())
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    state.initialize_model_parallel(tp, pp)
+    dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
+    log.info("world %d = TP %d x PP %d x DP %d (%s launch, %s)", world, tp, pp, dp, env.source, dev)
+
+    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_path)
+    vocab = padded_vocab_size(check_vocab(cfg, tokenizer.vocab_size), cfg.model, tp)
+    if rank == 0:
+        log.info("resolved config saved to %s", cfg.save(out))
+
+    model_parallel_manual_seed(cfg.train.seed)
+    topology = None
+    if pp > 1:
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    model = build_model(cfg, vocab, topology=topology)
+    pipeline = pp > 1
+    n_params = count_parameters(model)
+    micro, gas, global_batch = batch_layout(cfg, world)
+    budget = training_budget(cfg.train, global_batch, cfg.model.seq_length, n_params)
+    log.info("%s: %s parameters, vocabulary %d (padded), %d iterations x %d sequences x %d tokens (%s tokens; %s)",
+             cfg.model.name, f"{n_params:,}", vocab, budget.train_iters, global_batch, cfg.model.seq_length,
+             f"{budget.train_tokens:,}", budget.source)
+    embedding = find_input_embedding(model)
+    probe = FirstOutputRMS(embedding) if embedding is not None else None
+
+    ds_config = build_ds_config(cfg, world)
+    engine, optimizer = build_engine(cfg, model, ds_config, pipeline)
+
+    n_valid = cfg.train.eval_iters * global_batch if cfg.train.eval_interval else 0
+    train_ds, valid_ds, _ = build_train_valid_test_datasets(
+        cfg.data, cfg.model.seq_length, (budget.train_iters * global_batch, n_valid, 0), cfg.data.cache_dir)
+    if train_ds is None:
+        raise ConfigError(f"data.split={cfg.data.split!r} leaves no training documents")
+
+    def train_batches(consumed: int):
+        loader = make_loader(train_ds, consumed, micro, dp_rank, dp, cfg.data.num_workers)
+        batches = token_batches(loader, dev)
+        return pipeline_batches(batches) if pipeline else batches
+
+    def valid_batches():
+        batches = token_batches(make_loader(valid_ds, 0, micro, dp_rank, dp, 0), dev)
+        return pipeline_batches(batches) if pipeline else batches
+
+    save_dir = cfg.train.save or str(out / "checkpoints")
+    writer = MetricsWriter(out, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
+    trainer = Trainer(cfg, engine, optimizer, budget, pipeline=pipeline, world_size=world, device=dev,
+                      train_batches=train_batches, valid_batches=valid_batches if valid_ds is not None else None,
+                      flops_per_token=flops_per_token(cfg.model, vocab), writer=writer, gas=gas,
+                      global_batch=global_batch, save_dir=save_dir, load_dir=cfg.train.load or save_dir,
+                      nan_steps=injected_nan_steps(), embedding_probe=probe)
+    try:
+        trainer.resume()
+        writer.record("event", trainer.state.iteration, {"event": "start", "parameters": n_params,
+                                                          "train_iters": budget.train_iters, "world_size": world})
+        result = trainer.train()
+        writer.record("event", result.iteration, {"event": "end", "reason": result.reason,
+                                                  "exit_code": result.exit_code, "skipped_steps": result.skipped_steps})
+        return result
+    finally:
+        writer.close()

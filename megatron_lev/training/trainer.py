@@ -1,0 +1,284 @@
+"""The training loop: steps, validation, logging, checkpoints, preemption and the skip guard.
+
+`Trainer` receives everything already built (engine, optimizer, data, budget) by
+`training.run.pretrain`, so the loop itself is short and reads top to bottom.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_lev.config import RunConfig
+from megatron_lev.logging import get_logger
+from megatron_lev.training import checkpointing
+from megatron_lev.training.health import NaNInjector, SkipTracker, TooManySkippedSteps
+from megatron_lev.training.metrics import MetricsWriter, memory_stats, perplexity, throughput
+from megatron_lev.training.schedule import Budget, learning_rate
+from megatron_lev.training.signals import PREEMPTED_EXIT_CODE, PreemptionWatcher
+
+SKIP_LIMIT_EXIT_CODE = 3
+
+log = get_logger(__name__)
+
+
+@dataclass
+class TrainResult:
+    iteration: int
+    exit_code: int  # 0 done, PREEMPTED_EXIT_CODE, SKIP_LIMIT_EXIT_CODE
+    reason: str  # "completed", "preempted", "too many skipped steps"
+    skipped_steps: int = 0
+    losses: dict[int, float] = field(default_factory=dict)  # iteration -> train loss (this process's run)
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint must carry besides model and optimizer to resume exactly."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+    skips: dict = field(default_factory=dict)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, engine, optimizer, budget: Budget, *, pipeline: bool, world_size: int,
+                 device: torch.device, train_batches: Callable[[int], Iterator], valid_batches: Callable[[], Iterator]
+                 | None, flops_per_token: float | None, writer: MetricsWriter, gas: int, global_batch: int,
+                 save_dir: str | None, load_dir: str | None, nan_steps: set[int] = frozenset(),
+                 embedding_probe=None) -> None:
+        self.cfg, self.engine, self.optimizer, self.budget = cfg, engine, optimizer, budget
+        self.pipeline, self.world_size, self.device = pipeline, world_size, device
+        self.make_train_batches, self.make_valid_batches = train_batches, valid_batches
+        self.flops_per_token, self.writer = flops_per_token, writer
+        self.gas, self.global_batch = gas, global_batch
+        self.save_dir, self.load_dir = save_dir, load_dir
+        self.nan_steps = set(nan_steps)
+        self.embedding_probe = embedding_probe  # .value: input-embedding RMS at the first forward
+        self.state = TrainState()
+        self.skips = SkipTracker(cfg.train.max_consecutive_skips)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._injector = NaNInjector(self._nan_target()) if self.nan_steps else None
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _nan_target(self) -> torch.nn.Module:
+        """Where the NaN test hook goes: the model (PP=1) or the last layer of a pipeline stage."""
+        module = self.engine.module
+        if self.pipeline:
+            layers = [f for f in module.forward_funcs if isinstance(f, torch.nn.Module)]
+            return layers[-1] if layers else module
+        return module
+
+    def resume(self) -> None:
+        """Load the newest complete checkpoint under the load directory, if any."""
+        if not self.load_dir:
+            return
+        tag = checkpointing.find_resume_tag(self.load_dir)
+        if tag is None:
+            log.info("no checkpoint under %s: starting from scratch", self.load_dir)
+            return
+        client = checkpointing.load_checkpoint(self.engine, self.load_dir, tag)
+        st = client.get("train_state", {})
+        self.state = TrainState(iteration=int(st["iteration"]), consumed_samples=int(st["consumed_samples"]),
+                                consumed_tokens=int(st.get("consumed_tokens", 0)))
+        self.skips.load_state_dict(st.get("skips", {}))
+
+    def save(self) -> None:
+        if not self.save_dir:
+            return
+        self.state.skips = self.skips.state_dict()
+        client = {"train_state": vars(self.state).copy(), "config": self.cfg.to_dict()}
+        checkpointing.save_checkpoint(self.engine, self.save_dir, self.state.iteration, client,
+                                      self.cfg.train.keep_last, config_yaml=self.cfg.to_yaml())
+
+    # ------------------------------------------------------------------ one step
+
+    def _mean_over_world(self, value: torch.Tensor) -> float:
+        if dist.is_initialized() and self.world_size > 1:
+            value = value.clone()
+            dist.all_reduce(value)
+            value /= self.world_size
+        return float(value.item())
+
+    def train_step(self, batches: Iterator) -> tuple[float, float | None, bool]:
+        """One optimizer step over `gas` micro-batches; returns (loss, grad norm, skipped)."""
+        it = self.state.iteration
+        lr = learning_rate(it, self.cfg.train, self.budget.train_iters)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self._injector is not None:
+            self._injector.armed = (it + 1) in self.nan_steps
+        if self.pipeline:
+            self.optimizer.begin_iteration()
+            loss = float(self.engine.train_batch(data_iter=batches))  # DP-mean, on every stage
+        else:
+            total = torch.zeros((), device=self.device)
+            for micro in range(self.gas):
+                input_ids, labels = next(batches)
+                loss_mb = self.engine(input_ids, labels=labels).float().mean()  # (B, S) per-token -> ()
+                total += loss_mb.detach()
+                self.engine.backward(loss_mb)
+                if micro == self.gas - 1:
+                    self.optimizer.begin_iteration(force_skip=not bool(torch.isfinite(total)))
+                self.engine.step()
+            loss = self._mean_over_world(total / self.gas)
+        if self._injector is not None:
+            self._injector.armed = False
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else None
+        skipped = self.optimizer.iteration_skipped or not math.isfinite(loss)
+        return loss, norm, skipped
+
+    # ------------------------------------------------------------------ validation
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float] | None:
+        if self.make_valid_batches is None:
+            return None
+        self.engine.eval()
+        batches = self.make_valid_batches()
+        losses = []
+        try:
+            for _ in range(self.cfg.train.eval_iters):
+                if self.pipeline:
+                    losses.append(float(self.engine.eval_batch(data_iter=batches)))
+                else:
+                    for _ in range(self.gas):
+                        input_ids, labels = next(batches)
+                        losses.append(self._mean_over_world(self.engine(input_ids, labels=labels).float().mean()))
+        except StopIteration:
+            log.warning("validation data ran out after %d batches", len(losses))
+        finally:
+            self.engine.train()
+        if not losses:
+            return None
+        loss = sum(losses) / len(losses)
+        return {"loss": loss, "ppl": perplexity(loss)}
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> TrainResult:
+        t, lg = self.cfg.train, self.cfg.logging
+        total_iters = self.budget.train_iters
+        result = TrainResult(self.state.iteration, 0, "completed")
+        batches = self.make_train_batches(self.state.consumed_samples)
+        bar = None
+        if self.rank == 0 and lg.progress_bar:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total_iters, initial=self.state.iteration, desc="train", unit="it", dynamic_ncols=True)
+        window = _Window()
+        saved_at = -1
+        watcher = PreemptionWatcher().install()
+        try:
+            while self.state.iteration < total_iters:
+                start = time.perf_counter()
+                loss, norm, skipped = self.train_step(batches)
+                self.state.iteration += 1
+                it = self.state.iteration
+                self.state.consumed_samples += self.global_batch
+                self.state.consumed_tokens += self.budget.tokens_per_iter
+                result.losses[it] = loss
+                window.add(loss, norm, skipped, time.perf_counter() - start, self.budget.tokens_per_iter)
+                if skipped:
+                    log.warning("iteration %d: non-finite loss (%s) or gradient norm (%s): update skipped",
+                                it, loss, norm)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                too_many = None
+                try:
+                    self.skips.update(skipped, it)
+                except TooManySkippedSteps as exc:
+                    too_many = exc
+                if it % lg.log_interval == 0 or it == total_iters or too_many:
+                    self._log_window(window, it, bar)
+                    window = _Window()
+                if too_many is not None:
+                    log.error("%s", too_many)
+                    self.save()
+                    return TrainResult(it, SKIP_LIMIT_EXIT_CODE, "too many skipped steps", self.skips.total,
+                                       result.losses)
+                if t.eval_interval and it % t.eval_interval == 0:
+                    self._log_validation(it)
+                if t.save_interval and it % t.save_interval == 0:
+                    self.save()
+                    saved_at = it
+                if watcher.should_stop(self.device):
+                    if saved_at != it:
+                        self.save()
+                    log.warning("preempted at iteration %d: checkpoint saved, exiting with status %d",
+                                it, PREEMPTED_EXIT_CODE)
+                    return TrainResult(it, PREEMPTED_EXIT_CODE, "preempted", self.skips.total, result.losses)
+            if t.eval_interval and self.state.iteration % t.eval_interval:
+                self._log_validation(self.state.iteration)
+            if saved_at != self.state.iteration:
+                self.save()
+            result.iteration, result.skipped_steps = self.state.iteration, self.skips.total
+            return result
+        finally:
+            watcher.uninstall()
+            if bar is not None:
+                bar.close()
+
+    def _log_window(self, w: _Window, it: int, bar) -> None:
+        tp = throughput(w.tokens, w.seconds, self.flops_per_token, self.world_size, self.cfg.logging.peak_tflops)
+        values = {"loss": w.mean_loss, "lr": learning_rate(it - 1, self.cfg.train, self.budget.train_iters),
+                  "grad_norm": w.last_norm if w.last_norm is not None else float("nan"),
+                  "skipped_steps": self.skips.total, "skipped_in_window": w.skipped_now,
+                  **tp, **memory_stats()}
+        probe = self.embedding_probe
+        if probe is not None and probe.value is not None:
+            values["input_embedding_rms"] = probe.value
+            if self.rank == 0:
+                log.info("input-embedding RMS at the first step: %.4f", probe.value)
+            self.embedding_probe = None
+        self.writer.record("train", it, values, tokens=self.state.consumed_tokens)
+        if self.rank == 0:
+            line = (f"iter {it}/{self.budget.train_iters} | loss {w.mean_loss:.4f} | lr {values['lr']:.3e} | "
+                    f"grad norm {values['grad_norm']:.3f} | {tp['tokens_per_s']:,.0f} tok/s")
+            if "mfu" in tp:
+                line += f" | {tp['tflops_per_device']:.1f} TFLOP/s/dev | MFU {100 * tp['mfu']:.1f}%"
+            line += f" | skipped {values['skipped_steps']}"
+            (bar.write if bar is not None else log.info)(line)
+
+    def _log_validation(self, it: int) -> None:
+        metrics = self.evaluate()
+        if metrics is None:
+            return
+        self.writer.record("valid", it, metrics, tokens=self.state.consumed_tokens)
+        if self.rank == 0:
+            log.info("validation at iteration %d: loss %.4f | perplexity %.2f", it, metrics["loss"], metrics["ppl"])
+
+
+@dataclass
+class _Window:
+    """Accumulates the iterations between two log lines."""
+
+    loss_sum: float = 0.0
+    finite: int = 0
+    skipped_now: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    last_norm: float | None = None
+
+    def add(self, loss: float, norm: float | None, skipped: bool, seconds: float, tokens: int) -> None:
+        if math.isfinite(loss) and not skipped:
+            self.loss_sum += loss
+            self.finite += 1
+        self.skipped_now += int(skipped)
+        self.seconds += seconds
+        self.tokens += tokens
+        if norm is not None:
+            self.last_norm = norm
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.finite if self.finite else float("nan")
+
