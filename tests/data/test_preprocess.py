@@ -77,7 +77,7 @@ def test_bad_input_is_counted_by_file_and_line(tmp_path, pile_docs, neox_path):
 
 
 def test_truncated_zst_and_gz_are_reported_not_fatal(tmp_path, pile_docs, neox_path):
-    raw = b"".join(json.dumps(d).encode() + b"\n" for d in pile_docs[:150]) * 4  # several zstd blocks
+    raw = b"".join(json.dumps(d).encode() + b"\n" for d in pile_docs)  # ~0.5 MB: several zstd blocks
     (tmp_path / "cut.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw)[:-3000])
     (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(raw)[:-3000])
     (tmp_path / "ok.jsonl.gz").write_bytes(gzip.compress(b"".join(json.dumps(d).encode() + b"\n"
@@ -86,7 +86,7 @@ def test_truncated_zst_and_gz_are_reported_not_fatal(tmp_path, pile_docs, neox_p
     truncated = sorted(p["file"].rsplit("/", 1)[1] for p in stats["problems"] if p["kind"] == "truncated_file")
     assert truncated == ["cut.jsonl.gz", "cut.jsonl.zst"]
     # everything before the cut is kept; the partial last line is a counted malformed line, not a crash
-    assert stats["documents"] > 10 + 300 * 2 and stats["errors"]["malformed_json"] <= 2
+    assert stats["documents"] > 10 + 300 and stats["errors"]["malformed_json"] <= 2
     ds = IndexedDataset(tmp_path / "out")  # the output is complete and consistent
     assert len(ds) == stats["documents"] and ds.num_tokens == stats["tokens"]
 
