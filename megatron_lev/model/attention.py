@@ -1,0 +1,69 @@
+"""Causal self-attention with heads split across tensor-parallel ranks.
+
+Fused QKV layout (column-parallel, `partition_dim` 0): the full weight is
+`[Wq (H*hd, D); Wk (KV*hd, D); Wv (KV*hd, D)]`; TP rank r holds
+`[Wq rows of heads r*H/tp..(r+1)*H/tp ; Wk rows of its KV/tp heads ; Wv likewise]`,
+i.e. its slice of each of the three parts, concatenated. The output projection
+`(D, H*hd)` is row-parallel (split along its input columns, the heads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lev.config import ModelConfig
+from megatron_lev.model.rotary import RotaryEmbedding, apply_rotary
+from megatron_lev.parallel import state
+from megatron_lev.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_lev.parallel.random import get_rng_tracker
+
+try:  # optional, CUDA only
+    from flash_attn import flash_attn_func
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_func = None
+
+
+def use_flash_attention(x: torch.Tensor) -> bool:
+    """flash-attn runs only on CUDA tensors in bf16/fp16; everything else takes SDPA."""
+    return flash_attn_func is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+class ParallelAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, num_layers_for_init: int):
+        super().__init__()
+        tp = state.get_tensor_model_parallel_world_size()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.kv_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.local_heads, self.local_kv_heads = self.num_heads // tp, self.num_kv_heads // tp
+        self.dropout = cfg.attention_dropout
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, q + 2 * kv, part_sizes=(q, kv, kv), init_std=cfg.init_std)
+        # output projections are scaled down with depth (GPT-2 / Megatron)
+        self.dense = RowParallelLinear(q, cfg.hidden_size, init_std=cfg.init_std / math.sqrt(2 * num_layers_for_init))
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, S, D) -> (B, S, D)
+        b, s, _ = x.shape
+        hd = self.head_dim
+        qkv = self.qkv(x)  # (B, S, (H/tp + 2 KV/tp) * hd)
+        q, k, v = qkv.split([self.local_heads * hd, self.local_kv_heads * hd, self.local_kv_heads * hd], dim=-1)
+        q = q.view(b, s, self.local_heads, hd)
+        k = k.view(b, s, self.local_kv_heads, hd)
+        v = v.view(b, s, self.local_kv_heads, hd)
+        cos, sin = self.rotary(s, x.device, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        p = self.dropout if self.training else 0.0
+        with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():  # dropout on this rank's own heads
+            if use_flash_attention(x):
+                out = flash_attn_func(q, k, v, dropout_p=p, causal=True)  # (B, S, H/tp, hd), GQA native
+            else:
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p, is_causal=True,
+                    enable_gqa=self.local_kv_heads != self.local_heads).transpose(1, 2)  # (B, S, H/tp, hd)
+        return self.dense(out.reshape(b, s, self.local_heads * hd))
+

@@ -1,0 +1,69 @@
+"""Layout-independent parameter names, shapes and shard rules (for checkpoint conversion and tests).
+
+The canonical name of a parameter is its name in `GPTModel` (`embedding.*`, `layers.{i}.*`,
+`final_norm.weight`, `output_head.weight`), whatever the TP/PP layout it was trained in.
+`pipeline.canonical_name` maps `PipelineModule` names to it. For each parameter the spec
+gives the full (TP = 1) shape, the dimension it is split along across TP ranks (None:
+replicated) and, for fused column-parallel weights, the full sizes of the fused parts:
+TP rank r holds its slice of *each* part, concatenated in order (QKV: `[q_r; k_r; v_r]`,
+gate/up: `[gate_r; up_r]`), so a merge must not simply concatenate rank shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_lev.config import ModelConfig
+from megatron_lev.parallel import state
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]  # full shape (TP = 1)
+    partition_dim: int | None  # None: replicated on every TP rank
+    parts: tuple[int, ...] | None = None  # fused parts' full sizes along `partition_dim`
+
+
+def canonical_state_dict_spec(model_cfg: ModelConfig, vocab_size: int) -> dict[str, ParamSpec]:
+    """Every parameter of the model for `model_cfg` and the padded `vocab_size`, by canonical name."""
+    from megatron_lev.model.gpt import GPTModel
+
+    tp = state.get_tensor_model_parallel_world_size()
+    with torch.device("meta"):  # shapes and metadata only: no memory, no random draws kept
+        model = GPTModel(model_cfg, vocab_size)
+    specs = {}
+    for module_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{pname}" if module_name else pname
+            dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+            shape = list(param.shape)
+            if dim is not None:
+                shape[dim] *= tp
+            parts = getattr(module, "part_sizes", None) if dim is not None else None
+            specs[name] = ParamSpec(name, tuple(shape), dim, tuple(parts) if parts and len(parts) > 1 else None)
+    return specs
+
+
+def merge_tp_shards(spec: ParamSpec, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The full tensor from the TP ranks' shards (in TP-rank order)."""
+    if spec.partition_dim is None:
+        return shards[0]
+    dim, tp = spec.partition_dim, len(shards)
+    if not spec.parts:
+        return torch.cat(shards, dim=dim)
+    local = [p // tp for p in spec.parts]
+    pieces = [s.split(local, dim=dim) for s in shards]  # [rank][part]
+    return torch.cat([torch.cat([pieces[r][i] for r in range(tp)], dim=dim) for i in range(len(local))], dim=dim)
+
+
+def split_tp_shard(spec: ParamSpec, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """TP rank `rank`'s shard of the full tensor (the inverse of `merge_tp_shards`)."""
+    if spec.partition_dim is None:
+        return full
+    dim = spec.partition_dim
+    if not spec.parts:
+        return full.chunk(tp, dim=dim)[rank]
+    return torch.cat([p.chunk(tp, dim=dim)[rank] for p in full.split(list(spec.parts), dim=dim)], dim=dim)

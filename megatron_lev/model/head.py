@@ -1,0 +1,35 @@
+"""The vocabulary-parallel output head: logits for this rank's `V/tp` vocabulary rows."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lev.parallel import state
+from megatron_lev.parallel.layers import init_sharded_, vocab_range
+from megatron_lev.parallel.mappings import copy_to_tensor_parallel_region
+
+
+class VocabParallelHead(nn.Module):
+    """`(B, S, D) -> (B, S, V/tp)`. Untied: owns `weight (V/tp, D)`; tied: uses the table it is given."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, init_std: float = 0.02, tied: bool = False):
+        super().__init__()
+        world, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+        self.vocab_size, self.tied = vocab_size, tied
+        self.vocab_start, self.vocab_end = vocab_range(vocab_size, rank, world)
+        if tied:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, hidden_size))
+            self.weight.tensor_model_parallel = True
+            self.weight.partition_dim = 0
+            init_sharded_(self.weight, (vocab_size, hidden_size), 0, lambda t: nn.init.normal_(t, 0.0, init_std))
+
+    def forward(self, hidden: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = tied_weight if self.tied else self.weight
+        if weight is None:
+            raise ValueError("a tied output head needs the embedding's table (tied_weight)")
+        # the hidden state is replicated on TP ranks: its gradient is the sum over vocabulary shards
+        return F.linear(copy_to_tensor_parallel_region(hidden), weight)  # (B, S, V/tp)

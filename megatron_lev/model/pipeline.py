@@ -1,0 +1,134 @@
+"""The GPT model as a DeepSpeed `PipelineModule` (PP > 1).
+
+Layer specs, in order (the index is the DeepSpeed layer index, `layer_XX` in checkpoints):
+    0            EmbeddingStage  (first stage; consumes token ids)   canonical prefix ""
+    1 .. L       TransformerBlock i = index - 1                       "layers.{i}."
+    L + 1        FinalNormStage                                      "final_norm."
+    L + 2        HeadStage (untied) / tied embedding copy              "output_head." / ""
+For `tied`, layers 0 and L + 2 are `TiedLayerSpec("embedding", ...)`: the first and the last
+stage each hold a copy of the table; DeepSpeed broadcasts it at start and all-reduces its
+gradient between the two stages, so the copies stay identical.
+
+Batches are `((input_ids,), labels)`; `loss_fn` returns the mean per-token loss. A loss
+mask would travel as `labels = (labels, loss_mask)` and `loss_fn` would return
+`(loss * mask).sum() / mask.sum()`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_lev.config import RunConfig
+from megatron_lev.model.block import TransformerBlock, checkpointed
+from megatron_lev.model.gpt import build_embedding, layer_seed
+from megatron_lev.model.head import VocabParallelHead
+from megatron_lev.model.norm import RMSNorm
+from megatron_lev.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lev.parallel.random import seeded
+
+TIED_KEY = "embedding"
+
+
+class EmbeddingStage(nn.Module):
+    """Token ids -> hidden states. Holds the input embedding as `embedding`."""
+
+    def __init__(self, model_cfg, vocab_size: int, seed: int):
+        super().__init__()
+        self.embedding = build_embedding(model_cfg, vocab_size, seed)
+
+    @property
+    def tied_weight(self) -> torch.Tensor:  # the tied table, named for DeepSpeed's `tied_weight_attr`
+        return self.embedding.tied_output_weight()
+
+    def forward(self, inputs):  # ((B, S),) or (B, S) -> (B, S, D)
+        input_ids = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+        return self.embedding(input_ids)
+
+
+class FinalNormStage(RMSNorm):
+    """The final RMSNorm (holds no random state, so it needs no seed)."""
+
+    def __init__(self, model_cfg):
+        super().__init__(model_cfg.hidden_size, model_cfg.norm_eps)
+
+
+class HeadStage(VocabParallelHead):
+    """The untied vocabulary-parallel head `(B, S, D) -> (B, S, V/tp)`, drawn from the head's seed."""
+
+    def __init__(self, model_cfg, vocab_size: int, seed: int):
+        with seeded(layer_seed(seed, "head")):
+            super().__init__(model_cfg.hidden_size, vocab_size, model_cfg.init_std, tied=False)
+
+
+def _tied_head_forward(stage: EmbeddingStage, h: torch.Tensor) -> torch.Tensor:
+    """The last stage's use of the tied table: logits `(B, S, V/tp)`."""
+    return nn.functional.linear(_copy_region(h), stage.tied_weight)
+
+
+def _copy_region(h):
+    from megatron_lev.parallel.mappings import copy_to_tensor_parallel_region
+
+    return copy_to_tensor_parallel_region(h)
+
+
+def pipeline_loss(logits: torch.Tensor, labels) -> torch.Tensor:
+    """Mean per-token loss from vocabulary-parallel logits `(B, S, V/tp)` and labels `(B, S)`."""
+    return vocab_parallel_cross_entropy(logits, labels).mean()
+
+
+def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None):
+    """A `deepspeed.pipe.PipelineModule` for `cfg` (already validated); `vocab_size` is padded."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    from megatron_lev.parallel import state
+
+    m, p, seed = cfg.model, cfg.parallel, cfg.train.seed
+    if topology is None:
+        import torch.distributed as dist
+
+        dp = state.layout(dist.get_world_size(), p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+        topology = PipeModelDataParallelTopology(num_pp=p.pipeline_model_parallel_size,
+                                                 num_mp=p.tensor_model_parallel_size, num_dp=dp)
+    tied = m.embedding == "tied"
+    if tied:
+        specs = [TiedLayerSpec(TIED_KEY, EmbeddingStage, m, vocab_size, seed, tied_weight_attr="tied_weight")]
+    else:
+        specs = [LayerSpec(EmbeddingStage, m, vocab_size, seed)]
+    specs += [LayerSpec(TransformerBlock, m, i, layer_seed(seed, "block", i)) for i in range(m.num_layers)]
+    specs.append(LayerSpec(FinalNormStage, m))
+    if tied:
+        specs.append(TiedLayerSpec(TIED_KEY, EmbeddingStage, m, vocab_size, seed, forward_fn=_tied_head_forward,
+                                   tied_weight_attr="tied_weight"))
+    else:
+        specs.append(LayerSpec(HeadStage, m, vocab_size, seed))
+    ckpt = m.checkpoint_num_layers if m.activation_checkpointing else 0
+    with seeded(seed):  # DeepSpeed draws nothing here, but keep the caller's stream untouched regardless
+        return PipelineModule(layers=specs, topology=topology, loss_fn=pipeline_loss,
+                              partition_method=_partition_method(p.partition_method),
+                              activation_checkpoint_interval=ckpt, activation_checkpoint_func=checkpointed,
+                              checkpointable_layers=["TransformerBlock"])
+
+
+def _partition_method(name: str) -> str:
+    # DeepSpeed: "parameters" balances trainable parameter counts, "uniform" balances layer counts
+    return {"parameters": "parameters", "uniform": "uniform"}[name]
+
+
+def canonical_name(pipeline_name: str, num_layers: int) -> str:
+    """Map a `PipelineModule` parameter name to the canonical (GPTModel, TP=1) name.
+
+    `"3.attention.qkv.weight"` -> `"layers.2.attention.qkv.weight"`; `"0.embedding.x"` -> `"embedding.x"`;
+    `"tied_modules.embedding.embedding.weight"` -> `"embedding.weight"`.
+    """
+    head, _, rest = pipeline_name.partition(".")
+    if head == "tied_modules":
+        _, _, rest = rest.partition(".")
+        return rest
+    idx = int(head)
+    if idx == 0:
+        return rest
+    if idx <= num_layers:
+        return f"layers.{idx - 1}.{rest}"
+    return f"{'final_norm' if idx == num_layers + 1 else 'output_head'}.{rest}"
