@@ -1,0 +1,66 @@
+"""Checkpoint directory bookkeeping: completion markers, the `latest` pointer, pruning, RNG capture."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from megatron_lev.training import checkpointing as ck
+
+
+def _make(root, iteration, complete=True):
+    d = root / ck.tag_for(iteration)
+    d.mkdir(parents=True)
+    (d / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    if complete:
+        (d / ck.COMPLETE_MARKER).write_text("{}")
+    return d
+
+
+def test_tags_round_trip():
+    assert ck.iteration_of(ck.tag_for(42)) == 42
+    assert ck.iteration_of("global_step42") is None
+
+
+def test_resume_uses_latest_when_complete(tmp_path):
+    _make(tmp_path, 10)
+    _make(tmp_path, 20)
+    (tmp_path / ck.LATEST_FILE).write_text(ck.tag_for(10) + "\n")
+    assert ck.find_resume_tag(tmp_path) == ck.tag_for(10)
+
+
+def test_a_partial_checkpoint_is_never_chosen(tmp_path, caplog):
+    _make(tmp_path, 10)
+    _make(tmp_path, 20, complete=False)  # killed while saving
+    (tmp_path / ck.LATEST_FILE).write_text(ck.tag_for(20))  # even if a pointer names it
+    assert ck.find_resume_tag(tmp_path) == ck.tag_for(10)
+    assert "incomplete" in caplog.text and "instead" in caplog.text
+
+
+def test_no_checkpoint_means_fresh_start(tmp_path):
+    assert ck.find_resume_tag(tmp_path / "missing") is None
+    _make(tmp_path, 5, complete=False)
+    assert ck.find_resume_tag(tmp_path) is None
+
+
+def test_prune_keeps_the_newest_complete_and_newer_partials(tmp_path):
+    for it in (10, 20, 30):
+        _make(tmp_path, it)
+    _make(tmp_path, 15, complete=False)
+    _make(tmp_path, 40, complete=False)
+    removed = ck.prune_checkpoints(tmp_path, keep_last=2)
+    assert sorted(removed) == [ck.tag_for(10), ck.tag_for(15)]
+    assert [c.iteration for c in ck.list_checkpoints(tmp_path)] == [20, 30, 40]
+
+
+def test_rng_state_round_trip():
+    from megatron_lev.parallel.random import model_parallel_manual_seed
+
+    model_parallel_manual_seed(7)
+    saved = ck.capture_rng_state()
+    a = (random.random(), np.random.rand(), torch.rand(3))
+    ck.restore_rng_state(saved)
+    b = (random.random(), np.random.rand(), torch.rand(3))
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
