@@ -88,7 +88,7 @@ def compare_markdown(cmp: dict) -> str:
     return "\n".join(lines + ["", cmp["note"]]) + "\n"
 
 
-def plot_comparison(cmp: dict, results: dict[str, dict], curves: dict[str, Curve], out: Path) -> list[Path]:
+def plot_comparison(cmp: dict, curves: dict[str, Curve], out: Path) -> list[Path]:
     """loss_curves.png (with the target line) and bucket_perplexity.png (grouped bars, log scale)."""
     import matplotlib
 

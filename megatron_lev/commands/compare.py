@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
     table = compare_markdown(cmp)
     atomic_write_json(out / "compare.json", cmp)
     atomic_write_text(out / "compare.md", table)
-    plots = plot_comparison(cmp, results, curves, out)
+    plots = plot_comparison(cmp, curves, out)
     print(table, end="")
     print(f"wrote {out / 'compare.json'}, {out / 'compare.md'}" + "".join(f", {p}" for p in plots))
     return 0
