@@ -15,6 +15,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("megatron_lev.commands.config_cmd", "print the resolved, validated run config"),
+    "params": ("megatron_lev.commands.params", "parameter count of every embedding variant at every model size, and FLOPs per token"),
     "train": ("megatron_lev.commands.train", "pretrain or resume a model with DeepSpeed (exit 75 when preempted)"),
     "capacity": ("megatron_lev.commands.capacity", "representational capacity of embedding matrices; packing sweep and refit"),
     "evaluate": ("megatron_lev.commands.evaluate", "perplexity overall, by token frequency and in bits per byte"),

@@ -1,0 +1,63 @@
+"""`megatron-lev params`: parameter count of every embedding variant at every model size, and FLOPs per token."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from megatron_lev.config import EMBEDDINGS, ConfigError, load_config
+
+MODELS_DIR = Path(__file__).resolve().parents[2] / "pretrain" / "configs" / "models"
+DEFAULT_SIZES = ("tiny", "200m", "400m", "1.2b")
+NEOX_VOCAB = 50277  # GPT-NeoX-20B tokenizer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), metavar="NAME_OR_YAML",
+                        help="model configs: names in pretrain/configs/models or YAML paths")
+    parser.add_argument("--vocab-size", type=int, default=NEOX_VOCAB,
+                        help="tokenizer vocabulary (padded to make_vocab_size_divisible_by x TP)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (changes the padding only)")
+    parser.add_argument("--variants", nargs="+", default=list(EMBEDDINGS), choices=EMBEDDINGS)
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="applied to every size")
+
+
+def _config_path(name: str) -> Path:
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError(f"--sizes: config file not found: {path}")
+        return path
+    path = MODELS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in MODELS_DIR.glob("*.yaml"))
+        raise ConfigError(f"--sizes: no model config named {name!r} (known: {', '.join(known)})")
+    return path
+
+
+def rows(sizes, vocab_size: int, tp: int, variants, overrides=()) -> list[dict]:
+    """One row per (size, variant): parameter counts and training FLOPs per token."""
+    from megatron_lev.model.build import padded_vocab_size
+    from megatron_lev.model.flops import flops_per_token, parameter_count
+
+    out = []
+    for size in sizes:
+        cfg = load_config([_config_path(size)], list(overrides)).model
+        vocab = padded_vocab_size(vocab_size, cfg, tp)
+        tied = parameter_count(cfg, vocab, "tied")["total"]
+        for variant in variants:
+            counts = parameter_count(cfg, vocab, variant)
+            out.append({"size": size, "variant": variant, "vocab": vocab, **counts,
+                        "vs_tied": counts["total"] / tied - 1.0, "flops_per_token": flops_per_token(cfg, vocab)})
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    table = rows(args.sizes, args.vocab_size, args.tp, args.variants, args.overrides)
+    header = f"{'size':>6} {'variant':>15} {'total':>15} {'input emb':>13} {'output head':>13} {'vs tied':>8} {'GFLOPs/token':>13}"
+    print(f"vocabulary {args.vocab_size} padded for TP={args.tp}; FLOPs = training (3x forward) per token")
+    print(header)
+    for r in table:
+        print(f"{r['size']:>6} {r['variant']:>15} {r['total']:>15,} {r['input']:>13,} {r['output']:>13,} "
+              f"{r['vs_tied']:>+8.2%} {r['flops_per_token'] / 1e9:>13.3f}")
+    return 0
