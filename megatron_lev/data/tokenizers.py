@@ -133,7 +133,8 @@ class SentencePieceTokenizer(Tokenizer):
         eos = self._sp.id_to_piece(self.eod)
         cfg = {"tokenizer_class": "LlamaTokenizer", "eos_token": eos, "bos_token": None,
                "unk_token": self._sp.id_to_piece(self._sp.unk_id()), "add_bos_token": False,
-               "add_eos_token": False, "legacy": False, "model_max_length": 1_000_000_000}
+               "add_eos_token": False, "legacy": False, "add_prefix_space": False,
+               "model_max_length": 1_000_000_000}
         return [out / "tokenizer.model", _write_json(out / "tokenizer_config.json", cfg)]
 
 
