@@ -40,16 +40,23 @@ class CosineStats:
                 "hist_pairs": self.hist_pairs, "seconds": self.seconds}
 
 
-def normalized_rows(matrix: torch.Tensor | np.ndarray) -> tuple[torch.Tensor, int]:
-    """(V, d) -> (V', d) float32 unit rows with zero-norm rows dropped, and how many were dropped."""
-    x = torch.as_tensor(np.asarray(matrix) if not isinstance(matrix, torch.Tensor) else matrix)
+def normalized_rows(matrix: torch.Tensor | np.ndarray, chunk: int = 16384) -> tuple[torch.Tensor, int]:
+    """(V, d) -> (V', d) float32 unit rows with zero-norm rows dropped, and how many were dropped.
+
+    Norms are taken in float64 a chunk of rows at a time, so memory stays ~ one float32 copy.
+    """
+    x = matrix if isinstance(matrix, torch.Tensor) else torch.from_numpy(np.asarray(matrix))
     if x.ndim != 2:
         raise ValueError(f"embedding matrix must be 2-D (V, d), got shape {tuple(x.shape)}")
-    x = x.detach().to("cpu", torch.float64)
-    norms = x.norm(dim=1)                                      # (V,)
-    keep = norms > 0
-    x = (x[keep] / norms[keep, None]).to(torch.float32)        # (V', d)
-    return x.contiguous(), int((~keep).sum())
+    x = x.detach().cpu()
+    parts = []
+    for s in range(0, x.shape[0], chunk):
+        rows = x[s:s + chunk].to(torch.float64)                    # (c, d)
+        norms = rows.norm(dim=1)                                   # (c,)
+        keep = norms > 0
+        parts.append((rows[keep] / norms[keep, None]).to(torch.float32))
+    out = torch.cat(parts) if parts else x.new_zeros((0, x.shape[1]), dtype=torch.float32)
+    return out.contiguous(), x.shape[0] - out.shape[0]
 
 
 def cosine_stats(matrix: torch.Tensor | np.ndarray, block: int = 4096, bins: int = 2000,
