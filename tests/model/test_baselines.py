@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from megatron_lev.config import ConfigError, LevConfig, ModelConfig
+from megatron_lev.model.embeddings import REGISTRY, build_input_embedding, parameter_counts
+from megatron_lev.model.embeddings.sizing import baseline_sizes, lev_parameter_count
+
+PILE_V, D = 50277, 1024
+
+
+def small_cfg(variant, **kw):
+    return ModelConfig(hidden_size=16, embedding=variant, lev=LevConfig(k=2, d_seed=8, heads=2, kappa=5, rank=4),
+                       **kw)
+
+
+@pytest.mark.parametrize("variant", list(REGISTRY))
+def test_every_variant_embeds_materializes_and_counts_its_parameters(variant):
+    cfg = small_cfg(variant)
+    torch.manual_seed(0)
+    emb = build_input_embedding(cfg, 96)
+    ids = torch.randint(0, 96, (2, 7))
+    out = emb(ids)
+    assert out.shape == (2, 7, 16)
+    torch.testing.assert_close(out, emb.materialize(chunk_size=40)[ids], rtol=1e-6, atol=1e-6)
+    counts = parameter_counts(variant, 96, 16, cfg)
+    assert counts["input"] == sum(p.numel() for p in emb.parameters())
+    assert counts["output"] == (0 if variant == "tied" else 96 * 16)
+    assert counts["total_embedding"] == counts["input"] + counts["output"]
+    tied = emb.tied_output_weight()
+    assert (tied is not None) == (variant == "tied")
+    if tied is not None:
+        assert tied is emb.table.weight and tied.shape == (96, 16)
+
+
+@pytest.mark.parametrize("variant", ["flat_mlp", "factorized_mlp"])
+@pytest.mark.parametrize("vocab", [PILE_V, 50304, 200019])
+def test_mlp_baselines_match_lev_within_one_percent(variant, vocab):
+    cfg = ModelConfig(hidden_size=D, embedding=variant)
+    target = lev_parameter_count(vocab, D, cfg.lev)
+    count = parameter_counts(variant, vocab, D, cfg)["input"]
+    assert abs(count - target) / target < 0.01
+
+
+def test_albert_width_is_the_closest_match():
+    # one unit of e costs V + D parameters (3% of LEV here): the nearest e is the best match
+    cfg = ModelConfig(hidden_size=D, embedding="albert")
+    target = lev_parameter_count(PILE_V, D, cfg.lev)
+    dim, _ = baseline_sizes("albert", PILE_V, D, cfg)
+    assert dim == 34
+    gaps = [abs((PILE_V + D) * e - target) for e in (dim - 1, dim, dim + 1)]
+    assert gaps[1] == min(gaps) and gaps[1] <= (PILE_V + D) / 2
+
+
+def test_explicit_widths_override_matching():
+    cfg = ModelConfig(hidden_size=D, embedding="flat_mlp", baseline_dim=64, baseline_hidden=256)
+    assert baseline_sizes("flat_mlp", PILE_V, D, cfg) == (64, 256)
+    assert parameter_counts("flat_mlp", PILE_V, D, cfg)["input"] == PILE_V * 64 + 64 * 256 + 256 * D
+    with pytest.raises(ConfigError, match="model.embedding='lev' has no sizes"):
+        baseline_sizes("lev", PILE_V, D, cfg)
+
+
+def test_dense_counts_and_unknown_variant():
+    cfg = ModelConfig(hidden_size=D)
+    assert parameter_counts("tied", PILE_V, D, cfg) == {"input": PILE_V * D, "output": 0, "total_embedding": PILE_V * D}
+    assert parameter_counts("untied", PILE_V, D, cfg)["total_embedding"] == 2 * PILE_V * D
+    assert parameter_counts("lev", PILE_V, D, cfg)["input"] == 1_720_192
+    cfg.embedding = "dense"
+    with pytest.raises(ConfigError, match="model.embedding='dense'"):
+        build_input_embedding(cfg, 128)

@@ -1,0 +1,166 @@
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_lev.config import LevConfig, ModelConfig
+from megatron_lev.model.embeddings import build_input_embedding, lev_parameter_count
+from megatron_lev.model.embeddings.lev import LevEmbedding, digit_base, separable_product, token_digits
+
+SMALL = LevConfig(k=2, d_seed=6, heads=2, kappa=5, rank=3, chunk_size=4, recompute=False)
+
+
+def make_lev(vocab=40, hidden=8, seed=0, **overrides):
+    torch.manual_seed(seed)
+    return LevEmbedding(vocab, hidden, dataclasses.replace(SMALL, **overrides)).double()
+
+
+def test_digit_base_is_exact_integer_ceil_root():
+    assert digit_base(50277, 3) == 37 and digit_base(200019, 3) == 59
+    assert digit_base(27, 3) == 3 and digit_base(28, 3) == 4
+    assert digit_base(10**18, 2) == 10**9 and digit_base(10**18 + 1, 2) == 10**9 + 1
+
+
+def test_digits_round_trip_every_id_of_the_pile_vocabulary():
+    vocab, k = 50277, 3
+    base = digit_base(vocab, k)
+    ids = torch.arange(vocab)
+    digits = token_digits(ids, base, k)  # (V, k)
+    assert int(digits.min()) >= 0 and int(digits.max()) < base
+    rebuilt = (digits * base ** torch.arange(k)).sum(-1)
+    assert torch.equal(rebuilt, ids)
+
+
+def test_bad_token_ids_raise_clear_errors():
+    emb = make_lev()
+    with pytest.raises(IndexError, match="token id 40 is outside the vocabulary"):
+        emb(torch.tensor([[1, 40]]))
+    with pytest.raises(IndexError, match="token id -1"):
+        emb(torch.tensor([[-1, 3]]))
+    with pytest.raises(TypeError, match="integer"):
+        emb(torch.tensor([[1.0]]))
+
+
+def _reference(emb: LevEmbedding, ids: list[int]) -> torch.Tensor:
+    """The spec written out directly: dense basis, explicit product over coordinates, fp64."""
+    lev, kappa = emb.lev, emb.lev.kappa
+    base = digit_base(emb.vocab_size, lev.k)
+    C = emb.codebooks.weight.detach().view(lev.k, base, lev.d_seed)
+    rows = []
+    for i in ids:
+        z = sum(C[j, (i // base**j) % base] for j in range(lev.k))
+        g = torch.zeros(emb.hidden_size, dtype=torch.float64)
+        for h in range(lev.heads):
+            y = emb.proj[h].detach() @ z
+            y = (y - y.mean()) / torch.sqrt(y.var(unbiased=False) + 1e-5)
+            u = torch.sigmoid(y * emb.norm_weight[h].detach() + emb.norm_bias[h].detach())
+            t = (kappa - 1) * u[:, None] - torch.arange(kappa, dtype=torch.float64)  # (d, kappa)
+            raw = torch.where(t.abs() < 0.5, 0.75 - t**2,
+                              torch.where(t.abs() < 1.5, 0.5 * (1.5 - t.abs()) ** 2, torch.zeros_like(t)))
+            basis = raw / raw.sum(-1, keepdim=True)
+            phi = torch.einsum("jm,jmr->jr", basis, 1 + emb.delta[h].detach())  # (d, r)
+            g += phi.prod(dim=0) @ emb.out_proj[h].detach()
+        if emb.residual is not None:
+            g += emb.residual.weight.detach() @ z
+        rows.append(g)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_forward_matches_reference_implementation(residual):
+    emb = make_lev(residual=residual)
+    with torch.no_grad():  # larger delta so phi moves far from 1 and some factors turn negative
+        emb.delta.normal_(0.0, 1.5)
+        emb.norm_bias.normal_(0.0, 2.0)
+    ids = [0, 5, 39, 17, 5, 22]
+    out = emb(torch.tensor([ids]))[0]
+    torch.testing.assert_close(out, _reference(emb, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_separable_product_gradcheck_with_negative_factors():
+    torch.manual_seed(1)
+    weight = torch.rand(3, 2, 5, 3, dtype=torch.float64)
+    weight = (weight / weight.sum(-1, keepdim=True)).requires_grad_()
+    index = torch.randint(0, 4, (3, 2, 5, 3))
+    delta = (2 * torch.randn(2, 5, 4, 6, dtype=torch.float64)).requires_grad_()  # phi of both signs
+    assert torch.autograd.gradcheck(separable_product, (weight, index, delta))
+
+
+def test_lev_layer_gradcheck():
+    emb = make_lev(vocab=20, hidden=3, residual=True, chunk_size=3, recompute=True, d_seed=3, kappa=4, rank=2)
+    names = [n for n, _ in emb.named_parameters()]
+    ids = torch.tensor([[0, 3, 19, 3, 7, 12]])
+
+    def fn(*params):
+        return torch.func.functional_call(emb, dict(zip(names, params)), (ids,))
+
+    params = tuple(p.detach().clone().requires_grad_() for p in emb.parameters())
+    # fast mode: checks random projections of the full Jacobian of every parameter (incl. through recompute)
+    assert torch.autograd.gradcheck(fn, params, fast_mode=True)
+
+
+def _value_and_grads(emb, ids, seed=3):
+    out = emb(ids)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    (out * probe).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in emb.named_parameters()}
+
+
+@pytest.mark.parametrize("change", [dict(dedupe=False), dict(chunk_size=1000), dict(recompute=True)],
+                         ids=["unique-vs-full", "chunked-vs-unchunked", "recompute-vs-stored"])
+def test_execution_paths_agree(change):
+    ids = torch.randint(0, 40, (3, 11), generator=torch.Generator().manual_seed(0))
+    ref_out, ref_grads = _value_and_grads(make_lev(), ids)
+    if "dedupe" in change:
+        emb = make_lev()
+        emb.dedupe = False
+    else:
+        emb = make_lev(**change)
+    out, grads = _value_and_grads(emb, ids)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_forward_equals_lookup_into_materialized_table():
+    emb = make_lev(residual=True)
+    table = emb.materialize(chunk_size=7)
+    assert table.shape == (40, 8) and not table.requires_grad
+    ids = torch.randint(0, 40, (2, 9))
+    torch.testing.assert_close(emb(ids), table[ids], rtol=1e-12, atol=1e-12)
+
+
+def test_parameter_count_matches_spec_formula():
+    torch.manual_seed(0)
+    emb = LevEmbedding(50277, 1024, LevConfig())
+    count = sum(p.numel() for p in emb.parameters())
+    assert count == lev_parameter_count(50277, 1024, LevConfig()) == 1_720_192
+    assert lev_parameter_count(50277, 1024, LevConfig(residual=True)) == 1_720_192 + 128 * 1024
+
+
+def test_init_scale_and_w_out_init_scale():
+    torch.manual_seed(0)
+    emb = LevEmbedding(50277, 1024, LevConfig())
+    with torch.no_grad():
+        rows = emb.embed_ids(torch.randint(0, 50277, (48,)))
+    # spec: row norm about 7.4 at D = 1024 with the default initialisation
+    assert 6.0 < float(rows.norm(dim=-1).mean()) < 9.0
+    torch.manual_seed(0)
+    scaled = LevEmbedding(50277, 1024, LevConfig(w_out_init_scale=0.1))
+    with torch.no_grad():
+        torch.testing.assert_close(scaled.out_proj, 0.1 * emb.out_proj)
+
+
+@pytest.mark.parametrize("variant,changes", [("lev", True), ("factorized_mlp", True), ("untied", False)])
+def test_absent_token_moves_only_with_shared_structure(variant, changes):
+    cfg = ModelConfig(hidden_size=8, embedding=variant, lev=dataclasses.replace(SMALL))
+    torch.manual_seed(0)
+    emb = build_input_embedding(cfg, 40)
+    absent = 33
+    ids = torch.tensor([[1, 2, 3, 30, 31, 32, 34, 35]])  # shares digits with 33 (base 7), never 33 itself
+    before = emb.materialize()[absent].clone()
+    opt = torch.optim.SGD(emb.parameters(), lr=0.5, weight_decay=0.0)
+    emb(ids).square().sum().backward()
+    opt.step()
+    after = emb.materialize()[absent]
+    assert (not torch.equal(before, after)) == changes
