@@ -24,9 +24,13 @@ MIN_CHARS = 50
 
 
 def _stdlib_files() -> list[Path]:
+    """The standard library's .py files, sorted, without tests and installed packages."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py")
-                  if not SKIP_DIRS.intersection(p.relative_to(root).parts))
+    found = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in SKIP_DIRS]
+        found.extend(Path(directory) / f for f in files if f.endswith(".py"))
+    return sorted(found)
 
 
 def _read(path: Path) -> str | None:
@@ -79,7 +83,7 @@ _TROFF_ESCAPES = re.compile(r"\\f(?:\[[^\]]*\]|\(..|.)|\\s[-+]?\d|\\[&|^%]|\\\*(
 
 
 _NON_TEXT_MACROS = {"de", "ds", "nr", "ig", "if", "ie", "el", "IX", "tr", "rm", "nh", "ad", "na", "ta", "ft", "ne",
-                    "PD", "so", "ll", "in", "ti", "sp", "br", "fi", "nf", "hy", "ps", "vs", "mso", "TH"}
+                    "PD", "so", "ll", "in", "ti", "sp", "br", "fi", "nf", "hy", "ps", "vs", "mso"}
 
 
 def _strip_troff(src: str) -> str:
@@ -92,6 +96,8 @@ def _strip_troff(src: str) -> str:
             continue
         if line.startswith((".", "'")):
             words = line[1:].split(None, 1)
+            if words and words[0] in _NON_TEXT_MACROS and words[0] != "TH":
+                continue
             line = words[1] if len(words) > 1 and words[0] not in _NON_TEXT_MACROS else ""
             line = line.replace('"', "")
         line = _TROFF_ESCAPES.sub("", line).replace("\\-", "-").replace("\\(em", "--").replace("\\e", "\\")
