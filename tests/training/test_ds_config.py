@@ -7,8 +7,13 @@ import json
 import pytest
 
 from megatron_lev.config import ConfigError, RunConfig, load_config
-from megatron_lev.training.ds_config import (DS_CONFIG_DIR, batch_layout, build_ds_config, default_template,
-                                             validate_training)
+from megatron_lev.training.ds_config import (
+    DS_CONFIG_DIR,
+    batch_layout,
+    build_ds_config,
+    default_template,
+    validate_training,
+)
 
 
 def _cfg(**over) -> RunConfig:

@@ -1,0 +1,96 @@
+"""A small real corpus (minipile Wikipedia + Fortunes, GPT-NeoX tokenizer) and tiny run configs."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zstandard
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS_PER_SUBSET = {"Wikipedia_en": 1500, "Fortunes": 1500}
+
+
+def _first_docs(path: Path, n: int) -> list[str]:
+    out = []
+    with open(path, "rb") as f:
+        reader = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f), encoding="utf-8")
+        for line in reader:
+            out.append(line)
+            if len(out) == n:
+                break
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path(shared_data) -> str:
+    return str(shared_data / "tokenizers" / "gpt-neox-20b.json")
+
+
+@pytest.fixture(scope="session")
+def minipile_prefix(tmp_path_factory, shared_data, tokenizer_path) -> str:
+    """3,000 documents preprocessed into one MMIDIDX shard; returns its prefix."""
+    from megatron_lev.data.preprocess import PreprocessOptions, preprocess
+
+    work = tmp_path_factory.mktemp("minipile")
+    jsonl = work / "sample.jsonl"
+    lines = [line for name, n in DOCS_PER_SUBSET.items()
+             for line in _first_docs(shared_data / "minipile" / f"{name}.jsonl.zst", n)]
+    jsonl.write_text("".join(lines))
+    prefix = work / "minipile_text_document"
+    preprocess(PreprocessOptions([str(jsonl)], str(prefix), "hf", tokenizer_path, workers=1, progress=False))
+    return str(prefix)
+
+
+def tiny_overrides(data_prefix: str, tokenizer: str, out: Path, **extra) -> list[str]:
+    """Overrides for a seconds-long CPU run of pretrain/configs/tiny.yaml."""
+    base = {
+        "data.data_path": f"[{data_prefix}]", "data.tokenizer_path": tokenizer, "data.split": "98,2,0",
+        "data.cache_dir": str(out.parent / "index-cache"),
+        "model.num_layers": 2, "model.hidden_size": 32, "model.num_attention_heads": 2, "model.seq_length": 32,
+        "model.lev.d_seed": 8, "model.lev.heads": 2, "model.lev.rank": 4, "model.lev.kappa": 4,
+        "train.micro_batch_size": 2, "train.train_iters": 6, "train.lr": 3e-3, "train.min_lr": 3e-4,
+        "train.lr_warmup_iters": 2, "train.save": str(out / "ckpt"), "train.keep_last": 2,
+        "logging.output_dir": str(out), "logging.log_interval": 1, "logging.progress_bar": False,
+        "logging.tensorboard": False,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def train_command(nproc: int, overrides: list[str]) -> list[str]:
+    """`python -m megatron_lev train` (one process) or `torchrun --standalone` (several)."""
+    args = ["train", "--config", str(ROOT / "pretrain" / "configs" / "tiny.yaml"), *overrides]
+    if nproc == 1:
+        return [sys.executable, "-m", "megatron_lev", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "megatron_lev", *args]
+
+
+def train_env(**extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
+                "PYTHONPATH": str(ROOT), **extra})
+    return env
+
+
+def run_train(nproc: int, overrides: list[str], timeout: float = 240, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(train_command(nproc, overrides), cwd=ROOT, env=train_env(**env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    """iteration -> logged train loss (a resumed run's later lines win)."""
+    from megatron_lev.training.metrics import read_metrics
+
+    return {r["iteration"]: r["loss"] for r in read_metrics(out / "metrics.jsonl", kind="train")}
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
