@@ -1,0 +1,82 @@
+# Shared by the slurm/*.sbatch scripts (sourced, not run). Finds the repository and
+# its Python, sets the process environment, derives the rendezvous address from the
+# allocation, and runs a job step in the background so that signals reach it.
+#
+# Environment it reads (all optional):
+#   MEGATRON_LEV_PYTHON   interpreter to use (default: <repo>/.venv/bin/python if present, else python)
+#   LOG_DIR               per-run logs (default: logs, relative to the submit directory)
+#   MASTER_PORT           rendezvous port (default: derived from the job id, see mlev_rendezvous)
+#   OMP_NUM_THREADS, NCCL_*, TORCH_NCCL_*   respected when set; defaults below otherwise
+
+# Exit status of a trainer that saved a checkpoint after SIGUSR1/SIGTERM and wants
+# to be requeued (PREEMPTED_EXIT_CODE in megatron_lev/training/signals.py).
+MLEV_PREEMPTED_EXIT_CODE=75
+
+mlev_log() { echo "[$(date -u +%H:%M:%S) ${SLURM_JOB_ID:-local}] $*"; }
+mlev_die() { echo "[${SLURM_JOB_ID:-local}] error: $*" >&2; exit 1; }
+
+# mlev_setup: repository root, Python and environment. Sets MLEV_ROOT, MLEV_PYTHON.
+mlev_setup() {
+    MLEV_ROOT=${MEGATRON_LEV_ROOT:?mlev_setup needs MEGATRON_LEV_ROOT}
+    if [ -n "${MEGATRON_LEV_PYTHON:-}" ]; then
+        MLEV_PYTHON=$MEGATRON_LEV_PYTHON
+    elif [ -x "$MLEV_ROOT/.venv/bin/python" ]; then
+        MLEV_PYTHON=$MLEV_ROOT/.venv/bin/python
+    else
+        MLEV_PYTHON=python
+    fi
+    command -v "$MLEV_PYTHON" >/dev/null || mlev_die "Python '$MLEV_PYTHON' not found (set MEGATRON_LEV_PYTHON)"
+    export MEGATRON_LEV_PYTHON=$MLEV_PYTHON MEGATRON_LEV_ROOT=$MLEV_ROOT
+    export PYTHONPATH=$MLEV_ROOT${PYTHONPATH:+:$PYTHONPATH}
+    # One thread per rank unless asked otherwise (as torchrun does); more only slows CPU ranks down.
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    # A rank that dies makes the others fail fast instead of hanging in a collective.
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+    export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    export PYTHONUNBUFFERED=1
+    export MLEV_RESTART=${SLURM_RESTART_COUNT:-0}
+    LOG_DIR=${LOG_DIR:-logs}
+    mkdir -p "$LOG_DIR" || mlev_die "cannot create LOG_DIR=$LOG_DIR"
+}
+
+# mlev_rendezvous: MASTER_ADDR = address of the first node of the allocation (its
+# NodeAddr in slurm.conf, so node names need not resolve), MASTER_PORT = 15000 plus
+# a number derived from the job id and restart (below the Linux ephemeral range).
+mlev_rendezvous() {
+    local first addr
+    first=$(scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a Slurm allocation}" | head -n 1)
+    addr=$(scontrol show node "$first" -o 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')
+    export MASTER_ADDR=${MASTER_ADDR:-${addr:-$first}}
+    export MASTER_PORT=${MASTER_PORT:-$((15000 + (SLURM_JOB_ID + 997 * MLEV_RESTART) % 17000))}
+    mlev_log "rendezvous $MASTER_ADDR:$MASTER_PORT (first node $first), nodes ${SLURM_JOB_NODELIST}," \
+        "${SLURM_NTASKS:-?} tasks, restart $MLEV_RESTART"
+}
+
+# mlev_step LOG CMD...: run CMD with srun (one task per GPU, from the allocation) in
+# the background, forward USR1/TERM/INT from the batch shell to it, wait for it,
+# return its exit status. Output of all ranks goes to LOG, prefixed by rank.
+mlev_step() {
+    local log=$1 pid rc sig
+    shift
+    mlev_log "step: $* (log: $log)"
+    # --wait: once a task exits, the others get this long (e.g. to finish a checkpoint) before being killed.
+    srun --label --kill-on-bad-exit=0 --wait="${TASK_EXIT_GRACE:-120}" \
+        "$MLEV_ROOT/slurm/task.sh" "$@" >>"$log" 2>&1 &
+    pid=$!
+    for sig in USR1 TERM INT; do
+        # shellcheck disable=SC2064
+        trap "mlev_log 'batch shell got SIG$sig, forwarding to the job step'; kill -s $sig $pid 2>/dev/null" "$sig"
+    done
+    rc=0
+    while kill -0 "$pid" 2>/dev/null; do
+        wait "$pid"
+        rc=$?
+    done
+    # `wait` interrupted by a trap returns 128+signal; collect the real status if it is still pending.
+    wait "$pid" 2>/dev/null
+    local late=$?
+    [ "$late" -ne 127 ] && rc=$late
+    trap - USR1 TERM INT
+    mlev_log "step exited with status $rc"
+    return "$rc"
+}
