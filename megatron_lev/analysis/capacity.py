@@ -13,7 +13,7 @@ from megatron_lev.analysis.formulas import CAVEATS, CLASS_NOTE, REPRODUCES_TABLE
 
 
 def capacity_report(matrix: torch.Tensor | np.ndarray, name: str, sample: int | None = None,
-                    block: int = 4096, bins: int = 2000, hist_stride: int = 1, seed: int = 0,
+                    block: int = 4096, bins: int = 2000, hist_stride: int | None = None, seed: int = 0,
                     device: str | None = None, progress: bool = False) -> dict:
     """Measure eps of a (V, d) matrix and evaluate the capacity formulas; a JSON-ready dict.
 

@@ -16,7 +16,7 @@ CAVEATS = (
 
 REPRODUCES_TABLE = (
     "The paper's table of models was computed with the four-constant (fitted) form; its summary "
-    "states the one-constant (adjusted) form, which gives far larger values (2.17e9 for Llama 2 7B "
+    "states the one-constant (adjusted) form, which gives far larger values (about 2.2e9 for Llama 2 7B "
     "instead of the table's 3.99e7)."
 )
 

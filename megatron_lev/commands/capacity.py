@@ -14,8 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample", type=int, default=None, metavar="N",
                         help="estimate from N random rows instead of all pairs")
     parser.add_argument("--block", type=int, default=4096, help="rows per matmul block")
-    parser.add_argument("--hist-stride", type=int, default=1,
-                        help="histogram every k-th row of a block (mu, sigma, eps stay exact)")
+    parser.add_argument("--hist-stride", type=int, default=None,
+                        help="histogram every k-th row of a block (default: 4096 // d above 1e8 pairs, "
+                             "else 1); mu, sigma, eps stay exact")
     parser.add_argument("--sweep", choices=("small", "full"), default=None,
                         help="run the packing simulation (small: CPU, minutes; full: GPU) and refit")
     parser.add_argument("--steps", type=int, default=5000, help="Adam steps of the optimised packing")

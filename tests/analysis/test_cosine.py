@@ -58,3 +58,10 @@ def test_bad_input():
         cosine_stats(np.zeros(5))
     with pytest.raises(ValueError, match="at least 2"):
         cosine_stats(np.zeros((4, 3)))
+
+
+def test_auto_hist_stride_only_for_large_matrices():
+    from megatron_lev.analysis.cosine import auto_hist_stride
+
+    assert auto_hist_stride(61, 9) == 1                              # small: every pair histogrammed
+    assert auto_hist_stride(50_277, 1024) == 4 and auto_hist_stride(200_019, 4096) == 1
