@@ -84,6 +84,7 @@ def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None):
 
     from megatron_lev.parallel import state
 
+    _wrap_process_group()
     m, p, seed = cfg.model, cfg.parallel, cfg.train.seed
     if topology is None:
         import torch.distributed as dist
@@ -111,9 +112,22 @@ def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None):
                               checkpointable_layers=["TransformerBlock"])
 
 
+def _wrap_process_group() -> None:
+    """Let DeepSpeed's comm layer adopt an already initialised torch.distributed group (no re-init)."""
+    import deepspeed
+    import deepspeed.comm as ds_dist
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("pipeline parallelism needs torch.distributed initialised (e.g. by the launcher) first")
+    if not ds_dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=None)
+
+
 def _partition_method(name: str) -> str:
-    # DeepSpeed: "parameters" balances trainable parameter counts, "uniform" balances layer counts
-    return {"parameters": "parameters", "uniform": "uniform"}[name]
+    # "parameters": balance trainable parameter counts (DeepSpeed's own method);
+    # "uniform": the same number of blocks per stage (embedding on the first, norm + head on the last)
+    return {"parameters": "parameters", "uniform": "type:TransformerBlock"}[name]
 
 
 def canonical_name(pipeline_name: str, num_layers: int) -> str:

@@ -21,9 +21,9 @@ def _config(embedding, tp, pp, extra=()):
 
 
 def _batches():
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 200, (STEPS, ACCUM, MICRO, SEQ + 1), generator=g)
-    return [[((t[:, :-1],), t[:, 1:]) for t in step] for step in tokens]
+    """The same global batch every step (so the loss must fall), as ACCUM micro-batches."""
+    tokens = torch.randint(0, 200, (ACCUM, MICRO, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return [[((t[:, :-1],), t[:, 1:]) for t in tokens] for _ in range(STEPS)]
 
 
 def _adamw(params):
