@@ -52,16 +52,19 @@ mlev_rendezvous() {
         "${SLURM_NTASKS:-?} tasks, restart $MLEV_RESTART"
 }
 
-# mlev_step LOG CMD...: run CMD with srun (one task per GPU, from the allocation) in
-# the background, forward USR1/TERM/INT from the batch shell to it, wait for it,
-# return its exit status. Output of all ranks goes to LOG, prefixed by rank.
+# mlev_step LOG [SRUN_OPTION...] -- CMD...: run CMD with srun (by default one task per
+# task of the allocation) in the background, forward USR1/TERM/INT from the batch shell
+# to it, wait for it, return its exit status. All tasks' output goes to LOG, prefixed by rank.
 mlev_step() {
-    local log=$1 pid rc sig
+    local log=$1 pid rc sig late
+    local srun_opts=()
+    shift
+    while [ $# -gt 0 ] && [ "$1" != "--" ]; do srun_opts+=("$1"); shift; done
+    [ "${1:-}" = "--" ] || mlev_die "mlev_step: missing '--' before the command"
     shift
     mlev_log "step: $* (log: $log)"
     # --wait: once a task exits, the others get this long (e.g. to finish a checkpoint) before being killed.
-    srun --label --kill-on-bad-exit=0 --wait="${TASK_EXIT_GRACE:-120}" \
-        "$MLEV_ROOT/slurm/task.sh" "$@" >>"$log" 2>&1 &
+    srun --label --kill-on-bad-exit=0 --wait="${TASK_EXIT_GRACE:-120}" "${srun_opts[@]}" "$@" >>"$log" 2>&1 &
     pid=$!
     for sig in USR1 TERM INT; do
         # shellcheck disable=SC2064
@@ -74,7 +77,7 @@ mlev_step() {
     done
     # `wait` interrupted by a trap returns 128+signal; collect the real status if it is still pending.
     wait "$pid" 2>/dev/null
-    local late=$?
+    late=$?
     [ "$late" -ne 127 ] && rc=$late
     trap - USR1 TERM INT
     mlev_log "step exited with status $rc"
