@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron_lev.config import ConfigError, RunConfig
@@ -40,22 +39,6 @@ def check_vocab(cfg: RunConfig, tokenizer_vocab: int) -> int:
     return want if want is not None else tokenizer_vocab
 
 
-def count_parameters(model: nn.Module) -> int:
-    """Parameters of the whole model: tensor-parallel shards summed over TP, stages over PP."""
-    sharded = sum(p.numel() for p in model.parameters() if getattr(p, "tensor_model_parallel", False))
-    replicated = sum(p.numel() for p in model.parameters() if not getattr(p, "tensor_model_parallel", False))
-    counts = torch.tensor([float(sharded), float(replicated)], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        counts = counts.cuda()
-    if state.get_tensor_model_parallel_world_size() > 1:
-        sharded_only = counts.clone()
-        dist.all_reduce(sharded_only, group=state.get_tensor_model_parallel_group())
-        counts[0] = sharded_only[0]
-    if state.get_pipeline_model_parallel_world_size() > 1:
-        dist.all_reduce(counts, group=state.get_pipeline_model_parallel_group())
-    return int(counts.sum().item())
-
-
 class FirstOutputRMS:
     """Records the RMS of a module's output at its first forward (the input-embedding scale, LEV.md)."""
 
@@ -77,11 +60,11 @@ def find_input_embedding(model: nn.Module) -> nn.Module | None:
 
 def pretrain(cfg: RunConfig) -> TrainResult:
     """Run (or resume) the pretraining described by `cfg` on the launcher's processes."""
-    from megatron_lev.model.flops import flops_per_token
 
     from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
     from megatron_lev.data.tokenizers import build_tokenizer
     from megatron_lev.model.build import build_model, padded_vocab_size
+    from megatron_lev.model.flops import flops_per_token, parameter_count
     from megatron_lev.parallel.random import model_parallel_manual_seed
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[2] / ".torch_extensions"))
@@ -107,9 +90,9 @@ def pretrain(cfg: RunConfig) -> TrainResult:
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
-    model = build_model(cfg, vocab, topology=topology)
+    model = build_model(cfg, check_vocab(cfg, tokenizer.vocab_size), topology=topology)
     pipeline = pp > 1
-    n_params = count_parameters(model)
+    n_params = parameter_count(cfg.model, vocab)["total"]
     micro, gas, global_batch = batch_layout(cfg, world)
     budget = training_budget(cfg.train, global_batch, cfg.model.seq_length, n_params)
     log.info("%s: %s parameters, vocabulary %d (padded), %d iterations x %d sequences x %d tokens (%s tokens; %s)",

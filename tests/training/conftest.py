@@ -13,6 +13,7 @@ import pytest
 import zstandard
 
 ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "pretrain" / "configs" / "tiny.yaml"
 DOCS_PER_SUBSET = {"Wikipedia_en": 1500, "Fortunes": 1500}
 
 
@@ -65,7 +66,7 @@ def tiny_overrides(data_prefix: str, tokenizer: str, out: Path, **extra) -> list
 
 def train_command(nproc: int, overrides: list[str]) -> list[str]:
     """`python -m megatron_lev train` (one process) or `torchrun --standalone` (several)."""
-    args = ["train", "--config", str(ROOT / "pretrain" / "configs" / "tiny.yaml"), *overrides]
+    args = ["train", "--config", str(TINY), *overrides]
     if nproc == 1:
         return [sys.executable, "-m", "megatron_lev", *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -94,3 +95,31 @@ def train_losses(out: Path) -> dict[int, float]:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def kill_overrides(prefix: str, tok: str, out: Path) -> list[str]:
+    """The run the SIGKILL/SIGTERM test interrupts (and the single-rank suite runs uninterrupted)."""
+    return tiny_overrides(prefix, tok, out, **{"train.train_iters": 16, "train.save_interval": 2})
+
+
+@pytest.fixture(scope="session")
+def single_rank_results(minipile_prefix, tokenizer_path, tmp_path_factory) -> dict:
+    from megatron_lev.testing.distributed import run_distributed
+    from tests.training.suites import single_rank_suite
+
+    out = tmp_path_factory.mktemp("single")
+    ref = kill_overrides(minipile_prefix, tokenizer_path, out / "reference")
+    (res,) = run_distributed(single_rank_suite, world_size=1, args=(minipile_prefix, tokenizer_path, str(out), ref),
+                             timeout=240)
+    res["out"] = out
+    return res
+
+
+@pytest.fixture(scope="session")
+def two_rank_results(minipile_prefix, tokenizer_path, tmp_path_factory) -> list[dict]:
+    from megatron_lev.testing.distributed import run_distributed
+    from tests.training.suites import two_rank_suite
+
+    out = tmp_path_factory.mktemp("two")
+    return run_distributed(two_rank_suite, world_size=2, args=(minipile_prefix, tokenizer_path, str(out)),
+                           timeout=300)

@@ -1,10 +1,24 @@
-"""A two-layer language model with the GPTModel call signature, for engine-level tests."""
+"""A two-layer language model with the GPTModel call signature, and a Trainer around it."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from megatron_lev.config import RunConfig
+from megatron_lev.parallel import state
+from megatron_lev.training.ds_config import batch_layout, build_ds_config
+from megatron_lev.training.engine import build_engine, disable_cpu_shm_comm
+from megatron_lev.training.metrics import MetricsWriter
+from megatron_lev.training.schedule import Budget
+from megatron_lev.training.trainer import Trainer
+
+SEQ = 8
 
 
 class ToyLM(nn.Module):
@@ -32,3 +46,45 @@ def toy_batches(seed: int, micro_batch: int, seq: int, vocab: int = 64, start: i
         if i >= start:
             yield tokens[:, :-1], tokens[:, 1:]
         i += 1
+
+
+def toy_config(stage: int, iters: int) -> RunConfig:
+    cfg = RunConfig()
+    cfg.parallel.zero_stage = stage
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 2, 8  # DP 2 x accumulation 2
+    cfg.train.train_iters, cfg.train.lr, cfg.train.min_lr, cfg.train.lr_warmup_iters = iters, 1e-2, 1e-3, 2
+    cfg.logging.log_interval, cfg.logging.progress_bar, cfg.logging.tensorboard = 1, False, False
+    return cfg
+
+
+def toy_trainer(cfg: RunConfig, out: str, init_seed: int, nan_steps=(), signal_at: int | None = None) -> Trainer:
+    """A Trainer over a DeepSpeed engine of ToyLM; rank 1 sends itself SIGUSR1 during iteration `signal_at`."""
+    disable_cpu_shm_comm()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not state.is_initialized() or state.get_data_parallel_world_size() != world:
+        state.initialize_model_parallel(1, 1)
+    torch.manual_seed(init_seed)
+    engine, optimizer = build_engine(cfg, ToyLM(), build_ds_config(cfg, world), pipeline=False)
+    micro, gas, global_batch = batch_layout(cfg, world)
+
+    def batches(consumed: int):
+        for k, b in enumerate(toy_batches(100 + rank, micro, SEQ, start=consumed // (micro * world))):
+            if signal_at is not None and rank == 1 and consumed // global_batch + k // gas + 1 == signal_at:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            yield b
+
+    return Trainer(cfg, engine, optimizer, Budget(cfg.train.train_iters, global_batch * SEQ, "test"),
+                   pipeline=False, world_size=world, device=torch.device("cpu"), train_batches=batches,
+                   valid_batches=None, flops_per_token=None, writer=MetricsWriter(out, rank == 0, False), gas=gas,
+                   global_batch=global_batch, save_dir=os.path.join(out, "ckpt"), load_dir=os.path.join(out, "ckpt"),
+                   nan_steps=set(nan_steps))
+
+
+def optimizer_snapshot(optimizer) -> list[torch.Tensor]:
+    """This rank's master weights and Adam moments (the ZeRO partitions for stages 1-3)."""
+    out = []
+    for p, st in optimizer.state.items():
+        out.append(p.detach().clone())
+        out += [v.detach().clone() for v in st.values() if torch.is_tensor(v)]
+    assert out, "no optimizer state yet"
+    return out
