@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by the slurm/*.sbatch scripts (sourced, not run). Finds the repository and
 # its Python, sets the process environment, derives the rendezvous address from the
 # allocation, and runs a job step in the background so that signals reach it.
@@ -10,7 +11,7 @@
 
 # Exit status of a trainer that saved a checkpoint after SIGUSR1/SIGTERM and wants
 # to be requeued (PREEMPTED_EXIT_CODE in megatron_lev/training/signals.py).
-MLEV_PREEMPTED_EXIT_CODE=75
+export MLEV_PREEMPTED_EXIT_CODE=75
 
 mlev_log() { echo "[$(date -u +%H:%M:%S) ${SLURM_JOB_ID:-local}] $*"; }
 mlev_die() { echo "[${SLURM_JOB_ID:-local}] error: $*" >&2; exit 1; }
