@@ -5,6 +5,8 @@ import torch
 
 from megatron_lev.config import ConfigError, load_config
 from megatron_lev.model.build import build_model
+from megatron_lev.model.canonical import canonical_state_dict_spec
+from megatron_lev.model.pipeline import canonical_name
 from megatron_lev.testing import run_distributed
 
 VOCAB = 208  # a multiple of 8 x TP for TP 1 and 2, so every layout pads it alike
@@ -43,7 +45,7 @@ def _reference_losses(embedding):
     return losses
 
 
-def _pipeline_worker(tp, pp, embeddings):
+def _pipeline_worker(tp, pp, embeddings, extra=()):
     import deepspeed
     import torch.distributed as dist
 
@@ -52,7 +54,15 @@ def _pipeline_worker(tp, pp, embeddings):
     state.initialize_model_parallel(tp, pp)
     out = {}
     for embedding in embeddings:
-        pipe = build_model(_config(embedding, tp, pp), VOCAB)
+        cfg = _config(embedding, tp, pp, extra)
+        pipe = build_model(cfg, VOCAB)
+        spec = canonical_state_dict_spec(cfg.model, VOCAB)  # names and TP-local shapes must map onto it
+        for name, param in pipe.named_parameters():
+            entry = spec[canonical_name(name, cfg.model.num_layers)]
+            local = list(entry.shape)
+            if entry.partition_dim is not None:
+                local[entry.partition_dim] //= tp
+            assert tuple(param.shape) == tuple(local), (name, entry)
         ds_config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM,
                      "train_batch_size": MICRO * ACCUM, "zero_optimization": {"stage": 1},
                      "steps_per_print": 10 ** 6, "gradient_clipping": 0.0}
@@ -92,8 +102,10 @@ def test_pp2_matches_single_process_and_tied_copies_stay_identical():
 
 @pytest.mark.multiprocess
 def test_tp2_pp2_matches_single_process():
-    embeddings = ("tied",)
-    _check(run_distributed(_pipeline_worker, world_size=4, args=(2, 2, embeddings), timeout=400), embeddings, 2, 2)
+    embeddings = ("tied",)  # with activation checkpointing of the blocks (the reference runs without)
+    results = run_distributed(_pipeline_worker, world_size=4, timeout=400,
+                              args=(2, 2, embeddings, ["model.activation_checkpointing=true"]))
+    _check(results, embeddings, 2, 2)
 
 
 @pytest.mark.parametrize("overrides, match", [
