@@ -8,8 +8,8 @@
 # NPROC defaults to the number of visible GPUs (1 without GPUs). torchrun picks a free
 # rendezvous port (--standalone), so several runs can share a machine. Like the Slurm
 # script it uses MEGATRON_LEV_PYTHON, else .venv/bin/python, else python; ENTRY replaces
-# "-m megatron_lev train". A run that exits with 75 (stopped by SIGTERM) resumes from
-# train.save when started again.
+# "-m megatron_lev train". Started again with the same train.save, a run resumes from
+# its latest checkpoint.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 if [ -n "${MEGATRON_LEV_PYTHON:-}" ]; then
