@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("megatron_lev.commands.evaluate", "perplexity overall, by token frequency and in bits per byte"),
     "compare": ("megatron_lev.commands.compare", "compare runs against TIED: perplexity changes and tokens-to-target"),
     "lm-eval-tasks": ("megatron_lev.commands.lm_eval_tasks", "write offline lm-eval task YAMLs for local downstream data"),
+    "convert": ("megatron_lev.commands.convert", "convert a training checkpoint to a validated Hugging Face model"),
     "preprocess": ("megatron_lev.commands.preprocess", "tokenise Pile-format text into memory-mapped .bin/.idx shards"),
     "train-tokenizer": ("megatron_lev.commands.train_tokenizer", "train a SentencePiece BPE tokenizer (byte fallback) on Pile-format text"),
     "sample-corpus": ("megatron_lev.commands.sample_corpus", "build a Pile-format sample corpus from sources on this machine"),

@@ -123,7 +123,7 @@ def plain_module_state(files: CheckpointFiles, tp_rank: int) -> dict[str, torch.
 
 def zero3_module_state(files: CheckpointFiles, tp_rank: int) -> dict[str, torch.Tensor]:
     """TP rank `tp_rank`'s fp32 weights gathered from the ZeRO-3 partitions of its DP group."""
-    from deepspeed.utils.zero_to_fp32 import _get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils.zero_to_fp32 import _get_fp32_state_dict_from_zero_checkpoint, to_torch_tensor
 
     tag = f"mp_rank_{tp_rank:02d}_"
     with tempfile.TemporaryDirectory() as tmp:
@@ -136,7 +136,7 @@ def zero3_module_state(files: CheckpointFiles, tp_rank: int) -> dict[str, torch.
         except Exception as exc:
             raise CheckpointError(f"{files.tag_dir}: cannot gather the ZeRO-3 partitions of TP rank {tp_rank}: "
                                   f"{type(exc).__name__}: {exc}") from None
-    return dict(state)
+    return dict(to_torch_tensor(state))  # lazy views over the flat partitions -> real tensors
 
 
 def find_run_config(tag_dir: Path, config: str | os.PathLike | None = None) -> RunConfig:

@@ -1,16 +1,13 @@
-"""The Hugging Face side of an export: LlamaConfig, streamed safetensors shards, tokenizer files.
+"""The Hugging Face side of an export: LlamaConfig, generation config, streamed safetensors shards.
 
 Nothing here knows the project's model; it receives already-merged tensors under
-Hugging Face names and writes a directory that `AutoModelForCausalLM` and
-`AutoTokenizer` load without custom code.
+Hugging Face names and writes files `AutoModelForCausalLM` loads without custom code.
+(Tokenizer files come from the tokenizer itself: `data.tokenizers.Tokenizer.save_for_hf`.)
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -112,49 +109,3 @@ class SafetensorsShardWriter:
             atomic_write_json(self.out_dir / "model.safetensors.index.json",
                               {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map})
         return final
-
-
-# --------------------------------------------------------------------------- tokenizer
-
-
-def write_tokenizer(out_dir: Path, tokenizer_type: str, tokenizer_path: str | os.PathLike) -> dict:
-    """Save tokenizer files `AutoTokenizer` can load; returns {'bos_token_id', 'eos_token_id', 'size'}."""
-    path = Path(tokenizer_path)
-    if not path.exists():
-        raise FileNotFoundError(f"tokenizer file {path} (data.tokenizer_path of the checkpoint's config) not found; "
-                                "pass --tokenizer PATH")
-    if tokenizer_type == "hf":
-        tok = _hf_tokenizer(path)
-    elif tokenizer_type == "sentencepiece":
-        tok = _sentencepiece_tokenizer(path)
-        shutil.copyfile(path, out_dir / "tokenizer.model")
-    else:
-        raise ValueError(f"cannot export a {tokenizer_type!r} tokenizer to Hugging Face files; supported: hf "
-                         "(tokenizer.json), sentencepiece (.model)")
-    tok.save_pretrained(str(out_dir))
-    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "size": len(tok)}
-
-
-def _hf_tokenizer(path: Path):
-    """A fast tokenizer from a `tokenizer.json` (file or directory holding one)."""
-    from transformers import PreTrainedTokenizerFast
-
-    file = path / "tokenizer.json" if path.is_dir() else path
-    specials = _special_tokens(file)
-    eos = next((t for t in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>") if t in specials), None)
-    bos = next((t for t in ("<s>", "<bos>", "<|begin_of_text|>") if t in specials), eos)
-    return PreTrainedTokenizerFast(tokenizer_file=str(file), eos_token=eos, bos_token=bos)
-
-
-def _special_tokens(file: Path) -> set[str]:
-    data = json.loads(file.read_text())
-    return {t["content"] for t in data.get("added_tokens", []) if t.get("special")}
-
-
-def _sentencepiece_tokenizer(path: Path):
-    """Llama's tokenizer class converts a SentencePiece model into tokenizer.json itself."""
-    from transformers import LlamaTokenizer
-
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copyfile(path, Path(tmp) / "tokenizer.model")
-        return LlamaTokenizer.from_pretrained(tmp)

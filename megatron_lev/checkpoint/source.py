@@ -1,0 +1,141 @@
+"""A training checkpoint of any layout as a stream of full, canonically named tensors.
+
+    src = open_checkpoint("runs/x/checkpoints")          # latest complete tag
+    for name, tensor in iter_canonical(src): ...         # "layers.0.attention.qkv.weight", ...
+
+Files are read one at a time (pipeline: one layer's TP shards; plain/ZeRO-3: one TP
+rank after the other) and each tensor is dropped once merged, so memory stays around
+one copy of the model. TP shards are merged with the model's own rules (fused
+QKV / gate-up parts, vocabulary rows); pipeline names are mapped with
+`model.pipeline.canonical_name`; ZeRO-3 weights are gathered from their fp32 partitions.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from megatron_lev.checkpoint.ds_reader import (
+    CheckpointError,
+    CheckpointFiles,
+    find_files,
+    find_run_config,
+    load_file,
+    plain_module_state,
+    resolve_tag_dir,
+    zero3_module_state,
+)
+from megatron_lev.checkpoint.merge import merge_shards
+from megatron_lev.config import RunConfig
+from megatron_lev.model.build import padded_vocab_size
+from megatron_lev.model.canonical import ParamSpec, canonical_state_dict_spec
+from megatron_lev.model.pipeline import canonical_name
+
+COMPLETE_MARKER = "complete"  # written by the trainer once every rank has saved
+
+
+@dataclass
+class SourceCheckpoint:
+    tag_dir: Path
+    files: CheckpointFiles
+    cfg: RunConfig
+    vocab_size: int  # the tokenizer's (what an export keeps)
+    padded_vocab: int  # the model's rows (vocab padded for the source TP size)
+    specs: dict[str, ParamSpec]
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.model.num_layers
+
+
+def open_checkpoint(path: str | os.PathLike, tag: str | None = None, config: str | os.PathLike | None = None,
+                    vocab_size: int | None = None) -> SourceCheckpoint:
+    """Locate the shard files, the run config and the vocabulary; check the checkpoint is complete."""
+    tag_dir = resolve_tag_dir(path, tag)
+    trainer_layout = any(p.is_file() for p in tag_dir.parent.glob(f"*/{COMPLETE_MARKER}"))
+    if trainer_layout and not (tag_dir / COMPLETE_MARKER).is_file():
+        raise CheckpointError(f"{tag_dir} has no '{COMPLETE_MARKER}' marker: the save was interrupted; convert an "
+                              "earlier complete tag (--tag)")
+    files = find_files(tag_dir)
+    cfg = find_run_config(tag_dir, config)
+    cfg_tp = cfg.parallel.tensor_model_parallel_size
+    if files.tp != cfg_tp:
+        raise CheckpointError(f"{tag_dir} holds {files.tp} tensor-parallel shard(s) but its config says "
+                              f"parallel.tensor_model_parallel_size={cfg_tp}")
+    if files.kind == "pipeline" and cfg.parallel.pipeline_model_parallel_size == 1:
+        raise CheckpointError(f"{tag_dir} is a pipeline checkpoint but its config says "
+                              "parallel.pipeline_model_parallel_size=1")
+    vocab = vocab_size or _vocab_size(cfg)
+    padded = padded_vocab_size(vocab, cfg.model, cfg_tp)
+    specs = canonical_state_dict_spec(cfg.model, padded)
+    return SourceCheckpoint(tag_dir, files, cfg, vocab, padded, specs)
+
+
+def _vocab_size(cfg: RunConfig) -> int:
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    path = cfg.data.tokenizer_path
+    if not path or not Path(path).is_file():
+        raise CheckpointError(f"cannot tell the vocabulary size: model.vocab_size is unset and the tokenizer "
+                              f"(data.tokenizer_path={path!r}) is not found; pass --vocab-size or --tokenizer")
+    from megatron_lev.data.tokenizers import build_tokenizer
+
+    return build_tokenizer(cfg.data.tokenizer_type, path).vocab_size
+
+
+def iter_canonical(src: SourceCheckpoint, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(canonical name, full tensor)` for every parameter, in model order; checks none is missing."""
+    seen: set[str] = set()
+    bar = tqdm(total=len(src.specs), desc=f"merging {src.files.kind} TP={src.files.tp}", unit="tensor",
+               disable=not progress)
+    stream = _pipeline(src) if src.files.kind == "pipeline" else _per_rank(src)
+    for name, tensor in stream:
+        if name not in src.specs:
+            raise CheckpointError(f"{src.tag_dir}: parameter {name!r} is not in the model built from config.yaml "
+                                  f"(model.embedding={src.cfg.model.embedding!r}); wrong config?")
+        if name in seen:
+            continue
+        seen.add(name)
+        bar.update(1)
+        yield name, tensor
+    bar.close()
+    missing = [n for n in src.specs if n not in seen]
+    if missing:
+        raise CheckpointError(f"{src.tag_dir}: {len(missing)} parameter(s) missing from the checkpoint, e.g. "
+                              f"{missing[:3]}: the checkpoint is incomplete or from another model")
+
+
+def _pipeline(src: SourceCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    last = src.num_layers + 2
+    tied = src.cfg.model.embedding == "tied"
+    for idx, by_rank in sorted(src.files.layer_files.items()):
+        if tied and idx == last:
+            continue  # the last stage's copy of the tied table (kept identical by DeepSpeed)
+        shards = [load_file(by_rank[r]) for r in range(src.files.tp)]
+        for key in list(shards[0]):
+            name = canonical_name(f"{idx}.{key}", src.num_layers)
+            parts = [s.pop(key) for s in shards]
+            if name in src.specs:
+                parts = [merge_shards(parts, src.specs[name])]
+            yield name, parts[0]
+        del shards
+
+
+def _per_rank(src: SourceCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    read = plain_module_state if src.files.kind == "plain" else zero3_module_state
+    states = [read(src.files, r) for r in range(src.files.tp)]  # each holds 1/TP of the model
+    for key in list(states[0]):
+        parts = [s.pop(key) for s in states]
+        if key in src.specs:
+            parts = [merge_shards(parts, src.specs[key])]
+        yield key, parts[0]
+
+
+def load_canonical_state(src: SourceCheckpoint, progress: bool = True) -> dict[str, torch.Tensor]:
+    """The whole merged state dict (one copy of the model in memory)."""
+    return dict(iter_canonical(src, progress))

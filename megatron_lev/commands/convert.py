@@ -1,0 +1,51 @@
+"""`megatron-lev convert`: a training checkpoint (any layout) -> a validated Hugging Face Llama directory."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_lev.checkpoint.ds_reader import CheckpointError
+from megatron_lev.checkpoint.hf_export import DTYPES, export_to_hf
+from megatron_lev.checkpoint.merge import ShardMismatchError
+from megatron_lev.checkpoint.validate import ValidationError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="the run's save directory (uses 'latest') or one checkpoint tag directory")
+    parser.add_argument("out", help="the Hugging Face model directory to write")
+    parser.add_argument("--tag", default=None, help="checkpoint tag under the save directory (default: latest)")
+    parser.add_argument("--config", default=None, metavar="YAML",
+                        help="the run's resolved config (default: config.yaml beside the checkpoint)")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="tokenizer file (default: data.tokenizer_path of the config)")
+    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="dtype of the exported weights")
+    parser.add_argument("--max-shard-size", type=float, default=5.0, metavar="GB",
+                        help="largest safetensors shard; bigger models get an index")
+    parser.add_argument("--skip-validation", action="store_true",
+                        help="do not compare the exported model's logits with the source model's")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def main(args: argparse.Namespace) -> int:
+    from megatron_lev.logging import setup_logging
+
+    setup_logging()
+    try:
+        result = export_to_hf(args.checkpoint, args.out, tag=args.tag, config=args.config, tokenizer=args.tokenizer,
+                              dtype=args.dtype, validate=not args.skip_validation,
+                              max_shard_bytes=int(args.max_shard_size * 1024**3), overwrite=args.overwrite,
+                              progress=not args.no_progress)
+    except ValidationError as exc:
+        print(f"megatron-lev convert: VALIDATION FAILED: {exc}", file=sys.stderr)
+        return 1
+    except (CheckpointError, ShardMismatchError, FileExistsError, FileNotFoundError) as exc:
+        print(f"megatron-lev convert: {exc}", file=sys.stderr)
+        return 2
+    if result.report is not None:
+        print(result.report.summary())
+    else:
+        print("validation skipped (--skip-validation)")
+    print(f"wrote {result.out_dir} ({len(result.files)} safetensors file(s), vocabulary {result.vocab_size})")
+    return 0
