@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -168,14 +170,17 @@ class Trainer:
         total_iters = self.budget.train_iters
         result = TrainResult(self.state.iteration, 0, "completed")
         batches = self.make_train_batches(self.state.consumed_samples)
-        bar = None
+        bar, redirect = None, contextlib.nullcontext()
         if self.rank == 0 and lg.progress_bar:
             from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             bar = tqdm(total=total_iters, initial=self.state.iteration, desc="train", unit="it", dynamic_ncols=True)
+            redirect = logging_redirect_tqdm(loggers=[logging.getLogger("megatron_lev")])  # log lines above the bar
         window = _Window()
         saved_at = -1
         watcher = PreemptionWatcher().install()
+        redirect.__enter__()
         try:
             while self.state.iteration < total_iters:
                 start = time.perf_counter()
@@ -198,7 +203,7 @@ class Trainer:
                 except TooManySkippedSteps as exc:
                     too_many = exc
                 if it % lg.log_interval == 0 or it == total_iters or too_many:
-                    self._log_window(window, it, bar)
+                    self._log_window(window, it)
                     window = _Window()
                 if too_many is not None:
                     log.error("%s", too_many)
@@ -224,10 +229,11 @@ class Trainer:
             return result
         finally:
             watcher.uninstall()
+            redirect.__exit__(None, None, None)
             if bar is not None:
                 bar.close()
 
-    def _log_window(self, w: _Window, it: int, bar) -> None:
+    def _log_window(self, w: _Window, it: int) -> None:
         tp = throughput(w.tokens, w.seconds, self.flops_per_token, self.world_size, self.cfg.logging.peak_tflops)
         values = {"loss": w.mean_loss, "lr": learning_rate(it - 1, self.cfg.train, self.budget.train_iters),
                   "grad_norm": w.last_norm if w.last_norm is not None else float("nan"),
@@ -244,9 +250,12 @@ class Trainer:
             line = (f"iter {it}/{self.budget.train_iters} | loss {w.mean_loss:.4f} | lr {values['lr']:.3e} | "
                     f"grad norm {values['grad_norm']:.3f} | {tp['tokens_per_s']:,.0f} tok/s")
             if "mfu" in tp:
-                line += f" | {tp['tflops_per_device']:.1f} TFLOP/s/dev | MFU {100 * tp['mfu']:.1f}%"
+                line += f" | {tp['tflops_per_device']:.3g} TFLOP/s/dev | MFU {100 * tp['mfu']:.2f}%"
+            mem = values.get("mem_peak_gib", values.get("mem_rss_gib"))
+            if mem is not None:
+                line += f" | mem {mem:.1f} GiB"
             line += f" | skipped {values['skipped_steps']}"
-            (bar.write if bar is not None else log.info)(line)
+            log.info(line)
 
     def _log_validation(self, it: int) -> None:
         metrics = self.evaluate()
