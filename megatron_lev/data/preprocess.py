@@ -58,9 +58,9 @@ class ChunkResult:
 class _Worker:
     """Tokenises chunks and appends them to this worker's part shards (one per subset)."""
 
-    def __init__(self, opts: PreprocessOptions, part_dir: Path, worker_id: int):
+    def __init__(self, opts: PreprocessOptions, part_dir: Path, worker_id: int, tokenizer=None):
         self.opts = opts
-        self.tok = build_tokenizer(opts.tokenizer_type, opts.tokenizer_path)
+        self.tok = tokenizer or build_tokenizer(opts.tokenizer_type, opts.tokenizer_path)
         self.dtype = best_dtype(self.tok.vocab_size)
         self.part_dir, self.worker_id = part_dir, worker_id
         self.builders: dict[str, IndexedDatasetBuilder] = {}
@@ -165,13 +165,13 @@ def preprocess(opts: PreprocessOptions) -> dict:
     counts = np.zeros(tok.vocab_size, dtype=np.int64)
     try:
         if opts.workers <= 1:
-            worker = _Worker(opts, part_dir, 0)
+            worker = _Worker(opts, part_dir, 0, tok)
             for chunk in iter_chunks(files, problems, opts.chunk_bytes, opts.json_key):
                 results.append(worker.process(chunk))
                 progress.update(results[-1])
             counts += worker.finish()
         else:
-            counts += _run_pool(opts, files, part_dir, problems, results, progress)
+            counts += _run_pool(opts, files, part_dir, problems, results, progress, tok.vocab_size)
         progress.bar.close()
         results.sort(key=lambda r: r.chunk_id)
         outputs = _merge(opts, results, best_dtype(tok.vocab_size))
@@ -186,14 +186,15 @@ def preprocess(opts: PreprocessOptions) -> dict:
         shutil.rmtree(part_dir, ignore_errors=True)
 
 
-def _run_pool(opts, files, part_dir, problems, results, progress) -> np.ndarray:
+def _run_pool(opts, files, part_dir, problems, results, progress, vocab_size: int) -> np.ndarray:
+    """Feed chunks to worker processes through a bounded queue; returns the summed token counts."""
     ctx = mp.get_context("spawn")
     in_q, out_q = ctx.Queue(maxsize=2 * opts.workers), ctx.Queue()
     procs = [ctx.Process(target=_worker_main, args=(opts, part_dir, w, in_q, out_q), daemon=True)
              for w in range(opts.workers)]
     for p in procs:
         p.start()
-    counts = np.zeros(build_tokenizer(opts.tokenizer_type, opts.tokenizer_path).vocab_size, dtype=np.int64)
+    counts = np.zeros(vocab_size, dtype=np.int64)
     done = 0
 
     def drain(block: bool) -> None:
