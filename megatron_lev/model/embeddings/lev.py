@@ -1,9 +1,10 @@
 """The LEV layer: token id -> compositional seed -> per-head separable spline -> `(B, S, D)`.
 
 Spec: LEV.md, "The LEV layer, exactly". Efficiency: `G` is computed only for the
-unique ids of the batch, in chunks (recomputed in backward when `recompute`),
-and the separable product never stores `[tokens, h, d_seed, r]` activations: it
-sums logs over blocks of coordinates in forward and recomputes them in backward.
+unique ids of the batch, in chunks, and the separable product never stores
+`[tokens, h, d_seed, r]` activations: it sums logs over blocks of coordinates in
+forward and recomputes them in backward. With `recompute` the per-chunk basis
+(projection, LayerNorm, sigmoid) is checkpointed as well.
 Tensor parallel: the heads are split across TP ranks; codebooks are replicated.
 """
 
@@ -26,7 +27,9 @@ from megatron_lev.parallel.mappings import copy_to_tensor_parallel_region, reduc
 LOG_EPS = 1e-9  # log(|phi| + eps): keeps a zero factor finite
 LN_EPS = 1e-5
 DELTA_INIT_STD = 0.1
-_BLOCK_ELEMENTS = 1 << 20  # phi elements materialised at once inside the separable product
+# phi elements materialised at once inside the separable product: cache-sized on CPU,
+# larger on GPUs so that a chunk needs few kernel launches (~64 MB fp32 temporaries)
+_BLOCK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 24}
 
 
 def digit_base(vocab_size: int, k: int) -> int:
@@ -62,8 +65,9 @@ class Codebooks(nn.Module):
         return F.embedding(digits + offsets, self.weight).sum(dim=-2)
 
 
-def _block_size(n: int, heads: int, d_seed: int, rank: int) -> int:
-    return max(1, min(d_seed, _BLOCK_ELEMENTS // max(1, n * heads * rank)))
+def _block_size(n: int, heads: int, d_seed: int, rank: int, device: torch.device) -> int:
+    budget = _BLOCK_ELEMENTS.get(device.type, _BLOCK_ELEMENTS["cuda"])
+    return max(1, min(d_seed, budget // max(1, n * heads * rank)))
 
 
 def _phi_block(weight, flat, delta_rows, start, stop):
@@ -99,7 +103,7 @@ class SeparableProduct(torch.autograd.Function):
         rows = delta.reshape(h * d * kappa, r)
         log_abs = weight.new_zeros(n, h, r)
         negatives = torch.zeros(n, h, r, dtype=torch.int32, device=weight.device)
-        step = _block_size(n, h, d, r)
+        step = _block_size(n, h, d, r, weight.device)
         for start in range(0, d, step):
             phi, _ = _phi_block(weight, flat, rows, start, min(d, start + step))
             negatives += (phi < 0).sum(dim=2, dtype=torch.int32)
@@ -118,7 +122,7 @@ class SeparableProduct(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[0] else None
         grad_rows = torch.zeros_like(rows) if ctx.needs_input_grad[2] else None
         signed = (grad_out * sign).unsqueeze(2)  # (N, h, 1, r)
-        step = _block_size(n, h, d, r)
+        step = _block_size(n, h, d, r, weight.device)
         for start in range(0, d, step):
             stop = min(d, start + step)
             phi, gathered = _phi_block(weight, flat, rows, start, stop)
@@ -187,23 +191,33 @@ class LevEmbedding(InputEmbedding):
     def _compute_dtype(self) -> torch.dtype:
         return torch.float64 if self.delta.dtype == torch.float64 else torch.float32
 
-    def heads(self, seed: torch.Tensor) -> torch.Tensor:
-        """Sum over this rank's heads of `M_l @ W_out_l`: `(N, d_seed)` -> `(N, D)` (fp32 inside)."""
+    def spline_basis(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per head `u_l = sigmoid(LayerNorm_l(W_l z))` and its 3 active basis functions, `(N, h, d, 3)`."""
+        y = torch.einsum("nd,hed->nhe", z, self.proj.to(z.dtype))  # (N, h, d)
+        y = F.layer_norm(y, (y.shape[-1],), eps=LN_EPS) * self.norm_weight.to(z.dtype) + self.norm_bias.to(z.dtype)
+        u = torch.sigmoid(y).clamp(0.0, 1.0)  # (N, h, d): bounded latent coordinates
+        return active_basis(u, self.lev.kappa)
+
+    def heads(self, seed: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+        """Sum over this rank's heads of `M_l @ W_out_l`: `(N, d_seed)` -> `(N, D)` (fp32 inside).
+
+        With `recompute` the basis computation is checkpointed (its `(N, h, d)` intermediates
+        are rebuilt in backward); the separable product recomputes its own blocks anyway, so
+        it is never run twice.
+        """
         cdt = self._compute_dtype()
         z = seed.to(cdt)
-        y = torch.einsum("nd,hed->nhe", z, self.proj.to(cdt))  # (N, h, d)
-        y = F.layer_norm(y, (y.shape[-1],), eps=LN_EPS) * self.norm_weight.to(cdt) + self.norm_bias.to(cdt)
-        u = torch.sigmoid(y).clamp(0.0, 1.0)  # (N, h, d): bounded latent coordinates
-        index, weight = active_basis(u, self.lev.kappa)  # (N, h, d, 3)
+        if recompute:
+            index, weight = checkpoint(self.spline_basis, z, use_reentrant=False)
+        else:
+            index, weight = self.spline_basis(z)
         modes = separable_product(weight, index, self.delta.to(cdt))  # (N, h, r)
         out = modes.flatten(1) @ self.out_proj.to(cdt).flatten(0, 1)  # (N, h*r) @ (h*r, D)
         return out.to(seed.dtype)
 
     def _chunked_heads(self, seed: torch.Tensor) -> torch.Tensor:
-        parts = []
         recompute = self.lev.recompute and torch.is_grad_enabled()
-        for chunk in seed.split(self.lev.chunk_size, dim=0):
-            parts.append(checkpoint(self.heads, chunk, use_reentrant=False) if recompute else self.heads(chunk))
+        parts = [self.heads(chunk, recompute) for chunk in seed.split(self.lev.chunk_size, dim=0)]
         return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -224,7 +238,10 @@ class LevEmbedding(InputEmbedding):
 
     @torch.no_grad()
     def materialize(self, chunk_size: int | None = None) -> torch.Tensor:
-        """The dense `(V, D)` table, in chunks of `chunk_size` ids (default `lev.chunk_size`)."""
+        """The dense `(V, D)` table, in chunks of `chunk_size` ids (default `lev.chunk_size`).
+
+        Under tensor parallelism this is collective (every TP rank must call it).
+        """
         step = chunk_size or self.lev.chunk_size
         device = self.delta.device
         return torch.cat([self.embed_ids(torch.arange(s, min(s + step, self.vocab_size), device=device))
