@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 # (d values, k values) per named sweep; "full" is the paper's grid and wants a GPU.
 SWEEPS = {
-    "small": ((16, 32, 64, 128), (128, 256, 512)),
+    "small": ((16, 32, 64, 128), (128, 256)),
     "full": ((32, 64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096),
              (2000, 4000, 8000, 16000, 24000, 32000)),
 }
