@@ -35,6 +35,11 @@ mlev_setup() {
     export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
     export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
     export PYTHONUNBUFFERED=1
+    # Some Slurm releases do not pass the job's --cpus-per-task on to srun (SRUN_CPUS_PER_TASK
+    # is the documented way); without it a 32-worker preprocess step could get one core.
+    if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+        export SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}
+    fi
     export MLEV_RESTART=${SLURM_RESTART_COUNT:-0}
     LOG_DIR=${LOG_DIR:-logs}
     mkdir -p "$LOG_DIR" || mlev_die "cannot create LOG_DIR=$LOG_DIR"
