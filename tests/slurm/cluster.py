@@ -174,12 +174,16 @@ class SlurmCluster:
                 fields[key] = value
         return fields
 
+    def queued(self, job_id: str) -> bool:
+        """Whether the job is still pending or running (a failing `squeue` counts as yes)."""
+        proc = self.run(["squeue", "-h", "-j", job_id, "-o", "%T"], check=False)
+        return proc.returncode != 0 or bool(proc.stdout.strip())
+
     def wait(self, job_id: str, timeout: float, poll: float = 0.5) -> JobInfo:
         """Poll until the job has left the queue for good (requeues included); return its final state."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            queued = self.run(["squeue", "-h", "-j", job_id, "-o", "%T"], check=False).stdout.strip()
-            if not queued:
+            if not self.queued(job_id):
                 info = self.job(job_id)
                 return JobInfo(job_id, info.get("JobState", "UNKNOWN"), info.get("ExitCode", "?"),
                                int(info.get("Restarts", "0")), info)

@@ -70,7 +70,7 @@ def wait_for_log(cluster: SlurmCluster, workdir: Path, job_id: str, text: str, t
     while time.monotonic() < deadline:
         if text in run_logs(workdir, job_id).get(restart, ""):
             return
-        if not cluster.run(["squeue", "-h", "-j", job_id], check=False).stdout.strip():
+        if not cluster.queued(job_id):
             break
         time.sleep(0.3)
     info = cluster.wait(job_id, timeout=60)
