@@ -23,6 +23,7 @@ from megatron_lev.training.launch import device as current_device
 from megatron_lev.training.launch import init_distributed
 from megatron_lev.training.metrics import MetricsWriter
 from megatron_lev.training.schedule import training_budget
+from megatron_lev.training.signals import PreemptionWatcher
 from megatron_lev.training.trainer import Trainer, TrainResult
 
 log = get_logger(__name__)
@@ -60,7 +61,14 @@ def find_input_embedding(model: nn.Module) -> nn.Module | None:
 
 def pretrain(cfg: RunConfig) -> TrainResult:
     """Run (or resume) the pretraining described by `cfg` on the launcher's processes."""
+    watcher = PreemptionWatcher().install()  # before the slow start-up: Slurm's notice may come early
+    try:
+        return _pretrain(cfg, watcher)
+    finally:
+        watcher.uninstall()
 
+
+def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher) -> TrainResult:
     from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
     from megatron_lev.data.tokenizers import build_tokenizer
     from megatron_lev.model.build import build_model, padded_vocab_size
@@ -125,7 +133,7 @@ def pretrain(cfg: RunConfig) -> TrainResult:
                       train_batches=train_batches, valid_batches=valid_batches if valid_ds is not None else None,
                       flops_per_token=flops_per_token(cfg.model, vocab), writer=writer, gas=gas,
                       global_batch=global_batch, save_dir=save_dir, load_dir=cfg.train.load or save_dir,
-                      nan_steps=injected_nan_steps(), embedding_probe=probe)
+                      nan_steps=injected_nan_steps(), embedding_probe=probe, watcher=watcher)
     try:
         trainer.resume()
         writer.record("event", trainer.state.iteration, {"event": "start", "parameters": n_params,

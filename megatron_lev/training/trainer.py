@@ -53,7 +53,7 @@ class Trainer:
                  device: torch.device, train_batches: Callable[[int], Iterator], valid_batches: Callable[[], Iterator]
                  | None, flops_per_token: float | None, writer: MetricsWriter, gas: int, global_batch: int,
                  save_dir: str | None, load_dir: str | None, nan_steps: set[int] = frozenset(),
-                 embedding_probe=None) -> None:
+                 embedding_probe=None, watcher: PreemptionWatcher | None = None) -> None:
         self.cfg, self.engine, self.optimizer, self.budget = cfg, engine, optimizer, budget
         self.pipeline, self.world_size, self.device = pipeline, world_size, device
         self.make_train_batches, self.make_valid_batches = train_batches, valid_batches
@@ -62,6 +62,7 @@ class Trainer:
         self.save_dir, self.load_dir = save_dir, load_dir
         self.nan_steps = set(nan_steps)
         self.embedding_probe = embedding_probe  # .value: input-embedding RMS at the first forward
+        self.watcher = watcher  # installed by the caller before start-up (a notice may come early); else here
         self.state = TrainState()
         self.skips = SkipTracker(cfg.train.max_consecutive_skips)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -179,9 +180,13 @@ class Trainer:
             redirect = logging_redirect_tqdm(loggers=[logging.getLogger("megatron_lev")])  # log lines above the bar
         window = _Window()
         saved_at = -1
-        watcher = PreemptionWatcher().install()
+        own_watcher = self.watcher is None
+        watcher = PreemptionWatcher().install() if own_watcher else self.watcher
         redirect.__enter__()
         try:
+            if watcher.should_stop(self.device):  # the notice came during start-up: nothing new to save
+                log.warning("preempted before the first step: exiting with status %d", PREEMPTED_EXIT_CODE)
+                return TrainResult(self.state.iteration, PREEMPTED_EXIT_CODE, "preempted", self.skips.total)
             while self.state.iteration < total_iters:
                 start = time.perf_counter()
                 loss, norm, skipped = self.train_step(batches)
@@ -228,7 +233,8 @@ class Trainer:
             result.iteration, result.skipped_steps = self.state.iteration, self.skips.total
             return result
         finally:
-            watcher.uninstall()
+            if own_watcher:
+                watcher.uninstall()
             redirect.__exit__(None, None, None)
             if bar is not None:
                 bar.close()

@@ -8,6 +8,7 @@ and the test modules assert on the returned results.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_lev.config import EMBEDDINGS, load_config
 from megatron_lev.training.metrics import read_metrics
+from megatron_lev.training.signals import PreemptionWatcher
 from tests.training.conftest import TINY, tiny_overrides, train_losses
 from tests.training.toy import optimizer_snapshot, toy_config, toy_trainer
 
@@ -75,6 +77,15 @@ def _preempt_one_rank_and_resume(out: str) -> dict:
             "rest": rest.losses, "rest_exit": rest.exit_code}
 
 
+def _preempted_during_startup(out: str) -> tuple[int, int]:
+    tr = toy_trainer(toy_config(1, iters=4), out, init_seed=0)
+    tr.watcher = PreemptionWatcher()  # installed by pretrain() before start-up in real runs
+    if dist.get_rank() == 1:
+        tr.watcher.received = signal.SIGUSR1  # the notice reached rank 1 while it was still building
+    res = tr.train()
+    return res.exit_code, res.iteration
+
+
 def _skip_limit(out: str) -> dict:
     cfg = toy_config(1, iters=6)
     cfg.train.max_consecutive_skips = 2
@@ -107,5 +118,6 @@ def two_rank_suite(prefix: str, tok: str, out: str) -> dict:
         "nan": {stage: _nan_step_leaves_state_untouched(stage, str(out / f"nan{stage}")) for stage in (0, 1, 2, 3)},
         "preempt": _preempt_one_rank_and_resume(str(out / "preempt")),
         "skip_limit": _skip_limit(str(out / "skip_limit")),
+        "early_signal": _preempted_during_startup(str(out / "early")),
         "layouts": {name: _save_and_resume(prefix, tok, out / name, extra) for name, extra in LAYOUTS.items()},
     }

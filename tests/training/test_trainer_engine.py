@@ -41,3 +41,7 @@ def test_signal_on_one_rank_stops_both_and_resume_is_exact(two_rank_results):
 def test_consecutive_skips_stop_the_run_with_a_checkpoint(two_rank_results):
     r = two_rank_results[0]["skip_limit"]
     assert r == {"exit": SKIP_LIMIT_EXIT_CODE, "iteration": 3, "skipped": 2, "latest": "iter_0000003"}
+
+
+def test_a_notice_during_start_up_stops_every_rank_before_the_first_step(two_rank_results):
+    assert [r["early_signal"] for r in two_rank_results] == [(PREEMPTED_EXIT_CODE, 0)] * 2
