@@ -127,6 +127,9 @@ def save_checkpoint(engine, root: str | os.PathLike, iteration: int, client_stat
     root = Path(root)
     tag = tag_for(iteration)
     start = time.perf_counter()
+    if _rank() == 0:  # re-saving a tag: it is not complete until this save is
+        (root / tag / COMPLETE_MARKER).unlink(missing_ok=True)
+    _barrier()
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     rng_path = root / tag / f"rng_state_rank{_rank()}.pt"
     tmp = rng_path.with_name(f".{rng_path.name}.tmp")

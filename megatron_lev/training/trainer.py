@@ -179,7 +179,7 @@ class Trainer:
             bar = tqdm(total=total_iters, initial=self.state.iteration, desc="train", unit="it", dynamic_ncols=True)
             redirect = logging_redirect_tqdm(loggers=[logging.getLogger("megatron_lev")])  # log lines above the bar
         window = _Window()
-        saved_at = -1
+        saved_at = self.state.iteration if self.state.iteration else -1  # a resumed state is already on disk
         own_watcher = self.watcher is None
         watcher = PreemptionWatcher().install() if own_watcher else self.watcher
         redirect.__enter__()
