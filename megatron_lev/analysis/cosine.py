@@ -59,6 +59,40 @@ def normalized_rows(matrix: torch.Tensor | np.ndarray, chunk: int = 16384) -> tu
     return out.contiguous(), x.shape[0] - out.shape[0]
 
 
+def _accumulate(x: torch.Tensor, block: int, bins: int, hist_stride: int,
+                progress: bool) -> tuple[float, float, torch.Tensor, int]:
+    """One pass over the pair blocks of unit rows x (n, d): sum c, sum c^2, histogram, its pairs."""
+    n, dev = x.shape[0], x.device
+    s1 = s2 = 0.0                                  # float64 running sums of c and c^2
+    counts = torch.zeros(bins, dtype=torch.float64, device=dev)
+    zero_bin = int(torch.histc(torch.zeros(1, device=dev), bins=bins, min=-1.0, max=1.0).argmax())
+    hist_pairs = 0
+    starts = range(0, n, block)
+    bar = tqdm(total=n * (n - 1) // 2, desc="cosine pairs", unit="pair", unit_scale=True,
+               disable=not progress)
+    for i in starts:
+        xi = x[i:i + block]                                    # (b, d)
+        for j in starts[i // block:]:
+            g = xi @ x[j:j + block].T                          # (b, b') cosines
+            if j == i:
+                g.triu_(1)                                     # keep pairs i < j; the rest become 0.0
+            s1 += float(g.sum(dim=1).double().sum())           # row sums in float32, total in float64
+            s2 += float(torch.linalg.vector_norm(g, dim=1).double().square().sum())
+            g.clamp_(-1.0, 1.0)                                # rounding can exceed 1 by an ulp
+            src = g if hist_stride == 1 else g[::hist_stride]
+            counts += torch.histc(src, bins=bins, min=-1.0, max=1.0).to(torch.float64)
+            n_src = src.numel()
+            if j == i:                                         # remove the zeros triu_ put below the diagonal
+                rows = torch.arange(0, g.shape[0], hist_stride)
+                zeros = int((rows + 1).sum())                  # row r holds r + 1 of them
+                counts[zero_bin] -= zeros
+                n_src -= zeros
+            hist_pairs += n_src
+            bar.update(g.shape[0] * (g.shape[0] - 1) // 2 if j == i else g.numel())
+    bar.close()
+    return s1, s2, counts, hist_pairs
+
+
 def cosine_stats(matrix: torch.Tensor | np.ndarray, block: int = 4096, bins: int = 2000,
                  sample: int | None = None, seed: int = 0, hist_stride: int | None = None,
                  device: str | torch.device | None = None, progress: bool = False) -> CosineStats:
@@ -84,33 +118,12 @@ def cosine_stats(matrix: torch.Tensor | np.ndarray, block: int = 4096, bins: int
     hist_stride = hist_stride or auto_hist_stride(n, d)
     dev = torch.device(device) if device is not None else x.device
     x = x.to(dev)
-    s1 = s2 = 0.0                                  # float64 running sums of c and c^2
-    counts = torch.zeros(bins, dtype=torch.float64, device=dev)
-    zero_bin = int(torch.histc(torch.zeros(1, device=dev), bins=bins, min=-1.0, max=1.0).argmax())
-    hist_pairs = 0
-    starts = range(0, n, block)
-    total = len(starts) * (len(starts) + 1) // 2
-    bar = tqdm(total=total, desc="cosine blocks", unit="blk", disable=not progress)
-    for i in starts:
-        xi = x[i:i + block]                                    # (b, d)
-        for j in starts[i // block:]:
-            g = xi @ x[j:j + block].T                          # (b, b') cosines
-            if j == i:
-                g.triu_(1)                                     # keep pairs i < j; the rest become 0.0
-            s1 += float(g.sum(dim=1).double().sum())           # row sums in float32, total in float64
-            s2 += float(torch.linalg.vector_norm(g, dim=1).double().square().sum())
-            g.clamp_(-1.0, 1.0)                                # rounding can exceed 1 by an ulp
-            src = g if hist_stride == 1 else g[::hist_stride]
-            counts += torch.histc(src, bins=bins, min=-1.0, max=1.0).to(torch.float64)
-            n_src = src.numel()
-            if j == i:                                         # remove the zeros triu_ put below the diagonal
-                rows = torch.arange(0, g.shape[0], hist_stride)
-                zeros = int((rows + 1).sum())                  # row r holds r + 1 of them
-                counts[zero_bin] -= zeros
-                n_src -= zeros
-            hist_pairs += n_src
-            bar.update(1)
-    bar.close()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False              # TF32 would round cosines to ~1e-3
+    try:
+        s1, s2, counts, hist_pairs = _accumulate(x, block, bins, hist_stride, progress)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     pairs = n * (n - 1) // 2
     mean = s1 / pairs
     std = math.sqrt(max(s2 / pairs - mean * mean, 0.0))
