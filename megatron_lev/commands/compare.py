@@ -13,9 +13,9 @@ def _named(items: list[str], what: str) -> dict[str, str]:
         name, sep, path = item.partition("=")
         if not sep:
             name, path = "", item
-        out[name or path] = path
         if not path:
             raise ValueError(f"{what}: empty path in {item!r}")
+        out[name or path] = path
     return out
 
 
