@@ -223,7 +223,8 @@ def _record(args, r, tokens, naive_tokens, mat_rows) -> None:
 
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = (torch.cuda.get_device_name() if args.device == "cuda"
-               else f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
+               else f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+                    f"load average {os.getloadavg()[0]:.1f} at the end")
     lev, block = r["lev"], r["block"]
     rows = [
         f"\n## {when} — {machine}{' (--quick)' if args.quick else ''}\n",
