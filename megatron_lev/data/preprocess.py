@@ -9,7 +9,6 @@ size). The output is therefore identical for any number of workers.
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing as mp
 import os
 import queue
@@ -91,9 +90,9 @@ class _Worker:
             ids[j].append(eod)
             groups.setdefault(s if self.opts.split_by_subset else "", []).append(j)
         for key, members in groups.items():
-            sizes = np.fromiter((len(ids[j]) for j in members), dtype=np.int64, count=len(members))
-            flat = np.fromiter(itertools.chain.from_iterable(ids[j] for j in members), dtype=np.int64,
-                               count=int(sizes.sum()))
+            arrays = [np.asarray(ids[j], dtype=np.int64) for j in members]  # C-level list conversion
+            sizes = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+            flat = np.concatenate(arrays)
             self.counts += np.bincount(flat, minlength=len(self.counts))[: len(self.counts)]
             builder = self._builder(key)
             first = builder.num_sequences
