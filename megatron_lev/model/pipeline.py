@@ -9,7 +9,8 @@ For `tied`, layers 0 and L + 2 are `TiedLayerSpec("embedding", ...)`: the first 
 stage each hold a copy of the table; DeepSpeed broadcasts it at start and all-reduces its
 gradient between the two stages, so the copies stay identical.
 
-Batches are `((input_ids,), labels)`; `loss_fn` returns the mean per-token loss. A loss
+Batches are `((input_ids,), labels)`; `loss_fn` returns the mean per-token loss. Every TP rank
+of the first and last stage reads its own data iterator: feed them the same batches. A loss
 mask would travel as `labels = (labels, loss_mask)` and `loss_fn` would return
 `(loss * mask).sum() / mask.sum()`.
 """
@@ -25,6 +26,7 @@ from megatron_lev.model.gpt import build_embedding, layer_seed
 from megatron_lev.model.head import VocabParallelHead
 from megatron_lev.model.norm import RMSNorm
 from megatron_lev.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lev.parallel.mappings import copy_to_tensor_parallel_region
 from megatron_lev.parallel.random import seeded
 
 TIED_KEY = "embedding"
@@ -62,14 +64,8 @@ class HeadStage(VocabParallelHead):
 
 
 def _tied_head_forward(stage: EmbeddingStage, h: torch.Tensor) -> torch.Tensor:
-    """The last stage's use of the tied table: logits `(B, S, V/tp)`."""
-    return nn.functional.linear(_copy_region(h), stage.tied_weight)
-
-
-def _copy_region(h):
-    from megatron_lev.parallel.mappings import copy_to_tensor_parallel_region
-
-    return copy_to_tensor_parallel_region(h)
+    """The last stage's use of the tied table: logits `(B, S, V/tp)` (the hidden state enters the TP region)."""
+    return nn.functional.linear(copy_to_tensor_parallel_region(h), stage.tied_weight)
 
 
 def pipeline_loss(logits: torch.Tensor, labels) -> torch.Tensor:
@@ -105,11 +101,11 @@ def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None):
     else:
         specs.append(LayerSpec(HeadStage, m, vocab_size, seed))
     ckpt = m.checkpoint_num_layers if m.activation_checkpointing else 0
-    with seeded(seed):  # DeepSpeed draws nothing here, but keep the caller's stream untouched regardless
-        return PipelineModule(layers=specs, topology=topology, loss_fn=pipeline_loss,
-                              partition_method=_partition_method(p.partition_method),
-                              activation_checkpoint_interval=ckpt, activation_checkpoint_func=checkpointed,
-                              checkpointable_layers=["TransformerBlock"])
+    # each layer seeds itself (layer_seed), so DeepSpeed's own per-layer seeding stays off
+    return PipelineModule(layers=specs, topology=topology, loss_fn=pipeline_loss,
+                          partition_method=_partition_method(p.partition_method),
+                          activation_checkpoint_interval=ckpt, activation_checkpoint_func=checkpointed,
+                          checkpointable_layers=["TransformerBlock"], seed_layers=False)
 
 
 def _wrap_process_group() -> None:

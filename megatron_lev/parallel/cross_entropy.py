@@ -55,7 +55,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per-token loss `(..)` in fp32 from this rank's logits `(.., V/tp)` and global target ids `(..)`."""
+    """Per-token loss `(..)` in fp32 from this rank's logits `(.., V/tp)` and global target ids `(..)`.
+
+    Targets must lie in `[0, V)` (no ignore index): mask the returned per-token loss instead.
+    """
     if logits_shard.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits_shard.shape)} and target {tuple(target.shape)} disagree: "
                          "expected logits (.., V/tp) and target (..)")
