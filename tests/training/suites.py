@@ -20,6 +20,7 @@ from megatron_lev.training.signals import PreemptionWatcher
 from tests.training.conftest import TINY, tiny_overrides, train_losses
 from tests.training.toy import optimizer_snapshot, toy_config, toy_trainer
 
+NAN_STAGES = ("0", "1", "2", "3", "3-offload")
 LAYOUTS = {
     "zero1": {"parallel.zero_stage": 1},
     "zero2": {"parallel.zero_stage": 2},
@@ -50,8 +51,10 @@ def single_rank_suite(prefix: str, tok: str, out: str, reference_overrides: list
 # ---------------------------------------------------------------- two ranks
 
 
-def _nan_step_leaves_state_untouched(stage: int, out: str) -> dict:
-    tr = toy_trainer(toy_config(stage, iters=4), out, init_seed=0, nan_steps={2})
+def _nan_step_leaves_state_untouched(stage: str, out: str) -> dict:
+    cfg = toy_config(int(stage[0]), iters=4)
+    cfg.parallel.cpu_offload = stage.endswith("offload")
+    tr = toy_trainer(cfg, out, init_seed=0, nan_steps={2})
     batches = tr.make_train_batches(0)
     first = tr.train_step(batches)
     tr.state.iteration = 1
@@ -115,7 +118,7 @@ def _save_and_resume(prefix: str, tok: str, out: Path, extra: dict) -> dict:
 def two_rank_suite(prefix: str, tok: str, out: str) -> dict:
     out = Path(out)
     return {
-        "nan": {stage: _nan_step_leaves_state_untouched(stage, str(out / f"nan{stage}")) for stage in (0, 1, 2, 3)},
+        "nan": {stage: _nan_step_leaves_state_untouched(stage, str(out / f"nan{stage}")) for stage in NAN_STAGES},
         "preempt": _preempt_one_rank_and_resume(str(out / "preempt")),
         "skip_limit": _skip_limit(str(out / "skip_limit")),
         "early_signal": _preempted_during_startup(str(out / "early")),

@@ -118,3 +118,12 @@ def test_impossible_combinations_are_refused_with_what_to_change(over, world, cu
 def test_a_sound_config_validates():
     validate_training(_cfg(**{"parallel.zero_stage": 3, "train.global_batch_size": 8, "train.micro_batch_size": 2}),
                       2, cuda=False)
+
+
+def test_model_vocab_must_cover_the_tokenizer():
+    from megatron_lev.training.run import check_vocab
+
+    assert check_vocab(_cfg(), 50277) == 50277
+    assert check_vocab(_cfg(**{"model.vocab_size": 50304}), 50277) == 50304
+    with pytest.raises(ConfigError, match="smaller than the tokenizer's vocabulary"):
+        check_vocab(_cfg(**{"model.vocab_size": 32000}), 50277)

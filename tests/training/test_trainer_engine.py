@@ -1,6 +1,7 @@
 """The training loop over real DeepSpeed engines (2 gloo ranks) with a toy model.
 
-An injected NaN leaves master weights and Adam moments untouched on every ZeRO stage;
+An injected NaN leaves master weights and Adam moments untouched on every ZeRO stage
+(and ZeRO-3 with CPU offload);
 a preemption signal on one rank stops both at the same step with a checkpoint, and
 resuming gives the uninterrupted losses; too many skips in a row stop the run.
 """
@@ -13,11 +14,12 @@ import pytest
 
 from megatron_lev.training.signals import PREEMPTED_EXIT_CODE
 from megatron_lev.training.trainer import SKIP_LIMIT_EXIT_CODE
+from tests.training.suites import NAN_STAGES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", NAN_STAGES)
 def test_injected_nan_is_skipped_without_touching_the_state(two_rank_results, stage):
     for rank_results in two_rank_results:
         r = rank_results["nan"][stage]
