@@ -73,16 +73,17 @@ def _block_size(n: int, heads: int, d_seed: int, rank: int, device: torch.device
 def _phi_block(weight, flat, delta_rows, start, stop):
     """phi = 1 + sum over the 3 active knots of B_m * delta[j, m, :], for coordinates [start, stop).
 
-    weight: (N, h, d, 3); flat: (N, h, d, 3) row indices into delta_rows (h*d*kappa, r).
-    Returns phi (N, h, j, r) and the 3 gathered delta blocks.
+    Coordinate-major layout so every slice is contiguous: weight (3, d, N, h) basis weights,
+    flat (3, d, N, h) row indices into delta_rows (h*d*kappa, r).
+    Returns phi (j, N, h, r) and the 3 gathered delta blocks (j, N, h, r).
     """
-    n, h, _, _ = weight.shape
+    _, _, n, h = weight.shape
     r = delta_rows.shape[1]
-    rows = [delta_rows.index_select(0, flat[:, :, start:stop, a].reshape(-1)).view(n, h, stop - start, r)
+    rows = [delta_rows.index_select(0, flat[a, start:stop].reshape(-1)).view(stop - start, n, h, r)
             for a in range(3)]
-    phi = torch.ones_like(rows[0])
-    for a in range(3):
-        phi.addcmul_(weight[:, :, start:stop, a].unsqueeze(-1), rows[a])
+    phi = torch.addcmul(rows[0].new_ones(()), weight[0, start:stop].unsqueeze(-1), rows[0])
+    for a in (1, 2):
+        phi.addcmul_(weight[a, start:stop].unsqueeze(-1), rows[a])
     return phi, rows
 
 
@@ -100,41 +101,44 @@ class SeparableProduct(torch.autograd.Function):
         n, h, d, _ = weight.shape
         kappa, r = delta.shape[2], delta.shape[3]
         flat = index + (torch.arange(h * d, device=index.device) * kappa).view(1, h, d, 1)
+        flat = flat.permute(3, 2, 0, 1).contiguous()  # (3, d, N, h)
+        w = weight.permute(3, 2, 0, 1).contiguous()  # (3, d, N, h)
         rows = delta.reshape(h * d * kappa, r)
         log_abs = weight.new_zeros(n, h, r)
         negatives = torch.zeros(n, h, r, dtype=torch.int32, device=weight.device)
         step = _block_size(n, h, d, r, weight.device)
         for start in range(0, d, step):
-            phi, _ = _phi_block(weight, flat, rows, start, min(d, start + step))
-            negatives += (phi < 0).sum(dim=2, dtype=torch.int32)
-            log_abs += phi.abs_().add_(LOG_EPS).log_().sum(dim=2)  # in place: phi is not needed again
+            phi, _ = _phi_block(w, flat, rows, start, min(d, start + step))
+            negatives += (phi < 0).sum(dim=0, dtype=torch.int32)
+            log_abs += phi.abs_().add_(LOG_EPS).log_().sum(dim=0)  # in place: phi is not needed again
         sign = 1.0 - 2.0 * (negatives % 2).to(weight.dtype)
-        ctx.save_for_backward(weight, flat.to(torch.int32), delta, log_abs, sign)
+        ctx.save_for_backward(w, flat.to(torch.int32), delta, log_abs, sign)
         return sign * torch.exp(log_abs)
 
     @staticmethod
     def backward(ctx, grad_out):  # (N, h, r)
-        weight, flat, delta, log_abs, sign = ctx.saved_tensors
+        w, flat, delta, log_abs, sign = ctx.saved_tensors
         flat = flat.long()
-        n, h, d, _ = weight.shape
+        _, d, n, h = w.shape
         kappa, r = delta.shape[2], delta.shape[3]
         rows = delta.reshape(h * d * kappa, r)
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[0] else None
+        grad_w = torch.empty_like(w) if ctx.needs_input_grad[0] else None  # (3, d, N, h)
         grad_rows = torch.zeros_like(rows) if ctx.needs_input_grad[2] else None
-        signed = (grad_out * sign).unsqueeze(2)  # (N, h, 1, r)
-        step = _block_size(n, h, d, r, weight.device)
+        signed = grad_out * sign  # (N, h, r)
+        step = _block_size(n, h, d, r, w.device)
         for start in range(0, d, step):
             stop = min(d, start + step)
-            phi, gathered = _phi_block(weight, flat, rows, start, stop)
-            # product of the other factors' |phi| + eps, then the signs: (N, h, j, r)
-            others = phi.abs().add_(LOG_EPS).log_().neg_().add_(log_abs.unsqueeze(2)).exp_().mul_(signed)
+            phi, gathered = _phi_block(w, flat, rows, start, stop)
+            # product of the other factors' |phi| + eps, then the signs: (j, N, h, r)
+            others = phi.abs().add_(LOG_EPS).log_().neg_().add_(log_abs).exp_().mul_(signed)
             grad_phi = torch.where(phi < 0, -others, others)
             for a in range(3):
-                if grad_weight is not None:
-                    grad_weight[:, :, start:stop, a] = (grad_phi * gathered[a]).sum(dim=-1)
+                if grad_w is not None:
+                    torch.sum(grad_phi * gathered[a], dim=-1, out=grad_w[a, start:stop])
                 if grad_rows is not None:
-                    contrib = grad_phi * weight[:, :, start:stop, a].unsqueeze(-1)
-                    grad_rows.index_add_(0, flat[:, :, start:stop, a].reshape(-1), contrib.reshape(-1, r))
+                    contrib = grad_phi * w[a, start:stop].unsqueeze(-1)
+                    grad_rows.index_add_(0, flat[a, start:stop].reshape(-1), contrib.reshape(-1, r))
+        grad_weight = grad_w.permute(2, 3, 1, 0) if grad_w is not None else None  # (N, h, d, 3)
         grad_delta = grad_rows.view_as(delta) if grad_rows is not None else None
         return grad_weight, None, grad_delta
 
