@@ -11,7 +11,9 @@ VOCAB = 48  # divisible by 4 for the vocab-parallel tables
 
 
 def _cfg(variant):
-    lev = LevConfig(k=2, d_seed=6, heads=4, kappa=5, rank=3, chunk_size=5, residual=True)
+    # recompute is off: torch.utils.checkpoint's first call imports torch._dynamo (seconds per process);
+    # recompute == stored is tested single-process in test_lev.py (the checkpoint is local to each rank)
+    lev = LevConfig(k=2, d_seed=6, heads=4, kappa=5, rank=3, chunk_size=5, residual=True, recompute=False)
     return ModelConfig(hidden_size=8, embedding=variant, lev=lev)
 
 
