@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from tests.slurm.conftest import describe, run_logs, submit_pretrain, wait_job
+from tests.slurm.conftest import ROOT, SMALL_JOB, describe, run_logs, submit_pretrain, wait_job
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 PROBE = {"ENTRY": "-m tests.slurm.allreduce_probe"}
@@ -35,3 +35,19 @@ def test_two_nodes_two_tasks_each_rendezvous_and_all_reduce(slurm_cluster, tmp_p
     batch = (tmp_path / f"slurm-{job}.out").read_text()
     port = 15000 + int(job) % 17000
     assert f"rendezvous 127.0.0.1:{port} (first node n1)" in batch, report
+
+
+def test_job_scripts_refuse_missing_inputs_with_a_clear_message(slurm_cluster, tmp_path):
+    """A job submitted without its inputs fails at once and says which variable or argument is missing."""
+    cases = {"convert_eval.sbatch": "set CHECKPOINT to a train.save directory",
+             "pretrain.sbatch": "no run config: pass '--config FILE",
+             "preprocess.sbatch": "or set INPUTS, OUTPUT_PREFIX and TOKENIZER"}
+    jobs = {script: slurm_cluster.sbatch([*SMALL_JOB, "--ntasks-per-node=1", "--mem=1G", "--time=5",
+                                          f"--output={tmp_path}/{script}.out",
+                                          str(ROOT / "slurm" / script)], cwd=tmp_path)
+            for script in cases}
+    for script, job in jobs.items():
+        info = slurm_cluster.wait(job, timeout=60)
+        out = (tmp_path / f"{script}.out").read_text()
+        assert info.state == "FAILED" and info.exit_code == "1:0", f"{script}: {info.state} {info.exit_code}\n{out}"
+        assert cases[script] in out, out
