@@ -12,7 +12,7 @@ def _column_row(x, seed, tp):
     from megatron_lev.parallel import state
     from megatron_lev.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    if tp > 1:
+    if tp > 1 and not state.is_initialized():
         state.initialize_model_parallel(tp)
     torch.manual_seed(seed)
     col = ColumnParallelLinear(8, 12)
@@ -27,9 +27,28 @@ def _column_row(x, seed, tp):
     return tuple(t.numpy() for t in out)  # by value: shared-memory tensors can vanish with the process
 
 
+def _tp2_suite(x, logits, target, weights):
+    """Both TP = 2 checks in one process group (spawning processes is the slow part)."""
+    return _column_row(x, 7, 2), _vocab_ce(logits, target, weights, 2)
+
+
+def _ce_inputs():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 16, dtype=torch.float64, generator=g) * 4
+    return logits, torch.randint(0, 16, (2, 5), generator=g), torch.rand(2, 5, dtype=torch.float64, generator=g)
+
+
+X = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def tp2_results():
+    return run_distributed(_tp2_suite, world_size=2, args=(X, *_ce_inputs()))
+
+
 @pytest.mark.multiprocess
-def test_column_row_parallel_linear_match_nn_linear():
-    x = torch.randn(3, 5, 8)
+def test_column_row_parallel_linear_match_nn_linear(tp2_results):
+    x = X
     ref_y, ref_gx, ref_a, ref_ga, ref_b, ref_gb, ref_f, ref_fy = map(torch.from_numpy, _column_row(x, 7, 1))
     # the single-process layers are plain linear maps with the seed's weights
     lin_a, lin_b = torch.nn.Linear(8, 12, bias=False), torch.nn.Linear(12, 6, bias=False)
@@ -37,8 +56,7 @@ def test_column_row_parallel_linear_match_nn_linear():
         lin_a.weight.copy_(ref_a)
         lin_b.weight.copy_(ref_b)
     torch.testing.assert_close(lin_b(F.silu(lin_a(x))), ref_y)
-    results = run_distributed(_column_row, world_size=2, args=(x, 7, 2))
-    for rank, result in enumerate(results):
+    for rank, result in enumerate(r[0] for r in tp2_results):
         y, gx, a, ga, b, gb, f, fy = map(torch.from_numpy, result)
         torch.testing.assert_close(y, ref_y, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(gx, ref_gx, rtol=1e-5, atol=1e-6)
@@ -55,7 +73,8 @@ def test_column_row_parallel_linear_match_nn_linear():
 def _vocab_ce(logits, target, weights, tp):
     from megatron_lev.parallel import state
 
-    state.initialize_model_parallel(tp)
+    if not state.is_initialized():
+        state.initialize_model_parallel(tp)
     rank = state.get_tensor_model_parallel_rank()
     shard = logits.chunk(tp, dim=-1)[rank].clone().requires_grad_(True)
     loss = vocab_parallel_cross_entropy(shard, target)
@@ -66,15 +85,16 @@ def _vocab_ce(logits, target, weights, tp):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("tp", [2, 4])
-def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tp):
-    torch.manual_seed(0)
-    logits = torch.randn(2, 5, 16, dtype=torch.float64) * 4
-    target = torch.randint(0, 16, (2, 5))
-    weights = torch.rand(2, 5, dtype=torch.float64)
+def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tp, request):
+    logits, target, weights = _ce_inputs()
     full = logits.clone().requires_grad_(True)
     ref = F.cross_entropy(full.flatten(0, 1), target.flatten(), reduction="none").view(2, 5)
     (ref * weights).sum().backward()
-    for rank, result in enumerate(run_distributed(_vocab_ce, world_size=tp, args=(logits, target, weights, tp))):
+    if tp == 2:
+        results = [r[1] for r in request.getfixturevalue("tp2_results")]
+    else:
+        results = run_distributed(_vocab_ce, world_size=tp, args=(logits, target, weights, tp))
+    for rank, result in enumerate(results):
         loss, grad = map(torch.from_numpy, result)
         torch.testing.assert_close(loss, ref.detach().float(), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(grad, full.grad.chunk(tp, dim=-1)[rank], rtol=1e-5, atol=1e-6)
