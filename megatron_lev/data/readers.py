@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.gz", ".json", ".json.zst", ".json.gz")
+# inside a directory only unambiguous line files are taken: a plain `.json` there is
+# usually metadata (a corpus manifest), not one document per line
+DIR_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.gz")
 HF_SUFFIXES = (".arrow", ".parquet")
 ERROR_KINDS = ("malformed_json", "missing_key", "invalid_utf8", "empty_document", "truncated_file")
 
@@ -57,7 +60,7 @@ def find_inputs(inputs: list[str]) -> list[str]:
             if p.is_dir() and any((p / n).exists() for n in ("dataset_info.json", "state.json", "dataset_dict.json")):
                 found.append(str(p))  # a `datasets.save_to_disk` directory
             elif p.is_dir():
-                inner = sorted(str(q) for q in p.rglob("*") if q.is_file() and q.name.endswith(JSONL_SUFFIXES + HF_SUFFIXES))
+                inner = sorted(str(q) for q in p.rglob("*") if q.is_file() and q.name.endswith(DIR_SUFFIXES + HF_SUFFIXES))
                 if not inner:
                     raise FileNotFoundError(f"input directory {p}: no *.jsonl, *.jsonl.zst, *.jsonl.gz, "
                                             "*.arrow or *.parquet files in it")

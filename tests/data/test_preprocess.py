@@ -106,3 +106,15 @@ def test_missing_input_is_a_clear_error(tmp_path, neox_path):
         _run([tmp_path / "nope.jsonl"], tmp_path / "o", neox_path)
     with pytest.raises(FileNotFoundError, match="no file matches"):
         _run([str(tmp_path / "*.zst")], tmp_path / "o", neox_path)
+
+
+def test_directory_input_takes_line_files_not_metadata(tmp_path):
+    from megatron_lev.data.readers import find_inputs
+
+    (tmp_path / "a.jsonl.zst").write_bytes(b"")
+    (tmp_path / "b.jsonl").write_text("")
+    (tmp_path / "manifest.json").write_text('{"subsets": {}}\n')
+    found = [p.rsplit("/", 1)[-1] for p in find_inputs([str(tmp_path)])]
+    assert found == ["a.jsonl.zst", "b.jsonl"]
+    # an explicitly named .json file is still read as JSON lines
+    assert find_inputs([str(tmp_path / "manifest.json")]) == [str(tmp_path / "manifest.json")]
