@@ -13,8 +13,10 @@ A checkpoint directory is either a tag directory or a save directory with a `lat
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,7 +134,8 @@ def zero3_module_state(files: CheckpointFiles, tp_rank: int) -> dict[str, torch.
             if tag in p.name and (_ZERO3.match(p.name) or _OPTIM.match(p.name)):
                 os.symlink(p.resolve(), Path(tmp) / p.name)
         try:
-            state = _get_fp32_state_dict_from_zero_checkpoint(tmp, exclude_frozen_parameters=False)
+            with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints its progress to stdout
+                state = _get_fp32_state_dict_from_zero_checkpoint(tmp, exclude_frozen_parameters=False)
         except Exception as exc:
             raise CheckpointError(f"{files.tag_dir}: cannot gather the ZeRO-3 partitions of TP rank {tp_rank}: "
                                   f"{type(exc).__name__}: {exc}") from None

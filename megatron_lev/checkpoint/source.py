@@ -13,6 +13,7 @@ QKV / gate-up parts, vocabulary rows); pipeline names are mapped with
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from megatron_lev.model.canonical import ParamSpec, canonical_state_dict_spec
 from megatron_lev.model.pipeline import canonical_name
 
 COMPLETE_MARKER = "complete"  # written by the trainer once every rank has saved
+TRAINER_TAG = re.compile(r"^iter_\d+$")  # the trainer's tag names (always get a marker)
 
 
 @dataclass
@@ -57,7 +59,7 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None, config: str
                     vocab_size: int | None = None) -> SourceCheckpoint:
     """Locate the shard files, the run config and the vocabulary; check the checkpoint is complete."""
     tag_dir = resolve_tag_dir(path, tag)
-    trainer_layout = any(p.is_file() for p in tag_dir.parent.glob(f"*/{COMPLETE_MARKER}"))
+    trainer_layout = bool(TRAINER_TAG.match(tag_dir.name)) or any(tag_dir.parent.glob(f"*/{COMPLETE_MARKER}"))
     if trainer_layout and not (tag_dir / COMPLETE_MARKER).is_file():
         raise CheckpointError(f"{tag_dir} has no '{COMPLETE_MARKER}' marker: the save was interrupted; convert an "
                               "earlier complete tag (--tag)")
