@@ -68,7 +68,7 @@ def bare_loop(args, cfg, vocab: int, device) -> tuple[float, float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_grad)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        float(loss)
+        float(loss.detach())
 
     return _timed(step, args.steps, args.warmup)
 
