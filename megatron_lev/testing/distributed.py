@@ -12,6 +12,7 @@ processes are spawned.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -44,7 +45,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 init_method=f"tcp://127.0.0.1:{port}")
         result = fn(*args, **kwargs)
-        queue.put((rank, True, result))
+        # plain pickle sends tensors by value; the multiprocessing queue would pass shared-memory
+        # handles that die with this process before the parent reads them
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # report everything, including assertion errors, to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -111,4 +114,4 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), kwargs: dic
         others = [r for r in failures if r != rank]
         also = f" (then rank(s) {others} failed too)" if others else ""
         raise DistributedTestError(f"rank {rank} of {world_size} failed first{also}:\n{failures[rank]}")
-    return [results[r] for r in range(world_size)]
+    return [pickle.loads(results[r]) for r in range(world_size)]

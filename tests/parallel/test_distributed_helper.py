@@ -77,3 +77,15 @@ def test_group_layout_matches_deepspeed_topology():
     # world 4 = TP 2 x PP 2 x DP 1: rank = pp * 2 + tp
     results = run_distributed(_groups, world_size=4, args=(2, 2))
     assert results == [(0, 0, 0, 0, 1), (1, 1, 0, 0, 1), (2, 0, 1, 0, 1), (3, 1, 1, 0, 1)]
+
+
+def _returns_tensor():
+    import torch.distributed as dist
+
+    return torch.full((4, 4), float(dist.get_rank()))
+
+
+@pytest.mark.multiprocess
+def test_tensors_come_back_by_value_after_the_ranks_exit():
+    results = run_distributed(_returns_tensor, world_size=2)
+    assert [float(r.sum()) for r in results] == [0.0, 16.0]
