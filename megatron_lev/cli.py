@@ -15,6 +15,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("megatron_lev.commands.config_cmd", "print the resolved, validated run config"),
+    "demo": ("megatron_lev.commands.demo", "the main job end to end on a sample corpus built here (resumable)"),
     "params": ("megatron_lev.commands.params", "parameter count of every embedding variant at every model size, and FLOPs per token"),
     "train": ("megatron_lev.commands.train", "pretrain or resume a model with DeepSpeed (exit 75 when preempted)"),
     "capacity": ("megatron_lev.commands.capacity", "representational capacity of embedding matrices; packing sweep and refit"),
@@ -22,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("megatron_lev.commands.compare", "compare runs against TIED: perplexity changes and tokens-to-target"),
     "lm-eval-tasks": ("megatron_lev.commands.lm_eval_tasks", "write offline lm-eval task YAMLs for local downstream data"),
     "convert": ("megatron_lev.commands.convert", "convert a training checkpoint to a validated Hugging Face model"),
+    "reshard": ("megatron_lev.commands.reshard", "rewrite a training checkpoint for another TP/PP/DP layout"),
     "preprocess": ("megatron_lev.commands.preprocess", "tokenise Pile-format text into memory-mapped .bin/.idx shards"),
     "train-tokenizer": ("megatron_lev.commands.train_tokenizer", "train a SentencePiece BPE tokenizer (byte fallback) on Pile-format text"),
     "sample-corpus": ("megatron_lev.commands.sample_corpus", "build a Pile-format sample corpus from sources on this machine"),
