@@ -36,12 +36,29 @@ def sequence_batches(documents: Iterable[np.ndarray], seq_len: int, batch_size: 
         yield torch.from_numpy(buf[None, :])
 
 
-def indexed_documents(prefix: str | Path, max_docs: int | None = None) -> Iterator[np.ndarray]:
-    """Documents of a Megatron MMIDIDX shard `<prefix>.bin/.idx`, in order."""
+def indexed_documents(prefix: str | Path, max_docs: int | None = None,
+                      split: tuple[str, str] | None = None) -> Iterator[np.ndarray]:
+    """Documents of a Megatron MMIDIDX shard `<prefix>.bin/.idx`, in order.
+
+    `split=("valid", "969,30,1")` keeps only the documents the trainer's `data.split` assigns
+    to that part (the same contiguous ranges as `megatron_lev.data.indices.split_documents`).
+    """
     from megatron_lev.data.indexed import IndexedDataset
+    from megatron_lev.data.indices import split_documents
 
     ds = IndexedDataset(str(prefix))
-    for i in range(len(ds) if max_docs is None else min(max_docs, len(ds))):
+    start, end = 0, len(ds)
+    if split is not None:
+        part, spec = split
+        names = ("train", "valid", "test")
+        if part not in names:
+            raise ValueError(f"split {part!r} must be one of {', '.join(names)}")
+        start, end = split_documents(len(ds), spec)[names.index(part)]
+        if end <= start:
+            raise ValueError(f"{prefix}: split {part!r} of {spec!r} holds no documents (of {len(ds)})")
+    if max_docs is not None:
+        end = min(end, start + max_docs)
+    for i in range(start, end):
         yield np.asarray(ds[i])
 
 

@@ -71,3 +71,20 @@ def test_evaluate_pile_jsonl_zst_reports_bits_per_byte(tiny_llama, shared_data, 
     assert res["bytes"] == sum(len(x.encode("utf-8")) for x in texts)
     assert res["bits_per_byte"] == pytest.approx(ref.sum() / math.log(2) / res["bytes"], rel=1e-5)
     assert "gpt-neox-20b.json" in res["normalisation"] and "bits_per_byte" in res["normalisation"]
+
+
+def test_split_selects_the_trainers_validation_documents(tmp_path):
+    from megatron_lev.analysis.corpora import indexed_documents
+    from megatron_lev.data.indexed import IndexedDatasetBuilder
+    from megatron_lev.data.indices import split_documents
+
+    builder = IndexedDatasetBuilder(tmp_path / "docs")
+    for i in range(100):
+        builder.add_document([i, i + 1])
+    builder.finalize()
+    start, end = split_documents(100, "90,8,2")[1]
+    valid = [int(d[0]) for d in indexed_documents(tmp_path / "docs", split=("valid", "90,8,2"))]
+    assert valid == list(range(start, end)) and len(valid) == 8
+    assert [int(d[0]) for d in indexed_documents(tmp_path / "docs", max_docs=3, split=("test", "90,8,2"))] == [98, 99]
+    with pytest.raises(ValueError, match="holds no documents"):
+        list(indexed_documents(tmp_path / "docs", split=("test", "100,0,0")))
