@@ -1,0 +1,189 @@
+"""Reshard a training checkpoint for another layout (TP, PP or DP changed), offline, on CPU.
+
+    reshard("runs/x/checkpoints", "runs/x/tp1", tp=1, pp=1, dp=8)
+
+The source is merged into canonical full tensors (`source.iter_canonical`); then the
+target layout is started as `TP x PP x DP` gloo processes on this machine, each builds
+its part of the model with `build_model`, copies in its TP shard of every tensor
+(vocabulary rows re-padded for the new TP size), wraps it in DeepSpeed exactly as the
+trainer does (`training.engine.build_engine`, `training.ds_config.build_ds_config`) and
+saves through `training.checkpointing.save_checkpoint`, so the result is a native
+checkpoint the trainer resumes from (model weights, iteration, client state such as
+the data position). The Adam moments are NOT carried over: they restart from zero.
+
+Validation (on by default): a fresh engine in the target layout loads the written
+checkpoint through the trainer's `load_checkpoint` and its forward loss on a fixed batch
+must equal that of the merged source model at TP = 1 (same weights, same padding).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from megatron_lev.checkpoint.ds_reader import CheckpointError, load_file
+from megatron_lev.checkpoint.llama_names import pad_rows
+from megatron_lev.checkpoint.merge import split_full
+from megatron_lev.checkpoint.source import SourceCheckpoint, iter_canonical, open_checkpoint
+from megatron_lev.config import RunConfig, from_dict
+from megatron_lev.model.build import padded_vocab_size
+from megatron_lev.model.canonical import canonical_state_dict_spec
+
+_DS_KEYS = {"module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "sparse_tensor_module_names",
+            "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+            "ds_version", "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params",
+            "frozen_param_fragments", "data_sampler", "random_ltd", "checkpoint_parallel_dimensions",
+            "universal_checkpoint_info"}  # what DeepSpeed writes itself; the rest is the trainer's client state
+
+
+def target_config(cfg: RunConfig, tp: int, pp: int, dp: int) -> RunConfig:
+    """The source run config with the new layout, validated for `TP x PP x DP` processes."""
+    data = cfg.to_dict()
+    data["parallel"]["tensor_model_parallel_size"] = tp
+    data["parallel"]["pipeline_model_parallel_size"] = pp
+    new = from_dict(RunConfig, data, prefix="")
+    new.validate(world_size=tp * pp * dp)
+    return new
+
+
+def adapt_rows(name: str, tensor: torch.Tensor, want: tuple[int, ...], vocab: int) -> torch.Tensor:
+    """Re-pad a vocabulary table's rows for another TP size (rows >= `vocab` are padding)."""
+    if tuple(tensor.shape) == want:
+        return tensor
+    if tensor.shape[1:] == torch.Size(want[1:]) and tensor.shape[0] >= vocab and want[0] >= vocab:
+        return pad_rows(tensor[:vocab], want[0])
+    raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} cannot be resharded to {want}; the vocabulary "
+                          "padding changed something other than padding rows (e.g. LEV's digit base): keep "
+                          "model.make_vocab_size_divisible_by x TP the same")
+
+
+def _client_state(src: SourceCheckpoint) -> tuple[dict, int]:
+    """The trainer's client state and the iteration, from the source's first mp_rank file."""
+    files = sorted(src.tag_dir.glob("mp_rank_*_model_states.pt")) or sorted(
+        src.tag_dir.glob("zero_pp_rank_0_mp_rank_*_model_states.pt"))
+    if not files:
+        raise CheckpointError(f"{src.tag_dir}: no mp_rank model-states file with the engine state")
+    state = load_file(files[0])
+    client = {k: v for k, v in state.items() if k not in _DS_KEYS}
+    return client, int(state.get("global_steps", 0))
+
+
+def reshard_worker(src_path: str, tag: str | None, config: str | None, out_root: str, cfg_yaml: str,
+                   check_ids: torch.Tensor | None) -> float | None:
+    """Collective on the target layout: build, fill, save, and (optionally) reload and measure the loss."""
+    import yaml
+
+    from megatron_lev.model.build import build_model
+    from megatron_lev.parallel import state
+    from megatron_lev.training.checkpointing import load_checkpoint, save_checkpoint, tag_for
+    from megatron_lev.training.ds_config import build_ds_config
+    from megatron_lev.training.engine import build_engine, disable_cpu_shm_comm
+
+    disable_cpu_shm_comm()
+    cfg = from_dict(RunConfig, yaml.safe_load(cfg_yaml), prefix="")
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    src = open_checkpoint(src_path, tag, config)
+    world = torch.distributed.get_world_size()
+    state.initialize_model_parallel(tp, pp)
+    try:
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg, src.vocab_size)
+        fill_from_source(model, src, cfg)
+        ds_config = build_ds_config(cfg, world)
+        engine, _ = build_engine(cfg, model, ds_config, pipeline=pp > 1)
+        client, iteration = _client_state(src)
+        engine.global_steps = iteration
+        save_checkpoint(engine, out_root, iteration, client, keep_last=10**6, config_yaml=cfg.to_yaml())
+        if check_ids is None:
+            return None
+        torch.manual_seed(cfg.train.seed)
+        fresh, _ = build_engine(cfg, build_model(cfg, src.vocab_size), ds_config, pipeline=pp > 1)
+        load_checkpoint(fresh, out_root, tag_for(iteration))
+        return forward_loss(fresh, check_ids, pipeline=pp > 1)
+    finally:
+        state.destroy_model_parallel()
+
+
+def fill_from_source(model: torch.nn.Module, src: SourceCheckpoint, cfg: RunConfig) -> None:
+    """Copy this rank's TP shard of every merged source tensor into the (plain or pipeline) model."""
+    from megatron_lev.model.pipeline import canonical_name
+    from megatron_lev.parallel import state
+
+    tp, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    padded = padded_vocab_size(src.vocab_size, cfg.model, tp)
+    specs = canonical_state_dict_spec(cfg.model, padded)
+    pipeline = cfg.parallel.pipeline_model_parallel_size > 1
+    local: dict[str, list[torch.Tensor]] = {}
+    for name, param in model.state_dict(keep_vars=True).items():
+        key = canonical_name(name, cfg.model.num_layers) if pipeline else name
+        local.setdefault(key, []).append(param)
+    filled = set()
+    for name, full in iter_canonical(src, progress=False):
+        if name not in local:
+            continue
+        full = adapt_rows(name, full, specs[name].shape, src.vocab_size)
+        shard = split_full(full, specs[name], tp)[rank]
+        with torch.no_grad():
+            for param in local[name]:
+                param.copy_(shard.to(param.dtype))
+        filled.add(name)
+    missing = sorted(set(local) - filled)
+    if missing:
+        raise CheckpointError(f"the target model has parameters the source lacks: {missing[:3]}")
+
+
+def forward_loss(engine, ids: torch.Tensor, pipeline: bool) -> float:
+    """Mean per-token loss of `ids (B, S + 1)` without a training step."""
+    x, y = ids[:, :-1], ids[:, 1:]
+    if pipeline:
+        return float(engine.eval_batch(iter([((x,), y)])))
+    engine.eval()
+    with torch.no_grad():
+        return float(engine(x, y).float().mean())
+
+
+def reference_loss(src: SourceCheckpoint, cfg: RunConfig, ids: torch.Tensor) -> float:
+    """The merged source model at TP = 1 with the target's vocabulary padding: the loss to reproduce."""
+    from megatron_lev.model.gpt import GPTModel
+
+    padded = padded_vocab_size(src.vocab_size, cfg.model, cfg.parallel.tensor_model_parallel_size)
+    specs = canonical_state_dict_spec(cfg.model, padded)
+    with torch.device("meta"):
+        model = GPTModel(cfg.model, padded, seed=cfg.train.seed)
+    state = {n: adapt_rows(n, t.float(), specs[n].shape, src.vocab_size) for n, t in iter_canonical(src, False)}
+    model.load_state_dict(state, strict=True, assign=True)
+    with torch.no_grad():
+        return float(model.eval()(ids[:, :-1], ids[:, 1:]).mean())
+
+
+def reshard(checkpoint: str | os.PathLike, out_root: str | os.PathLike, tp: int, pp: int, dp: int = 1,
+            tag: str | None = None, config: str | os.PathLike | None = None, validate: bool = True,
+            timeout: float = 3600.0) -> tuple[Path, float | None, float | None]:
+    """Write the resharded checkpoint under `out_root`; returns (tag dir, reference loss, resharded loss)."""
+    from megatron_lev.testing.distributed import run_distributed
+
+    src = open_checkpoint(checkpoint, tag, config)
+    cfg = target_config(src.cfg, tp, pp, dp)
+    out = Path(out_root)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; reshard into a new directory")
+    ids = None
+    ref = None
+    if validate:
+        s = cfg.model.seq_length
+        ids = torch.randint(0, src.vocab_size, (cfg.train.micro_batch_size, s + 1),
+                            generator=torch.Generator().manual_seed(0))
+        ref = reference_loss(src, cfg, ids)
+    world = tp * pp * dp
+    losses = run_distributed(reshard_worker, world_size=world, timeout=timeout,
+                             args=(str(checkpoint), tag, str(config) if config else None, str(out), cfg.to_yaml(), ids))
+    got = losses[0]
+    if validate and abs(got - ref) > 1e-4 * max(1.0, abs(ref)):
+        raise CheckpointError(f"resharded checkpoint loads with loss {got:.6f} but the source gives {ref:.6f}")
+    latest = (out / "latest").read_text().strip()
+    return out / latest, ref, got
+
+
+__all__ = ["reshard", "target_config", "adapt_rows", "fill_from_source", "reference_loss"]
