@@ -102,3 +102,11 @@ def test_cli_config_command(tmp_path, capsys):
     assert "embedding: tied" in out and (tmp_path / "config.yaml").exists()
     assert main(["config", "model.nope=1"]) == 2
     assert "unknown config key 'model.nope'" in capsys.readouterr().err
+
+
+def test_cli_config_file_followed_by_overrides(capsys):
+    from megatron_lev.cli import main
+
+    assert main(["config", "--config", "pretrain/configs/tiny.yaml", "model.embedding=tied", "train.lr=5e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "embedding: tied" in out and "lr: 0.0005" in out and "name: tiny" in out

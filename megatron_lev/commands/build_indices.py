@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from megatron_lev.commands.config_cmd import add_config_arguments
+from megatron_lev.commands.config_cmd import add_config_arguments, config_files_and_overrides
 from megatron_lev.config import ConfigError, load_config
 
 
@@ -31,7 +31,8 @@ def samples_from_config(cfg, world_size: int) -> tuple[int, int, int]:
 def main(args: argparse.Namespace) -> int:
     from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
 
-    cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    files, overrides = config_files_and_overrides(args)
+    cfg = load_config(files, overrides, world_size=args.world_size)
     num = tuple(args.num_samples) if args.num_samples else samples_from_config(cfg, args.world_size)
     start = time.monotonic()
     splits = build_train_valid_test_datasets(cfg.data, cfg.model.seq_length, num)

@@ -15,6 +15,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dotted overrides, e.g. model.embedding=lev train.lr=3e-4")
 
 
+def config_files_and_overrides(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """`--config a.yaml key=value` lets argparse hand the overrides to --config; take them back."""
+    files = [c for c in args.config if "=" not in c]
+    overrides = [c for c in args.config if "=" in c] + list(args.overrides)
+    return files, overrides
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--world-size", type=int, default=None,
@@ -23,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    files, overrides = config_files_and_overrides(args)
+    cfg = load_config(files, overrides, world_size=args.world_size)
     print(cfg.to_yaml(), end="")
     if args.save:
         print(f"# saved to {cfg.save(args.save)}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_lev.commands.config_cmd import add_config_arguments
+from megatron_lev.commands.config_cmd import add_config_arguments, config_files_and_overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,9 +22,7 @@ def main(args: argparse.Namespace) -> int:
     from megatron_lev.training.ds_config import validate_training
     from megatron_lev.training.launch import read_dist_env
 
-    # `--config a.yaml key=value ...`: argparse gives the overrides to --config; take them back
-    files = [c for c in args.config if "=" not in c]
-    overrides = [c for c in args.config if "=" in c] + list(args.overrides)
+    files, overrides = config_files_and_overrides(args)
     world_size = read_dist_env().world_size
     cfg = load_config(files, overrides, world_size=world_size)
     validate_training(cfg, world_size, cuda=torch.cuda.is_available())  # before anything heavy
