@@ -1,6 +1,7 @@
 import pytest
 
 from megatron_lev.config import ConfigError, RunConfig, load_config, parse_override
+from tests.conftest import ROOT
 
 
 def write(tmp_path, text, name="run.yaml"):
@@ -107,6 +108,6 @@ def test_cli_config_command(tmp_path, capsys):
 def test_cli_config_file_followed_by_overrides(capsys):
     from megatron_lev.cli import main
 
-    assert main(["config", "--config", "pretrain/configs/tiny.yaml", "model.embedding=tied", "train.lr=5e-4"]) == 0
+    assert main(["config", "--config", str(ROOT / "pretrain/configs/tiny.yaml"), "model.embedding=tied", "train.lr=5e-4"]) == 0
     out = capsys.readouterr().out
     assert "embedding: tied" in out and "lr: 0.0005" in out and "name: tiny" in out
