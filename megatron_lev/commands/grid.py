@@ -1,0 +1,104 @@
+"""`megatron-lev grid`: the paper's 18 runs as sbatch commands, or the small grid run here end to end.
+
+    megatron-lev grid --grid paper --print-sbatch > submit_all.sh      # then: bash submit_all.sh
+    megatron-lev grid --grid small --data-dir ../shared/data/minipile --out runs/small_grid
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from megatron_lev.config import EMBEDDINGS
+    from megatron_lev.experiments.grid import PAPER_SIZES
+    from megatron_lev.experiments.small import DEFAULT_TOKENIZER
+
+    parser.add_argument("--grid", choices=("paper", "small"), required=True)
+    parser.add_argument("--variants", nargs="+", choices=EMBEDDINGS, default=list(EMBEDDINGS))
+    paper = parser.add_argument_group("paper grid (Slurm)")
+    paper.add_argument("--sizes", nargs="+", choices=list(PAPER_SIZES), default=list(PAPER_SIZES))
+    paper.add_argument("--print-sbatch", action="store_true",
+                       help="print a script that submits every run (reads $PILE_DATA, $PILE_VALID, $PILE_TOKENIZER)")
+    paper.add_argument("--print-eval", action="store_true",
+                       help="print the convert + evaluate job of every run (after training)")
+    paper.add_argument("--write", metavar="DIR", default=None,
+                       help="write submit_all.sh, evaluate_all.sh and RUNS.md into DIR")
+    small = parser.add_argument_group("small grid (this machine)")
+    small.add_argument("--data-dir", default=None, help="Pile-format corpus directory (*.jsonl[.zst])")
+    small.add_argument("--out", default="runs/small_grid", help="grid directory (data, runs, results)")
+    small.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="GPT-NeoX-20B tokenizer.json")
+    small.add_argument("--config", default=None, help="run config (default: the small grid's config)")
+    small.add_argument("--nproc", type=int, default=1, help="training processes per run (torchrun when > 1)")
+    small.add_argument("--threads", type=int, default=None, help="CPU threads per process (default: cores/nproc)")
+    small.add_argument("--zero-shot-subset", default="Wikipedia_en", help="Pile subset held out for zero-shot")
+    small.add_argument("--max-chars-per-subset", type=int, default=2_000_000)
+    small.add_argument("--valid-every", type=int, default=20, help="every N-th document is validation")
+    small.add_argument("--zero-shot-max-chars", type=int, default=300_000)
+    small.add_argument("--eval-max-docs", type=int, default=None, help="evaluate only the first N documents")
+    small.add_argument("--force", action="store_true", help="rerun finished steps")
+    small.add_argument("overrides", nargs="*", metavar="section.key=value",
+                       help="applied to every variant's training, e.g. train.train_tokens=20480")
+
+
+def _paper(args: argparse.Namespace) -> int:
+    from megatron_lev.config import atomic_write_text
+    from megatron_lev.experiments.grid import (
+        chinchilla_tokens,
+        evaluation_script,
+        manifest_markdown,
+        paper_runs,
+        submission_script,
+    )
+
+    runs = paper_runs(args.sizes, args.variants)
+    if args.write:
+        out = Path(args.write)
+        atomic_write_text(out / "submit_all.sh", submission_script(runs))
+        atomic_write_text(out / "evaluate_all.sh", evaluation_script(runs))
+        tokens = {size: chinchilla_tokens(size) for size in args.sizes}
+        atomic_write_text(out / "RUNS.md", manifest_markdown(runs, tokens))
+        print(f"wrote {out / 'submit_all.sh'}, {out / 'evaluate_all.sh'}, {out / 'RUNS.md'} ({len(runs)} runs)")
+    if args.print_sbatch:
+        print(submission_script(runs), end="")
+    if args.print_eval:
+        print(evaluation_script(runs), end="")
+    if not (args.write or args.print_sbatch or args.print_eval):
+        for run in runs:
+            print(f"{run.name:>20}  {run.config}  model.embedding={run.variant}  ({run.nodes} node(s))")
+        print("(--print-sbatch for the submission commands)")
+    return 0
+
+
+def _small(args: argparse.Namespace) -> int:
+    from megatron_lev.demo.steps import StepFailed
+    from megatron_lev.experiments.small import SmallGrid, run_small_grid
+
+    if not args.data_dir:
+        print("megatron-lev grid --grid small: give --data-dir (a Pile-format directory)", file=sys.stderr)
+        return 2
+    grid = SmallGrid(Path(args.data_dir), Path(args.out), Path(args.tokenizer), list(args.variants),
+                     overrides=list(args.overrides), nproc=args.nproc, threads=args.threads,
+                     zero_shot_subset=args.zero_shot_subset, max_chars_per_subset=args.max_chars_per_subset,
+                     valid_every=args.valid_every, zero_shot_max_chars=args.zero_shot_max_chars,
+                     eval_max_docs=args.eval_max_docs)
+    if args.config:
+        grid.config = Path(args.config)
+    try:
+        run_small_grid(grid, force=args.force)
+    except StepFailed as exc:
+        print(f"megatron-lev grid: {exc}", file=sys.stderr)
+        print("fix the cause and run the same command again: finished steps are skipped", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.grid == "paper":
+        if args.overrides:
+            print("megatron-lev grid: section.key=value overrides apply to --grid small only", file=sys.stderr)
+            return 2
+        return _paper(args)
+    return _small(args)

@@ -1,0 +1,150 @@
+"""The paper's experiment grid: six embedding variants x three model sizes, and the command for each run.
+
+Every run of a size shares one config file (`pretrain/configs/experiments/paper/<size>.yaml`);
+a variant differs only in `model.embedding`. The data locations are not in the files: the
+commands read them from shell variables the user exports before submitting.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_lev.config import EMBEDDINGS
+
+# model.embedding -> the paper's name for the variant (the compare tables use these)
+VARIANT_NAMES: dict[str, str] = {
+    "tied": "TIED", "untied": "UNTIED", "albert": "ALBERT", "flat_mlp": "FLAT-MLP",
+    "factorized_mlp": "FACT-MLP", "lev": "LEV",
+}
+assert tuple(VARIANT_NAMES) == EMBEDDINGS, "every embedding variant needs a display name"
+
+PAPER_DIR = Path("pretrain/configs/experiments/paper")
+SMALL_CONFIG = Path("pretrain/configs/experiments/small/small.yaml")
+GPUS_PER_NODE = 8
+TOKENS_PER_STEP = 256 * 2048  # global batch x sequence of every paper config
+NEOX_VOCAB = 50277  # GPT-NeoX-20B tokenizer
+# size -> nodes of 8 GPUs the size's config is laid out for (global batch 256 = micro x DP x accumulation)
+PAPER_SIZES: dict[str, int] = {"200m": 1, "400m": 2, "1.2b": 4}
+# Shell variables the paper commands read; the user exports them before the submission loop.
+DATA_VARIABLES = {
+    "PILE_DATA": "preprocessed Pile training prefix(es), e.g. data/pile/pile_train_text_document "
+                 "(a list: '[0.5,a_text_document,0.5,b_text_document]')",
+    "PILE_VALID": "preprocessed Pile validation prefix, e.g. data/pile/pile_val_text_document",
+    "PILE_TOKENIZER": "the GPT-NeoX-20B tokenizer.json",
+}
+# Optional for the evaluation jobs: training token counts (<train prefix>.counts.npy) for frequency buckets.
+COUNTS_VARIABLE = "PILE_COUNTS"
+
+
+@dataclass(frozen=True)
+class PaperRun:
+    """One training run of the paper grid."""
+
+    size: str
+    variant: str  # a model.embedding value
+
+    @property
+    def name(self) -> str:
+        return f"{self.size}-{self.variant}"
+
+    @property
+    def nodes(self) -> int:
+        return PAPER_SIZES[self.size]
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * GPUS_PER_NODE
+
+    @property
+    def config(self) -> Path:
+        return PAPER_DIR / f"{self.size}.yaml"
+
+    def overrides(self, save_root: str = "ckpt/paper", runs_root: str = "runs/paper") -> list[str]:
+        """The run's dotted overrides; data paths are left as `$VARIABLE` references for the shell."""
+        return [f"model.embedding={self.variant}",
+                "data.data_path=$PILE_DATA", "data.valid_data_path=$PILE_VALID",
+                "data.tokenizer_path=$PILE_TOKENIZER",
+                f"train.save={save_root}/{self.name}", f"logging.output_dir={runs_root}/{self.name}"]
+
+    def sbatch_command(self, save_root: str = "ckpt/paper", runs_root: str = "runs/paper") -> str:
+        """`sbatch ... slurm/pretrain.sbatch --config FILE overrides`, with `$VARIABLE`s left to the shell."""
+        head = ["sbatch", f"--nodes={self.nodes}", f"--job-name=lev-{self.name}", "slurm/pretrain.sbatch",
+                "--config", str(self.config)]
+        words = [shlex.quote(w) for w in head]
+        for item in self.overrides(save_root, runs_root):
+            key, _, value = item.partition("=")
+            # "$VAR" expands in the shell but stays one word; literal values are quoted as needed
+            words.append(f'{key}="{value}"' if value.startswith("$") else shlex.quote(item))
+        return " ".join(words)
+
+    def convert_eval_command(self, save_root: str = "ckpt/paper") -> str:
+        """The follow-up export + evaluation job (slurm/convert_eval.sbatch) for this run."""
+        return (f'CHECKPOINT={save_root}/{self.name} EVAL_DATA="$PILE_VALID" '
+                f'EVAL_ARGS="--name {VARIANT_NAMES[self.variant]} --seq-len 2048'
+                f'${{{COUNTS_VARIABLE}:+ --counts ${COUNTS_VARIABLE}}}" '
+                f"sbatch --job-name=eval-{self.name} slurm/convert_eval.sbatch")
+
+
+def chinchilla_tokens(size: str, vocab_size: int = NEOX_VOCAB, tokens_per_param: int = 20) -> int:
+    """20 tokens per parameter of the size's TIED model: the one budget every variant of the size trains on."""
+    from megatron_lev.config import load_config
+    from megatron_lev.model.build import padded_vocab_size
+    from megatron_lev.model.flops import parameter_count
+
+    cfg = load_config(PAPER_DIR / f"{size}.yaml", validate=False)
+    vocab = padded_vocab_size(vocab_size, cfg.model, cfg.parallel.tensor_model_parallel_size)
+    return tokens_per_param * parameter_count(cfg.model, vocab, "tied")["total"]
+
+
+def paper_runs(sizes: list[str] | None = None, variants: list[str] | None = None) -> list[PaperRun]:
+    """The 18 runs (or a subset), size-major in the paper's order."""
+    sizes = list(sizes or PAPER_SIZES)
+    variants = list(variants or EMBEDDINGS)
+    for s in sizes:
+        if s not in PAPER_SIZES:
+            raise ValueError(f"unknown size {s!r}; the paper grid has {', '.join(PAPER_SIZES)}")
+    for v in variants:
+        if v not in EMBEDDINGS:
+            raise ValueError(f"unknown variant {v!r}; choose from {', '.join(EMBEDDINGS)}")
+    return [PaperRun(s, v) for s in sizes for v in variants]
+
+
+def submission_script(runs: list[PaperRun]) -> str:
+    """A bash script that checks the data variables and submits every run, one sbatch a line."""
+    lines = ["#!/usr/bin/env bash",
+             "# The paper grid: submit from the repository root after exporting the data variables.",
+             "# Generated by `megatron-lev grid --grid paper --print-sbatch`; do not edit by hand.",
+             "set -euo pipefail"]
+    for var, what in DATA_VARIABLES.items():
+        lines.append(f': "${{{var}:?export {var}: {what}}}"')
+    lines += [run.sbatch_command() for run in runs]
+    return "\n".join(lines) + "\n"
+
+
+def evaluation_script(runs: list[PaperRun]) -> str:
+    """A bash script that submits the export + evaluation job of every run, then the compare per size."""
+    lines = ["#!/usr/bin/env bash",
+             "# After training: export and evaluate every run of the paper grid (slurm/convert_eval.sbatch).",
+             "# Generated by `megatron-lev grid --grid paper --print-eval`; do not edit by hand.",
+             "set -euo pipefail",
+             ': "${PILE_VALID:?export PILE_VALID: the preprocessed Pile validation prefix}"',
+             f"# optional: export {COUNTS_VARIABLE}=<train prefix>.counts.npy for perplexity by token frequency"]
+    lines += [run.convert_eval_command() for run in runs]
+    lines.append("# when the jobs have finished, the paper's table per size:")
+    for size in dict.fromkeys(r.size for r in runs):
+        of_size = [r for r in runs if r.size == size]
+        results = " ".join(f"{VARIANT_NAMES[r.variant]}=ckpt/paper/{r.name}/hf/eval/eval.json" for r in of_size)
+        curves = " ".join(f"{VARIANT_NAMES[r.variant]}=runs/paper/{r.name}/tensorboard" for r in of_size)
+        lines.append(f"# megatron-lev compare {results} --curves {curves} --tokens-per-step {TOKENS_PER_STEP} "
+                     f"--out results/paper/{size}")
+    return "\n".join(lines) + "\n"
+
+
+def manifest_markdown(runs: list[PaperRun], tokens: dict[str, int]) -> str:
+    """The table of runs (size, variant, nodes, token budget, checkpoint) for docs and review."""
+    head = "| run | variant | config | nodes x GPUs | training tokens | checkpoint |\n|---|---|---|---|---|---|\n"
+    rows = [f"| {r.name} | {VARIANT_NAMES[r.variant]} | `{r.config}` | {r.nodes} x {GPUS_PER_NODE} | "
+            f"{tokens[r.size]:,} | `ckpt/paper/{r.name}` |" for r in runs]
+    return head + "\n".join(rows) + "\n"

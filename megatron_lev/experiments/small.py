@@ -1,0 +1,185 @@
+"""The paper's grid at CPU scale: split and tokenise a Pile-format corpus, then train, convert and
+evaluate every variant with one seed, data order and token budget, and compare them against TIED.
+
+Every step is a `megatron-lev` command run through `StepRunner`, so an interrupted grid resumes
+where it stopped (finished steps are skipped; a half-finished training resumes from its checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_lev.config import EMBEDDINGS, ConfigError, atomic_write_text, load_config
+from megatron_lev.demo.steps import Step, StepRunner
+from megatron_lev.experiments.grid import SMALL_CONFIG, VARIANT_NAMES
+
+DEFAULT_TOKENIZER = "../shared/data/tokenizers/gpt-neox-20b.json"
+
+
+@dataclass
+class SmallGrid:
+    """Where the small grid reads and writes, and what it runs."""
+
+    data_dir: Path
+    out: Path
+    tokenizer: Path = Path(DEFAULT_TOKENIZER)
+    variants: list[str] = field(default_factory=lambda: list(EMBEDDINGS))
+    config: Path = SMALL_CONFIG
+    overrides: list[str] = field(default_factory=list)  # applied to every variant's training
+    nproc: int = 1  # training processes (torchrun --standalone when > 1)
+    zero_shot_subset: str = "Wikipedia_en"
+    max_chars_per_subset: int = 2_000_000
+    valid_every: int = 20
+    zero_shot_max_chars: int = 300_000
+    eval_max_docs: int | None = None
+    threads: int | None = None  # CPU threads per process (default: cores / nproc)
+
+    def check(self) -> None:
+        """Refuse a grid that cannot run, before any step starts; errors name the flag."""
+        if "tied" not in self.variants:
+            raise ConfigError("--variants must include tied: every variant is compared against TIED")
+        unknown = [v for v in self.variants if v not in EMBEDDINGS]
+        if unknown:
+            raise ConfigError(f"--variants: unknown {unknown}; choose from {', '.join(EMBEDDINGS)}")
+        if not Path(self.data_dir).is_dir():
+            raise ConfigError(f"--data-dir {self.data_dir}: not a directory of Pile-format *.jsonl[.zst] files")
+        if not Path(self.tokenizer).is_file():
+            raise ConfigError(f"--tokenizer {self.tokenizer}: file not found (the GPT-NeoX-20B tokenizer.json)")
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc must be at least 1, got {self.nproc}")
+        for variant in self.variants:  # every config must load before hours of work start
+            self.run_config(variant)
+
+    # ------------------------------------------------------------------ paths
+
+    @property
+    def data(self) -> Path:
+        return self.out / "data"
+
+    def prefix(self, part: str) -> Path:
+        return self.data / f"{part}_text_document"
+
+    def run_dir(self, variant: str) -> Path:
+        return self.out / "runs" / variant
+
+    def eval_json(self, variant: str) -> Path:
+        return self.run_dir(variant) / "eval" / "eval.json"
+
+    @property
+    def results(self) -> Path:
+        return self.out / "results"
+
+    # ------------------------------------------------------------------ commands
+
+    def train_overrides(self, variant: str) -> list[str]:
+        run = self.run_dir(variant)
+        base = [f"model.embedding={variant}", f"data.data_path=[{self.prefix('train')}]",
+                f"data.valid_data_path=[{self.prefix('valid')}]", f"data.tokenizer_path={self.tokenizer}",
+                f"data.cache_dir={self.out / 'index-cache'}", f"train.save={run / 'checkpoints'}",
+                f"logging.output_dir={run}", "logging.progress_bar=false"]
+        if self.nproc > 1:  # the same global batch (and so the same data order) over nproc ranks
+            micro = load_config(self.config, validate=False).train.micro_batch_size
+            if micro % self.nproc:
+                raise ConfigError(f"--nproc {self.nproc} does not divide train.micro_batch_size={micro} "
+                                  f"of {self.config}")
+            base.append(f"train.micro_batch_size={micro // self.nproc}")
+        return base + list(self.overrides)
+
+    def run_config(self, variant: str):
+        return load_config(self.config, self.train_overrides(variant), world_size=self.nproc)
+
+    def _python(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", *args]
+
+    def _env(self) -> dict[str, str]:
+        threads = self.threads or max(1, (os.cpu_count() or 1) // self.nproc)
+        env = {"OMP_NUM_THREADS": str(threads)}
+        if "DS_ACCELERATOR" not in os.environ:
+            env["DS_ACCELERATOR"] = "cpu"
+        return env
+
+    def steps(self) -> list[Step]:
+        """Every step of the grid, in order: data, then train/convert/evaluate per variant, then compare."""
+        env = self._env()
+        steps = [Step("split", "hold out the zero-shot subset and a validation slice of every other subset",
+                      lambda: self._python("megatron_lev.experiments.corpus", "--data-dir", str(self.data_dir),
+                                           "--out", str(self.data), "--zero-shot-subset", self.zero_shot_subset,
+                                           "--max-chars-per-subset", str(self.max_chars_per_subset),
+                                           "--valid-every", str(self.valid_every),
+                                           "--zero-shot-max-chars", str(self.zero_shot_max_chars)),
+                      lambda: [self.data / f"{p}.jsonl" for p in ("train", "valid", "zero_shot")])]
+        for part in ("train", "valid"):
+            steps.append(Step(f"preprocess-{part}", f"tokenise the {part} documents (GPT-NeoX-20B)",
+                              lambda part=part: self._python(
+                                  "megatron_lev", "preprocess", "--input", str(self.data / f"{part}.jsonl"),
+                                  "--output-prefix", str(self.prefix(part)), "--tokenizer", str(self.tokenizer),
+                                  "--workers", "1", "--no-progress"),
+                              lambda part=part: [Path(f"{self.prefix(part)}{s}")
+                                                 for s in (".bin", ".idx", ".counts.npy")], env))
+        seq = load_config(self.config, validate=False).model.seq_length
+        for v in self.variants:
+            run = self.run_dir(v)
+            steps += [
+                Step(f"train-{v}", f"train {VARIANT_NAMES[v]} ({self.nproc} process(es))",
+                     lambda v=v: self._train_command(v), lambda run=run: [run / "checkpoints" / "latest",
+                                                                          run / "metrics.jsonl"], env),
+                Step(f"convert-{v}", f"export {VARIANT_NAMES[v]} to a validated Hugging Face model",
+                     lambda run=run: self._python("megatron_lev", "convert", str(run / "checkpoints"),
+                                                  str(run / "hf"), "--overwrite", "--no-progress"),
+                     lambda run=run: [run / "hf" / "config.json"], env),
+                Step(f"evaluate-{v}", f"perplexity of {VARIANT_NAMES[v]}: validation (by frequency), zero-shot",
+                     lambda v=v, run=run: self._python(
+                         "megatron_lev", "evaluate", str(run / "hf"), "--data", str(self.prefix("valid")),
+                         "--text", str(self.data / "zero_shot.jsonl"),
+                         "--counts", f"{self.prefix('train')}.counts.npy", "--seq-len", str(seq),
+                         "--name", VARIANT_NAMES[v], "--out", str(run / "eval"),
+                         *(["--max-docs", str(self.eval_max_docs)] if self.eval_max_docs else [])),
+                     lambda v=v: [self.eval_json(v)], env),
+            ]
+        for corpus, label in (("valid_text_document", "validation"), ("zero_shot", "zero-shot")):
+            out = self.results / label.replace("-", "_")
+            steps.append(Step(f"compare-{label}", f"{label} perplexity of every variant against TIED",
+                              lambda corpus=corpus, out=out, label=label: self._compare_command(corpus, out,
+                                                                                                 label),
+                              lambda out=out: [out / "compare.md"], env))
+        return steps
+
+    def _train_command(self, variant: str) -> list[str]:
+        args = ["megatron_lev", "train", "--config", str(self.config), *self.train_overrides(variant)]
+        if self.nproc == 1:
+            return self._python(*args)
+        return self._python("torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}", *args)
+
+    def _compare_command(self, corpus: str, out: Path, label: str) -> list[str]:
+        cfg = self.run_config("tied")
+        tokens_per_step = (cfg.train.global_batch_size or cfg.train.micro_batch_size * self.nproc) \
+            * cfg.model.seq_length
+        cmd = self._python("megatron_lev", "compare",
+                           *(f"{VARIANT_NAMES[v]}={self.eval_json(v)}" for v in self.variants),
+                           "--corpus", corpus, "--out", str(out))
+        if label == "validation":  # loss curves and tokens-to-target from the trainer's validation loss
+            cmd += ["--curves", *(f"{VARIANT_NAMES[v]}={self.run_dir(v) / 'tensorboard'}" for v in self.variants),
+                    "--tokens-per-step", str(tokens_per_step)]
+        return cmd
+
+
+def run_small_grid(grid: SmallGrid, force: bool = False, log=print) -> Path:
+    """Run (or resume) every step, then write `results/README.md` (the table) and `results/COMMANDS.md`."""
+    from megatron_lev.experiments.summary import commands_markdown, grid_summary, summary_markdown
+
+    grid.check()
+    steps = grid.steps()
+    runner = StepRunner(grid.out, force=force, log=log)
+    try:
+        runner.run(steps)
+    finally:  # the commands that did run are worth keeping even when a later step failed
+        atomic_write_text(grid.results / "COMMANDS.md", commands_markdown(runner.state_dir, steps))
+    summary = grid_summary({VARIANT_NAMES[v]: (grid.run_dir(v), grid.eval_json(v)) for v in grid.variants})
+    table = summary_markdown(summary, grid.data / "split.json")
+    atomic_write_text(grid.results / "README.md", table)
+    log(table)
+    log(f"results in {grid.results} (README.md, validation/, zero_shot/, COMMANDS.md)")
+    return grid.results / "README.md"

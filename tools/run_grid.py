@@ -1,0 +1,11 @@
+"""Thin entry point: same as `megatron-lev grid` (see megatron_lev/commands/grid.py)."""
+
+import argparse
+import sys
+
+from megatron_lev.commands.grid import add_arguments, main
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))
