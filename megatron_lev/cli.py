@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-tokenizer": ("megatron_lev.commands.train_tokenizer", "train a SentencePiece BPE tokenizer (byte fallback) on Pile-format text"),
     "sample-corpus": ("megatron_lev.commands.sample_corpus", "build a Pile-format sample corpus from sources on this machine"),
     "build-indices": ("megatron_lev.commands.build_indices", "prebuild the cached GPT sample indices of a run offline"),
+    "grid": ("megatron_lev.commands.grid", "the paper's experiment grid: sbatch commands, or the small grid run here"),
 }
 
 
