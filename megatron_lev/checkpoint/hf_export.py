@@ -42,6 +42,7 @@ from megatron_lev.logging import get_logger
 log = get_logger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+REMOTE_CODE = "modeling_lev_llama.py"  # shipped beside this file, copied into --keep-lev exports
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # atol = rtol of validation
 
 
@@ -56,8 +57,12 @@ class ExportResult:
 def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tag: str | None = None,
                  config: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
                  dtype: str = "fp32", validate: bool = True, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 overwrite: bool = False, progress: bool = True) -> ExportResult:
-    """Convert, write, validate, then move the result into place (see the module docstring)."""
+                 overwrite: bool = False, progress: bool = True, keep_lev: bool = False) -> ExportResult:
+    """Convert, write, validate, then move the result into place (see the module docstring).
+
+    `keep_lev`: keep the LEV layer (its parameters plus `modeling_lev_llama.py`, loaded with
+    `trust_remote_code=True`) instead of materialising the dense table.
+    """
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     out = Path(out_dir)
@@ -69,15 +74,20 @@ def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tag:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     tied = src.cfg.model.embedding == "tied"
+    if keep_lev and src.cfg.model.embedding != "lev":
+        raise ValueError(f"--keep-lev needs a LEV model; this checkpoint has model.embedding="
+                         f"{src.cfg.model.embedding!r}")
     hf_config = llama_config(src.cfg.model, src.vocab_size, tied, DTYPES[dtype],
                              bos_token_id=tok.eod, eos_token_id=tok.eod)
-    files = write_weights(src, work, DTYPES[dtype], max_shard_bytes, progress)
-    write_config(work, hf_config)
+    files = write_weights(src, work, DTYPES[dtype], max_shard_bytes, progress, keep_lev)
+    write_config(work, hf_config, extra=lev_config(src) if keep_lev else None)
+    if keep_lev:
+        shutil.copyfile(Path(__file__).with_name(REMOTE_CODE), work / REMOTE_CODE)
     tok.save_for_hf(work)
     report = None
     if validate:
         try:
-            report = validate_export(src, work, DTYPES[dtype], progress)
+            report = validate_export(src, work, DTYPES[dtype], progress, remote_code=keep_lev)
         except ValidationError:
             bad = out.with_name(out.name + ".invalid")
             shutil.rmtree(bad, ignore_errors=True)
@@ -104,12 +114,15 @@ def _tokenizer(checkpoint, tag, config, tokenizer):
 
 
 def write_weights(src: SourceCheckpoint, out: Path, dtype: torch.dtype, max_shard_bytes: int,
-                  progress: bool = True) -> list[Path]:
+                  progress: bool = True, keep_lev: bool = False) -> list[Path]:
     """Stream the merged checkpoint into safetensors shards under Llama names."""
     writer = SafetensorsShardWriter(out, max_shard_bytes)
     dense = src.cfg.model.embedding in ("tied", "untied")
     embedding: dict[str, torch.Tensor] = {}
     for name, tensor in iter_canonical(src, progress):
+        if keep_lev and name.startswith("embedding."):  # LEV kept as a layer: same names under embed_tokens
+            writer.add("model.embed_tokens." + name.removeprefix("embedding."), tensor.to(dtype))
+            continue
         if name.startswith("embedding.") and not dense:
             embedding[name.removeprefix("embedding.")] = tensor
             continue
@@ -144,8 +157,22 @@ def source_model(src: SourceCheckpoint, progress: bool = True) -> torch.nn.Modul
     return model.eval()
 
 
+def lev_config(src: SourceCheckpoint) -> dict:
+    """config.json keys of a `--keep-lev` export: the LEV hyperparameters and the remote-code classes."""
+    from megatron_lev.model.embeddings.lev import digit_base
+
+    lev = src.cfg.model.lev
+    module = REMOTE_CODE.removesuffix(".py")
+    return {"model_type": "lev_llama", "architectures": ["LevLlamaForCausalLM"],
+            "auto_map": {"AutoConfig": f"{module}.LevLlamaConfig",
+                         "AutoModelForCausalLM": f"{module}.LevLlamaForCausalLM"},
+            "lev_k": lev.k, "lev_base": digit_base(src.padded_vocab, lev.k), "lev_d_seed": lev.d_seed,
+            "lev_heads": lev.heads, "lev_kappa": lev.kappa, "lev_rank": lev.rank, "lev_residual": lev.residual,
+            "lev_chunk_size": 256}
+
+
 def validate_export(src: SourceCheckpoint, hf_dir: Path, dtype: torch.dtype = torch.float32,
-                    progress: bool = True) -> ValidationReport:
+                    progress: bool = True, remote_code: bool = False) -> ValidationReport:
     """Run the source and the exported model on the same ids; raise ValidationError naming the first bad stage."""
     from transformers import AutoModelForCausalLM
 
@@ -153,7 +180,7 @@ def validate_export(src: SourceCheckpoint, hf_dir: Path, dtype: torch.dtype = to
     model = source_model(src, progress)
     reference = source_stages(model, ids, src.vocab_size)
     del model  # one model in memory at a time
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=remote_code).eval()
     exported = hf_stages(hf, ids)
     del hf
     tol = TOLERANCE[dtype]

@@ -47,12 +47,14 @@ def llama_config(model: ModelConfig, vocab_size: int, tie_word_embeddings: bool,
     )
 
 
-def write_config(out_dir: Path, config, max_new_tokens: int = 64) -> None:
-    """config.json (with a top-level `rope_theta` too, for transformers 4.x) and generation_config.json."""
+def write_config(out_dir: Path, config, max_new_tokens: int = 64, extra: dict | None = None) -> None:
+    """config.json (with a top-level `rope_theta` too, for transformers 4.x; `extra` keys merged in)
+    and generation_config.json."""
     from transformers import GenerationConfig
 
     cfg = config.to_dict()
     cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta"))
+    cfg.update(extra or {})
     atomic_write_json(out_dir / "config.json", cfg)
     gen = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                            pad_token_id=config.eos_token_id, max_new_tokens=max_new_tokens, do_sample=False)

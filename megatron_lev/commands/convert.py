@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-validation", action="store_true",
                         help="do not compare the exported model's logits with the source model's")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--keep-lev", action="store_true",
+                        help="keep the LEV input layer (loaded with trust_remote_code=True) instead of a dense table")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -36,11 +38,11 @@ def main(args: argparse.Namespace) -> int:
         result = export_to_hf(args.checkpoint, args.out, tag=args.tag, config=args.config, tokenizer=args.tokenizer,
                               dtype=args.dtype, validate=not args.skip_validation,
                               max_shard_bytes=int(args.max_shard_size * 1024**3), overwrite=args.overwrite,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, keep_lev=args.keep_lev)
     except ValidationError as exc:
         print(f"megatron-lev convert: VALIDATION FAILED: {exc}", file=sys.stderr)
         return 1
-    except (CheckpointError, ShardMismatchError, FileExistsError, FileNotFoundError) as exc:
+    except (CheckpointError, ShardMismatchError, FileExistsError, FileNotFoundError, ValueError) as exc:
         print(f"megatron-lev convert: {exc}", file=sys.stderr)
         return 2
     if result.report is not None:

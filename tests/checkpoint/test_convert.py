@@ -141,3 +141,23 @@ def test_lm_eval_runs_on_the_export(hf_exports, shared_data, tmp_path, monkeypat
         acc = out["results"][task]["acc,none"]
         assert 0.0 <= acc <= 1.0
     assert out["results"]["local_arc_easy"]["acc_norm,none"] >= 0.0
+
+
+def test_keep_lev_exports_a_trainable_lev_layer(ds_checkpoints, hf_exports, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "lev_layer"
+    assert cli_main(["convert", str(ds_checkpoints["lev"][0]), str(out), "--keep-lev", "--no-progress"]) == 0
+    assert "validation passed" in capsys.readouterr().out
+    assert (out / "modeling_lev_llama.py").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    dense = AutoModelForCausalLM.from_pretrained(hf_exports["lev"].out_dir).eval()
+    ids = torch.tensor([[5, 50276, 17, 5, 1000, 50275]])
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids).logits, dense(ids).logits, atol=1e-4, rtol=1e-4)
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    assert model.model.embed_tokens.delta.grad.abs().sum() > 0  # LEV keeps training as a layer
+
+    assert cli_main(["convert", str(ds_checkpoints["tied"][0]), str(tmp_path / "x"), "--keep-lev"]) == 2
+    assert "--keep-lev needs a LEV model" in capsys.readouterr().err

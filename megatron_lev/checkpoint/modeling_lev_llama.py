@@ -1,0 +1,94 @@
+"""A Llama whose input embedding is the LEV layer, for Hugging Face `trust_remote_code` loading.
+
+Copied next to the weights by `megatron-lev convert --keep-lev`; it depends only on torch and
+transformers (not on megatron_lev), so an exported model keeps training LEV anywhere.
+The math follows the LEV spec: compositional digits -> summed codebooks (seed z) -> per head
+`u = sigmoid(LayerNorm(W z))` -> normalised quadratic B-spline basis on `kappa` knots ->
+`phi = sum_m B_m(u) (1 + delta_m)` -> rank-r separable product over the seed coordinates
+(`sign * exp(sum log(|phi| + 1e-9))`) -> `sum_l M_l @ W_out_l` (+ optional `W_res z`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+LOG_EPS = 1e-9
+LN_EPS = 1e-5
+
+
+class LevLlamaConfig(LlamaConfig):
+    model_type = "lev_llama"
+
+    def __init__(self, lev_k: int = 3, lev_base: int = 37, lev_d_seed: int = 128, lev_heads: int = 8,
+                 lev_kappa: int = 16, lev_rank: int = 64, lev_residual: bool = False, lev_chunk_size: int = 256,
+                 **kwargs):
+        self.lev_k, self.lev_base, self.lev_d_seed, self.lev_heads = lev_k, lev_base, lev_d_seed, lev_heads
+        self.lev_kappa, self.lev_rank, self.lev_residual, self.lev_chunk_size = (lev_kappa, lev_rank, lev_residual,
+                                                                              lev_chunk_size)
+        super().__init__(**kwargs)
+
+
+class _Codebooks(nn.Module):
+    def __init__(self, k: int, base: int, d_seed: int):
+        super().__init__()
+        self.k, self.base = k, base
+        self.weight = nn.Parameter(torch.zeros(k * base, d_seed))  # rows of C_0, then C_1, ...
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, d_seed)
+        powers = self.base ** torch.arange(self.k, device=ids.device)
+        digits = (ids.unsqueeze(-1) // powers) % self.base + torch.arange(self.k, device=ids.device) * self.base
+        return F.embedding(digits, self.weight).sum(dim=-2)
+
+
+def _basis(u: torch.Tensor, kappa: int) -> torch.Tensor:
+    """Normalised quadratic B-spline basis, `u (...)` in [0, 1] -> `(..., kappa)`."""
+    t = (u * (kappa - 1)).unsqueeze(-1) - torch.arange(kappa, device=u.device, dtype=u.dtype)
+    a = t.abs()
+    raw = torch.where(a < 0.5, 0.75 - t * t, 0.5 * (1.5 - a).clamp(min=0.0) ** 2)
+    return raw / raw.sum(dim=-1, keepdim=True)
+
+
+class LevEmbedding(nn.Module):
+    """Token ids `(B, S)` -> `(B, S, D)`, computed once per unique id, in chunks."""
+
+    def __init__(self, config: LevLlamaConfig):
+        super().__init__()
+        h, d, r, kappa = config.lev_heads, config.lev_d_seed, config.lev_rank, config.lev_kappa
+        self.kappa, self.chunk = kappa, config.lev_chunk_size
+        self.codebooks = _Codebooks(config.lev_k, config.lev_base, d)
+        self.proj = nn.Parameter(torch.zeros(h, d, d))
+        self.norm_weight = nn.Parameter(torch.ones(h, d))
+        self.norm_bias = nn.Parameter(torch.zeros(h, d))
+        self.delta = nn.Parameter(torch.zeros(h, d, kappa, r))
+        self.out_proj = nn.Parameter(torch.zeros(h, r, config.hidden_size))
+        self.residual = nn.Linear(d, config.hidden_size, bias=False) if config.lev_residual else None
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, D)
+        z = self.codebooks(ids).float()  # (N, d)
+        y = torch.einsum("nd,hed->nhe", z, self.proj.float())  # (N, h, d)
+        y = F.layer_norm(y, (y.shape[-1],), eps=LN_EPS) * self.norm_weight.float() + self.norm_bias.float()
+        basis = _basis(torch.sigmoid(y).clamp(0.0, 1.0), self.kappa)  # (N, h, d, kappa)
+        phi = torch.einsum("nhdk,hdkr->nhdr", basis, 1.0 + self.delta.float())  # (N, h, d, r)
+        negative = (phi < 0).sum(dim=2) % 2  # (N, h, r): parity of negative factors
+        modes = (1.0 - 2.0 * negative) * torch.exp(torch.log(phi.abs() + LOG_EPS).sum(dim=2))  # (N, h, r)
+        out = modes.flatten(1) @ self.out_proj.float().flatten(0, 1)  # (N, D)
+        if self.residual is not None:
+            out = out + self.residual(z.to(self.residual.weight.dtype)).float()
+        return out
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
+        unique, inverse = torch.unique(input_ids.reshape(-1), return_inverse=True)
+        table = torch.cat([self.embed_ids(c) for c in unique.split(self.chunk)], dim=0)
+        return table[inverse].view(*input_ids.shape, -1).to(self.out_proj.dtype)
+
+
+class LevLlamaForCausalLM(LlamaForCausalLM):
+    config_class = LevLlamaConfig
+
+    def __init__(self, config: LevLlamaConfig):
+        super().__init__(config)
+        self.model.embed_tokens = LevEmbedding(config)
+        self.post_init()
