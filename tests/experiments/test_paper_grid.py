@@ -1,0 +1,108 @@
+"""The paper grid: every generated run config is valid at its cluster layout, the variants of a size
+differ only in the embedding, budgets are Chinchilla per size, and the committed scripts are current."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_lev.config import EMBEDDINGS, load_config
+from megatron_lev.experiments.grid import (
+    PAPER_DIR,
+    PAPER_SIZES,
+    TOKENS_PER_STEP,
+    chinchilla_tokens,
+    evaluation_script,
+    manifest_markdown,
+    paper_runs,
+    submission_script,
+)
+from megatron_lev.training.ds_config import validate_training
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = {"$PILE_DATA": "data/pile_train_text_document", "$PILE_VALID": "data/pile_val_text_document",
+        "$PILE_TOKENIZER": "tokenizers/gpt-neox-20b.json"}
+
+
+def _resolved(run):
+    """The run's config as the trainer would load it, with the shell variables filled in."""
+    overrides = []
+    for item in run.overrides():
+        key, _, value = item.partition("=")
+        overrides.append(f"{key}={DATA.get(value, value)}")
+    return load_config(ROOT / run.config, overrides, world_size=run.world_size)
+
+
+def test_eighteen_runs_all_valid_at_their_layout():
+    runs = paper_runs()
+    assert len(runs) == 18 and len({r.name for r in runs}) == 18
+    for run in runs:
+        cfg = _resolved(run)
+        validate_training(cfg, run.world_size, cuda=True)  # the trainer's own checks (batch layout, budget)
+        assert cfg.model.embedding == run.variant
+        assert cfg.data.data_path == [DATA["$PILE_DATA"]]
+
+
+def test_variants_of_a_size_differ_only_in_embedding_and_paths():
+    for size in PAPER_SIZES:
+        dicts = []
+        for run in paper_runs([size]):
+            d = _resolved(run).to_dict()
+            d["model"].pop("embedding")
+            d["train"].pop("save")
+            d["logging"].pop("output_dir")
+            dicts.append(d)
+        assert all(d == dicts[0] for d in dicts[1:]), size
+
+
+def test_paper_training_defaults_and_chinchilla_budget_per_size():
+    seeds = set()
+    for size in PAPER_SIZES:
+        cfg = load_config(ROOT / PAPER_DIR / f"{size}.yaml", validate=False)
+        t, m = cfg.train, cfg.model
+        assert m.seq_length == 2048 and t.global_batch_size * m.seq_length == TOKENS_PER_STEP
+        assert (t.adam_beta1, t.adam_beta2, t.weight_decay, t.clip_grad) == (0.9, 0.95, 0.1, 1.0)
+        assert t.lr_warmup_fraction == 0.01 and t.lr_warmup_iters is None
+        assert t.lr_decay_style == "cosine" and t.min_lr == pytest.approx(0.1 * t.lr)
+        assert t.precision == "bf16" and cfg.parallel.zero_stage == 1
+        assert not t.chinchilla and t.train_tokens == chinchilla_tokens(size)
+        seeds.add((t.seed, cfg.data.seed))
+    assert len(seeds) == 1
+    # the paper: up to 24.1B tokens at 1.2B (ours counts 1.216B TIED parameters)
+    assert chinchilla_tokens("1.2b") == pytest.approx(24.1e9, rel=0.02)
+
+
+def test_committed_scripts_match_the_generator():
+    runs = paper_runs()
+    tokens = {s: chinchilla_tokens(s) for s in PAPER_SIZES}
+    assert (ROOT / PAPER_DIR / "submit_all.sh").read_text() == submission_script(runs)
+    assert (ROOT / PAPER_DIR / "evaluate_all.sh").read_text() == evaluation_script(runs)
+    assert (ROOT / PAPER_DIR / "RUNS.md").read_text() == manifest_markdown(runs, tokens)
+
+
+def test_submission_script_submits_every_run_with_expanded_data(tmp_path):
+    """Run submit_all.sh with a fake sbatch on PATH: 18 calls, the data paths arrive as single words."""
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    log = tmp_path / "calls.txt"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%q " "$@" >> {shlex.quote(str(log))}\necho >> {log}\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "PILE_DATA": "my data/train_text_document",
+           "PILE_VALID": "v_text_document", "PILE_TOKENIZER": "tok.json"}
+    script = ROOT / PAPER_DIR / "submit_all.sh"
+    subprocess.run(["bash", str(script)], env=env, check=True, cwd=tmp_path)
+    calls = [shlex.split(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 18
+    assert {c[c.index("--config") + 1] for c in calls} == {str(PAPER_DIR / f"{s}.yaml") for s in PAPER_SIZES}
+    assert all("data.data_path=my data/train_text_document" in c for c in calls)
+    assert {c[0] for c in calls} == {f"--nodes={n}" for n in PAPER_SIZES.values()}
+    assert sorted(a.split("=", 1)[1] for c in calls for a in c if a.startswith("model.embedding=")) == \
+        sorted(list(EMBEDDINGS) * 3)
+    missing = {k: v for k, v in env.items() if k != "PILE_VALID"}
+    proc = subprocess.run(["bash", str(script)], env=missing, cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode != 0 and "PILE_VALID" in proc.stderr
