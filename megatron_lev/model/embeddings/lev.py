@@ -30,6 +30,12 @@ DELTA_INIT_STD = 0.1
 # phi elements materialised at once inside the separable product: cache-sized on CPU,
 # larger on GPUs so that a chunk needs few kernel launches (~64 MB fp32 temporaries)
 _BLOCK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 24}
+NO_GRAD_BLOCK_SCALE = 4  # no-grad blocks (eval, materialize) save nothing, so they can be larger
+GROUP = 16  # factors multiplied directly before one log is taken
+SAFE_FACTOR = 1e-3  # below this |phi|, log|phi| and log(|phi| + 1e-9) differ by > 1e-6: per-factor path
+SAFE_RANGE = (1e-30, 1e30)  # a group product outside this (or not finite) is recomputed per factor
+PHI_MODES = ("gather", "dense")
+PHI_MODE_BY_DEVICE = {"cpu": "dense", "cuda": "gather"}
 
 
 def digit_base(vocab_size: int, k: int) -> int:
@@ -65,87 +71,175 @@ class Codebooks(nn.Module):
         return F.embedding(digits + offsets, self.weight).sum(dim=-2)
 
 
-def _block_size(n: int, heads: int, d_seed: int, rank: int, device: torch.device) -> int:
-    budget = _BLOCK_ELEMENTS.get(device.type, _BLOCK_ELEMENTS["cuda"])
-    return max(1, min(d_seed, budget // max(1, n * heads * rank)))
+class _PhiBlocks:
+    """phi for a block of coordinates x ids, and the block's share of the backward pass.
 
-
-def _phi_block(weight, flat, delta_rows, start, stop):
-    """phi = 1 + sum over the 3 active knots of B_m * delta[j, m, :], for coordinates [start, stop).
-
-    Coordinate-major layout so every slice is contiguous: weight (3, d, N, h) basis weights,
-    flat (3, d, N, h) row indices into delta_rows (h*d*kappa, r).
-    Returns phi (j, N, h, r) and the 3 gathered delta blocks (j, N, h, r).
+    Layout (h, d, N, 3) for the basis weights/indices, so phi comes out as (h, j, nb, r).
+    mode "gather": 3 `index_select`s of r-wide delta rows (the spec's sparse form);
+    mode "dense": scatter the 3 weights into a kappa-wide basis and use `torch.bmm`
+    per (head, coordinate): more flops, but matmul kernels instead of element-wise passes.
     """
-    _, _, n, h = weight.shape
-    r = delta_rows.shape[1]
-    rows = [delta_rows.index_select(0, flat[a, start:stop].reshape(-1)).view(stop - start, n, h, r)
-            for a in range(3)]
-    phi = torch.addcmul(rows[0].new_ones(()), weight[0, start:stop].unsqueeze(-1), rows[0])
-    for a in (1, 2):
-        phi.addcmul_(weight[a, start:stop].unsqueeze(-1), rows[a])
-    return phi, rows
+
+    def __init__(self, w, idx, delta, mode):
+        self.w, self.idx, self.mode = w, idx, mode
+        self.h, self.d, self.kappa, self.r = delta.shape
+        self.shifted = delta + 1.0  # phi = sum_m B_m (1 + delta_m), as the spec writes it: no separate "+1" pass
+        if mode == "gather":
+            heads_coords = torch.arange(self.h * self.d, device=w.device).view(self.h, self.d, 1, 1)
+            self.offsets = heads_coords * self.kappa  # (h, d, 1, 1): first delta row of (l, j)
+            self.rows = self.shifted.view(-1, self.r)  # (h*d*kappa, r)
+
+    def coords(self, s, e):
+        """Per coordinate block: the (1 + delta) slice the dense mode multiplies with, (h*j, kappa, r)."""
+        return self.shifted[:, s:e].reshape(-1, self.kappa, self.r) if self.mode == "dense" else None
+
+    def phi(self, s, e, n0, n1, dblk):  # -> phi (h, j, nb, r), saved state for `backward`
+        wb, ib = self.w[:, s:e, n0:n1], self.idx[:, s:e, n0:n1].long()  # (h, j, nb, 3)
+        h, j, nb, _ = wb.shape
+        if self.mode == "dense":
+            basis = wb.new_zeros(h * j, nb, self.kappa)
+            basis.view(h, j, nb, self.kappa).scatter_add_(-1, ib, wb)  # (h*j, nb, kappa)
+            return torch.bmm(basis, dblk).view(h, j, nb, self.r), (basis, ib)
+        flat = ib + self.offsets[:, s:e]
+        gathered = [self.rows.index_select(0, flat[..., a].reshape(-1)).view(h, j, nb, self.r) for a in range(3)]
+        phi = gathered[0] * wb[..., 0:1]
+        for a in (1, 2):
+            phi.addcmul_(wb[..., a:a + 1], gathered[a])
+        return phi, (gathered, flat)
+
+    def backward(self, gphi, saved, s, e, n0, n1, dblk, grad_w, grad_delta):
+        """Accumulate d/d(weights) into grad_w (h, d, N, 3) and d/d(delta) into grad_delta."""
+        h, j, nb, r = gphi.shape
+        if self.mode == "dense":
+            basis, ib = saved
+            flat_g = gphi.view(h * j, nb, r)
+            if grad_delta is not None:
+                grad_delta[:, s:e] += torch.bmm(basis.transpose(1, 2), flat_g).view(h, j, self.kappa, r)
+            if grad_w is not None:
+                grad_basis = torch.bmm(flat_g, dblk.transpose(1, 2)).view(h, j, nb, self.kappa)
+                grad_w[:, s:e, n0:n1] = torch.gather(grad_basis, -1, ib)
+            return
+        gathered, flat = saved
+        wb = self.w[:, s:e, n0:n1]
+        rows = grad_delta.view(-1, r) if grad_delta is not None else None
+        for a in range(3):
+            if grad_w is not None:
+                grad_w[:, s:e, n0:n1, a] = (gphi * gathered[a]).sum(-1)
+            if rows is not None:
+                rows.index_add_(0, flat[..., a].reshape(-1), (gphi * wb[..., a:a + 1]).reshape(-1, r))
+
+
+def _group_product(phi):
+    """Product over a group of coordinates: (h, j, nb, r) -> log|prod| and sign (h, nb, r), and
+    the mask of entries that took the per-factor path `sum log(|phi| + eps)` (a factor below
+    SAFE_FACTOR, or a product outside SAFE_RANGE: zero, subnormal, huge or not finite)."""
+    p = phi.prod(dim=1)
+    smallest = phi.abs().amin(dim=1)  # min |phi| over the group (torch.aminmax is ~10x slower on CPU)
+    size = p.abs()
+    bad = (smallest < SAFE_FACTOR) | ~((size >= SAFE_RANGE[0]) & (size <= SAFE_RANGE[1]))
+    log_abs, sign = size.log_(), torch.sign(p)
+    if bad.any():
+        factors = phi.transpose(0, 1)[:, bad]  # (j, n_bad)
+        log_abs[bad] = factors.abs().add(LOG_EPS).log().sum(0)
+        sign[bad] = 1.0 - 2.0 * ((factors < 0).sum(0) % 2).to(phi.dtype)
+    return log_abs, sign, bad
+
+
+def _blocks(d, n, group, sub):
+    for g, s in enumerate(range(0, d, group)):
+        yield g, s, min(d, s + group), [(n0, min(n, n0 + sub)) for n0 in range(0, n, sub)]
+
+
+def _subchunk(n, h, r, device, scale=1):
+    budget = _BLOCK_ELEMENTS.get(device.type, _BLOCK_ELEMENTS["cuda"]) * scale
+    return max(1, min(n, budget // max(1, h * GROUP * r)))
+
+
+def _forward_product(w, idx, delta, mode, keep_mask, scale=1):
+    """sign and log|M| (h, N, r) from basis (h, d, N, 3) and delta; the bad-group mask if asked."""
+    blocks = _PhiBlocks(w, idx, delta, mode)
+    h, d, n, _ = w.shape
+    r = delta.shape[-1]
+    log_abs, sign = w.new_zeros(h, n, r), w.new_ones(h, n, r)
+    mask = torch.zeros(-(-d // GROUP), h, n, r, dtype=torch.bool, device=w.device) if keep_mask else None
+    for g, s, e, subs in _blocks(d, n, GROUP, _subchunk(n, h, r, w.device, scale)):
+        dblk = blocks.coords(s, e)
+        for n0, n1 in subs:
+            phi, _ = blocks.phi(s, e, n0, n1, dblk)
+            lg, sg, bad = _group_product(phi)
+            log_abs[:, n0:n1] += lg
+            sign[:, n0:n1] *= sg
+            if mask is not None:
+                mask[g, :, n0:n1] = bad
+    return log_abs, sign, mask
 
 
 class SeparableProduct(torch.autograd.Function):
     """`M[n, l, rho] = prod_j phi_l[j, rho]` in sign-and-log form, with its exact gradient.
 
-    Forward: `sign * exp(sum_j log(|phi_j| + eps))`, sign = parity of negative factors.
-    Backward: the derivative of that formula, `sign * sign(phi_j) * exp(L - log(|phi_j| + eps))`
-    = the product of the other factors (no division by a possibly tiny `M`). `phi` is
-    recomputed block by block from the basis weights, so memory stays O(N h d).
+    Factors are multiplied directly in groups of GROUP coordinates and one log is taken per
+    group (GROUP times fewer transcendental ops than a log per factor); a group with a factor
+    below SAFE_FACTOR or a product outside SAFE_RANGE takes the spec's per-factor
+    `sum log(|phi| + eps)`. Backward: the product of the other factors is `M / phi_j` in
+    plain groups (|phi_j| >= SAFE_FACTOR there) and `sign * exp(L - log(|phi_j| + eps))` in
+    the others. `phi` is recomputed block by block, so memory stays O(N h d).
     """
 
     @staticmethod
-    def forward(ctx, weight, index, delta):  # (N,h,d,3), (N,h,d,3) long, (h,d,kappa,r) -> (N,h,r)
-        n, h, d, _ = weight.shape
-        kappa, r = delta.shape[2], delta.shape[3]
-        flat = index + (torch.arange(h * d, device=index.device) * kappa).view(1, h, d, 1)
-        flat = flat.permute(3, 2, 0, 1).contiguous()  # (3, d, N, h)
-        w = weight.permute(3, 2, 0, 1).contiguous()  # (3, d, N, h)
-        rows = delta.reshape(h * d * kappa, r)
-        log_abs = weight.new_zeros(n, h, r)
-        negatives = torch.zeros(n, h, r, dtype=torch.int32, device=weight.device)
-        step = _block_size(n, h, d, r, weight.device)
-        for start in range(0, d, step):
-            phi, _ = _phi_block(w, flat, rows, start, min(d, start + step))
-            negatives += (phi < 0).sum(dim=0, dtype=torch.int32)
-            log_abs += phi.abs_().add_(LOG_EPS).log_().sum(dim=0)  # in place: phi is not needed again
-        sign = 1.0 - 2.0 * (negatives % 2).to(weight.dtype)
-        ctx.save_for_backward(w, flat.to(torch.int32), delta, log_abs, sign)
-        return sign * torch.exp(log_abs)
+    def forward(ctx, weight, index, delta, mode):  # (N,h,d,3), (N,h,d,3) long, (h,d,kappa,r) -> (N,h,r)
+        w = weight.permute(1, 2, 0, 3).contiguous()  # (h, d, N, 3)
+        idx = index.permute(1, 2, 0, 3).to(torch.int32).contiguous()
+        log_abs, sign, mask = _forward_product(w, idx, delta, mode, keep_mask=True)
+        ctx.mode = mode
+        ctx.save_for_backward(w, idx, delta, log_abs, sign, mask)
+        return (sign * torch.exp(log_abs)).permute(1, 0, 2).contiguous()
 
     @staticmethod
     def backward(ctx, grad_out):  # (N, h, r)
-        w, flat, delta, log_abs, sign = ctx.saved_tensors
-        flat = flat.long()
-        _, d, n, h = w.shape
-        kappa, r = delta.shape[2], delta.shape[3]
-        rows = delta.reshape(h * d * kappa, r)
-        grad_w = torch.empty_like(w) if ctx.needs_input_grad[0] else None  # (3, d, N, h)
-        grad_rows = torch.zeros_like(rows) if ctx.needs_input_grad[2] else None
-        signed = grad_out * sign  # (N, h, r)
-        step = _block_size(n, h, d, r, w.device)
-        for start in range(0, d, step):
-            stop = min(d, start + step)
-            phi, gathered = _phi_block(w, flat, rows, start, stop)
-            # product of the other factors' |phi| + eps, then the signs: (j, N, h, r)
-            others = phi.abs().add_(LOG_EPS).log_().neg_().add_(log_abs).exp_().mul_(signed)
-            grad_phi = torch.where(phi < 0, -others, others)
-            for a in range(3):
-                if grad_w is not None:
-                    torch.sum(grad_phi * gathered[a], dim=-1, out=grad_w[a, start:stop])
-                if grad_rows is not None:
-                    contrib = grad_phi * w[a, start:stop].unsqueeze(-1)
-                    grad_rows.index_add_(0, flat[a, start:stop].reshape(-1), contrib.reshape(-1, r))
-        grad_weight = grad_w.permute(2, 3, 1, 0) if grad_w is not None else None  # (N, h, d, 3)
-        grad_delta = grad_rows.view_as(delta) if grad_rows is not None else None
-        return grad_weight, None, grad_delta
+        w, idx, delta, log_abs, sign, mask = ctx.saved_tensors
+        blocks = _PhiBlocks(w, idx, delta, ctx.mode)
+        h, d, n, _ = w.shape
+        r = delta.shape[-1]
+        grad_w = torch.empty_like(w) if ctx.needs_input_grad[0] else None  # (h, d, N, 3)
+        grad_delta = torch.zeros_like(delta) if ctx.needs_input_grad[2] else None
+        signed = grad_out.permute(1, 0, 2) * sign  # (h, N, r)
+        grad_m = signed * torch.exp(log_abs)  # dLoss/dM * M
+        for g, s, e, subs in _blocks(d, n, GROUP, _subchunk(n, h, r, w.device)):
+            dblk = blocks.coords(s, e)
+            for n0, n1 in subs:
+                phi, saved = blocks.phi(s, e, n0, n1, dblk)
+                gphi = grad_m[:, n0:n1].unsqueeze(1) / phi  # (h, j, nb, r): M / phi_j
+                bad = mask[g, :, n0:n1]
+                if bad.any():
+                    factors = phi.transpose(0, 1)[:, bad]  # (j, n_bad)
+                    others = (log_abs[:, n0:n1][bad] - factors.abs().add(LOG_EPS).log()).exp()
+                    others = others * signed[:, n0:n1][bad]
+                    gphi.transpose(0, 1)[:, bad] = torch.where(factors < 0, -others, others)
+                blocks.backward(gphi, saved, s, e, n0, n1, dblk, grad_w, grad_delta)
+        grad_weight = grad_w.permute(2, 0, 1, 3) if grad_w is not None else None  # (N, h, d, 3)
+        return grad_weight, None, grad_delta, None
 
 
-def separable_product(weight: torch.Tensor, index: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """See `SeparableProduct`: basis (weight, index) `(N,h,d,3)`, delta `(h,d,kappa,r)` -> `(N,h,r)`."""
-    return SeparableProduct.apply(weight, index, delta)
+def default_phi_mode(device: torch.device) -> str:
+    """Which phi construction runs where (measured: benchmarks/results/lev.md)."""
+    return PHI_MODE_BY_DEVICE.get(device.type, "gather")
+
+
+def separable_product(weight: torch.Tensor, index: torch.Tensor, delta: torch.Tensor,
+                      mode: str | None = None) -> torch.Tensor:
+    """See `SeparableProduct`: basis (weight, index) `(N,h,d,3)`, delta `(h,d,kappa,r)` -> `(N,h,r)`.
+
+    Without autograd (eval, `materialize`) nothing is saved and blocks are larger.
+    """
+    mode = mode or default_phi_mode(weight.device)
+    if mode not in PHI_MODES:
+        raise ValueError(f"phi mode must be one of {PHI_MODES}, got {mode!r}")
+    if torch.is_grad_enabled() and (weight.requires_grad or delta.requires_grad):
+        return SeparableProduct.apply(weight, index, delta, mode)
+    w = weight.permute(1, 2, 0, 3).contiguous()
+    idx = index.permute(1, 2, 0, 3).to(torch.int32).contiguous()
+    log_abs, sign, _ = _forward_product(w, idx, delta, mode, keep_mask=False, scale=NO_GRAD_BLOCK_SCALE)
+    return (sign * torch.exp(log_abs)).permute(1, 0, 2).contiguous()
 
 
 class LevEmbedding(InputEmbedding):

@@ -27,10 +27,12 @@ def active_basis(u: torch.Tensor, kappa: int) -> tuple[torch.Tensor, torch.Tenso
     (their index is clamped so it can still be gathered).
     """
     x = u * (kappa - 1)  # (...,)
-    centre = torch.floor(x.detach() + 0.5).clamp(0, kappa - 1).long()
-    index = centre.unsqueeze(-1) + torch.arange(-1, 2, device=u.device)  # (..., 3)
-    valid = (index >= 0) & (index < kappa)
-    raw = quadratic_bspline(x.unsqueeze(-1) - index.to(x.dtype)) * valid  # (..., 3)
+    centre = torch.floor(x.detach() + 0.5).clamp(0, kappa - 1)
+    f = x - centre  # offset from the nearest knot, in [-0.5, 0.5] (up to the clamp at the ends)
+    # beta(f + 1), beta(f), beta(f - 1) in closed form on that interval: no abs/where passes
+    raw = torch.stack((0.5 * (0.5 - f) ** 2, 0.75 - f * f, 0.5 * (0.5 + f) ** 2), dim=-1)  # (..., 3)
+    index = centre.long().unsqueeze(-1) + torch.arange(-1, 2, device=u.device)  # (..., 3)
+    raw = raw * ((index >= 0) & (index < kappa))
     weight = raw / raw.sum(dim=-1, keepdim=True)  # the raw sum is >= 0.875 on [0, 1]
     return index.clamp(0, kappa - 1), weight
 
