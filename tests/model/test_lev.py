@@ -164,3 +164,87 @@ def test_absent_token_moves_only_with_shared_structure(variant, changes):
     opt.step()
     after = emb.materialize()[absent]
     assert (not torch.equal(before, after)) == changes
+
+
+def _spec_product(weight, index, delta):
+    """LEV.md step 6 written out: phi = sum_m B_m (1 + delta_m), M = sign * exp(sum_j log(|phi_j| + 1e-9))."""
+    n, h, d, _ = weight.shape
+    rows = (1 + delta)[torch.arange(h).view(1, h, 1, 1), torch.arange(d).view(1, 1, d, 1), index]  # (N,h,d,3,r)
+    phi = (weight.unsqueeze(-1) * rows).sum(-2)  # (N, h, d, r)
+    sign = 1.0 - 2.0 * ((phi < 0).sum(2) % 2).to(phi.dtype)
+    return sign * torch.exp(torch.log(phi.abs() + 1e-9).sum(2))
+
+
+def _basis_case(case, n=5, h=2, d=40, kappa=6, r=3, spread=1.5):
+    """Basis weights/indices and a delta whose factors exercise one path of the grouped product."""
+    gen = torch.Generator().manual_seed(7)
+    u = torch.rand(n, h, d, generator=gen, dtype=torch.float64)
+    from megatron_lev.model.embeddings.spline import active_basis
+
+    index, weight = active_basis(u, kappa)
+    delta = spread * torch.randn(h, d, kappa, r, generator=gen, dtype=torch.float64)  # 1.5: both signs
+    if case == "tiny":  # |phi| = 1e-5 at a few (head, coordinate, rank): below SAFE_FACTOR
+        delta[0, 3, :, 1] = -1 + 1e-5
+        delta[1, 20, :, 0] = -1 - 1e-5
+    elif case == "underflow":  # every factor 0.01: a group of 16 multiplies to 1e-32
+        delta.fill_(-0.99)
+    elif case == "overflow":  # every factor 100: a group of 16 multiplies to 1e32
+        delta.fill_(99.0)
+    return weight, index, delta
+
+
+@pytest.mark.parametrize("mode", ["gather", "dense"])
+@pytest.mark.parametrize("case", ["mixed", "tiny", "underflow", "overflow"])
+def test_grouped_product_matches_spec_formula(case, mode):
+    weight, index, delta = _basis_case(case)
+    w1, d1 = weight.clone().requires_grad_(), delta.clone().requires_grad_()
+    w2, d2 = weight.clone().requires_grad_(), delta.clone().requires_grad_()
+    out, ref = separable_product(w1, index, d1, mode), _spec_product(w2, index, d2)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=0.0)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    (out * probe).sum().backward()
+    (ref * probe).sum().backward()
+    # plain groups use the exact product (the eps moves a factor >= 1e-3 by < 1e-6 relative)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-8 * float(w2.grad.abs().max()))
+    torch.testing.assert_close(d1.grad, d2.grad, rtol=1e-5, atol=1e-8 * float(d2.grad.abs().max()))
+    with torch.no_grad():  # the no-grad path (eval, materialize) gives the same values
+        torch.testing.assert_close(separable_product(weight, index, delta, mode), out.detach(), rtol=1e-12, atol=0.0)
+
+
+@pytest.mark.parametrize("case,expect", [("mixed", False), ("tiny", True), ("underflow", True), ("overflow", True)])
+def test_grouped_product_falls_back_per_factor_exactly_where_needed(case, expect):
+    from megatron_lev.model.embeddings.lev import _group_product
+
+    weight, index, delta = _basis_case(case, spread=0.1)  # phi near 1 except where the case sets it
+    rows = (1 + delta)[torch.arange(2).view(1, 2, 1, 1), torch.arange(40).view(1, 1, 40, 1), index]
+    phi = (weight.unsqueeze(-1) * rows).sum(-2).permute(1, 2, 0, 3)[:, :16]  # (h, 16, N, r): one group
+    _, _, bad = _group_product(phi.contiguous())
+    assert bool(bad.any()) == expect
+    if case == "tiny":
+        assert bool(bad[0, :, 1].all()) and int(bad.sum()) == 5  # only head 0, rank 1 (coordinate 3)
+
+
+def test_gather_and_dense_modes_agree_in_the_layer():
+    ids = torch.randint(0, 40, (3, 11), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for mode in ("gather", "dense"):
+        emb = make_lev()
+        with torch.no_grad():
+            emb.delta.normal_(0.0, 1.5)
+        import megatron_lev.model.embeddings.lev as lev_module
+
+        saved = dict(lev_module.PHI_MODE_BY_DEVICE)
+        lev_module.PHI_MODE_BY_DEVICE["cpu"] = mode
+        try:
+            results[mode] = _value_and_grads(emb, ids)
+        finally:
+            lev_module.PHI_MODE_BY_DEVICE.update(saved)
+    torch.testing.assert_close(results["gather"][0], results["dense"][0], rtol=1e-10, atol=1e-12)
+    for name, grad in results["gather"][1].items():
+        torch.testing.assert_close(grad, results["dense"][1][name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_unknown_phi_mode_is_refused():
+    weight, index, delta = _basis_case("mixed")
+    with pytest.raises(ValueError, match="phi mode must be one of"):
+        separable_product(weight, index, delta, "sparse")
