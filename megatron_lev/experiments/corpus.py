@@ -43,8 +43,8 @@ def read_lines(path: Path) -> Iterator[str]:
             yield from f
 
 
-def split_corpus(data_dir: Path, out_dir: Path, zero_shot_subset: str = "Wikipedia_en",
-                 max_chars_per_subset: int = 2_000_000, valid_every: int = 20,
+def split_corpus(data_dir: Path, out_dir: Path, zero_shot_subset: str = "Wikipedia (en)",
+                 max_chars_per_subset: int = 1_000_000, valid_every: int = 20,
                  zero_shot_max_chars: int = 300_000) -> dict:
     """Write `train.jsonl`, `valid.jsonl`, `zero_shot.jsonl` and `split.json` (counts) into `out_dir`."""
     if valid_every < 2:
@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--data-dir", required=True, help="Pile-format directory (*.jsonl[.zst])")
     parser.add_argument("--out", required=True, help="directory for train/valid/zero_shot .jsonl")
-    parser.add_argument("--zero-shot-subset", default="Wikipedia_en", help="pile_set_name held out for zero-shot")
-    parser.add_argument("--max-chars-per-subset", type=int, default=2_000_000)
+    parser.add_argument("--zero-shot-subset", default="Wikipedia (en)", help="pile_set_name held out for zero-shot")
+    parser.add_argument("--max-chars-per-subset", type=int, default=1_000_000)
     parser.add_argument("--valid-every", type=int, default=20, help="every N-th taken document is validation")
     parser.add_argument("--zero-shot-max-chars", type=int, default=300_000)
     args = parser.parse_args(argv)

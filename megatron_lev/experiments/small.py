@@ -30,8 +30,8 @@ class SmallGrid:
     config: Path = SMALL_CONFIG
     overrides: list[str] = field(default_factory=list)  # applied to every variant's training
     nproc: int = 1  # training processes (torchrun --standalone when > 1)
-    zero_shot_subset: str = "Wikipedia_en"
-    max_chars_per_subset: int = 2_000_000
+    zero_shot_subset: str = "Wikipedia (en)"
+    max_chars_per_subset: int = 1_000_000
     valid_every: int = 20
     zero_shot_max_chars: int = 300_000
     eval_max_docs: int | None = None
