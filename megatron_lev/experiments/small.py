@@ -7,7 +7,9 @@ where it stopped (finished steps are skipped; a half-finished training resumes f
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +168,23 @@ class SmallGrid:
         return cmd
 
 
+def check_finished_steps(state_dir: Path, steps: list[Step]) -> None:
+    """A finished step is skipped only if it ran the same command (interpreter aside). A changed
+    comparison (e.g. a variant added) just runs again; any other changed step is refused."""
+    for step in steps:
+        marker = Path(state_dir) / f"{step.name}.json"
+        if not marker.exists():
+            continue
+        recorded = json.loads(marker.read_text()).get("command") or []
+        now = step.command()
+        if recorded[1:] != now[1:] and step.name.startswith("compare-"):
+            marker.unlink()
+        elif recorded[1:] != now[1:]:
+            raise ConfigError(f"step '{step.name}' already finished in {state_dir.parent} with another command "
+                              f"(flags or overrides changed):\n  was: {shlex.join(recorded)}\n  now: "
+                              f"{shlex.join(now)}\nuse another --out, or delete {state_dir.parent} to start over")
+
+
 def run_small_grid(grid: SmallGrid, force: bool = False, log=print) -> Path:
     """Run (or resume) every step, then write `results/README.md` (the table) and `results/COMMANDS.md`."""
     from megatron_lev.experiments.summary import commands_markdown, grid_summary, summary_markdown
@@ -173,6 +192,8 @@ def run_small_grid(grid: SmallGrid, force: bool = False, log=print) -> Path:
     grid.check()
     steps = grid.steps()
     runner = StepRunner(grid.out, force=force, log=log)
+    if not force:
+        check_finished_steps(runner.state_dir, steps)
     try:
         runner.run(steps)
     finally:  # the commands that did run are worth keeping even when a later step failed

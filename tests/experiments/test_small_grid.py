@@ -126,3 +126,21 @@ def test_commands_file_lists_what_ran(tmp_path):
     (state / "split.json").write_text(json.dumps({"seconds": 3.0, "command": ["python", "-m", "x", "a b"]}))
     text = commands_markdown(state, steps)
     assert "python -m x 'a b'" in text and text.count("(not finished)") == len(steps) - 1
+
+
+def test_a_finished_step_with_another_command_is_refused_but_compare_reruns(tmp_path):
+    from megatron_lev.experiments.small import check_finished_steps
+
+    grid = _grid(tmp_path)
+    steps = {s.name: s for s in grid.steps()}
+    state = tmp_path / "grid" / ".steps"
+    state.mkdir(parents=True)
+    for name in ("train-lev", "compare-validation"):
+        (state / f"{name}.json").write_text(json.dumps({"command": ["/other/python", *steps[name].command()[1:]]}))
+    check_finished_steps(state, list(steps.values()))  # same commands, another interpreter: fine
+    grid.variants = ["tied", "lev"]  # fewer variants: the comparison changes and is rerun
+    check_finished_steps(state, grid.steps())
+    assert not (state / "compare-validation.json").exists() and (state / "train-lev.json").exists()
+    grid.overrides = ["train.lr=1e-3"]
+    with pytest.raises(ConfigError, match="(?s)'train-lev' already finished.*train.lr=1e-3"):
+        check_finished_steps(state, grid.steps())
