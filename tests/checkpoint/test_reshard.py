@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_lev.checkpoint.reshard import reshard, target_config
 from megatron_lev.cli import main as cli_main
@@ -11,35 +12,41 @@ from megatron_lev.config import ConfigError
 pytestmark = pytest.mark.multiprocess
 
 
-def test_round_trip_keeps_the_loss(ds_checkpoints, tmp_path):
-    save_dir, info = ds_checkpoints["tied"]
-    tag_dir, ref, got = reshard(save_dir, tmp_path / "tp1", tp=1, pp=1)
+@pytest.fixture(scope="module")
+def tp1(ds_checkpoints, tmp_path_factory):
+    """The TP=2 x PP=2 tied checkpoint resharded to TP=1 x PP=1 (validated: reloaded by DeepSpeed)."""
+    return reshard(ds_checkpoints["tied"][0], tmp_path_factory.mktemp("reshard") / "tp1", tp=1, pp=1)
+
+
+def test_round_trip_keeps_the_loss(ds_checkpoints, tp1, tmp_path):
+    save_dir, _ = ds_checkpoints["tied"]
+    tag_dir, ref, got = tp1
     assert got == pytest.approx(ref, rel=1e-6, abs=1e-6)
     assert (tag_dir / "complete").is_file() and (tag_dir / "mp_rank_00_model_states.pt").is_file()
     assert "tensor_model_parallel_size: 1" in (tag_dir / "config.yaml").read_text()
 
-    back, ref2, got2 = reshard(tmp_path / "tp1", tmp_path / "tp2pp2", tp=2, pp=2)
+    back, ref2, got2 = reshard(tag_dir.parent, tmp_path / "tp2pp2", tp=2, pp=2)
     assert got2 == pytest.approx(ref2, rel=1e-6, abs=1e-6)
     assert ref2 == pytest.approx(ref, rel=1e-6)  # the same weights all the way round
     assert sorted(p.name for p in back.glob("layer_*")) == sorted(p.name for p in (save_dir / back.name).glob("layer_*"))
 
 
-def test_the_engines_own_eval_loss_survives_the_round_trip(ds_checkpoints, tmp_path, tokenizer_path, sample_text):
-    """The source engine's held-out loss (before any resharding) is reproduced by the merged, resharded weights."""
+def test_the_engines_own_eval_loss_survives_resharding(ds_checkpoints, tp1, tokenizer_path, sample_text):
+    """The source engine's held-out loss (TP=2 x PP=2, before resharding) from the TP=1 checkpoint's weights."""
     from megatron_lev.checkpoint.hf_export import source_model
     from megatron_lev.checkpoint.source import open_checkpoint
     from tests.checkpoint.ds_checkpoints import text_batches
 
-    save_dir, info = ds_checkpoints["lev"]
-    assert cli_main(["reshard", str(save_dir), str(tmp_path / "tp1"), "--tp", "1", "--pp", "1",
-                     "--skip-validation"]) == 0
     _, held_out = text_batches(tokenizer_path, sample_text)
-    model = source_model(open_checkpoint(tmp_path / "tp1"), progress=False)
-    import torch
-
+    model = source_model(open_checkpoint(tp1[0].parent), progress=False)
     with torch.no_grad():
         loss = model(held_out[:, :-1], held_out[:, 1:]).mean().item()
-    assert loss == pytest.approx(info["eval_loss"], rel=1e-6)
+    assert loss == pytest.approx(ds_checkpoints["tied"][1]["eval_loss"], rel=1e-6)
+
+
+def test_reshard_command_refuses_a_used_directory(ds_checkpoints, tp1, capsys):
+    assert cli_main(["reshard", str(ds_checkpoints["tied"][0]), str(tp1[0].parent), "--tp", "1", "--pp", "1"]) == 1
+    assert "is not empty" in capsys.readouterr().err
 
 
 def test_invalid_target_layout_is_refused(ds_checkpoints):
