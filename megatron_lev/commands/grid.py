@@ -83,9 +83,7 @@ def _small(args: argparse.Namespace) -> int:
                      overrides=list(args.overrides), nproc=args.nproc, threads=args.threads,
                      zero_shot_subset=args.zero_shot_subset, max_chars_per_subset=args.max_chars_per_subset,
                      valid_every=args.valid_every, zero_shot_max_chars=args.zero_shot_max_chars,
-                     eval_max_docs=args.eval_max_docs)
-    if args.config:
-        grid.config = Path(args.config)
+                     eval_max_docs=args.eval_max_docs, **({"config": Path(args.config)} if args.config else {}))
     try:
         run_small_grid(grid, force=args.force)
     except StepFailed as exc:

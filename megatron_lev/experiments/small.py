@@ -16,7 +16,7 @@ from pathlib import Path
 
 from megatron_lev.config import EMBEDDINGS, ConfigError, atomic_write_text, load_config
 from megatron_lev.demo.steps import Step, StepRunner
-from megatron_lev.experiments.grid import SMALL_CONFIG, VARIANT_NAMES
+from megatron_lev.experiments.grid import REPO_ROOT, SMALL_CONFIG, VARIANT_NAMES
 
 DEFAULT_TOKENIZER = "../shared/data/tokenizers/gpt-neox-20b.json"
 
@@ -38,6 +38,10 @@ class SmallGrid:
     zero_shot_max_chars: int = 300_000
     eval_max_docs: int | None = None
     threads: int | None = None  # CPU threads per process (default: cores / nproc)
+
+    def __post_init__(self) -> None:
+        if not Path(self.config).exists() and (REPO_ROOT / self.config).exists():  # started outside the repo
+            self.config = REPO_ROOT / self.config
 
     def check(self) -> None:
         """Refuse a grid that cannot run, before any step starts; errors name the flag."""
@@ -153,7 +157,7 @@ class SmallGrid:
         args = ["megatron_lev", "train", "--config", str(self.config), *self.train_overrides(variant)]
         if self.nproc == 1:
             return self._python(*args)
-        return self._python("torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}", *args)
+        return self._python("torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}", "-m", *args)
 
     def _compare_command(self, corpus: str, out: Path, label: str) -> list[str]:
         cfg = self.run_config("tied")

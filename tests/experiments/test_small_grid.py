@@ -80,7 +80,8 @@ def test_two_processes_keep_the_global_batch_and_bad_grids_are_refused(tmp_path)
     assert cfg.train.micro_batch_size * 2 == one.train.micro_batch_size
     assert cfg.train.global_batch_size == one.train.global_batch_size
     train_cmd = next(s for s in two.steps() if s.name == "train-lev").command()
-    assert "torch.distributed.run" in train_cmd and "--nproc_per_node=2" in train_cmd
+    assert train_cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m"]
+    assert train_cmd[6:8] == ["megatron_lev", "train"]
     with pytest.raises(ConfigError, match="include tied"):
         _grid(tmp_path / "c", variants=["lev"]).check()
     with pytest.raises(ConfigError, match="unknown config key 'train.lrr'"):
