@@ -56,8 +56,12 @@ class SmallGrid:
             raise ConfigError(f"--tokenizer {self.tokenizer}: file not found (the GPT-NeoX-20B tokenizer.json)")
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be at least 1, got {self.nproc}")
-        for variant in self.variants:  # every config must load before hours of work start
-            self.run_config(variant)
+        import torch
+
+        from megatron_lev.training.ds_config import validate_training
+
+        for variant in self.variants:  # the trainer's own checks, before hours of work start
+            validate_training(self.run_config(variant), self.nproc, cuda=torch.cuda.is_available())
 
     # ------------------------------------------------------------------ paths
 
