@@ -74,6 +74,28 @@ def _naive_lev(emb, ids):
     return (modes.flatten(1) @ emb.out_proj.flatten(0, 1)).view(*ids.shape, -1)
 
 
+def _lev_module(ref: str | None):
+    """The LEV module of this tree, or of git revision `ref` (its lev.py and spline.py), for A/B in one run."""
+    if not ref:
+        from megatron_lev.model.embeddings import lev
+
+        return lev
+    import types
+
+    def source(name):
+        path = f"{ref}:megatron_lev/model/embeddings/{name}.py"
+        res = subprocess.run(["git", "show", path], cwd=ROOT, capture_output=True, text=True)
+        if res.returncode:
+            raise SystemExit(f"--ref {ref}: cannot read {path}: {res.stderr.strip()}")
+        return res.stdout
+
+    spline, lev = types.ModuleType("spline_ref"), types.ModuleType("lev_ref")
+    exec(compile(source("spline"), f"{ref}/spline.py", "exec"), spline.__dict__)
+    exec(compile(source("lev"), f"{ref}/lev.py", "exec"), lev.__dict__)
+    lev.active_basis = spline.active_basis
+    return lev
+
+
 def run_case(args) -> dict:
     """One case in this process: time `--repeats` fwd+bwd steps after a warm-up; measure peak memory."""
     import torch
@@ -83,21 +105,26 @@ def run_case(args) -> dict:
     torch.manual_seed(0)
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
-    ids = _tokens(args, args.tokens).view(-1, min(args.tokens, 2048)).to(dev)
-    info = {"case": args.case, "tokens": args.tokens, "unique": int(ids.unique().numel())}
+    ref = args.case.endswith("_ref")
+    lev_module = _lev_module(args.ref if ref else None)
+    args.case = args.case.removesuffix("_ref")
+    if args.case == "materialize":  # rows 0..tokens-1: no token draw
+        ids = None
+        info = {"case": args.case, "tokens": args.tokens, "unique": args.tokens}
+    else:
+        ids = _tokens(args, args.tokens).view(-1, min(args.tokens, 2048)).to(dev)
+        info = {"case": args.case, "tokens": args.tokens, "unique": int(ids.unique().numel())}
 
     def sync():
         if cuda:
             torch.cuda.synchronize()
 
     if args.case == "materialize":
-        from megatron_lev.model.embeddings.lev import LevEmbedding
-
-        emb = LevEmbedding(V_O200K, D, LevConfig()).to(dev)
+        emb = lev_module.LevEmbedding(V_O200K, D, LevConfig()).to(dev)
         rows = args.tokens
         step = lambda: emb.embed_ids(torch.arange(rows, device=dev)) if rows < V_O200K else emb.materialize()  # noqa: E731
         with torch.no_grad():
-            step()  # warm-up
+            emb.embed_ids(torch.arange(min(rows, 512), device=dev))  # warm-up on a slice
             sync()
             t0 = time.perf_counter()
             step()
@@ -106,10 +133,8 @@ def run_case(args) -> dict:
         info.update(seconds=elapsed, rows=rows, full_seconds=elapsed * V_O200K / rows)
         return info
 
-    if args.case in ("lev", "naive"):
-        from megatron_lev.model.embeddings.lev import LevEmbedding
-
-        model = LevEmbedding(V_PILE, D, LevConfig()).to(dev)
+    if args.case in ("lev", "lev_norecompute", "naive"):
+        model = lev_module.LevEmbedding(V_PILE, D, LevConfig(recompute=args.case != "lev_norecompute")).to(dev)
         forward = (lambda x: _naive_lev(model, x)) if args.case == "naive" else model
         inputs = ids
     elif args.case == "dense":
@@ -155,6 +180,7 @@ def run_case(args) -> dict:
 def _spawn(args, case: str, tokens: int, repeats: int) -> dict:
     cmd = [sys.executable, __file__, "--case", case, "--tokens", str(tokens), "--repeats", str(repeats),
            "--device", args.device, "--data", args.data] + (["--text"] if args.text else [])
+    cmd += ["--ref", args.ref] if args.ref else []
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)))
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -175,7 +201,11 @@ def main() -> int:
                    help="shared data folder (tokenizer + minipile), relative to the repository root")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--naive-tokens", type=int, default=None, help="tokens for the naive LEV (memory-bound)")
+    p.add_argument("--materialize-rows", type=int, default=None,
+                   help=f"rows timed for materialize (default: all {V_O200K:,}; --quick on CPU: 8192, extrapolated)")
     p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "lev.md"))
+    p.add_argument("--ref", default=None,
+                   help="git revision whose LEV code is timed in the same run (A/B), e.g. HEAD~3")
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=1, help=argparse.SUPPRESS)
@@ -195,13 +225,16 @@ def main() -> int:
     cuda = args.device == "cuda"
     # naive LEV holds several [tokens, h, d_seed, r] fp32 tensors (256 KB per token each)
     naive_tokens = args.naive_tokens or (tokens if cuda else (512 if args.quick else 1024))
-    mat_rows = V_O200K if (cuda or not args.quick) else 8192
+    mat_rows = min(V_O200K, args.materialize_rows or (V_O200K if (cuda or not args.quick) else 8192))
     print(f"LEV benchmark on {args.device}: {tokens} tokens, D={D}, V={V_PILE}, "
           f"{'minipile text' if args.text else 'Zipf ids'}", flush=True)
-    r = {name: _spawn(args, name, tokens, repeats) for name in ("lev", "dense", "block")}
+    r = {name: _spawn(args, name, tokens, repeats) for name in ("lev", "lev_norecompute", "dense", "block")}
     r["lev_small"] = _spawn(args, "lev", naive_tokens, repeats)
     r["naive"] = _spawn(args, "naive", naive_tokens, repeats)
     r["materialize"] = _spawn(args, "materialize", mat_rows, 1)
+    if args.ref:  # the same cases with the reference revision's LEV code, right after
+        r["lev_ref"] = _spawn(args, "lev_ref", tokens, repeats)
+        r["materialize_ref"] = _spawn(args, "materialize_ref", min(mat_rows, 4096), 1)
 
     lev, block, dense = r["lev"]["seconds"], r["block"]["seconds"], r["dense"]["seconds"]
     speedup = r["naive"]["seconds"] / r["lev_small"]["seconds"]
@@ -209,9 +242,14 @@ def main() -> int:
     print(f"LEV / block time      {lev / block:7.3f}   (target <= 0.10)")
     print(f"LEV / dense time      {lev / dense:7.1f}")
     print(f"LEV peak memory       {r['lev']['peak_mb']:7.0f} MB (target <= 1024)")
+    norec = r["lev_norecompute"]
+    print(f"recompute off         {norec['seconds'] / lev:7.3f}x the time, peak {norec['peak_mb']:.0f} MB")
     print(f"speed-up over naive   {speedup:7.1f}x at {naive_tokens} tokens "
           f"(naive peak {r['naive']['peak_mb']:.0f} MB vs LEV {r['lev_small']['peak_mb']:.0f} MB)")
     print(f"materialize V={V_O200K}  {mat:7.1f} s" + ("" if mat_rows == V_O200K else f" (extrapolated from {mat_rows} rows)"))
+    if args.ref:
+        print(f"vs --ref {args.ref}: LEV fwd+bwd {r['lev_ref']['seconds'] / lev:.2f}x faster, materialize "
+              f"{r['materialize_ref']['full_seconds'] / mat:.2f}x faster")
     _record(args, r, tokens, naive_tokens, mat_rows)
     return 0
 
@@ -219,7 +257,8 @@ def main() -> int:
 def _record(args, r, tokens, naive_tokens, mat_rows) -> None:
     import torch
 
-    from megatron_lev.config import atomic_write_text
+    from megatron_lev.config import LevConfig, atomic_write_text
+    from megatron_lev.model.embeddings.lev import default_phi_mode
 
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = (torch.cuda.get_device_name() if args.device == "cuda"
@@ -229,10 +268,14 @@ def _record(args, r, tokens, naive_tokens, mat_rows) -> None:
     rows = [
         f"\n## {when} — {machine}{' (--quick)' if args.quick else ''}\n",
         f"{tokens} tokens ({'minipile text' if args.text else 'Zipf(1.0) ids'}, {lev['unique']} unique), "
-        f"V={V_PILE}, D={D}, LEV defaults (k=3, d_seed=128, h=8, kappa=16, r=64, recompute on).\n",
+        f"V={V_PILE}, D={D}, LEV defaults (k=3, d_seed=128, h=8, kappa=16, r=64, "
+        f"recompute {'on' if LevConfig().recompute else 'off'}), phi built by {default_phi_mode(torch.device(args.device))}, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', os.cpu_count())}.\n",
         "| case | tokens | fwd+bwd s | peak MB above set-up | ratio |",
         "|---|---|---|---|---|",
         f"| LEV | {tokens} | {lev['seconds']:.3f} | {lev['peak_mb']:.0f} | LEV/block {lev['seconds'] / block['seconds']:.3f} |",
+        f"| LEV, recompute off | {tokens} | {r['lev_norecompute']['seconds']:.3f} | "
+        f"{r['lev_norecompute']['peak_mb']:.0f} | LEV/block {r['lev_norecompute']['seconds'] / block['seconds']:.3f} |",
         f"| dense nn.Embedding | {tokens} | {r['dense']['seconds']:.3f} | {r['dense']['peak_mb']:.0f} | "
         f"LEV/dense {lev['seconds'] / r['dense']['seconds']:.1f} |",
         f"| one Llama block (D=1024) | {tokens} | {block['seconds']:.3f} | {block['peak_mb']:.0f} | |",
@@ -241,8 +284,16 @@ def _record(args, r, tokens, naive_tokens, mat_rows) -> None:
         f"{r['naive']['peak_mb']:.0f} | speed-up {r['naive']['seconds'] / r['lev_small']['seconds']:.1f}x |",
         f"| materialize V={V_O200K} (no grad) | {mat_rows} rows | {r['materialize']['full_seconds']:.1f} "
         f"{'' if mat_rows == V_O200K else '(extrapolated)'} | | |",
-        "",
     ]
+    if args.ref:
+        ref_lev, ref_mat = r["lev_ref"], r["materialize_ref"]
+        rows += [
+            f"| LEV at `--ref {args.ref}` (same run) | {tokens} | {ref_lev['seconds']:.3f} | {ref_lev['peak_mb']:.0f} | "
+            f"now {ref_lev['seconds'] / lev['seconds']:.2f}x faster |",
+            f"| materialize at `--ref {args.ref}` | {ref_mat['rows']} rows | {ref_mat['full_seconds']:.1f} (extrapolated) | | "
+            f"now {ref_mat['full_seconds'] / r['materialize']['full_seconds']:.2f}x faster |",
+        ]
+    rows.append("")
     out = Path(args.output)
     head = out.read_text() if out.exists() else "# LEV layer benchmark (`benchmarks/bench_lev.py`)\n"
     atomic_write_text(out, head + "\n".join(rows) + "\n")
