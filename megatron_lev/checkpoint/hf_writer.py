@@ -104,7 +104,10 @@ class SafetensorsShardWriter:
         else:
             final = [self.out_dir / f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map = {}
+        umask = os.umask(0)
+        os.umask(umask)
         for (tmp, names), path in zip(self._shards, final):
+            os.chmod(tmp, 0o666 & ~umask)  # safetensors creates files owner-only; others must read the model
             os.replace(tmp, path)
             weight_map.update({name: path.name for name in names})
         if n > 1:
