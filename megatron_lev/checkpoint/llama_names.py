@@ -15,7 +15,6 @@ import torch
 from megatron_lev.config import ModelConfig
 
 _BLOCK = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _RENAME = {  # block-local canonical name -> block-local HF name (one-to-one)
     "attention_norm.weight": "input_layernorm.weight",
     "attention.dense.weight": "self_attn.o_proj.weight",
@@ -78,7 +77,3 @@ def pad_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
         raise ValueError(f"table has {table.shape[0]} rows, more than the padded vocabulary {rows}")
     return torch.cat([table, table.new_zeros(rows - table.shape[0], *table.shape[1:])], dim=0)
 
-
-def hf_layer_index(hf_name: str) -> int | None:
-    m = _HF_BLOCK.match(hf_name)
-    return int(m.group(1)) if m else None
