@@ -45,7 +45,7 @@ def main() -> None:
 
     timings = {}
     t = time.perf_counter()
-    doc_idx = ix.build_doc_idx(np.arange(docs, dtype=np.int32), 1, np.random.RandomState(args.seed))
+    doc_idx = ix.build_doc_idx(np.arange(docs, dtype=np.int32), 1, np.random.default_rng(args.seed))
     timings["doc_idx"] = time.perf_counter() - t
     print(f"doc_idx     {timings['doc_idx']:7.1f} s", flush=True)
     t = time.perf_counter()
@@ -53,7 +53,7 @@ def main() -> None:
     timings["sample_idx"] = time.perf_counter() - t
     print(f"sample_idx  {timings['sample_idx']:7.1f} s", flush=True)
     t = time.perf_counter()
-    shuffle_idx = ix.build_shuffle_idx(num_samples, np.random.RandomState(args.seed + 1))
+    shuffle_idx = ix.build_shuffle_idx(num_samples, np.random.default_rng(args.seed + 1))
     timings["shuffle_idx"] = time.perf_counter() - t
     print(f"shuffle_idx {timings['shuffle_idx']:7.1f} s", flush=True)
     build = sum(timings.values())

@@ -22,7 +22,7 @@ def num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
     return max(1, math.ceil((num_samples * seq_length + 1) / tokens_per_epoch))
 
 
-def build_doc_idx(documents: np.ndarray, epochs: int, rng: np.random.RandomState) -> np.ndarray:
+def build_doc_idx(documents: np.ndarray, epochs: int, rng: np.random.Generator) -> np.ndarray:
     """Document ids tiled `epochs` times and shuffled as one array: (E * D,) int32."""
     doc_idx = np.tile(np.asarray(documents, dtype=np.int32), epochs)
     rng.shuffle(doc_idx)
@@ -45,7 +45,7 @@ def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, nu
     return out
 
 
-def build_shuffle_idx(num_samples: int, rng: np.random.RandomState) -> np.ndarray:
+def build_shuffle_idx(num_samples: int, rng: np.random.Generator) -> np.ndarray:
     """A permutation of the samples: (N,) uint32 when it fits, else int64."""
     dtype = np.uint32 if num_samples < 2**32 else np.int64
     idx = np.arange(num_samples, dtype=dtype)
