@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -11,13 +12,11 @@ _FORMAT = "%(asctime)s [%(levelname)s] [rank %(rank)s] %(name)s: %(message)s"
 
 
 def get_rank() -> int:
-    try:
+    with contextlib.suppress(ImportError):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank()
-    except ImportError:
-        pass
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
 
 

@@ -75,58 +75,42 @@ def find_inputs(inputs: list[str]) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def _zst_blocks(f, path: str, problems: list[Problem], block: int = 1 << 20) -> Iterator[bytes]:
-    """Decompress a (multi-frame) zstd stream; a stream that ends mid-frame is reported, not raised."""
-    import zstandard
-
-    dctx = zstandard.ZstdDecompressor()
-    dobj = dctx.decompressobj()
-    fed = False
-    while True:
-        data = f.read(block)
-        if not data:
-            break
-        while data:
-            try:
-                out = dobj.decompress(data)
-            except zstandard.ZstdError as exc:
-                problems.append(Problem(path, -1, "truncated_file", f"corrupt zstd data: {exc}"))
-                return
-            fed = True
-            if out:
-                yield out
-            if dobj.eof:
-                data = dobj.unused_data
-                dobj = dctx.decompressobj()
-                fed = False
-            else:
-                data = b""
-    if fed:
-        problems.append(Problem(path, -1, "truncated_file", "zstd stream ends in the middle of a frame"))
-
-
-def _gz_blocks(f, path: str, problems: list[Problem], block: int = 1 << 20) -> Iterator[bytes]:
-    """Decompress (multi-member) gzip incrementally, so a truncated file still yields what precedes the cut."""
-    dobj = zlib.decompressobj(wbits=31)
+def _decoded_blocks(f, path: str, problems: list[Problem], new_decoder, error: type, fmt: str, unit: str,
+                    block: int = 1 << 20) -> Iterator[bytes]:
+    """Decompress a multi-frame/member stream incrementally: a truncated or corrupt file still
+    yields what precedes the damage, and the damage is reported, not raised."""
+    dobj = new_decoder()
     fed = False
     while data := f.read(block):
         while data:
             try:
                 out = dobj.decompress(data)
-            except zlib.error as exc:
-                problems.append(Problem(path, -1, "truncated_file", f"corrupt gzip data: {exc}"))
+            except error as exc:
+                problems.append(Problem(path, -1, "truncated_file", f"corrupt {fmt} data: {exc}"))
                 return
             fed = True
             if out:
                 yield out
             if dobj.eof:
                 data = dobj.unused_data
-                dobj = zlib.decompressobj(wbits=31)
+                dobj = new_decoder()
                 fed = False
             else:
                 data = b""
     if fed:
-        problems.append(Problem(path, -1, "truncated_file", "gzip stream ends in the middle of a member"))
+        problems.append(Problem(path, -1, "truncated_file", f"{fmt} stream ends in the middle of a {unit}"))
+
+
+def _zst_blocks(f, path: str, problems: list[Problem], block: int = 1 << 20) -> Iterator[bytes]:
+    import zstandard
+
+    dctx = zstandard.ZstdDecompressor()
+    return _decoded_blocks(f, path, problems, dctx.decompressobj, zstandard.ZstdError, "zstd", "frame", block)
+
+
+def _gz_blocks(f, path: str, problems: list[Problem], block: int = 1 << 20) -> Iterator[bytes]:
+    return _decoded_blocks(f, path, problems, lambda: zlib.decompressobj(wbits=31), zlib.error, "gzip", "member",
+                           block)
 
 
 def _plain_blocks(f, path: str, problems: list[Problem], block: int = 1 << 20) -> Iterator[bytes]:

@@ -11,6 +11,7 @@ processes are spawned.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -52,10 +53,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # a peer may already be gone
                 dist.destroy_process_group()
-            except Exception:
-                pass
 
 
 def run_distributed(fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None = None,
