@@ -193,7 +193,7 @@ def _basis_case(case, n=5, h=2, d=40, kappa=6, r=3, spread=1.5):
     return weight, index, delta
 
 
-@pytest.mark.parametrize("mode", ["gather", "dense"])
+@pytest.mark.parametrize("mode", ["gather", "dense", "kernel"])
 @pytest.mark.parametrize("case", ["mixed", "tiny", "underflow", "overflow"])
 def test_grouped_product_matches_spec_formula(case, mode):
     weight, index, delta = _basis_case(case)
@@ -224,10 +224,10 @@ def test_grouped_product_falls_back_per_factor_exactly_where_needed(case, expect
         assert bool(bad[0, :, 1].all()) and int(bad.sum()) == 5  # only head 0, rank 1 (coordinate 3)
 
 
-def test_gather_and_dense_modes_agree_in_the_layer():
+def test_phi_modes_agree_in_the_layer():
     ids = torch.randint(0, 40, (3, 11), generator=torch.Generator().manual_seed(0))
     results = {}
-    for mode in ("gather", "dense"):
+    for mode in ("gather", "dense", "kernel"):
         emb = make_lev()
         with torch.no_grad():
             emb.delta.normal_(0.0, 1.5)
@@ -239,9 +239,10 @@ def test_gather_and_dense_modes_agree_in_the_layer():
             results[mode] = _value_and_grads(emb, ids)
         finally:
             lev_module.PHI_MODE_BY_DEVICE.update(saved)
-    torch.testing.assert_close(results["gather"][0], results["dense"][0], rtol=1e-10, atol=1e-12)
-    for name, grad in results["gather"][1].items():
-        torch.testing.assert_close(grad, results["dense"][1][name], rtol=1e-10, atol=1e-12, msg=name)
+    for other in ("dense", "kernel"):
+        torch.testing.assert_close(results["gather"][0], results[other][0], rtol=1e-10, atol=1e-12)
+        for name, grad in results["gather"][1].items():
+            torch.testing.assert_close(grad, results[other][1][name], rtol=1e-10, atol=1e-12, msg=f"{other} {name}")
 
 
 def test_unknown_phi_mode_is_refused():

@@ -34,8 +34,10 @@ NO_GRAD_BLOCK_SCALE = 4  # no-grad blocks (eval, materialize) save nothing, so t
 GROUP = 16  # factors multiplied directly before one log is taken
 SAFE_FACTOR = 1e-3  # below this |phi|, log|phi| and log(|phi| + 1e-9) differ by > 1e-6: per-factor path
 SAFE_RANGE = (1e-30, 1e30)  # a group product outside this (or not finite) is recomputed per factor
-PHI_MODES = ("gather", "dense")
-PHI_MODE_BY_DEVICE = {"cpu": "dense", "cuda": "gather"}
+# "kernel": the fused C kernel on CPU (cpu_kernel.py); "dense": phi by bmm; "gather": the spec's 3-row gather
+PHI_MODES = ("gather", "dense", "kernel")
+PHI_MODE_BY_DEVICE = {"cpu": "kernel", "cuda": "gather"}
+KERNEL_FALLBACK = "dense"  # where the CPU kernel cannot be built
 
 
 def digit_base(vocab_size: int, k: int) -> int:
@@ -220,9 +222,40 @@ class SeparableProduct(torch.autograd.Function):
         return grad_weight, None, grad_delta, None
 
 
+class KernelProduct(torch.autograd.Function):
+    """`SeparableProduct` by the fused CPU kernel: the same arithmetic (groups, per-factor
+    fallback, gradients), with phi kept in a GROUP x r buffer instead of tensors."""
+
+    @staticmethod
+    def forward(ctx, weight, index, delta):  # (N,h,d,3), (N,h,d,3) long, (h,d,kappa,r) -> (N,h,r)
+        from megatron_lev.model.embeddings import cpu_kernel
+
+        w, idx, shifted = weight.contiguous(), index.long().contiguous(), (delta + 1.0).contiguous()
+        out, log_abs, sign = cpu_kernel.forward(w, idx, shifted)
+        ctx.save_for_backward(w, idx, shifted, log_abs, sign)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from megatron_lev.model.embeddings import cpu_kernel
+
+        w, idx, shifted, log_abs, sign = ctx.saved_tensors
+        signed = (grad_out * sign).contiguous()
+        grad_m = signed * torch.exp(log_abs)  # dLoss/dM * M
+        grad_w, grad_d = cpu_kernel.backward(w, idx, shifted, log_abs, grad_m, signed,
+                                             ctx.needs_input_grad[0], ctx.needs_input_grad[2])
+        return grad_w, None, grad_d
+
+
 def default_phi_mode(device: torch.device) -> str:
     """Which phi construction runs where (measured: benchmarks/results/lev.md)."""
-    return PHI_MODE_BY_DEVICE.get(device.type, "gather")
+    mode = PHI_MODE_BY_DEVICE.get(device.type, "gather")
+    if mode == "kernel":
+        from megatron_lev.model.embeddings import cpu_kernel
+
+        if device.type != "cpu" or not cpu_kernel.available():
+            return KERNEL_FALLBACK
+    return mode
 
 
 def separable_product(weight: torch.Tensor, index: torch.Tensor, delta: torch.Tensor,
@@ -234,6 +267,15 @@ def separable_product(weight: torch.Tensor, index: torch.Tensor, delta: torch.Te
     mode = mode or default_phi_mode(weight.device)
     if mode not in PHI_MODES:
         raise ValueError(f"phi mode must be one of {PHI_MODES}, got {mode!r}")
+    if mode == "kernel":
+        from megatron_lev.model.embeddings import cpu_kernel
+
+        if weight.device.type != "cpu" or not cpu_kernel.available():
+            raise RuntimeError(f"phi mode 'kernel' needs CPU tensors and a built CPU kernel (device "
+                               f"{weight.device.type}; set {cpu_kernel.ENV_SWITCH}=1 and have a C compiler)")
+        if torch.is_grad_enabled() and (weight.requires_grad or delta.requires_grad):
+            return KernelProduct.apply(weight, index, delta)
+        return cpu_kernel.forward(weight.contiguous(), index.long().contiguous(), (delta + 1.0).contiguous())[0]
     if torch.is_grad_enabled() and (weight.requires_grad or delta.requires_grad):
         return SeparableProduct.apply(weight, index, delta, mode)
     w = weight.permute(1, 2, 0, 3).contiguous()

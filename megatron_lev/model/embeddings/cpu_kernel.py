@@ -1,0 +1,205 @@
+"""The fused CPU kernel for LEV's separable product (`csrc/lev_cpu.c`), built on first use.
+
+It is plain C (no PyTorch headers), so building it takes about a second with the
+system's C compiler; the shared library is cached by a hash of the source, the
+flags, the compiler and the CPU's instruction-set flags (`-march=native` code must
+not run on another CPU model of a shared file system), and is written atomically
+(temporary file, then rename), so ranks that build at once never load a half-written
+library. Without a compiler, or with `MEGATRON_LEV_CPU_KERNEL=0`, LEV uses its
+PyTorch path (`phi` by `bmm`) and says so once in the log.
+
+The calls go through `ctypes`, which releases the GIL, so a thread pool of
+`torch.get_num_threads()` workers runs disjoint task ranges in parallel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "lev_cpu.c"
+ENV_SWITCH = "MEGATRON_LEV_CPU_KERNEL"  # "0": never build or use the kernel
+ENV_CACHE = "MEGATRON_LEV_KERNEL_CACHE"  # where built libraries are kept
+# No -ffast-math: NaN/inf checks must keep their meaning. Reassociation only, so that the
+# r-wide dot products vectorise.
+CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+          "-fno-trapping-math"]
+ARCH_FLAGS = {"x86_64": ["-march=native"], "aarch64": ["-mcpu=native"]}
+TASKS_PER_THREAD = 4  # finer ranges than threads: even out uneven tasks
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _forget_pool_in_child() -> None:
+    """A forked child has none of the parent's pool threads: it makes its own on first use."""
+    _state.pop("pool", None)
+    _state.pop("threads", None)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":")[0].strip() in ("flags", "Features"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "megatron_lev" / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(directory: Path | None = None) -> Path:
+    """Compile the kernel (or find it cached); returns the shared library's path. Raises on failure."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc, or $CC) on PATH")
+    flags = CFLAGS + ARCH_FLAGS.get(platform.machine(), [])
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), version, _cpu_flags()]).encode())
+    directory = Path(directory or cache_dir())
+    target = directory / f"lev_cpu-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".lev_cpu-", suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {SOURCE.name}:\n{proc.stderr.strip()}")
+        os.replace(tmp, target)  # atomic: a concurrent rank sees no library or a whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for suffix in ("f32", "f64"):
+        fwd = getattr(lib, f"lev_forward_{suffix}")
+        fwd.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, i64, p, p, p]
+        fwd.restype = ctypes.c_int
+        bwd = getattr(lib, f"lev_backward_{suffix}")
+        bwd.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p, p]
+        bwd.restype = ctypes.c_int
+    lib.lev_group_size.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, or None where it is switched off or cannot be built (logged once)."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]  # type: ignore[return-value]
+        lib = None
+        if os.environ.get(ENV_SWITCH, "1") != "0":
+            try:
+                from megatron_lev.model.embeddings.lev import GROUP
+
+                lib = _bind(ctypes.CDLL(str(build())))
+                if lib.lev_group_size() != GROUP:
+                    raise RuntimeError(f"{SOURCE.name} groups {lib.lev_group_size()} factors, lev.py {GROUP}")
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                log.warning("LEV CPU kernel unavailable, using the PyTorch path: %s", exc)
+        _state["lib"] = lib
+        return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _pool() -> ThreadPoolExecutor:
+    threads = max(1, torch.get_num_threads())
+    pool = _state.get("pool")
+    if pool is None or _state.get("threads") != threads:
+        if pool is not None:
+            pool.shutdown(wait=True)  # type: ignore[union-attr]
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lev-cpu")
+        _state["pool"], _state["threads"] = pool, threads
+    return pool  # type: ignore[return-value]
+
+
+def _run_tasks(fn, tasks: int, args_for) -> None:
+    threads = max(1, torch.get_num_threads())
+    step = max(1, -(-tasks // (threads * TASKS_PER_THREAD)))
+    ranges = [(t0, min(tasks, t0 + step)) for t0 in range(0, tasks, step)]
+    if threads == 1 or len(ranges) == 1:
+        codes = [fn(*args_for(t0, t1)) for t0, t1 in ranges]
+    else:
+        with _lock:
+            pool = _pool()
+        codes = list(pool.map(lambda r: fn(*args_for(*r)), ranges))
+    if any(codes):
+        raise MemoryError("LEV CPU kernel: could not allocate its work buffers")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _suffix(dtype: torch.dtype) -> str:
+    if dtype == torch.float32:
+        return "f32"
+    if dtype == torch.float64:
+        return "f64"
+    raise TypeError(f"LEV CPU kernel: float32 or float64 only, got {dtype}")
+
+
+def forward(weight: torch.Tensor, index: torch.Tensor, shifted: torch.Tensor):
+    """weight (N,h,d,3), index (N,h,d,3) int64, shifted = 1 + delta (h,d,kappa,r), all contiguous on CPU
+    -> out, log_abs, sign, each (N, h, r)."""
+    lib = library()
+    n, h, d, _ = weight.shape
+    kappa, r = shifted.shape[2], shifted.shape[3]
+    log_abs, sign, out = (weight.new_empty(n, h, r) for _ in range(3))
+    fn = getattr(lib, f"lev_forward_{_suffix(weight.dtype)}")
+    _run_tasks(fn, n * h, lambda t0, t1: (weight.data_ptr(), index.data_ptr(), shifted.data_ptr(), n, h, d, kappa,
+                                          r, t0, t1, log_abs.data_ptr(), sign.data_ptr(), out.data_ptr()))
+    return out, log_abs, sign
+
+
+def backward(weight, index, shifted, log_abs, grad_m, signed_grad, need_weight: bool, need_delta: bool):
+    """Gradients for `weight` (N,h,d,3) and `delta` (h,d,kappa,r) (None where not needed)."""
+    from megatron_lev.model.embeddings.lev import GROUP
+
+    lib = library()
+    n, h, d, _ = weight.shape
+    kappa, r = shifted.shape[2], shifted.shape[3]
+    grad_w = torch.empty_like(weight) if need_weight else None
+    grad_d = torch.zeros_like(shifted) if need_delta else None
+    fn = getattr(lib, f"lev_backward_{_suffix(weight.dtype)}")
+    tasks = h * -(-d // GROUP)
+    _run_tasks(fn, tasks, lambda t0, t1: (weight.data_ptr(), index.data_ptr(), shifted.data_ptr(),
+                                          log_abs.data_ptr(), grad_m.data_ptr(), signed_grad.data_ptr(),
+                                          n, h, d, kappa, r, t0, t1, _ptr(grad_w), _ptr(grad_d)))
+    return grad_w, grad_d
