@@ -106,6 +106,8 @@ def run_case(args) -> dict:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     ref = args.case.endswith("_ref")
+    if args.case == "lev_torch":  # the PyTorch path: the spawner switched the CPU kernel off
+        args.case = "lev"
     lev_module = _lev_module(args.ref if ref else None)
     args.case = args.case.removesuffix("_ref")
     if args.case == "materialize":  # rows 0..tokens-1: no token draw
@@ -182,6 +184,8 @@ def _spawn(args, case: str, tokens: int, repeats: int) -> dict:
            "--device", args.device, "--data", args.data] + (["--text"] if args.text else [])
     cmd += ["--ref", args.ref] if args.ref else []
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)))
+    if case == "lev_torch":
+        env["MEGATRON_LEV_CPU_KERNEL"] = "0"
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if res.returncode:
@@ -228,7 +232,8 @@ def main() -> int:
     mat_rows = min(V_O200K, args.materialize_rows or (V_O200K if (cuda or not args.quick) else 8192))
     print(f"LEV benchmark on {args.device}: {tokens} tokens, D={D}, V={V_PILE}, "
           f"{'minipile text' if args.text else 'Zipf ids'}", flush=True)
-    r = {name: _spawn(args, name, tokens, repeats) for name in ("lev", "lev_norecompute", "dense", "block")}
+    names = ("lev", "lev_norecompute", "dense", "block") + (("lev_torch",) if args.device == "cpu" else ())
+    r = {name: _spawn(args, name, tokens, repeats) for name in names}
     r["lev_small"] = _spawn(args, "lev", naive_tokens, repeats)
     r["naive"] = _spawn(args, "naive", naive_tokens, repeats)
     r["materialize"] = _spawn(args, "materialize", mat_rows, 1)
@@ -247,6 +252,9 @@ def main() -> int:
     print(f"speed-up over naive   {speedup:7.1f}x at {naive_tokens} tokens "
           f"(naive peak {r['naive']['peak_mb']:.0f} MB vs LEV {r['lev_small']['peak_mb']:.0f} MB)")
     print(f"materialize V={V_O200K}  {mat:7.1f} s" + ("" if mat_rows == V_O200K else f" (extrapolated from {mat_rows} rows)"))
+    if "lev_torch" in r:
+        print(f"CPU kernel speed-up   {r['lev_torch']['seconds'] / lev:7.2f}x over the PyTorch path "
+              f"({r['lev_torch']['seconds']:.3f} s, LEV/block {r['lev_torch']['seconds'] / block:.3f})")
     if args.ref:
         print(f"vs --ref {args.ref}: LEV fwd+bwd {r['lev_ref']['seconds'] / lev:.2f}x faster, materialize "
               f"{r['materialize_ref']['full_seconds'] / mat:.2f}x faster")
@@ -276,6 +284,13 @@ def _record(args, r, tokens, naive_tokens, mat_rows) -> None:
         f"| LEV | {tokens} | {lev['seconds']:.3f} | {lev['peak_mb']:.0f} | LEV/block {lev['seconds'] / block['seconds']:.3f} |",
         f"| LEV, recompute off | {tokens} | {r['lev_norecompute']['seconds']:.3f} | "
         f"{r['lev_norecompute']['peak_mb']:.0f} | LEV/block {r['lev_norecompute']['seconds'] / block['seconds']:.3f} |",
+    ]
+    if "lev_torch" in r:
+        torch_path = r["lev_torch"]
+        rows.append(f"| LEV, PyTorch path (CPU kernel off) | {tokens} | {torch_path['seconds']:.3f} | "
+                    f"{torch_path['peak_mb']:.0f} | LEV/block {torch_path['seconds'] / block['seconds']:.3f}; kernel "
+                    f"{torch_path['seconds'] / lev['seconds']:.2f}x faster |")
+    rows += [
         f"| dense nn.Embedding | {tokens} | {r['dense']['seconds']:.3f} | {r['dense']['peak_mb']:.0f} | "
         f"LEV/dense {lev['seconds'] / r['dense']['seconds']:.1f} |",
         f"| one Llama block (D=1024) | {tokens} | {block['seconds']:.3f} | {block['peak_mb']:.0f} | |",

@@ -12,22 +12,21 @@ import pytest
 import torch
 
 from megatron_lev.model.embeddings import cpu_kernel
-from megatron_lev.model.embeddings.lev import default_phi_mode, separable_product
-from megatron_lev.model.embeddings.spline import active_basis
+from megatron_lev.model.embeddings.lev import default_phi_mode, spline_product
 
 pytestmark = pytest.mark.skipif(cpu_kernel._compiler() is None, reason="no C compiler on this machine")
 
 
 def _inputs(n=37, h=3, d=40, kappa=7, r=10, dtype=torch.float64, spread=0.6, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    index, weight = active_basis(torch.rand(n, h, d, generator=gen, dtype=dtype), kappa)
+    u = torch.rand(n, h, d, generator=gen, dtype=dtype)
     delta = spread * torch.randn(h, d, kappa, r, generator=gen, dtype=dtype)
-    return weight, index, delta
+    return u, delta
 
 
-def _value_and_grads(weight, index, delta, mode):
-    w, d = weight.clone().requires_grad_(), delta.clone().requires_grad_()
-    out = separable_product(w, index, d, mode)
+def _value_and_grads(u, delta, mode):
+    w, d = u.clone().requires_grad_(), delta.clone().requires_grad_()
+    out = spline_product(w, d, d.shape[2], mode)
     probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(out.dtype)
     (out * probe).sum().backward()
     return out.detach(), w.grad, d.grad
@@ -54,10 +53,9 @@ def test_failing_compiler_is_reported_with_the_source_name(tmp_path, monkeypatch
 def test_switched_off_kernel_falls_back_to_the_pytorch_path(tmp_path):
     code = ("import torch\n"
             "from megatron_lev.model.embeddings import cpu_kernel\n"
-            "from megatron_lev.model.embeddings.lev import default_phi_mode, separable_product\n"
+            "from megatron_lev.model.embeddings.lev import default_phi_mode, spline_product\n"
             "print(cpu_kernel.available(), default_phi_mode(torch.device('cpu')))\n"
-            "w = torch.full((2, 1, 3, 3), 1 / 3); i = torch.zeros(2, 1, 3, 3, dtype=torch.long)\n"
-            "try:\n    separable_product(w, i, torch.zeros(1, 3, 2, 2), 'kernel')\n"
+            "try:\n    spline_product(torch.rand(2, 1, 3), torch.zeros(1, 3, 2, 2), 2, 'kernel')\n"
             "except RuntimeError as e:\n    print('refused:', e)\n")
     env = dict(os.environ, **{cpu_kernel.ENV_SWITCH: "0", cpu_kernel.ENV_CACHE: str(tmp_path)})
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
@@ -73,13 +71,13 @@ def test_kernel_is_the_cpu_default_where_it_builds():
 
 
 def test_threads_split_work_without_changing_a_bit():
-    weight, index, delta = _inputs(n=200, h=2, d=48)  # 200 x 2 forward tasks, 2 x 3 backward tasks
+    u, delta = _inputs(n=200, h=2, d=48)  # 200 x 2 forward tasks, 2 x 3 backward tasks
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = _value_and_grads(weight, index, delta, "kernel")
+        one = _value_and_grads(u, delta, "kernel")
         torch.set_num_threads(3)
-        many = _value_and_grads(weight, index, delta, "kernel")
+        many = _value_and_grads(u, delta, "kernel")
     finally:
         torch.set_num_threads(saved)
     for a, b in zip(one, many):
@@ -87,45 +85,44 @@ def test_threads_split_work_without_changing_a_bit():
 
 
 def test_float32_kernel_matches_float64_within_float32_precision():
-    weight, index, delta = _inputs(spread=0.1)  # factors near 1: a well-conditioned product
-    ref = _value_and_grads(weight, index, delta, "dense")
-    got = _value_and_grads(weight.float(), index, delta.float(), "kernel")
-    for name, a, b in zip(("out", "grad weight", "grad delta"), got, ref):
+    u, delta = _inputs(spread=0.1)  # factors near 1: a well-conditioned product
+    ref = _value_and_grads(u, delta, "dense")
+    got = _value_and_grads(u.float(), delta.float(), "kernel")
+    for name, a, b in zip(("out", "grad u", "grad delta"), got, ref):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a.double(), b, rtol=2e-5, atol=1e-6 * float(b.abs().max()), msg=name)
 
 
-def test_non_contiguous_and_int32_inputs_give_the_same_result():
-    weight, index, delta = _inputs()
-    base = _value_and_grads(weight, index, delta, "kernel")
-    w_t = weight.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
+def test_non_contiguous_inputs_give_the_same_result():
+    u, delta = _inputs()
+    base = _value_and_grads(u, delta, "kernel")
+    u_t = u.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
     d_t = delta.transpose(2, 3).contiguous().transpose(2, 3)
-    other = _value_and_grads(w_t, index.to(torch.int32), d_t, "kernel")
-    for a, b in zip(base, other):
+    for a, b in zip(base, _value_and_grads(u_t, d_t, "kernel")):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_delta_gradient_alone_equals_delta_gradient_of_the_full_backward():
-    weight, index, delta = _inputs()
+    u, delta = _inputs()
     alone = delta.clone().requires_grad_()
-    separable_product(weight, index, alone, "kernel").sum().backward()  # weight needs no gradient
-    both_w, both_d = weight.clone().requires_grad_(), delta.clone().requires_grad_()
-    separable_product(both_w, index, both_d, "kernel").sum().backward()
+    spline_product(u, alone, delta.shape[2], "kernel").sum().backward()  # u needs no gradient
+    both_u, both_d = u.clone().requires_grad_(), delta.clone().requires_grad_()
+    spline_product(both_u, both_d, delta.shape[2], "kernel").sum().backward()
     torch.testing.assert_close(alone.grad, both_d.grad, rtol=0, atol=0)
-    assert both_w.grad is not None and float(both_w.grad.abs().sum()) > 0
+    assert both_u.grad is not None and float(both_u.grad.abs().sum()) > 0
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork-only behaviour")
 def test_forked_child_runs_the_kernel_on_its_own_threads():
-    weight, index, delta = _inputs(n=64)
+    u, delta = _inputs(n=64)
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        parent = separable_product(weight, index, delta, "kernel")  # the parent's pool now exists
+        parent = spline_product(u, delta, delta.shape[2], "kernel")  # the parent's pool now exists
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # child: would hang on the parent's (absent) pool threads without the at-fork reset
-            ok = torch.equal(separable_product(weight, index, delta, "kernel"), parent)
+            ok = torch.equal(spline_product(u, delta, delta.shape[2], "kernel"), parent)
             os.write(write, b"1" if ok else b"0")
             os._exit(0)
         os.close(write)

@@ -5,7 +5,14 @@ import torch
 
 from megatron_lev.config import LevConfig, ModelConfig
 from megatron_lev.model.embeddings import build_input_embedding, lev_parameter_count
-from megatron_lev.model.embeddings.lev import LevEmbedding, digit_base, separable_product, token_digits
+from megatron_lev.model.embeddings.lev import (
+    LevEmbedding,
+    digit_base,
+    separable_product,
+    spline_product,
+    token_digits,
+)
+from megatron_lev.model.embeddings.spline import active_basis
 
 SMALL = LevConfig(k=2, d_seed=6, heads=2, kappa=5, rank=3, chunk_size=4, recompute=False)
 
@@ -175,13 +182,10 @@ def _spec_product(weight, index, delta):
     return sign * torch.exp(torch.log(phi.abs() + 1e-9).sum(2))
 
 
-def _basis_case(case, n=5, h=2, d=40, kappa=6, r=3, spread=1.5):
-    """Basis weights/indices and a delta whose factors exercise one path of the grouped product."""
+def _latent_case(case, n=5, h=2, d=40, kappa=6, r=3, spread=1.5):
+    """Latent coordinates u and a delta whose factors exercise one path of the grouped product."""
     gen = torch.Generator().manual_seed(7)
     u = torch.rand(n, h, d, generator=gen, dtype=torch.float64)
-    from megatron_lev.model.embeddings.spline import active_basis
-
-    index, weight = active_basis(u, kappa)
     delta = spread * torch.randn(h, d, kappa, r, generator=gen, dtype=torch.float64)  # 1.5: both signs
     if case == "tiny":  # |phi| = 1e-5 at a few (head, coordinate, rank): below SAFE_FACTOR
         delta[0, 3, :, 1] = -1 + 1e-5
@@ -190,25 +194,52 @@ def _basis_case(case, n=5, h=2, d=40, kappa=6, r=3, spread=1.5):
         delta.fill_(-0.99)
     elif case == "overflow":  # every factor 100: a group of 16 multiplies to 1e32
         delta.fill_(99.0)
+    return u, delta
+
+
+def _basis_case(case, **kwargs):
+    """Basis weights/indices (of `_latent_case`'s u) and its delta."""
+    u, delta = _latent_case(case, **kwargs)
+    index, weight = active_basis(u, delta.shape[2])
     return weight, index, delta
 
 
 @pytest.mark.parametrize("mode", ["gather", "dense", "kernel"])
 @pytest.mark.parametrize("case", ["mixed", "tiny", "underflow", "overflow"])
 def test_grouped_product_matches_spec_formula(case, mode):
-    weight, index, delta = _basis_case(case)
-    w1, d1 = weight.clone().requires_grad_(), delta.clone().requires_grad_()
-    w2, d2 = weight.clone().requires_grad_(), delta.clone().requires_grad_()
-    out, ref = separable_product(w1, index, d1, mode), _spec_product(w2, index, d2)
+    """From u through the basis and the product, values and gradients (u and delta) against LEV.md."""
+    u, delta = _latent_case(case)
+    kappa = delta.shape[2]
+    u1, d1 = u.clone().requires_grad_(), delta.clone().requires_grad_()
+    u2, d2 = u.clone().requires_grad_(), delta.clone().requires_grad_()
+    out = spline_product(u1, d1, kappa, mode)
+    index, weight = active_basis(u2, kappa)
+    weight.retain_grad()
+    ref = _spec_product(weight, index, d2)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=0.0)
     probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
     (out * probe).sum().backward()
     (ref * probe).sum().backward()
     # plain groups use the exact product (the eps moves a factor >= 1e-3 by < 1e-6 relative)
-    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-8 * float(w2.grad.abs().max()))
+    # d/du sums terms of the size of d/dweight * (kappa - 1) that cancel where delta is flat over the knots
+    u_scale = (kappa - 1) * float(weight.grad.abs().max())
+    torch.testing.assert_close(u1.grad, u2.grad, rtol=1e-5, atol=1e-8 * u_scale)
     torch.testing.assert_close(d1.grad, d2.grad, rtol=1e-5, atol=1e-8 * float(d2.grad.abs().max()))
     with torch.no_grad():  # the no-grad path (eval, materialize) gives the same values
-        torch.testing.assert_close(separable_product(weight, index, delta, mode), out.detach(), rtol=1e-12, atol=0.0)
+        torch.testing.assert_close(spline_product(u, delta, kappa, mode), out.detach(), rtol=1e-12, atol=0.0)
+
+
+def test_fused_kernel_gradcheck_through_the_basis():
+    from megatron_lev.model.embeddings import cpu_kernel
+
+    if not cpu_kernel.available():
+        pytest.skip("the CPU kernel did not build here (no C compiler)")
+    gen = torch.Generator().manual_seed(2)
+    u = torch.rand(4, 2, 20, generator=gen, dtype=torch.float64)  # 20 coordinates: one full and one short group
+    u[0, 0, :3] = torch.tensor([0.0, 1.0, 0.5])  # the ends of [0, 1] and a knot
+    delta = 1.5 * torch.randn(2, 20, 5, 3, generator=gen, dtype=torch.float64)  # both signs
+    assert torch.autograd.gradcheck(lambda a, b: spline_product(a, b, 5, "kernel"),
+                                    (u.requires_grad_(), delta.requires_grad_()))
 
 
 @pytest.mark.parametrize("case,expect", [("mixed", False), ("tiny", True), ("underflow", True), ("overflow", True)])

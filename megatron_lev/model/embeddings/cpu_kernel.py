@@ -106,10 +106,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for suffix in ("f32", "f64"):
         fwd = getattr(lib, f"lev_forward_{suffix}")
-        fwd.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, i64, p, p, p]
+        fwd.argtypes = [p, p, i64, i64, i64, i64, i64, i64, i64, p, p, p]
         fwd.restype = ctypes.c_int
         bwd = getattr(lib, f"lev_backward_{suffix}")
-        bwd.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p, p]
+        bwd.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p, p]
         bwd.restype = ctypes.c_int
     lib.lev_group_size.restype = ctypes.c_int
     return lib
@@ -175,31 +175,31 @@ def _suffix(dtype: torch.dtype) -> str:
     raise TypeError(f"LEV CPU kernel: float32 or float64 only, got {dtype}")
 
 
-def forward(weight: torch.Tensor, index: torch.Tensor, shifted: torch.Tensor):
-    """weight (N,h,d,3), index (N,h,d,3) int64, shifted = 1 + delta (h,d,kappa,r), all contiguous on CPU
-    -> out, log_abs, sign, each (N, h, r)."""
+def forward(u: torch.Tensor, shifted: torch.Tensor):
+    """u (N,h,d) in [0,1] and shifted = 1 + delta (h,d,kappa,r), contiguous on CPU -> out, log_abs, sign,
+    each (N, h, r): the spline basis and the separable product in one pass."""
     lib = library()
-    n, h, d, _ = weight.shape
+    n, h, d = u.shape
     kappa, r = shifted.shape[2], shifted.shape[3]
-    log_abs, sign, out = (weight.new_empty(n, h, r) for _ in range(3))
-    fn = getattr(lib, f"lev_forward_{_suffix(weight.dtype)}")
-    _run_tasks(fn, n * h, lambda t0, t1: (weight.data_ptr(), index.data_ptr(), shifted.data_ptr(), n, h, d, kappa,
-                                          r, t0, t1, log_abs.data_ptr(), sign.data_ptr(), out.data_ptr()))
+    log_abs, sign, out = (u.new_empty(n, h, r) for _ in range(3))
+    fn = getattr(lib, f"lev_forward_{_suffix(u.dtype)}")
+    _run_tasks(fn, n * h, lambda t0, t1: (u.data_ptr(), shifted.data_ptr(), n, h, d, kappa, r, t0, t1,
+                                          log_abs.data_ptr(), sign.data_ptr(), out.data_ptr()))
     return out, log_abs, sign
 
 
-def backward(weight, index, shifted, log_abs, grad_m, signed_grad, need_weight: bool, need_delta: bool):
-    """Gradients for `weight` (N,h,d,3) and `delta` (h,d,kappa,r) (None where not needed)."""
+def backward(u, shifted, log_abs, grad_m, signed_grad, need_u: bool, need_delta: bool):
+    """Gradients for `u` (N,h,d) and `delta` (h,d,kappa,r) (None where not needed)."""
     from megatron_lev.model.embeddings.lev import GROUP
 
     lib = library()
-    n, h, d, _ = weight.shape
+    n, h, d = u.shape
     kappa, r = shifted.shape[2], shifted.shape[3]
-    grad_w = torch.empty_like(weight) if need_weight else None
+    grad_u = torch.empty_like(u) if need_u else None
     grad_d = torch.zeros_like(shifted) if need_delta else None
-    fn = getattr(lib, f"lev_backward_{_suffix(weight.dtype)}")
+    fn = getattr(lib, f"lev_backward_{_suffix(u.dtype)}")
     tasks = h * -(-d // GROUP)
-    _run_tasks(fn, tasks, lambda t0, t1: (weight.data_ptr(), index.data_ptr(), shifted.data_ptr(),
-                                          log_abs.data_ptr(), grad_m.data_ptr(), signed_grad.data_ptr(),
-                                          n, h, d, kappa, r, t0, t1, _ptr(grad_w), _ptr(grad_d)))
-    return grad_w, grad_d
+    _run_tasks(fn, tasks, lambda t0, t1: (u.data_ptr(), shifted.data_ptr(), log_abs.data_ptr(), grad_m.data_ptr(),
+                                          signed_grad.data_ptr(), n, h, d, kappa, r, t0, t1, _ptr(grad_u),
+                                          _ptr(grad_d)))
+    return grad_u, grad_d

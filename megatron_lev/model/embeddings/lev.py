@@ -223,28 +223,27 @@ class SeparableProduct(torch.autograd.Function):
 
 
 class KernelProduct(torch.autograd.Function):
-    """`SeparableProduct` by the fused CPU kernel: the same arithmetic (groups, per-factor
-    fallback, gradients), with phi kept in a GROUP x r buffer instead of tensors."""
+    """`active_basis` + `SeparableProduct` by the fused CPU kernel: the same arithmetic (groups,
+    per-factor fallback, gradients), with the basis in registers and phi in a GROUP x r buffer
+    instead of (N, h, d, 3) and (h, d, N, r) tensors. Saves only u (N, h, d) for backward."""
 
     @staticmethod
-    def forward(ctx, weight, index, delta):  # (N,h,d,3), (N,h,d,3) long, (h,d,kappa,r) -> (N,h,r)
+    def forward(ctx, u, delta):  # (N, h, d) in [0, 1], (h, d, kappa, r) -> (N, h, r)
         from megatron_lev.model.embeddings import cpu_kernel
 
-        w, idx, shifted = weight.contiguous(), index.long().contiguous(), (delta + 1.0).contiguous()
-        out, log_abs, sign = cpu_kernel.forward(w, idx, shifted)
-        ctx.save_for_backward(w, idx, shifted, log_abs, sign)
+        u, shifted = u.contiguous(), (delta + 1.0).contiguous()
+        out, log_abs, sign = cpu_kernel.forward(u, shifted)
+        ctx.save_for_backward(u, shifted, log_abs, sign)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         from megatron_lev.model.embeddings import cpu_kernel
 
-        w, idx, shifted, log_abs, sign = ctx.saved_tensors
+        u, shifted, log_abs, sign = ctx.saved_tensors
         signed = (grad_out * sign).contiguous()
         grad_m = signed * torch.exp(log_abs)  # dLoss/dM * M
-        grad_w, grad_d = cpu_kernel.backward(w, idx, shifted, log_abs, grad_m, signed,
-                                             ctx.needs_input_grad[0], ctx.needs_input_grad[2])
-        return grad_w, None, grad_d
+        return cpu_kernel.backward(u, shifted, log_abs, grad_m, signed, *ctx.needs_input_grad[:2])
 
 
 def default_phi_mode(device: torch.device) -> str:
@@ -265,23 +264,38 @@ def separable_product(weight: torch.Tensor, index: torch.Tensor, delta: torch.Te
     Without autograd (eval, `materialize`) nothing is saved and blocks are larger.
     """
     mode = mode or default_phi_mode(weight.device)
+    if mode == "kernel":  # the kernel starts from u: see spline_product
+        mode = KERNEL_FALLBACK
     if mode not in PHI_MODES:
         raise ValueError(f"phi mode must be one of {PHI_MODES}, got {mode!r}")
-    if mode == "kernel":
-        from megatron_lev.model.embeddings import cpu_kernel
-
-        if weight.device.type != "cpu" or not cpu_kernel.available():
-            raise RuntimeError(f"phi mode 'kernel' needs CPU tensors and a built CPU kernel (device "
-                               f"{weight.device.type}; set {cpu_kernel.ENV_SWITCH}=1 and have a C compiler)")
-        if torch.is_grad_enabled() and (weight.requires_grad or delta.requires_grad):
-            return KernelProduct.apply(weight, index, delta)
-        return cpu_kernel.forward(weight.contiguous(), index.long().contiguous(), (delta + 1.0).contiguous())[0]
     if torch.is_grad_enabled() and (weight.requires_grad or delta.requires_grad):
         return SeparableProduct.apply(weight, index, delta, mode)
     w = weight.permute(1, 2, 0, 3).contiguous()
     idx = index.permute(1, 2, 0, 3).to(torch.int32).contiguous()
     log_abs, sign, _ = _forward_product(w, idx, delta, mode, keep_mask=False, scale=NO_GRAD_BLOCK_SCALE)
     return (sign * torch.exp(log_abs)).permute(1, 0, 2).contiguous()
+
+
+def spline_product(u: torch.Tensor, delta: torch.Tensor, kappa: int, mode: str | None = None) -> torch.Tensor:
+    """Spec steps 4-6 from the latent coordinates: u `(N,h,d)` in [0,1], delta `(h,d,kappa,r)` -> `(N,h,r)`.
+
+    Modes "gather"/"dense": `active_basis` then `separable_product`; "kernel": both fused in the
+    CPU kernel (the default on CPU where it builds).
+    """
+    mode = mode or default_phi_mode(u.device)
+    if mode != "kernel":
+        index, weight = active_basis(u, kappa)
+        return separable_product(weight, index, delta, mode)
+    from megatron_lev.model.embeddings import cpu_kernel
+
+    if u.device.type != "cpu" or not cpu_kernel.available():
+        raise RuntimeError(f"phi mode 'kernel' needs CPU tensors and a built CPU kernel (device {u.device.type}; "
+                           f"unset {cpu_kernel.ENV_SWITCH}=0 and have a C compiler)")
+    if delta.shape[2] != kappa:
+        raise ValueError(f"delta has {delta.shape[2]} knots, kappa is {kappa}")
+    if torch.is_grad_enabled() and (u.requires_grad or delta.requires_grad):
+        return KernelProduct.apply(u, delta)
+    return cpu_kernel.forward(u.contiguous(), (delta + 1.0).contiguous())[0]
 
 
 class LevEmbedding(InputEmbedding):
@@ -331,12 +345,11 @@ class LevEmbedding(InputEmbedding):
     def _compute_dtype(self) -> torch.dtype:
         return torch.float64 if self.delta.dtype == torch.float64 else torch.float32
 
-    def spline_basis(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per head `u_l = sigmoid(LayerNorm_l(W_l z))` and its 3 active basis functions, `(N, h, d, 3)`."""
+    def latent(self, z: torch.Tensor) -> torch.Tensor:
+        """Per head `u_l = sigmoid(LayerNorm_l(W_l z))`: `(N, d_seed)` -> `(N, h, d_seed)` in [0, 1]."""
         y = torch.einsum("nd,hed->nhe", z, self.proj.to(z.dtype))  # (N, h, d)
         y = F.layer_norm(y, (y.shape[-1],), eps=LN_EPS) * self.norm_weight.to(z.dtype) + self.norm_bias.to(z.dtype)
-        u = torch.sigmoid(y).clamp(0.0, 1.0)  # (N, h, d): bounded latent coordinates
-        return active_basis(u, self.lev.kappa)
+        return torch.sigmoid(y).clamp(0.0, 1.0)  # bounded latent coordinates
 
     def heads(self, seed: torch.Tensor, recompute: bool = False) -> torch.Tensor:
         """Sum over this rank's heads of `M_l @ W_out_l`: `(N, d_seed)` -> `(N, D)` (fp32 inside).
@@ -347,11 +360,18 @@ class LevEmbedding(InputEmbedding):
         """
         cdt = self._compute_dtype()
         z = seed.to(cdt)
-        if recompute:
-            index, weight = checkpoint(self.spline_basis, z, use_reentrant=False)
+        mode, kappa = default_phi_mode(z.device), self.lev.kappa
+
+        def basis(z):  # what `recompute` checkpoints: the kernel takes u, the other modes the active basis
+            u = self.latent(z)
+            return u if mode == "kernel" else active_basis(u, kappa)
+
+        inputs = checkpoint(basis, z, use_reentrant=False) if recompute else basis(z)
+        if mode == "kernel":
+            modes = spline_product(inputs, self.delta.to(cdt), kappa, mode)  # (N, h, r)
         else:
-            index, weight = self.spline_basis(z)
-        modes = separable_product(weight, index, self.delta.to(cdt))  # (N, h, r)
+            index, weight = inputs
+            modes = separable_product(weight, index, self.delta.to(cdt), mode)
         out = modes.flatten(1) @ self.out_proj.to(cdt).flatten(0, 1)  # (N, h*r) @ (h*r, D)
         return out.to(seed.dtype)
 
