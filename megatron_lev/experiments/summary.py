@@ -115,7 +115,10 @@ def commands_markdown(state_dir: Path, steps: list[Step]) -> str:
         if marker.exists():
             rec = json.loads(marker.read_text())
             env = " ".join(f"{k}={v}" for k, v in sorted(step.env.items()))
-            lines += ["", "   ```bash", f"   {(env + ' ') if env else ''}{shlex.join(rec['command'])}", "   ```",
+            command = list(rec["command"])
+            if command and Path(command[0]).name.startswith("python"):  # the interpreter as a user types it
+                command[0] = "python"
+            lines += ["", "   ```bash", f"   {(env + ' ') if env else ''}{shlex.join(command)}", "   ```",
                       f"   ({rec.get('seconds', 0.0):.0f} s)", ""]
         else:
             lines += ["", "   (not finished)", ""]
