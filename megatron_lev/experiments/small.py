@@ -149,9 +149,12 @@ class SmallGrid:
                          *(["--max-docs", str(self.eval_max_docs)] if self.eval_max_docs else [])),
                      lambda v=v: [self.eval_json(v)], env),
             ]
-        for corpus, label in (("valid_text_document", "validation"), ("zero_shot", "zero-shot")):
+        for corpus, label in (("valid_text_document", "validation"), ("zero_shot", "zero-shot"),
+                              ("valid_text_document", "training")):
             out = self.results / label.replace("-", "_")
-            steps.append(Step(f"compare-{label}", f"{label} perplexity of every variant against TIED",
+            what = ("training-loss curves against TIED's final training loss" if label == "training"
+                    else f"{label} perplexity of every variant against TIED")
+            steps.append(Step(f"compare-{label}", what,
                               lambda corpus=corpus, out=out, label=label: self._compare_command(corpus, out,
                                                                                                  label),
                               lambda out=out: [out / "compare.md"], env))
@@ -170,9 +173,10 @@ class SmallGrid:
         cmd = self._python("megatron_lev", "compare",
                            *(f"{VARIANT_NAMES[v]}={self.eval_json(v)}" for v in self.variants),
                            "--corpus", corpus, "--out", str(out))
-        if label == "validation":  # loss curves and tokens-to-target from the trainer's validation loss
+        if label in ("validation", "training"):  # loss curves and tokens-to-target from the trainer's log:
+            # validation loss (every train.eval_interval steps) or training loss (every log_interval steps)
             cmd += ["--curves", *(f"{VARIANT_NAMES[v]}={self.run_dir(v) / 'tensorboard'}" for v in self.variants),
-                    "--tokens-per-step", str(tokens_per_step)]
+                    "--tokens-per-step", str(tokens_per_step), "--tag", f"{'valid' if label == 'validation' else 'train'}/loss"]
         return cmd
 
 

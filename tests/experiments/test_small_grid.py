@@ -60,8 +60,11 @@ def test_every_variant_trains_the_same_run_but_for_the_embedding(tmp_path):
     grid.check()
     names = [s.name for s in grid.steps()]
     assert names[:3] == ["split", "preprocess-train", "preprocess-valid"]
-    assert names[-2:] == ["compare-validation", "compare-zero-shot"]
-    assert names[3:6] == ["train-tied", "convert-tied", "evaluate-tied"] and len(names) == 3 + 6 * 3 + 2
+    assert names[-3:] == ["compare-validation", "compare-zero-shot", "compare-training"]
+    assert names[3:6] == ["train-tied", "convert-tied", "evaluate-tied"] and len(names) == 3 + 6 * 3 + 3
+    commands = {s.name: s.command() for s in grid.steps()}
+    assert commands["compare-training"][-2:] == ["--tag", "train/loss"]
+    assert commands["compare-validation"][-2:] == ["--tag", "valid/loss"]
     cfgs = {v: grid.run_config(v).to_dict() for v in grid.variants}
     for v, d in cfgs.items():
         assert d["model"].pop("embedding") == v
