@@ -130,3 +130,14 @@ def test_forked_child_runs_the_kernel_on_its_own_threads():
         assert os.read(read, 1) == b"1" and status == 0
     finally:
         torch.set_num_threads(saved)
+
+
+def test_unwritable_cache_falls_back_to_the_temp_dir(tmp_path):
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the cache directory should be")
+    env = dict(os.environ, **{cpu_kernel.ENV_CACHE: str(blocked / "kernels"), "TMPDIR": str(tmp_path / "tmp")})
+    (tmp_path / "tmp").mkdir()
+    code = "from megatron_lev.model.embeddings import cpu_kernel\nprint(cpu_kernel.available())\n"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"
+    assert any((tmp_path / "tmp").glob("megatron_lev-kernels-*/lev_cpu-*.so"))

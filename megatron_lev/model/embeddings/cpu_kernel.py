@@ -125,7 +125,13 @@ def library() -> ctypes.CDLL | None:
             try:
                 from megatron_lev.model.embeddings.lev import GROUP
 
-                lib = _bind(ctypes.CDLL(str(build())))
+                try:
+                    path = build()
+                except OSError as exc:  # e.g. a read-only home on compute nodes: build in the temp dir
+                    fallback = Path(tempfile.gettempdir()) / f"megatron_lev-kernels-{os.getuid()}"
+                    log.info("LEV CPU kernel: cannot write %s (%s); building in %s", cache_dir(), exc, fallback)
+                    path = build(fallback)
+                lib = _bind(ctypes.CDLL(str(path)))
                 if lib.lev_group_size() != GROUP:
                     raise RuntimeError(f"{SOURCE.name} groups {lib.lev_group_size()} factors, lev.py {GROUP}")
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
