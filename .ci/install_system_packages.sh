@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # System packages the test suite needs beyond the Python environment: a real Slurm
-# (controller, node daemon and client commands) for tests/slurm. No munge: the test
-# cluster uses AuthType=auth/none. Runs as root (CI); idempotent and quiet; a
-# machine that already has the commands is left untouched.
+# (controller, node daemon and client commands) for tests/slurm, and a C compiler for
+# LEV's fused CPU kernel (tests/model). No munge: the test cluster uses
+# AuthType=auth/none. Runs as root (CI); idempotent and quiet; a machine that already
+# has the commands is left untouched.
 set -euo pipefail
-PACKAGES=(slurmctld slurmd slurm-client)
+PACKAGES=()
 missing=()
 for cmd in slurmctld slurmd sbatch squeue scontrol scancel srun; do
     command -v "$cmd" >/dev/null 2>&1 || missing+=("$cmd")
 done
+[ ${#missing[@]} -eq 0 ] || PACKAGES+=(slurmctld slurmd slurm-client)
+if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
+    missing+=(cc)
+    PACKAGES+=(gcc libc6-dev)
+fi
 if [ ${#missing[@]} -eq 0 ]; then
-    echo "[system] slurm already installed ($(dpkg-query -W -f='${Version}' slurm-client 2>/dev/null || echo 'not from apt'))"
+    echo "[system] slurm already installed ($(dpkg-query -W -f='${Version}' slurm-client 2>/dev/null || echo 'not from apt')), C compiler present"
     exit 0
 fi
 if [ "$(id -u)" -ne 0 ]; then
@@ -26,4 +32,4 @@ if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${P
     echo "[system] installing ${PACKAGES[*]} failed (apt output above)" >&2
     exit 1
 fi
-echo "[system] installed slurm $(dpkg-query -W -f='${Version}' slurm-client)"
+echo "[system] installed ${PACKAGES[*]}"

@@ -14,6 +14,7 @@ The calls go through `ctypes`, which releases the GIL, so a thread pool of
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -55,12 +56,10 @@ if hasattr(os, "register_at_fork"):
 
 
 def _cpu_flags() -> str:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.split(":")[0].strip() in ("flags", "Features"):
                 return line
-    except OSError:
-        pass
     return platform.processor()
 
 

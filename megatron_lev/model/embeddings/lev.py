@@ -290,12 +290,10 @@ def spline_product(u: torch.Tensor, delta: torch.Tensor, kappa: int, mode: str |
 
     if u.device.type != "cpu" or not cpu_kernel.available():
         raise RuntimeError(f"phi mode 'kernel' needs CPU tensors and a built CPU kernel (device {u.device.type}; "
-                           f"unset {cpu_kernel.ENV_SWITCH}=0 and have a C compiler)")
+                           f"a C compiler, and {cpu_kernel.ENV_SWITCH} not set to 0)")
     if delta.shape[2] != kappa:
         raise ValueError(f"delta has {delta.shape[2]} knots, kappa is {kappa}")
-    if torch.is_grad_enabled() and (u.requires_grad or delta.requires_grad):
-        return KernelProduct.apply(u, delta)
-    return cpu_kernel.forward(u.contiguous(), (delta + 1.0).contiguous())[0]
+    return KernelProduct.apply(u, delta)  # without autograd (eval, materialize) nothing is kept for backward
 
 
 class LevEmbedding(InputEmbedding):
