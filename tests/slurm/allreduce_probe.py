@@ -30,8 +30,11 @@ def main() -> int:
         dist.all_reduce(t)
         if t.item() != expect:
             raise RuntimeError(f"all-reduce gave {t.item()}, expected {expect}")
-        print(f"[probe] rank {rank} local_rank {os.environ['LOCAL_RANK']} node {node} step {step} "
-              f"allreduce_sum {t.item():g}", flush=True)
+        # One write per line: the launchers set PYTHONUNBUFFERED, under which print() issues
+        # the text and the newline as two writes, and two ranks sharing a pipe interleave.
+        line = (f"[probe] rank {rank} local_rank {os.environ['LOCAL_RANK']} node {node} step {step} "
+                f"allreduce_sum {t.item():g}\n")
+        os.write(sys.stdout.fileno(), line.encode())
     dist.barrier()
     dist.destroy_process_group()
     return 0

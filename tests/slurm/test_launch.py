@@ -29,7 +29,7 @@ def test_two_nodes_two_tasks_each_rendezvous_and_all_reduce(slurm_cluster, tmp_p
     # block distribution: ranks 0,1 on n1 and 2,3 on n2, local ranks 0/1 on each
     assert sorted(tasks) == [("0", "0", "n1", "0"), ("1", "1", "n1", "0"),
                              ("2", "0", "n2", "1"), ("3", "1", "n2", "1")], report
-    sums = re.findall(r"\[probe\] rank (\d) local_rank (\d) node (n\d) step 1 allreduce_sum (\S+)", log)
+    sums = re.findall(r"\[probe\] rank (\d) local_rank (\d) node (n\d) step 1 allreduce_sum (\d+)\b", log)
     assert sorted(sums) == [("0", "0", "n1", "10"), ("1", "1", "n1", "10"),
                             ("2", "0", "n2", "10"), ("3", "1", "n2", "10")], report
     batch = (tmp_path / f"slurm-{job}.out").read_text()

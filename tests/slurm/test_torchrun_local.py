@@ -18,7 +18,7 @@ def test_torchrun_local_starts_a_process_group_of_nproc():
                           capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    sums = re.findall(r"\[probe\] rank (\d) local_rank (\d) node local step 0 allreduce_sum (\S+)", out)
+    sums = re.findall(r"\[probe\] rank (\d) local_rank (\d) node local step 0 allreduce_sum (\d+)\b", out)
     assert sorted(sums) == [("0", "0", "3"), ("1", "1", "3")], out
 
 
