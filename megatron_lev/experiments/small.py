@@ -176,7 +176,8 @@ class SmallGrid:
         if label in ("validation", "training"):  # loss curves and tokens-to-target from the trainer's log:
             # validation loss (every train.eval_interval steps) or training loss (every log_interval steps)
             cmd += ["--curves", *(f"{VARIANT_NAMES[v]}={self.run_dir(v) / 'tensorboard'}" for v in self.variants),
-                    "--tokens-per-step", str(tokens_per_step), "--tag", f"{'valid' if label == 'validation' else 'train'}/loss"]
+                    "--tokens-per-step", str(tokens_per_step),
+                    "--tag", "valid/loss" if label == "validation" else "train/loss"]
         return cmd
 
 

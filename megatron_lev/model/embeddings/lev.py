@@ -225,7 +225,8 @@ class SeparableProduct(torch.autograd.Function):
 class KernelProduct(torch.autograd.Function):
     """`active_basis` + `SeparableProduct` by the fused CPU kernel: the same arithmetic (groups,
     per-factor fallback, gradients), with the basis in registers and phi in a GROUP x r buffer
-    instead of (N, h, d, 3) and (h, d, N, r) tensors. Saves only u (N, h, d) for backward."""
+    instead of (N, h, d, 3) and (h, d, N, r) tensors. Saves u (N, h, d), 1 + delta and the
+    (N, h, r) log-magnitude and sign for backward: no basis or phi tensors."""
 
     @staticmethod
     def forward(ctx, u, delta):  # (N, h, d) in [0, 1], (h, d, kappa, r) -> (N, h, r)
