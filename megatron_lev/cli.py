@@ -9,7 +9,9 @@ for `--help`), keeping start-up fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -34,12 +36,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("MEGATRON_LEV_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("command", nargs="?")
     known, _ = parser.parse_known_args(argv[:1])
     full = argparse.ArgumentParser(
         prog="megatron-lev",
-        description="Pretraining with the Leviathan (LEV) input layer on DeepSpeed.")
+        description="Pretraining with the Leviathan (LEV) input layer on DeepSpeed. "
+        "Errors print one line; --debug (or MEGATRON_LEV_DEBUG=1) shows the traceback.")
+    full.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     sub = full.add_subparsers(dest="command", metavar="<command>")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
@@ -51,14 +57,54 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_module", None):
         full.print_help()
         return 2
+    args.debug = debug
+    return run_guarded(f"megatron-lev {args.command}",
+                       lambda: importlib.import_module(args._module).main(args), debug)
+
+
+def run_guarded(prog: str, fn, debug: bool = False) -> int:
+    """Run `fn`; print a user error as one line (`prog: message`) and return its exit code.
+
+    Errors a user can act on (`UserError`, missing or unreadable files, a full disk,
+    Ctrl-C) never show a traceback unless `debug`; anything else is a bug and does.
+    """
     from megatron_lev.config import ConfigError
+    from megatron_lev.errors import UserError
 
     try:
-        rc = importlib.import_module(args._module).main(args)
+        return int(fn() or 0)
     except ConfigError as exc:
-        print(f"megatron-lev {args.command}: config error: {exc}", file=sys.stderr)
-        return 2
-    return int(rc or 0)
+        if debug:
+            raise
+        print(f"{prog}: config error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except UserError as exc:
+        if debug:
+            raise
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+        if debug:
+            raise
+        what = {FileNotFoundError: "not found", IsADirectoryError: "is a directory, expected a file",
+                NotADirectoryError: "is not a directory", PermissionError: "permission denied"}[type(exc)]
+        name = exc.filename or str(exc)
+        print(f"{prog}: error: {name}: {what}; check the path and its permissions", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if debug:
+                raise
+            where = f" writing {exc.filename}" if exc.filename else ""
+            print(f"{prog}: error: no space left on the device{where}; free space or choose another "
+                  "directory, then rerun", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

@@ -21,6 +21,9 @@ from typing import Any
 
 import yaml
 
+from megatron_lev.errors import UserError
+from megatron_lev.utils.io import atomic_write_json, atomic_write_text  # noqa: F401  (re-exported)
+
 EMBEDDINGS = ("tied", "untied", "albert", "flat_mlp", "factorized_mlp", "lev")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
@@ -28,8 +31,10 @@ PARTITION_METHODS = ("parameters", "uniform")
 TOKENIZER_TYPES = ("hf", "sentencepiece", "tiktoken")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value or combination is invalid; the message names the key."""
+
+    exit_code = 2
 
 
 # --------------------------------------------------------------------------- sections
@@ -442,19 +447,3 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
         close = difflib.get_close_matches(str(value), allowed, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint}")
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to a temp file beside `path`, fsync, then rename over it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")

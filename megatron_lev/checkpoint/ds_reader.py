@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from megatron_lev.config import RunConfig, load_config
+from megatron_lev.errors import CheckpointDataError
 
 _LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _MP = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -31,7 +32,7 @@ _ZERO3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(CheckpointDataError):
     """The checkpoint is missing, incomplete or corrupted; the message names the file."""
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from megatron_lev.config import atomic_write_text
+from megatron_lev.errors import UserError
 
 GROUP = "local_downstream"
 
@@ -70,7 +71,7 @@ TASKS: dict[str, tuple[str, dict]] = {
 }
 
 
-class TaskDataError(FileNotFoundError):
+class TaskDataError(UserError, FileNotFoundError):
     """An expected arrow file of the downstream data is missing."""
 
 

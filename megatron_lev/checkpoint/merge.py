@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from megatron_lev.model.canonical import ParamSpec, merge_tp_shards, split_tp_shard
+from megatron_lev.errors import UserError
 
 
-class ShardMismatchError(ValueError):
+class ShardMismatchError(UserError, ValueError):
     """Shards do not fit the model's shapes (wrong config, or a mixed/corrupted checkpoint)."""
 
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from megatron_lev.errors import UserError
 
 
-class ValidationError(RuntimeError):
+class ValidationError(UserError, RuntimeError):
     """The exported model's outputs differ from the source model's; the message names the stage."""
 
 

@@ -16,6 +16,7 @@ from array import array
 from pathlib import Path
 
 import numpy as np
+from megatron_lev.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -25,7 +26,7 @@ DTYPES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5:
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(DataError):
     """A `.bin/.idx` pair is missing, truncated, or inconsistent; the message names the file."""
 
 

@@ -13,6 +13,7 @@ import os
 import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
+from megatron_lev.errors import DataError
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<eod>")
 # tiktoken files carry only the ranks; these are the pattern and special token we use with them
@@ -23,7 +24,7 @@ TIKTOKEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p
 TIKTOKEN_EOD = "<|endoftext|>"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(DataError):
     """The tokenizer file is missing or unusable; the message names it."""
 
 
@@ -194,3 +195,22 @@ def build_tokenizer(tokenizer_type: str, path: str | os.PathLike) -> Tokenizer:
     if path is None or not Path(path).is_file():
         raise TokenizerError(f"tokenizer file not found: {path} (type {tokenizer_type})")
     return _TYPES[tokenizer_type](path)
+
+
+def tokenizer_fingerprint(tokenizer_type: str, path: str | os.PathLike, tokenizer: Tokenizer | None = None) -> dict:
+    """What identifies a tokenizer across preprocessing, training and export: type, name,
+    file name, sha256 of the file, vocabulary size and EOD id."""
+    from megatron_lev.utils.io import sha256_file
+
+    tok = tokenizer if tokenizer is not None else build_tokenizer(tokenizer_type, path)
+    return {"type": tokenizer_type, "name": tok.name, "file": Path(path).name, "sha256": sha256_file(path),
+            "vocab_size": int(tok.vocab_size), "eod": int(tok.eod)}
+
+
+def fingerprint_mismatch(expected: dict, actual: dict) -> str | None:
+    """None when two fingerprints name the same tokenizer, else what differs (one phrase)."""
+    for key in ("sha256", "vocab_size", "eod", "type"):
+        if key in expected and key in actual and expected[key] != actual[key]:
+            return (f"{key} {actual[key]!r} != {expected[key]!r} "
+                    f"(recorded: {expected.get('file', expected.get('name'))}, given: {actual.get('file', actual.get('name'))})")
+    return None

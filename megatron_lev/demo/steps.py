@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_lev.config import atomic_write_json
+from megatron_lev.errors import UserError
 
 
-class StepFailed(RuntimeError):
+class StepFailed(UserError, RuntimeError):
     """A step's command exited non-zero or did not produce its outputs."""
 
 

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from megatron_lev.errors import UserError
 
 INJECT_NAN_ENV = "MEGATRON_LEV_INJECT_NAN_AT_STEP"
 
 
-class TooManySkippedSteps(RuntimeError):
+class TooManySkippedSteps(UserError, RuntimeError):
     """`train.max_consecutive_skips` non-finite steps in a row."""
 
 

@@ -1,0 +1,1 @@
+"""Small helpers with no project imports: atomic file writes and checksums."""
