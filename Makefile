@@ -6,14 +6,18 @@ export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
-.PHONY: setup demo test lint bench
+.PHONY: setup system-packages demo test lint bench
 setup:
 	@VENV=$(VENV) scripts/setup_env.sh
+
+# Slurm and a C compiler for the tests: installed when run as root, else one line says how.
+system-packages:
+	@if [ "$$(id -u)" = 0 ]; then .ci/install_system_packages.sh; else .ci/install_system_packages.sh || true; fi
 
 demo: setup
 	$(PY) -m megatron_lev demo
 
-test: setup
+test: setup system-packages
 	$(PY) -m pytest tests
 
 lint: setup

@@ -20,7 +20,7 @@ if [ ${#missing[@]} -eq 0 ]; then
     exit 0
 fi
 if [ "$(id -u)" -ne 0 ]; then
-    echo "[system] missing ${missing[*]}; run this script as root to install ${PACKAGES[*]}" >&2
+    echo "[system] missing ${missing[*]}: run 'sudo .ci/install_system_packages.sh' to install ${PACKAGES[*]}; until then the tests that need them are reported as skipped" >&2
     exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive
