@@ -88,11 +88,12 @@ def run_guarded(prog: str, fn, debug: bool = False) -> int:
             raise
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+    except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
         if debug:
             raise
         what = {FileNotFoundError: "not found", IsADirectoryError: "is a directory, expected a file",
-                NotADirectoryError: "is not a directory", PermissionError: "permission denied"}[type(exc)]
+                NotADirectoryError: "is not a directory", PermissionError: "permission denied",
+                FileExistsError: "already exists (a file where a directory is needed?)"}.get(type(exc), str(exc))
         name = exc.filename or str(exc)
         print(f"{prog}: error: {name}: {what}; check the path and its permissions", file=sys.stderr)
         return 1

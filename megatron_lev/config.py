@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 import os
 import types
@@ -35,6 +34,121 @@ class ConfigError(UserError, ValueError):
     """A configuration value or combination is invalid; the message names the key."""
 
     exit_code = 2
+
+
+# --------------------------------------------------------------------------- numeric ranges
+
+
+@dataclass(frozen=True)
+class Range:
+    """The allowed values of one numeric key: finite, between `lo` and `hi` (None: unbounded)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # True: lo itself is not allowed
+    hi_open: bool = False
+    why: str = ""  # what the key is, shown with the error
+
+    def contains(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+
+    def text(self) -> str:
+        lo, hi = _number(self.lo), _number(self.hi)
+        if self.lo is not None and self.hi is not None:
+            return f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {lo}"
+        return f"{'<' if self.hi_open else '<='} {hi}" if self.hi is not None else "finite"
+
+
+def _number(x: float | None) -> str:
+    return str(int(x)) if x is not None and float(x).is_integer() else f"{x:g}" if x is not None else ""
+
+
+def _count(why: str = "", lo: int = 1) -> Range:
+    return Range(lo, why=why)
+
+
+_POSITIVE = Range(0, lo_open=True)
+_FRACTION = Range(0, 1, hi_open=True)  # dropout, warmup fraction, Adam betas
+_SEED = Range(0, 2**32 - 1, why="seeds of numpy and torch")
+
+# Every int/float key of every section, with the values it may take. A key missing here is a
+# bug (tests check the table covers every numeric field). None (where a key allows it) is not checked.
+RANGES: dict[str, Range] = {
+    "model.num_layers": _count(), "model.hidden_size": _count(), "model.num_attention_heads": _count(),
+    "model.num_kv_heads": _count("or null for multi-head attention"),
+    "model.ffn_hidden_size": _count("or null for the SwiGLU default"),
+    "model.seq_length": _count(), "model.vocab_size": _count("or null to take it from the tokenizer"),
+    "model.make_vocab_size_divisible_by": _count(),
+    "model.baseline_dim": _count("or null to size it like LEV"),
+    "model.baseline_hidden": _count("or null to size it like LEV"),
+    "model.rope_theta": Range(0, lo_open=True, why="the RoPE base, e.g. 10000"),
+    "model.norm_eps": Range(0, lo_open=True, why="added to the RMS before dividing, e.g. 1e-5"),
+    "model.init_std": Range(0, lo_open=True, why="standard deviation of the initial weights, e.g. 0.02"),
+    "model.hidden_dropout": _FRACTION, "model.attention_dropout": _FRACTION,
+    "model.checkpoint_num_layers": _count(),
+    "model.lev.k": _count(), "model.lev.d_seed": _count(), "model.lev.heads": _count(),
+    "model.lev.kappa": _count("a quadratic B-spline needs at least 3 knots", lo=3),
+    "model.lev.rank": _count(), "model.lev.chunk_size": _count(),
+    "model.lev.w_out_init_scale": Range(0, why="multiplies the init std of W_out"),
+    "parallel.tensor_model_parallel_size": _count(), "parallel.pipeline_model_parallel_size": _count(),
+    "parallel.zero_stage": Range(0, 3, why="the ZeRO stage 0, 1, 2 or 3"),
+    "data.seed": _SEED, "data.num_workers": _count("0 loads batches in the training process", lo=0),
+    "train.micro_batch_size": _count(), "train.global_batch_size": _count("or null for micro x DP"),
+    "train.train_iters": _count("or null with train.train_tokens or train.chinchilla"),
+    "train.train_tokens": _count(), "train.lr": Range(0, lo_open=True, why="the peak learning rate"),
+    "train.min_lr": Range(0), "train.lr_warmup_iters": _count(lo=0), "train.lr_warmup_fraction": _FRACTION,
+    "train.weight_decay": Range(0), "train.adam_beta1": _FRACTION, "train.adam_beta2": _FRACTION,
+    "train.adam_eps": Range(0, lo_open=True, why="0 divides by zero for rows without gradient"),
+    "train.clip_grad": Range(0, why="0 turns clipping off"), "train.seed": _SEED,
+    "train.save_interval": _count("0 saves only at the end", lo=0), "train.keep_last": _count(),
+    "train.eval_interval": _count("0 turns evaluation off", lo=0), "train.eval_iters": _count(),
+    "train.max_consecutive_skips": _count(),
+    "logging.log_interval": _count(), "logging.peak_tflops": Range(0, lo_open=True, why="per device, for MFU"),
+}
+
+# String keys that name a file, directory or run: when given, they must not be empty.
+NONEMPTY_STRINGS = ("model.name", "data.tokenizer_path", "data.cache_dir", "train.ds_config", "train.save",
+                    "train.load", "logging.output_dir")
+
+
+def check_ranges(section: Any, prefix: str) -> None:
+    """Refuse a numeric value of `section` (keys under `prefix`) outside its `RANGES` rule."""
+    for key, rule in RANGES.items():
+        if not key.startswith(prefix + "."):
+            continue
+        value: Any = section
+        for part in key[len(prefix) + 1:].split("."):
+            value = getattr(value, part)
+        if value is None or rule.contains(value):
+            continue
+        kind = "an integer" if isinstance(value, int) else "a finite number"
+        why = f" ({rule.why})" if rule.why else ""
+        raise ConfigError(f"{key}={value!r} is out of range: must be {kind} {rule.text()}{why}")
+    for key in NONEMPTY_STRINGS:
+        if key.startswith(prefix + ".") and key.count(".") == prefix.count(".") + 1:
+            value = getattr(section, key.rsplit(".", 1)[1])
+            if value is not None and not str(value).strip():
+                raise ConfigError(f"{key} is an empty string: give a value, or null to leave it unset")
+
+
+def numeric_keys(cls: type = None, prefix: str = "") -> list[str]:
+    """Dotted names of every int/float field of the config (for checking `RANGES` is complete)."""
+    cls = cls or RunConfig
+    keys = []
+    for name, tp in typing.get_type_hints(cls).items():
+        key = _join(prefix, name)
+        args = [a for a in (typing.get_args(tp) or (tp,)) if a is not type(None)]
+        if dataclasses.is_dataclass(tp):
+            keys += numeric_keys(tp, key)
+        elif any(a in (int, float) for a in args):
+            keys.append(key)
+    return keys
 
 
 # --------------------------------------------------------------------------- sections
@@ -79,28 +193,21 @@ class ModelConfig:
     checkpoint_num_layers: int = 1
 
     def validate(self) -> None:
-        _positive(self, "model", ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                                  "make_vocab_size_divisible_by", "checkpoint_num_layers"])
+        check_ranges(self, "model")
         _choice("model.embedding", self.embedding, EMBEDDINGS)
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} must be divisible by "
                 f"model.num_attention_heads={self.num_attention_heads}")
-        kv = self.num_kv_heads or self.num_attention_heads
-        if kv <= 0 or self.num_attention_heads % kv:
+        if (self.hidden_size // self.num_attention_heads) % 2:
+            raise ConfigError(
+                f"model.hidden_size / model.num_attention_heads = {self.hidden_size // self.num_attention_heads} "
+                "is odd: rotary position embeddings need an even head width; change either key")
+        kv = self.kv_heads
+        if self.num_attention_heads % kv:
             raise ConfigError(
                 f"model.num_kv_heads={self.num_kv_heads} must divide "
                 f"model.num_attention_heads={self.num_attention_heads}")
-        if self.vocab_size is not None and self.vocab_size <= 0:
-            raise ConfigError(f"model.vocab_size must be positive, got {self.vocab_size}")
-        for key in ("k", "d_seed", "heads", "kappa", "rank", "chunk_size"):
-            if getattr(self.lev, key) <= 0:
-                raise ConfigError(f"model.lev.{key} must be positive, got {getattr(self.lev, key)}")
-        if self.lev.kappa < 3:
-            raise ConfigError(f"model.lev.kappa={self.lev.kappa}: a quadratic B-spline needs at least 3 knots")
-        for key in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, key) < 1.0:
-                raise ConfigError(f"model.{key} must be in [0, 1), got {getattr(self, key)}")
 
     @property
     def ffn_size(self) -> int:
@@ -123,10 +230,8 @@ class ParallelConfig:
     distributed_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
 
     def validate(self) -> None:
-        _positive(self, "parallel", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
+        check_ranges(self, "parallel")
         _choice("parallel.partition_method", self.partition_method, PARTITION_METHODS)
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.pipeline_model_parallel_size > 1 and self.zero_stage > 1:
             raise ConfigError(
                 f"parallel.zero_stage={self.zero_stage} cannot be combined with pipeline parallelism "
@@ -153,18 +258,41 @@ class DataConfig:
     reset_position_ids: bool = False
 
     def validate(self) -> None:
+        check_ranges(self, "data")
         _choice("data.tokenizer_type", self.tokenizer_type, TOKENIZER_TYPES)
-        parts = self.split.split(",")
         try:
-            weights = [float(p) for p in parts]
+            weights = [float(p) for p in self.split.split(",")]
         except ValueError:
             raise ConfigError(f"data.split={self.split!r} must be comma-separated numbers, e.g. '969,30,1'") from None
-        if len(weights) != 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise ConfigError(f"data.split={self.split!r} must be three non-negative numbers train,valid,test")
-        if len(self.data_path) > 1 and len(self.data_path) % 2:
-            raise ConfigError(
-                "data.data_path with several entries must alternate weight and prefix, "
-                f"e.g. ['0.7', 'a_text_document', '0.3', 'b_text_document']; got {self.data_path}")
+        if len(weights) != 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+            raise ConfigError(f"data.split={self.split!r} must be three finite non-negative numbers "
+                              "train,valid,test with a positive sum, e.g. '969,30,1'")
+        _check_blend("data.data_path", self.data_path)
+        _check_blend("data.valid_data_path", self.valid_data_path)
+
+
+def _check_blend(key: str, paths: list[str]) -> None:
+    """`[prefix]` or `[weight, prefix, weight, prefix, ...]` with finite weights >= 0, not all zero."""
+    example = "e.g. ['0.7', 'a_text_document', '0.3', 'b_text_document']"
+    for i, item in enumerate(paths):
+        if not str(item).strip():
+            raise ConfigError(f"{key}[{i}] is an empty string: give a shard prefix such as data/pile_text_document")
+    if len(paths) <= 1:
+        return
+    if len(paths) % 2:
+        raise ConfigError(f"{key} with several entries must alternate weight and prefix, {example}; got {paths}")
+    weights = []
+    for i in range(0, len(paths), 2):
+        try:
+            weight = float(paths[i])
+        except ValueError:
+            raise ConfigError(f"{key}[{i}]={paths[i]!r} is not a weight: a blend alternates weight and prefix, "
+                              f"{example}") from None
+        if not math.isfinite(weight) or weight < 0:
+            raise ConfigError(f"{key}[{i}]={paths[i]!r}: a blend weight must be a finite number >= 0")
+        weights.append(weight)
+    if sum(weights) <= 0:
+        raise ConfigError(f"{key}: every blend weight is 0; give at least one positive weight")
 
 
 @dataclass
@@ -196,21 +324,14 @@ class TrainConfig:
     max_consecutive_skips: int = 10  # non-finite steps in a row before the run stops
 
     def validate(self) -> None:
-        _positive(self, "train", ["micro_batch_size", "eval_iters", "keep_last", "max_consecutive_skips"])
+        check_ranges(self, "train")
         _choice("train.precision", self.precision, PRECISIONS)
         _choice("train.lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
-        if self.global_batch_size is not None and self.global_batch_size <= 0:
-            raise ConfigError(f"train.global_batch_size must be positive, got {self.global_batch_size}")
         if self.train_iters is None and self.train_tokens is None and not self.chinchilla:
             raise ConfigError("set one of train.train_iters, train.train_tokens or train.chinchilla=true")
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"need 0 <= train.min_lr <= train.lr and train.lr > 0; got lr={self.lr}, "
-                              f"min_lr={self.min_lr}")
-        if not 0 <= self.lr_warmup_fraction < 1:
-            raise ConfigError(f"train.lr_warmup_fraction must be in [0, 1), got {self.lr_warmup_fraction}")
-        for key in ("save_interval", "eval_interval"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the schedule decays "
+                              "from lr to min_lr, so min_lr must be <= lr")
 
 
 @dataclass
@@ -223,9 +344,7 @@ class LoggingConfig:
     progress_bar: bool = True
 
     def validate(self) -> None:
-        _positive(self, "logging", ["log_interval"])
-        if self.peak_tflops <= 0:
-            raise ConfigError(f"logging.peak_tflops must be positive, got {self.peak_tflops}")
+        check_ranges(self, "logging")
 
 
 @dataclass
@@ -238,6 +357,10 @@ class RunConfig:
 
     def validate(self, world_size: int | None = None) -> RunConfig:
         """Check every section and the combinations; `world_size` adds the layout checks."""
+        if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                       or world_size < 1):
+            raise ConfigError(f"world size {world_size!r} is out of range: must be an integer >= 1 "
+                              "(the number of processes)")
         for section in (self.model, self.parallel, self.data, self.train, self.logging):
             section.validate()
         m, p, t = self.model, self.parallel, self.train
@@ -305,19 +428,7 @@ def load_config(paths: str | os.PathLike | list | None = None, overrides: list[s
         paths = [paths]
     merged: dict[str, Any] = {}
     for path in paths:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
-        includes = data.pop("include", [])
-        for inc in [includes] if isinstance(includes, str) else includes:
-            _deep_merge(merged, load_config([path.parent / inc], validate=False).to_dict())
-        _deep_merge(merged, data)
+        _deep_merge(merged, _read_tree(Path(path), ()))
     for item in overrides or []:
         key, value = parse_override(item)
         _set_dotted(merged, key, value)
@@ -325,6 +436,90 @@ def load_config(paths: str | os.PathLike | list | None = None, overrides: list[s
     if validate:
         cfg.validate(world_size)
     return cfg
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in the same mapping; keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _read_yaml(path: Path, included_by: Path | None = None) -> dict:
+    """The top-level mapping of one YAML file; every way it can be unusable is one line naming it."""
+    where = f"{path} (included by {included_by})" if included_by else str(path)
+    if path.is_dir():
+        raise ConfigError(f"{where} is a directory: give a YAML config file")
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        if included_by:
+            raise ConfigError(f"{included_by}: included file not found: {path}; fix the 'include' entry "
+                              "(relative paths are relative to the including file)") from None
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read the config file ({exc.strerror}); check the path and its "
+                          "permissions") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where} is not a UTF-8 text file (byte 0x{raw[exc.start]:02x} at offset {exc.start}): "
+                          "give a YAML config file") from None
+    if "\0" in text:
+        raise ConfigError(f"{where} is binary (it contains NUL bytes): give a YAML config file")
+    try:
+        data = yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = " ".join(str(exc.problem or exc.context or "syntax error").split())
+        raise ConfigError(f"{where}: invalid YAML{at}: {problem}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: invalid YAML: {' '.join(str(exc).split())}") from None
+    if data is None:
+        raise ConfigError(f"{where} is empty: give config sections such as 'model:' and 'train:', "
+                          "or leave the file out")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _read_tree(path: Path, chain: tuple[Path, ...], included_by: Path | None = None) -> dict:
+    """One file's mapping merged over its includes (earlier includes first, the file itself last).
+
+    `chain` holds the files that include this one, so a cycle is named instead of recursing forever.
+    """
+    data = _read_yaml(path, included_by)
+    includes = data.pop("include", [])
+    if isinstance(includes, str):
+        includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) and i.strip() for i in includes):
+        raise ConfigError(f"{path}: 'include' must be a file name or a list of file names, got {includes!r}")
+    merged: dict[str, Any] = {}
+    stack = (*chain, path)
+    for inc in includes:
+        target = path.parent / inc
+        if any(_same_file(target, p) for p in stack):
+            cycle = " -> ".join(str(p) for p in (*stack, target))
+            raise ConfigError(f"include cycle: {cycle}; remove the include that closes the loop")
+        _deep_merge(merged, _read_tree(target, stack, included_by=path))
+    return _deep_merge(merged, data)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -433,13 +628,6 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else str(name)
-
-
-def _positive(obj, section: str, names: list[str]) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is None or value <= 0:
-            raise ConfigError(f"{section}.{name} must be a positive integer, got {value!r}")
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -19,11 +19,11 @@ def test_defaults_validate():
 def test_yaml_and_dotted_overrides(tmp_path):
     base = write(tmp_path, "model:\n  hidden_size: 64\n  lev:\n    rank: 8\ntrain:\n  lr: 1.0e-3\n")
     cfg = load_config([base], ["model.embedding=tied", "train.lr=3e-4", "model.lev.heads=2",
-                               "data.data_path=[a, b, c, d]"])
+                               "data.data_path=[0.5, b, 0.5, d]"])
     assert cfg.model.hidden_size == 64 and cfg.model.lev.rank == 8
     assert cfg.model.embedding == "tied" and cfg.model.lev.heads == 2
     assert cfg.train.lr == pytest.approx(3e-4)
-    assert cfg.data.data_path == ["a", "b", "c", "d"]
+    assert cfg.data.data_path == ["0.5", "b", "0.5", "d"]
 
 
 def test_later_files_override_and_include(tmp_path):

@@ -4,25 +4,40 @@ overall and per frequency bucket, and tokens needed to reach the baseline's fina
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from megatron_lev.analysis.curves import Curve, tokens_to_target
+from megatron_lev.errors import DataError
 
 
 def load_result(path: str | Path, corpus: str | None = None) -> dict:
     """One evaluation result from `eval.json` (the first, or the one whose corpus contains `corpus`)."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path} is a directory: give the eval.json that `megatron-lev evaluate` wrote")
+    if not path.is_file():
+        raise DataError(f"{path}: evaluation result not found; run `megatron-lev evaluate ... --out DIR` "
+                        "and pass DIR/eval.json")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read an evaluation result ({exc})") from exc
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: not a readable evaluation result ({' '.join(str(exc).split())}); "
+                        "rerun `megatron-lev evaluate` to rewrite it") from None
     results = data.get("results", [data]) if isinstance(data, dict) else None
-    if not results or "perplexity" not in results[0]:
-        raise ValueError(f"{path}: not an evaluate result (no 'perplexity')")
+    if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
+        raise DataError(f"{path}: not an evaluate result (expected {{'results': [{{'perplexity': ...}}, ...]}})")
+    for r in results:
+        ppl = r.get("perplexity")
+        if isinstance(ppl, bool) or not isinstance(ppl, (int, float)):
+            raise DataError(f"{path}: not an evaluate result (a result without a numeric 'perplexity')")
+        if not math.isfinite(ppl) or ppl <= 0:
+            raise DataError(f"{path}: perplexity {ppl} of {r.get('corpus', 'a corpus')} is not a finite positive "
+                            "number: the evaluated model diverged or the file is damaged; evaluate again")
     if corpus is not None:
         results = [r for r in results if corpus in str(r.get("corpus", ""))]
         if not results:
-            raise ValueError(f"{path}: no result for a corpus matching {corpus!r}")
+            raise DataError(f"{path}: no result for a corpus matching {corpus!r} (--corpus)")
     return results[0]
 
 
@@ -36,13 +51,14 @@ def compare_results(results: dict[str, dict], curves: dict[str, Curve] | None = 
                     baseline: str = "TIED") -> dict:
     """Rows per run: perplexity and % change vs the baseline, per bucket, and tokens-to-target."""
     if baseline not in results:
-        raise ValueError(f"baseline {baseline!r} is not among the runs {sorted(results)} (use --baseline)")
+        raise DataError(f"--baseline {baseline!r} is not among the runs {sorted(results)}: name one run "
+                        f"{baseline}=EVAL_JSON, or pass --baseline NAME")
     base = results[baseline]
     curves = curves or {}
     target = None
     if curves:
         if baseline not in curves:
-            raise ValueError(f"tokens-to-target needs the baseline's loss curve ({baseline}=PATH in --curves)")
+            raise DataError(f"--curves: tokens-to-target needs the baseline's loss curve ({baseline}=PATH in --curves)")
         target = float(curves[baseline].loss[-1])
     base_tokens = tokens_to_target(curves[baseline], target) if target is not None else None
     labels = [b["bucket"] for b in base.get("buckets", [])]

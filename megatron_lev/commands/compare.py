@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+
+from megatron_lev.errors import UserError
 
 
 def _named(items: list[str], what: str) -> dict[str, str]:
@@ -14,8 +15,11 @@ def _named(items: list[str], what: str) -> dict[str, str]:
         if not sep:
             name, path = "", item
         if not path:
-            raise ValueError(f"{what}: empty path in {item!r}")
-        out[name or path] = path
+            raise UserError(f"{what}: empty path in {item!r}; give NAME=PATH")
+        key = name or path
+        if key in out:
+            raise UserError(f"{what}: {key!r} is given twice; give each run once")
+        out[key] = path
     return out
 
 
@@ -36,17 +40,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from megatron_lev.analysis.compare import compare_markdown, compare_results, load_result, plot_comparison
     from megatron_lev.analysis.curves import read_curve
+    from megatron_lev.commands.config_cmd import check_number, output_dir
     from megatron_lev.config import atomic_write_json, atomic_write_text
 
+    if args.tokens_per_step is not None:
+        check_number(args.tokens_per_step, "--tokens-per-step", 0, above=True)
     results = {}
     for name, path in _named(args.results, "results").items():
         r = load_result(path, args.corpus)
-        results[name if name != path else r["name"]] = r
+        if name == path and not isinstance(r.get("name"), str):
+            raise UserError(f"{path}: the result has no 'name'; name it on the command line: NAME={path}")
+        run = name if name != path else r["name"]
+        if run in results:
+            raise UserError(f"results: two results are named {run!r} ({path}); name them NAME=PATH")
+        results[run] = r
     curves = {name: read_curve(path, args.tag, args.tokens_tag, args.tokens_per_step)
               for name, path in _named(args.curves, "--curves").items()}
+    unknown = sorted(set(curves) - set(results))
+    if unknown:
+        raise UserError(f"--curves: {', '.join(unknown)} has a curve but no evaluation result; use the names "
+                        f"of the results ({', '.join(results)})")
     cmp = compare_results(results, curves, args.baseline)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args.out, "--out")
     table = compare_markdown(cmp)
     atomic_write_json(out / "compare.json", cmp)
     atomic_write_text(out / "compare.md", table)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
+from pathlib import Path
 
 from megatron_lev.config import load_config
+from megatron_lev.errors import UserError
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +26,33 @@ def config_files_and_overrides(args: argparse.Namespace) -> tuple[list[str], lis
     return files, overrides
 
 
+def output_dir(path: str | os.PathLike, flag: str) -> Path:
+    """Create the output directory `path` of option `flag`, or refuse it in one line before any work."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path}: exists and is not a directory; give a directory (or a new path)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"{flag} {path}: a parent of it is a file, not a directory; choose another path") from None
+    except PermissionError:
+        raise UserError(f"{flag} {path}: permission denied creating it; choose a writable directory") from None
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot create the directory ({exc.strerror}); choose another path") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: the directory is not writable; choose a writable directory")
+    return path
+
+
+def check_number(value, flag: str, lo: float, *, above: bool = False, integer: bool = False):
+    """Refuse a flag value that is not finite or is below `lo` (or not above it); returns the value."""
+    ok = value is not None and math.isfinite(value) and (value > lo if above else value >= lo)
+    if not ok:
+        kind = "an integer" if integer else "a finite number"
+        raise UserError(f"{flag} {value}: must be {kind} {'>' if above else '>='} {lo:g}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--world-size", type=int, default=None,
@@ -32,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     files, overrides = config_files_and_overrides(args)
     cfg = load_config(files, overrides, world_size=args.world_size)
+    save_dir = output_dir(args.save, "--save") if args.save else None
     print(cfg.to_yaml(), end="")
-    if args.save:
-        print(f"# saved to {cfg.save(args.save)}")
+    if save_dir:
+        print(f"# saved to {cfg.save(save_dir)}")
     return 0

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 
@@ -44,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _paper(args: argparse.Namespace) -> int:
+    from megatron_lev.commands.config_cmd import output_dir
     from megatron_lev.config import atomic_write_text
     from megatron_lev.experiments.grid import (
         chinchilla_tokens,
@@ -55,7 +55,7 @@ def _paper(args: argparse.Namespace) -> int:
 
     runs = paper_runs(args.sizes, args.variants)
     if args.write:
-        out = Path(args.write)
+        out = output_dir(args.write, "--write")
         atomic_write_text(out / "submit_all.sh", submission_script(runs))
         atomic_write_text(out / "evaluate_all.sh", evaluation_script(runs))
         tokens = {size: chinchilla_tokens(size) for size in args.sizes}
@@ -73,30 +73,25 @@ def _paper(args: argparse.Namespace) -> int:
 
 
 def _small(args: argparse.Namespace) -> int:
-    from megatron_lev.demo.steps import StepFailed
+    from megatron_lev.config import ConfigError
     from megatron_lev.experiments.small import SmallGrid, run_small_grid
 
     if not args.data_dir:
-        print("megatron-lev grid --grid small: give --data-dir (a Pile-format directory)", file=sys.stderr)
-        return 2
+        raise ConfigError("--grid small needs --data-dir (a directory of Pile-format *.jsonl[.zst] files)")
     grid = SmallGrid(Path(args.data_dir), Path(args.out), Path(args.tokenizer), list(args.variants),
                      overrides=list(args.overrides), nproc=args.nproc, threads=args.threads,
                      zero_shot_subset=args.zero_shot_subset, max_chars_per_subset=args.max_chars_per_subset,
                      valid_every=args.valid_every, zero_shot_max_chars=args.zero_shot_max_chars,
                      eval_max_docs=args.eval_max_docs, **({"config": Path(args.config)} if args.config else {}))
-    try:
-        run_small_grid(grid, force=args.force)
-    except StepFailed as exc:
-        print(f"megatron-lev grid: {exc}", file=sys.stderr)
-        print("fix the cause and run the same command again: finished steps are skipped", file=sys.stderr)
-        return 1
+    run_small_grid(grid, force=args.force)  # a failed step is one line naming it and its log
     return 0
 
 
 def main(args: argparse.Namespace) -> int:
+    from megatron_lev.config import ConfigError
+
     if args.grid == "paper":
         if args.overrides:
-            print("megatron-lev grid: section.key=value overrides apply to --grid small only", file=sys.stderr)
-            return 2
+            raise ConfigError(f"section.key=value overrides ({' '.join(args.overrides)}) apply to --grid small only")
         return _paper(args)
     return _small(args)

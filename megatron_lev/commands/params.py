@@ -53,7 +53,15 @@ def rows(sizes, vocab_size: int, tp: int, variants, overrides=()) -> list[dict]:
 
 
 def main(args: argparse.Namespace) -> int:
-    table = rows(args.sizes, args.vocab_size, args.tp, args.variants, args.overrides)
+    from megatron_lev.commands.config_cmd import check_number
+
+    sizes = [s for s in args.sizes if "=" not in s]  # `--sizes tiny key=value`: argparse hands the overrides to --sizes
+    overrides = [s for s in args.sizes if "=" in s] + list(args.overrides)
+    if not sizes:
+        raise ConfigError("--sizes: give at least one model config name or YAML path")
+    check_number(args.vocab_size, "--vocab-size", 1, integer=True)
+    check_number(args.tp, "--tp", 1, integer=True)
+    table = rows(sizes, args.vocab_size, args.tp, args.variants, overrides)
     header = f"{'size':>6} {'variant':>15} {'total':>15} {'input emb':>13} {'output head':>13} {'vs tied':>8} {'GFLOPs/token':>13}"
     print(f"vocabulary {args.vocab_size} padded for TP={args.tp}; FLOPs = training (3x forward) per token")
     print(header)

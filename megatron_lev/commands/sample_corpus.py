@@ -16,11 +16,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from megatron_lev.commands.config_cmd import check_number, output_dir
     from megatron_lev.data.sample_corpus import build_sample_corpus
 
-    if args.max_mb <= 0:
-        raise SystemExit(f"--max-mb must be positive, got {args.max_mb}")
-    m = build_sample_corpus(args.output_dir, args.max_mb, args.sources, progress=not args.no_progress)
+    check_number(args.max_mb, "--max-mb", 0, above=True)
+    out = output_dir(args.output_dir, "--output-dir")
+    m = build_sample_corpus(out, args.max_mb, args.sources, progress=not args.no_progress)
     for name, s in m["subsets"].items():
         print(f"{name:>14}: {s['documents']:>6,} documents, {s['characters'] / 1e6:6.1f}M characters")
     if m["unavailable"]:

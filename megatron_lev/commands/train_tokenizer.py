@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+MIN_VOCAB = 260
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,10 +19,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from megatron_lev.commands.config_cmd import check_number
     from megatron_lev.data.train_tokenizer import train_sentencepiece
+    from megatron_lev.errors import UserError
 
-    if args.vocab_size < 260:
-        raise SystemExit(f"--vocab-size must be >= 260 (256 byte pieces + specials), got {args.vocab_size}")
+    if args.vocab_size < MIN_VOCAB:
+        raise UserError(f"--vocab-size {args.vocab_size}: must be >= {MIN_VOCAB} (256 byte pieces + "
+                        "<unk> + <|endoftext|> + merges)")
+    check_number(args.max_mb, "--max-mb", 0, above=True)
+    if args.threads is not None:
+        check_number(args.threads, "--threads", 1, integer=True)
+    prefix = Path(args.model_prefix)
+    if not prefix.name or prefix.is_dir():
+        raise UserError(f"--model-prefix {args.model_prefix}: give a file prefix such as tokenizer/spm "
+                        "(it writes PREFIX.model and PREFIX.vocab), not a directory")
+    if prefix.parent.exists() and not prefix.parent.is_dir():
+        raise UserError(f"--model-prefix {args.model_prefix}: {prefix.parent} is a file, not a directory")
     info = train_sentencepiece(args.input, args.model_prefix, args.vocab_size, args.max_mb, args.json_key,
                                args.threads)
     print(f"wrote {info['model']} (vocabulary {info['vocab_size']}, EOD {info['eod_piece']} = id {info['eod']}); "

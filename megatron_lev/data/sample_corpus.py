@@ -13,11 +13,15 @@ from __future__ import annotations
 import ast
 import gzip
 import json
+import math
 import os
 import re
 import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from megatron_lev.errors import DataError, UserError
+from megatron_lev.utils.io import atomic_open, atomic_write_json
 
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 MIN_CHARS = 50
@@ -143,9 +147,10 @@ def build_sample_corpus(output_dir: str | os.PathLike, max_mb: float = 20.0, sou
     names = sources or list(SOURCES)
     unknown = [n for n in names if n not in SOURCES]
     if unknown:
-        raise ValueError(f"unknown source(s) {unknown}; available: {', '.join(SOURCES)}")
+        raise UserError(f"--sources: unknown source(s) {unknown}; available: {', '.join(SOURCES)}")
+    if not (math.isfinite(max_mb) and max_mb > 0):
+        raise UserError(f"--max-mb {max_mb}: must be a finite number > 0")
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     iters = {n: SOURCES[n]() for n in names}
     docs: dict[str, list[str]] = {n: [] for n in names}
     budget, total = int(max_mb * 1e6), 0
@@ -165,22 +170,25 @@ def build_sample_corpus(output_dir: str | os.PathLike, max_mb: float = 20.0, sou
             if total >= budget:
                 break
     bar.close()
+    if not any(docs.values()):
+        raise DataError(f"--sources {' '.join(names)}: none of them has documents on this machine; "
+                        f"choose others from {', '.join(SOURCES)}")
+    out.mkdir(parents=True, exist_ok=True)
     manifest = {"max_mb": max_mb, "bytes": total, "subsets": {}, "unavailable": []}
     for name in names:
         if not docs[name]:
             manifest["unavailable"].append(name)
             continue
         path = out / f"{name}.jsonl.zst"
-        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
         cctx = zstandard.ZstdCompressor(level=level)
-        with open(tmp, "wb") as f, cctx.stream_writer(f, closefd=False) as w:
+        with atomic_open(path, "wb") as f, cctx.stream_writer(f, closefd=False) as w:
             for text in docs[name]:
                 line = json.dumps({"text": text, "meta": {"pile_set_name": name}}, ensure_ascii=False)
                 w.write(line.encode("utf-8") + b"\n")
-        os.replace(tmp, path)
         manifest["subsets"][name] = {"file": path.name, "documents": len(docs[name]),
                                      "characters": sum(len(t) for t in docs[name])}
-    tmp = out / f".manifest.json.tmp.{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / "manifest.json")
+    for name in SOURCES:  # subsets of an earlier run into this directory would be read as part of the corpus
+        if name not in manifest["subsets"]:
+            (out / f"{name}.jsonl.zst").unlink(missing_ok=True)
+    atomic_write_json(out / "manifest.json", manifest)
     return manifest

@@ -10,11 +10,13 @@ export (logit-checked) -> representational capacity of the input table and outpu
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_lev.config import atomic_write_json
 from megatron_lev.demo.steps import Step, StepRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -76,12 +78,7 @@ def build_steps(opts: DemoOptions) -> list[Step]:
         Step("train", f"train the tiny {opts.embedding.upper()} model with DeepSpeed on {nproc} processes, "
                       f"{opts.iters} steps",
              lambda: [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                      "-m", "megatron_lev", "train", "--config", str(opts.config),
-                      f"model.embedding={opts.embedding}", f"data.data_path=[{shards}]", f"data.split={VALID_SPLIT}",
-                      "data.tokenizer_type=sentencepiece", f"data.tokenizer_path={spm}.model",
-                      f"train.train_iters={opts.iters}", f"train.eval_interval={max(opts.iters // 3, 1)}",
-                      f"train.save={ckpt}", f"train.save_interval={max(opts.iters // 3, 1)}",
-                      f"logging.output_dir={run}", "logging.progress_bar=false"],
+                      "-m", "megatron_lev", "train", "--config", str(opts.config), *train_overrides(opts)],
              lambda: [ckpt / "latest", run / "metrics.jsonl"], env=train_env),
         Step("export", "convert the checkpoint to a Hugging Face LlamaForCausalLM, checking logits",
              lambda: _cli("convert", str(ckpt), str(hf), "--tokenizer", f"{spm}.model", "--overwrite",
@@ -97,6 +94,43 @@ def build_steps(opts: DemoOptions) -> list[Step]:
              lambda: [out / "capacity" / "capacity.json"]),
     ]
     return steps
+
+
+def train_overrides(opts: DemoOptions) -> list[str]:
+    """The dotted overrides the demo's training step adds to `opts.config`."""
+    out = opts.out.resolve()
+    shards, spm = out / "data" / "corpus", out / "tokenizer" / "spm"
+    every = max(opts.iters // 3, 1)
+    return [f"model.embedding={opts.embedding}", f"data.data_path=[{shards}]", f"data.split={VALID_SPLIT}",
+            "data.tokenizer_type=sentencepiece", f"data.tokenizer_path={spm}.model",
+            f"train.train_iters={opts.iters}", f"train.eval_interval={every}", f"train.save={out / 'checkpoints'}",
+            f"train.save_interval={every}", f"logging.output_dir={out / 'run'}", "logging.progress_bar=false"]
+
+
+def check_options(opts: DemoOptions) -> None:
+    """Refuse options the demo cannot run with before any step starts; errors name the flag."""
+    from megatron_lev.commands.train_tokenizer import MIN_VOCAB
+    from megatron_lev.config import ConfigError, load_config
+    from megatron_lev.data.train_tokenizer import input_files
+
+    if opts.iters < 1:
+        raise ConfigError(f"--iters {opts.iters}: must be an integer >= 1 (training steps)")
+    if opts.vocab_size < MIN_VOCAB:
+        raise ConfigError(f"--vocab-size {opts.vocab_size}: must be >= {MIN_VOCAB} (256 byte pieces + specials)")
+    if not (math.isfinite(opts.corpus_mb) and opts.corpus_mb > 0):
+        raise ConfigError(f"--corpus-mb {opts.corpus_mb}: must be a finite number > 0")
+    if opts.nproc is not None and opts.nproc < 1:
+        raise ConfigError(f"--nproc {opts.nproc}: must be an integer >= 1")
+    if opts.out.exists() and not opts.out.is_dir():
+        raise ConfigError(f"--out {opts.out}: exists and is not a directory; give a directory")
+    if opts.corpus_dir is not None:
+        if not opts.corpus_dir.is_dir():
+            raise ConfigError(f"--corpus-dir {opts.corpus_dir}: not a directory of Pile-format *.jsonl[.zst] files")
+        input_files([str(opts.corpus_dir)])
+    if not Path(opts.config).is_file():
+        raise ConfigError(f"--config {opts.config}: run config not found; pass --config pretrain/configs/tiny.yaml "
+                          "from a checkout of the repository")
+    load_config([opts.config], train_overrides(opts), world_size=opts.nproc)
 
 
 def _seq_length(opts: DemoOptions) -> int:
@@ -115,21 +149,37 @@ def _has_cuda() -> bool:
 
 
 def run_demo(opts: DemoOptions, log=print) -> dict:
-    if not Path(opts.config).is_file():
-        raise FileNotFoundError(f"demo run config {opts.config} not found; pass --config pretrain/configs/tiny.yaml "
-                                "from a checkout of the repository")
+    check_options(opts)
     runner = StepRunner(opts.out, force=opts.force, log=log)
     runner.run(build_steps(opts))
     summary = summarize(opts.out.resolve(), runner.timings)
     log(format_summary(summary))
-    (opts.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    atomic_write_json(opts.out / "summary.json", summary)
     return summary
 
 
 def _read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSON-lines file; a torn or damaged line (a killed writer) is skipped."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _read_json(path: Path) -> dict | None:
+    """A JSON object, or None when the file is missing or damaged (the summary then leaves it out)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def summarize(out: Path, timings: dict[str, float]) -> dict:
@@ -147,12 +197,12 @@ def summarize(out: Path, timings: dict[str, float]) -> dict:
         summary["iterations"] = train[-1].get("iteration")
     if valid:
         summary["valid_loss_last"] = valid[-1]["loss"]
-    eval_json = out / "eval" / "eval.json"
-    if eval_json.exists():
-        summary["evaluation"] = _eval_headline(json.loads(eval_json.read_text()))
-    cap = out / "capacity" / "capacity.json"
-    if cap.exists():
-        summary["capacity"] = _capacity_headline(json.loads(cap.read_text()))
+    result = _read_json(out / "eval" / "eval.json")
+    if result and isinstance(result.get("results"), list) and result["results"]:
+        summary["evaluation"] = _eval_headline(result)
+    cap = _read_json(out / "capacity" / "capacity.json")
+    if cap:
+        summary["capacity"] = _capacity_headline(cap)
     return summary
 
 

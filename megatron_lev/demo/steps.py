@@ -22,7 +22,20 @@ from megatron_lev.errors import UserError
 
 
 class StepFailed(UserError, RuntimeError):
-    """A step's command exited non-zero or did not produce its outputs."""
+    """A step's command exited non-zero or did not produce its outputs; `tail` holds the log's last lines."""
+
+    def __init__(self, message: str, tail: str = ""):
+        super().__init__(message)
+        self.tail = tail
+
+
+def read_marker(path: Path) -> dict | None:
+    """A step's finish marker, or None if it is missing or damaged (the step then runs again)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 @dataclass
@@ -47,8 +60,7 @@ class StepRunner:
         return self.state_dir / f"{step.name}.json"
 
     def is_done(self, step: Step) -> bool:
-        marker = self._marker(step)
-        if self.force or not marker.exists():
+        if self.force or read_marker(self._marker(step)) is None:
             return False
         return all(Path(p).exists() for p in step.outputs())
 
@@ -57,7 +69,7 @@ class StepRunner:
         for i, step in enumerate(steps, 1):
             header = f"[{i}/{total}] {step.name}: {step.describe}"
             if self.is_done(step):
-                recorded = json.loads(self._marker(step).read_text())
+                recorded = read_marker(self._marker(step)) or {}
                 self.timings[step.name] = recorded.get("seconds", 0.0)
                 self.log(f"{header} — already done, skipping")
                 continue
@@ -69,6 +81,8 @@ class StepRunner:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             start = time.time()
             with open(log_path, "w") as log_file:
+                log_file.write(f"$ {shlex.join(cmd)}\n")
+                log_file.flush()
                 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                         text=True, bufsize=1)
                 assert proc.stdout is not None
@@ -82,8 +96,10 @@ class StepRunner:
                 rc = proc.wait()
             seconds = time.time() - start
             if rc != 0:
-                raise StepFailed(f"step '{step.name}' failed (exit status {rc}) after {seconds:.0f}s; "
-                                 f"command: {shlex.join(cmd)}\nlast lines of {log_path}:\n" + "".join(tail))
+                last = next((line.strip() for line in reversed(tail) if line.strip()), "no output")
+                raise StepFailed(f"step '{step.name}' failed (exit status {rc}) after {seconds:.0f}s: {last} "
+                                 f"(command and output in {log_path}); fix the cause and run the same command "
+                                 "again: finished steps are skipped", "".join(tail))
             missing = [str(p) for p in step.outputs() if not Path(p).exists()]
             if missing:
                 raise StepFailed(f"step '{step.name}' finished but did not produce {', '.join(missing)} "

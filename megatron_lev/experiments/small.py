@@ -7,7 +7,6 @@ where it stopped (finished steps are skipped; a half-finished training resumes f
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import sys
@@ -15,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_lev.config import EMBEDDINGS, ConfigError, atomic_write_text, load_config
-from megatron_lev.demo.steps import Step, StepRunner
+from megatron_lev.demo.steps import Step, StepRunner, read_marker
 from megatron_lev.experiments.grid import REPO_ROOT, SMALL_CONFIG, VARIANT_NAMES
 
 DEFAULT_TOKENIZER = "../shared/data/tokenizers/gpt-neox-20b.json"
@@ -52,10 +51,19 @@ class SmallGrid:
             raise ConfigError(f"--variants: unknown {unknown}; choose from {', '.join(EMBEDDINGS)}")
         if not Path(self.data_dir).is_dir():
             raise ConfigError(f"--data-dir {self.data_dir}: not a directory of Pile-format *.jsonl[.zst] files")
+        if not any(p.name.endswith((".jsonl", ".jsonl.zst")) for p in Path(self.data_dir).iterdir()):
+            raise ConfigError(f"--data-dir {self.data_dir}: no *.jsonl or *.jsonl.zst files in it (Pile format: "
+                              'one {"text": ..., "meta": {"pile_set_name": ...}} per line)')
         if not Path(self.tokenizer).is_file():
             raise ConfigError(f"--tokenizer {self.tokenizer}: file not found (the GPT-NeoX-20B tokenizer.json)")
-        if self.nproc < 1:
-            raise ConfigError(f"--nproc must be at least 1, got {self.nproc}")
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ConfigError(f"--out {self.out}: exists and is not a directory; give a directory")
+        for flag, value, lo in (("--nproc", self.nproc, 1), ("--valid-every", self.valid_every, 2),
+                                ("--max-chars-per-subset", self.max_chars_per_subset, 1),
+                                ("--zero-shot-max-chars", self.zero_shot_max_chars, 1),
+                                ("--eval-max-docs", self.eval_max_docs, 1), ("--threads", self.threads, 1)):
+            if value is not None and value < lo:
+                raise ConfigError(f"{flag} {value}: must be an integer >= {lo}")
         import torch
 
         from megatron_lev.training.ds_config import validate_training
@@ -186,16 +194,16 @@ def check_finished_steps(state_dir: Path, steps: list[Step]) -> None:
     comparison (e.g. a variant added) just runs again; any other changed step is refused."""
     for step in steps:
         marker = Path(state_dir) / f"{step.name}.json"
-        if not marker.exists():
+        recorded = (read_marker(marker) or {}).get("command")
+        if not isinstance(recorded, list):  # not finished, or a damaged marker: the step runs again
             continue
-        recorded = json.loads(marker.read_text()).get("command") or []
         now = step.command()
         if recorded[1:] != now[1:] and step.name.startswith("compare-"):
             marker.unlink()
         elif recorded[1:] != now[1:]:
             raise ConfigError(f"step '{step.name}' already finished in {state_dir.parent} with another command "
-                              f"(flags or overrides changed):\n  was: {shlex.join(recorded)}\n  now: "
-                              f"{shlex.join(now)}\nuse another --out, or delete {state_dir.parent} to start over")
+                              f"(flags or overrides changed): was `{shlex.join(recorded)}`, now "
+                              f"`{shlex.join(now)}`; use another --out, or delete {state_dir.parent} to start over")
 
 
 def run_small_grid(grid: SmallGrid, force: bool = False, log=print) -> Path:

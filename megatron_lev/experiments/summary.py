@@ -8,7 +8,8 @@ import shlex
 import statistics
 from pathlib import Path
 
-from megatron_lev.demo.steps import Step
+from megatron_lev.demo.steps import Step, read_marker
+from megatron_lev.errors import DataError
 
 BASELINE = "TIED"
 
@@ -19,11 +20,16 @@ def _rel(value: float | None, base: float | None) -> float | None:
 
 def _result(eval_json: Path, kind: str) -> dict:
     """The eval.json result of one corpus kind: 'mmidx' (validation shard) or 'text' (zero-shot)."""
-    data = json.loads(Path(eval_json).read_text())
-    for r in data["results"]:
-        if r.get("corpus_kind") == kind:
+    try:
+        data = json.loads(Path(eval_json).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{eval_json}: damaged evaluation result ({' '.join(str(exc).split())}); delete it and "
+                        "run the grid again to re-evaluate") from None
+    results = data.get("results") if isinstance(data, dict) else None
+    for r in results if isinstance(results, list) else []:
+        if isinstance(r, dict) and r.get("corpus_kind") == kind and isinstance(r.get("perplexity"), (int, float)):
             return r
-    raise ValueError(f"{eval_json}: no {kind} result (evaluate needs --data and --text)")
+    raise DataError(f"{eval_json}: no {kind} result with a perplexity (evaluate needs --data and --text)")
 
 
 def run_stats(run_dir: Path) -> dict:
@@ -35,7 +41,7 @@ def run_stats(run_dir: Path) -> dict:
     train = [r for r in rows if r.get("kind") == "train"]
     valid = [r for r in rows if r.get("kind") == "valid"]
     if not starts or not train:
-        raise ValueError(f"{run_dir}/metrics.jsonl: no start event or no training step logged")
+        raise DataError(f"{run_dir}/metrics.jsonl: no start event or no training step logged")
     speeds = [r["tokens_per_s"] for r in (train[1:] or train) if r.get("tokens_per_s")]
     return {"parameters": starts[-1]["parameters"], "tokens_per_s": statistics.median(speeds) if speeds else None,
             "final_train_loss": train[-1]["loss"], "final_valid_loss": valid[-1]["loss"] if valid else None}
@@ -44,7 +50,7 @@ def run_stats(run_dir: Path) -> dict:
 def grid_summary(runs: dict[str, tuple[Path, Path]]) -> dict:
     """Rows per variant (`name -> (run_dir, eval_json)`), each with its change against TIED."""
     if BASELINE not in runs:
-        raise ValueError(f"the summary compares against {BASELINE}, which is not among {sorted(runs)}")
+        raise DataError(f"the summary compares against {BASELINE}, which is not among {sorted(runs)}")
     raw = {}
     for name, (run_dir, eval_json) in runs.items():
         raw[name] = {**run_stats(run_dir), "valid": _result(eval_json, "mmidx"), "zero_shot": _result(eval_json, "text")}
@@ -112,8 +118,8 @@ def commands_markdown(state_dir: Path, steps: list[Step]) -> str:
     for i, step in enumerate(steps, 1):
         marker = Path(state_dir) / f"{step.name}.json"
         lines.append(f"{i}. **{step.name}**: {step.describe}")
-        if marker.exists():
-            rec = json.loads(marker.read_text())
+        rec = read_marker(marker)
+        if rec and isinstance(rec.get("command"), list):
             env = " ".join(f"{k}={v}" for k, v in sorted(step.env.items()))
             command = list(rec["command"])
             if command and Path(command[0]).name.startswith("python"):  # the interpreter as a user types it
