@@ -7,6 +7,11 @@ import time
 
 from megatron_lev.commands.config_cmd import add_config_arguments, config_files_and_overrides
 from megatron_lev.config import ConfigError, load_config
+from megatron_lev.errors import UserError
+
+
+class FlagError(UserError):
+    exit_code = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +36,10 @@ def samples_from_config(cfg, world_size: int) -> tuple[int, int, int]:
 def main(args: argparse.Namespace) -> int:
     from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
 
+    if args.world_size < 1:
+        raise FlagError(f"--world-size must be >= 1, got {args.world_size}")
+    if args.num_samples and any(n < 0 for n in args.num_samples):
+        raise FlagError(f"--num-samples must be non-negative, got {' '.join(map(str, args.num_samples))}")
     files, overrides = config_files_and_overrides(args)
     cfg = load_config(files, overrides, world_size=args.world_size)
     num = tuple(args.num_samples) if args.num_samples else samples_from_config(cfg, args.world_size)

@@ -4,12 +4,15 @@
 returns three torch Datasets (None for an empty split) whose item i is
 `{"tokens": int64 array of S + 1}`. Their index arrays (see `indices.py`) are cached
 as `.npy` files keyed by a hash of what defines them; one rank builds, the others wait.
+Every shard set is checked against its manifest (and the run's tokenizer) first, and a
+damaged cache file is rebuilt with a warning naming it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -18,17 +21,38 @@ import torch
 
 from megatron_lev.data import indices as ix
 from megatron_lev.data.indexed import IndexedDataset
+from megatron_lev.data.manifest import cached_sha256, verify_shard_set
+from megatron_lev.errors import DataError
+from megatron_lev.utils.io import atomic_open, atomic_write_json
 
-INDEX_VERSION = 1  # bump when the index scheme changes, so old caches are not reused
+INDEX_VERSION = 2  # bump when the index scheme changes, so old caches are not reused
+log = logging.getLogger(__name__)
 
 
-def _save_npy(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
+def _save_npy(path: Path, arr: np.ndarray) -> dict:
+    with atomic_open(path, "wb") as f:
         np.save(f, arr)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return {"size": path.stat().st_size, "sha256": cached_sha256(path)}
+
+
+def _load_cache(cache_dir: Path, stem: str, marker: Path) -> dict[str, np.ndarray] | None:
+    """The cached arrays, or None when there are none or they are damaged (then a warning names
+    the file): each must have the size and sha256 its description recorded and load as .npy."""
+    if not marker.exists():
+        return None
+    path = marker
+    try:
+        files = json.loads(marker.read_text())["files"]
+        arrays = {}
+        for k, entry in files.items():
+            path = cache_dir / f"{stem}_{k}.npy"
+            if path.stat().st_size != entry["size"] or cached_sha256(path) != entry["sha256"]:
+                raise ValueError("its size or sha256 differs from the one recorded when it was built")
+            arrays[k] = np.load(path, mmap_mode="r", allow_pickle=False)
+        return arrays
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("index cache %s is damaged (%s); rebuilding it", path, exc)
+        return None
 
 
 def _dist():
@@ -47,32 +71,27 @@ def cached_arrays(cache_dir: Path, name: str, description: dict, build) -> dict[
     text = json.dumps({"version": INDEX_VERSION, **description}, sort_keys=True)
     key = hashlib.md5(text.encode()).hexdigest()[:16]
     cache_dir = Path(cache_dir)
-    marker = cache_dir / f"{name}_{key}_description.json"
+    stem = f"{name}_{key}"
+    marker = cache_dir / f"{stem}_description.json"
 
-    def build_and_save() -> None:
+    def build_and_save() -> dict[str, np.ndarray]:
         cache_dir.mkdir(parents=True, exist_ok=True)
+        marker.unlink(missing_ok=True)  # a cache being rebuilt is not complete
         arrays = build()
-        for k, arr in arrays.items():
-            _save_npy(cache_dir / f"{name}_{key}_{k}.npy", arr)
-        tmp = marker.with_name(f".{marker.name}.tmp.{os.getpid()}")
-        tmp.write_text(json.dumps({"arrays": sorted(arrays), **json.loads(text)}, indent=2) + "\n")
-        os.replace(tmp, marker)
+        files = {k: _save_npy(cache_dir / f"{stem}_{k}.npy", arr) for k, arr in arrays.items()}
+        atomic_write_json(marker, {"arrays": sorted(arrays), "files": files, **json.loads(text)})
+        return {k: np.load(cache_dir / f"{stem}_{k}.npy", mmap_mode="r") for k in arrays}
 
     dist = _dist()
     if dist is None:
-        if not marker.exists():
-            build_and_save()
-    else:
-        if dist.get_rank() == 0 and not marker.exists():
-            build_and_save()
-        dist.barrier()
-        if not marker.exists() and int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            build_and_save()
-        dist.barrier()
-        if not marker.exists():
-            build_and_save()
-    names = json.loads(marker.read_text())["arrays"]
-    return {k: np.load(cache_dir / f"{name}_{key}_{k}.npy", mmap_mode="r") for k in names}
+        return _load_cache(cache_dir, stem, marker) or build_and_save()
+    if dist.get_rank() == 0 and _load_cache(cache_dir, stem, marker) is None:
+        build_and_save()
+    dist.barrier()
+    if not marker.exists() and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        build_and_save()  # this node does not see rank 0's files
+    dist.barrier()
+    return _load_cache(cache_dir, stem, marker) or build_and_save()
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -87,7 +106,8 @@ class GPTDataset(torch.utils.data.Dataset):
         documents = np.arange(first_seq, last_seq, dtype=np.int32)
         tokens = int(indexed.sizes[first_seq:last_seq].sum(dtype=np.int64))
         if tokens == 0:
-            raise ValueError(f"{indexed.prefix}: split {name!r} (documents {start}-{end}) has no tokens")
+            raise DataError(f"{indexed.prefix}: split {name!r} (documents {start}-{end}) has no tokens; "
+                            "change data.split or use a larger shard set")
         self.epochs = ix.num_epochs(tokens, seq_length, num_samples)
         description = {"class": "GPTDataset", "prefix": Path(indexed.prefix).name, "sequences": len(indexed),
                        "tokens": indexed.num_tokens, "documents": [start, end], "num_samples": num_samples,
@@ -139,11 +159,14 @@ def parse_blend(paths: list[str]) -> list[tuple[float, str]]:
     if len(paths) == 1:
         return [(1.0, paths[0])]
     if len(paths) % 2:
-        raise ValueError(f"data path {paths}: a blend alternates weight and prefix")
+        raise DataError(f"data.data_path {paths}: a blend alternates weight and prefix, e.g. ['0.7', 'a', '0.3', 'b']")
     try:
-        return [(float(paths[i]), paths[i + 1]) for i in range(0, len(paths), 2)]
+        blend = [(float(paths[i]), paths[i + 1]) for i in range(0, len(paths), 2)]
     except ValueError:
-        raise ValueError(f"data path {paths}: weights must be numbers (e.g. ['0.7', 'a', '0.3', 'b'])") from None
+        raise DataError(f"data.data_path {paths}: weights must be numbers (e.g. ['0.7', 'a', '0.3', 'b'])") from None
+    if any(not np.isfinite(w) or w < 0 for w, _ in blend) or sum(w for w, _ in blend) <= 0:
+        raise DataError(f"data.data_path {paths}: blend weights must be finite, non-negative and not all zero")
+    return blend
 
 
 def _blend(name: str, sources: list[tuple[float, IndexedDataset, tuple[int, int]]], num_samples: int,
@@ -165,22 +188,43 @@ def _blend(name: str, sources: list[tuple[float, IndexedDataset, tuple[int, int]
     children = []
     for (_, ds, rng), count in zip(sources, counts):
         if count and rng[1] <= rng[0]:
-            raise ValueError(f"{ds.prefix}: split {name!r} has no documents but the blend draws {count} samples")
+            raise DataError(f"{ds.prefix}: split {name!r} has no documents but the blend draws {count} samples; "
+                            "change data.split or the blend weights")
         children.append(GPTDataset(name, ds, rng, int(count), seq_length, seed, cache_dir) if count else None)
     return BlendedDataset(children, arrays["dataset_index"], arrays["dataset_sample_index"])
 
 
+def open_shards(data_cfg, paths: list[str], vocab_size: int | None = None) -> list[tuple[float, IndexedDataset]]:
+    """(weight, shard) of a blend, each checked against its set's manifest and, when
+    `data.tokenizer_path` is set, against the run's tokenizer and vocabulary."""
+    blend = parse_blend(list(paths))
+    fingerprint = None
+    if getattr(data_cfg, "tokenizer_path", None):
+        from megatron_lev.data.tokenizers import tokenizer_fingerprint
+
+        fingerprint = tokenizer_fingerprint(data_cfg.tokenizer_type, data_cfg.tokenizer_path)
+        vocab_size = vocab_size or fingerprint["vocab_size"]
+    for _, prefix in blend:
+        verify_shard_set(prefix, tokenizer_fp=fingerprint, vocab_size=vocab_size)
+    return [(w, IndexedDataset(p)) for w, p in blend]
+
+
 def build_train_valid_test_datasets(data_cfg, seq_length: int, num_samples: tuple[int, int, int],
-                                    cache_dir: str | os.PathLike | None = None):
-    """(train, valid, test) from `data.data_path` split by `data.split`, or valid from `data.valid_data_path`."""
+                                    cache_dir: str | os.PathLike | None = None, vocab_size: int | None = None):
+    """(train, valid, test) from `data.data_path` split by `data.split`, or valid from `data.valid_data_path`.
+
+    Refuses shard sets without a matching manifest, made with another tokenizer than
+    `data.tokenizer_path`, or holding ids at or above `vocab_size` (default: the tokenizer's)."""
     if not data_cfg.data_path:
-        raise ValueError("data.data_path is empty: give a shard prefix or a weight/prefix blend")
+        raise DataError("data.data_path is empty: give a shard prefix or a weight/prefix blend")
+    if any(n < 0 for n in num_samples):
+        raise DataError(f"sample counts must be non-negative, got {tuple(num_samples)}")
     cache_dir = cache_dir or data_cfg.cache_dir
-    train_blend = [(w, IndexedDataset(p)) for w, p in parse_blend(list(data_cfg.data_path))]
+    train_blend = open_shards(data_cfg, data_cfg.data_path, vocab_size)
     n_train, n_valid, n_test = num_samples
     seed = data_cfg.seed
     if data_cfg.valid_data_path:
-        valid_blend = [(w, IndexedDataset(p)) for w, p in parse_blend(list(data_cfg.valid_data_path))]
+        valid_blend = open_shards(data_cfg, data_cfg.valid_data_path, vocab_size)
         train = _blend("train", [(w, ds, (0, ds.num_documents)) for w, ds in train_blend],
                        n_train, seq_length, seed, cache_dir)
         valid = _blend("valid", [(w, ds, (0, ds.num_documents)) for w, ds in valid_blend],

@@ -4,18 +4,22 @@
 magic, version, dtype code, sequence and document counts, then int32 sizes, int64
 byte offsets and the int64 document index. Readers map both files; writers stream
 to temp files and rename the `.bin` first and the `.idx` last, so a reader never
-sees an index that points past its data.
+sees an index that points past its data. Opening a pair checks the header, that the
+sizes and pointers describe the `.bin` exactly (contiguous, in order, ending at its
+size) and that the document index is ordered, so a damaged index is refused by name
+instead of training on garbage.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-import shutil
 import struct
 from array import array
 from pathlib import Path
 
 import numpy as np
+
 from megatron_lev.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -24,6 +28,8 @@ HEADER_SIZE = 34  # magic 9 + version 8 + dtype 1 + sequences 8 + documents 8
 DTYPES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                            6: np.float64, 7: np.float32, 8: np.uint16}
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+CHECK_BLOCK = 1 << 24  # sequences per block when checking pointers (bounds temporary memory)
+REBUILD = "rebuild it with `megatron-lev preprocess`"
 
 
 class IndexedDatasetError(DataError):
@@ -47,8 +53,8 @@ def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp.{os.getpid()}")
 
 
-def write_index(path: Path, dtype: np.dtype, sizes: np.ndarray, doc_idx: np.ndarray) -> None:
-    """Write an `.idx` for `sizes` (tokens per sequence) and `doc_idx` atomically."""
+def write_index(path: Path, dtype: np.dtype, sizes: np.ndarray, doc_idx: np.ndarray) -> str:
+    """Write an `.idx` for `sizes` (tokens per sequence) and `doc_idx` atomically; returns its sha256."""
     dtype = np.dtype(dtype)
     sizes = np.asarray(sizes, dtype=np.int32)
     doc_idx = np.asarray(doc_idx, dtype=np.int64)
@@ -57,18 +63,22 @@ def write_index(path: Path, dtype: np.dtype, sizes: np.ndarray, doc_idx: np.ndar
         np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
     pointers *= dtype.itemsize
     tmp = _tmp(path)
-    with open(tmp, "wb") as f:
-        f.write(MAGIC)
-        f.write(struct.pack("<Q", VERSION))
-        f.write(struct.pack("<B", CODES[dtype]))
-        f.write(struct.pack("<Q", len(sizes)))
-        f.write(struct.pack("<Q", len(doc_idx)))
-        f.write(sizes.astype("<i4").tobytes())
-        f.write(pointers.astype("<i8").tobytes())
-        f.write(doc_idx.astype("<i8").tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    digest = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as f:
+            for part in (MAGIC, struct.pack("<Q", VERSION), struct.pack("<B", CODES[dtype]),
+                         struct.pack("<Q", len(sizes)), struct.pack("<Q", len(doc_idx)),
+                         sizes.astype("<i4").tobytes(), pointers.astype("<i8").tobytes(),
+                         doc_idx.astype("<i8").tobytes()):
+                f.write(part)
+                digest.update(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return digest.hexdigest()
 
 
 class IndexedDataset:
@@ -79,40 +89,66 @@ class IndexedDataset:
         idx_path, bin_path = index_file(prefix), data_file(prefix)
         for p in (idx_path, bin_path):
             if not p.is_file():
-                raise IndexedDatasetError(f"{p}: file not found (expected a .bin/.idx pair at prefix {prefix})")
+                raise IndexedDatasetError(f"{p}: file not found (expected a .bin/.idx pair at prefix {prefix}); "
+                                          "check data.data_path or the --output-prefix preprocess wrote")
         idx_bytes = idx_path.stat().st_size
         if idx_bytes < HEADER_SIZE:
-            raise IndexedDatasetError(f"{idx_path}: truncated header ({idx_bytes} bytes < {HEADER_SIZE})")
+            raise IndexedDatasetError(f"{idx_path}: truncated header ({idx_bytes} bytes < {HEADER_SIZE}); {REBUILD}")
         with open(idx_path, "rb") as f:
             header = f.read(HEADER_SIZE)
         if header[:9] != MAGIC:
-            raise IndexedDatasetError(f"{idx_path}: not an MMIDIDX index (magic {header[:9]!r})")
+            raise IndexedDatasetError(f"{idx_path}: not an MMIDIDX index (magic {header[:9]!r}); {REBUILD}")
         (version,) = struct.unpack("<Q", header[9:17])
         if version != VERSION:
-            raise IndexedDatasetError(f"{idx_path}: unsupported version {version} (expected {VERSION})")
+            raise IndexedDatasetError(f"{idx_path}: unsupported version {version} (expected {VERSION}); {REBUILD}")
         code = header[17]
         if code not in DTYPES:
-            raise IndexedDatasetError(f"{idx_path}: unknown dtype code {code} (known: {sorted(DTYPES)})")
+            raise IndexedDatasetError(f"{idx_path}: unknown dtype code {code} (known: {sorted(DTYPES)}); {REBUILD}")
         self.dtype = np.dtype(DTYPES[code])
         n, n_doc = struct.unpack("<QQ", header[18:34])
         expected = HEADER_SIZE + n * 4 + n * 8 + n_doc * 8
         if idx_bytes != expected:
             raise IndexedDatasetError(
                 f"{idx_path}: size {idx_bytes} bytes does not match its header ({n} sequences, "
-                f"{n_doc} document entries -> {expected} bytes); the file is truncated or corrupt")
+                f"{n_doc} document entries -> {expected} bytes); the file is truncated or corrupt: {REBUILD}")
         self._idx = np.memmap(idx_path, mode="r", dtype=np.uint8)
         self.sizes = np.frombuffer(self._idx, dtype="<i4", count=n, offset=HEADER_SIZE)
         self.pointers = np.frombuffer(self._idx, dtype="<i8", count=n, offset=HEADER_SIZE + 4 * n)
         self.doc_idx = np.frombuffer(self._idx, dtype="<i8", count=n_doc, offset=HEADER_SIZE + 12 * n)
+        need = self._check_pointers(idx_path)
         bin_bytes = bin_path.stat().st_size
-        need = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if n else 0
         if bin_bytes != need:
             raise IndexedDatasetError(
                 f"{bin_path}: {bin_bytes} bytes, but {idx_path} describes {need} bytes of "
-                f"{self.dtype.name} tokens; the pair is truncated or mismatched")
+                f"{self.dtype.name} tokens; the pair is truncated or mismatched: {REBUILD}")
         if n_doc == 0 or self.doc_idx[0] != 0 or self.doc_idx[-1] != n:
-            raise IndexedDatasetError(f"{idx_path}: document index must run from 0 to {n} sequences")
+            raise IndexedDatasetError(f"{idx_path}: document index must run from 0 to {n} sequences "
+                                      f"(it has {n_doc} entries); the index is corrupt: {REBUILD}")
+        if n_doc > 1 and (np.diff(self.doc_idx) < 0).any():
+            raise IndexedDatasetError(f"{idx_path}: document index is not in order; the index is corrupt: {REBUILD}")
         self._bin = np.memmap(bin_path, mode="r", dtype=self.dtype) if bin_bytes else np.zeros(0, self.dtype)
+
+    def _check_pointers(self, idx_path: Path) -> int:
+        """Sizes are non-negative and each pointer is where the previous sequence ends (the only
+        layout MMIDIDX writers produce); returns the `.bin` size they describe."""
+        item, end = self.dtype.itemsize, 0
+        for start in range(0, len(self.sizes), CHECK_BLOCK):
+            sizes = self.sizes[start:start + CHECK_BLOCK].astype(np.int64)
+            if sizes.min() < 0:
+                i = start + int(np.argmin(sizes))
+                raise IndexedDatasetError(f"{idx_path}: sequence {i} has a negative size {int(sizes.min())}; "
+                                          f"the index is corrupt: {REBUILD}")
+            ends = end + np.cumsum(sizes) * item
+            starts = np.concatenate(([end], ends[:-1]))
+            bad = np.flatnonzero(self.pointers[start:start + CHECK_BLOCK] != starts)
+            if bad.size:
+                i = start + int(bad[0])
+                raise IndexedDatasetError(
+                    f"{idx_path}: sequence {i} points to byte {int(self.pointers[i])} but the sizes before it "
+                    f"end at byte {int(starts[bad[0]])} for {self.dtype.name} tokens; sizes, pointers and dtype code "
+                    f"disagree (the index is corrupt): {REBUILD}")
+            end = int(ends[-1])
+        return end
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -154,13 +190,15 @@ class IndexedDatasetBuilder:
         self._bin_path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp_bin = _tmp(self._bin_path)
         self._out = open(self._tmp_bin, "wb")
+        self._hash = hashlib.sha256()  # of the .bin, as written (the shard-set manifest records it)
+        self.sha256: dict[str, str] = {}  # file name -> sha256, filled by finalize()
         self._sizes = array("i")
         self._doc_idx = array("q", [0])
 
     def add_item(self, tokens) -> None:
         """Append one sequence (without ending the document)."""
         arr = np.asarray(tokens, dtype=self.dtype)
-        self._out.write(arr.tobytes())
+        self._write(arr.tobytes())
         self._sizes.append(len(arr))
 
     def end_document(self) -> None:
@@ -173,7 +211,7 @@ class IndexedDatasetBuilder:
     def add_raw(self, data: bytes, sizes: np.ndarray) -> None:
         """Append already-encoded sequences (one document each): `data` are their bytes."""
         start = len(self._sizes)
-        self._out.write(data)
+        self._write(data)
         self._sizes.extend(np.asarray(sizes, dtype=np.int32).tolist())
         self._doc_idx.extend(range(start + 1, len(self._sizes) + 1))
 
@@ -189,7 +227,7 @@ class IndexedDatasetBuilder:
         self._out.flush()
         with open(data_file(ds.prefix), "rb") as src:
             src.seek(start)
-            _copy_bytes(src, self._out, nbytes)
+            _copy_bytes(src, self, nbytes)
         first_seq = len(self._sizes)
         self._sizes.extend(sizes.tolist())
         self._doc_idx.extend(range(first_seq + 1, len(self._sizes) + 1))
@@ -202,9 +240,14 @@ class IndexedDatasetBuilder:
         base = len(self._sizes)
         self._out.flush()
         with open(data_file(other_prefix), "rb") as src:
-            shutil.copyfileobj(src, self._out, 16 << 20)
+            while buf := src.read(16 << 20):
+                self._write(buf)
         self._sizes.extend(other.sizes.tolist())
         self._doc_idx.extend((other.doc_idx[1:] + base).tolist())
+
+    def _write(self, data: bytes) -> None:
+        self._out.write(data)
+        self._hash.update(data)
 
     @property
     def num_bytes(self) -> int:
@@ -223,20 +266,24 @@ class IndexedDatasetBuilder:
         if idx_path.exists():  # never leave an old index beside a new .bin
             idx_path.unlink()
         os.replace(self._tmp_bin, self._bin_path)
-        write_index(idx_path, self.dtype, np.frombuffer(self._sizes, dtype=np.int32),
-                    np.frombuffer(self._doc_idx, dtype=np.int64))
+        self.sha256[self._bin_path.name] = self._hash.hexdigest()
+        self.sha256[idx_path.name] = write_index(idx_path, self.dtype, np.frombuffer(self._sizes, dtype=np.int32),
+                                                 np.frombuffer(self._doc_idx, dtype=np.int64))
 
     def abort(self) -> None:
         """Drop the partial output (used when a run fails)."""
         if not self._out.closed:
-            self._out.close()
+            try:
+                self._out.close()
+            except OSError:  # e.g. the disk is full: the partial file goes anyway
+                pass
         self._tmp_bin.unlink(missing_ok=True)
 
 
-def _copy_bytes(src, dst, nbytes: int, chunk: int = 16 << 20) -> None:
+def _copy_bytes(src, dst: IndexedDatasetBuilder, nbytes: int, chunk: int = 16 << 20) -> None:
     while nbytes > 0:
         buf = src.read(min(chunk, nbytes))
         if not buf:
-            raise IndexedDatasetError(f"{src.name}: ended {nbytes} bytes early while copying")
-        dst.write(buf)
+            raise IndexedDatasetError(f"{src.name}: ended {nbytes} bytes early while copying; {REBUILD}")
+        dst._write(buf)
         nbytes -= len(buf)

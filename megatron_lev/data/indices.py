@@ -14,11 +14,13 @@ import math
 
 import numpy as np
 
+from megatron_lev.errors import DataError
+
 
 def num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
     """Fewest epochs E with E * tokens - 1 >= num_samples * seq_length (the last sample's +1 token)."""
     if tokens_per_epoch <= 0:
-        raise ValueError("cannot draw samples from a split with no tokens")
+        raise DataError("cannot draw samples from a split with no tokens; change data.split or add data")
     return max(1, math.ceil((num_samples * seq_length + 1) / tokens_per_epoch))
 
 
@@ -34,7 +36,8 @@ def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, nu
     """(num_samples + 1, 2) int32 (position in doc_idx, offset) of each sample's first token."""
     ends = np.cumsum(sizes[doc_idx], dtype=np.int64)  # (E*D,) exclusive end of each document in the stream
     if num_samples * seq_length >= ends[-1]:
-        raise ValueError(f"{num_samples} samples of {seq_length}+1 tokens need more than {ends[-1]} tokens")
+        raise DataError(f"{num_samples} samples of {seq_length}+1 tokens need more than {ends[-1]} tokens; "
+                        "use more data or fewer samples")
     out = np.empty((num_samples + 1, 2), dtype=np.int32)
     for start in range(0, num_samples + 1, block):  # blocks bound the temporary memory
         pos = np.arange(start, min(start + block, num_samples + 1), dtype=np.int64) * seq_length
@@ -61,7 +64,7 @@ def build_blending_indices(weights, num_samples: int) -> tuple[np.ndarray, np.nd
     """
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or len(w) == 0 or (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"blend weights must be non-negative with a positive sum, got {list(weights)}")
+        raise DataError(f"blend weights must be non-negative with a positive sum, got {list(weights)}")
     w = (w / w.sum()).tolist()
     k = len(w)
     drawn = [0] * k

@@ -3,18 +3,25 @@
 The reader yields chunks of raw lines (bytes, bounded in size) so that parsing and
 tokenising happen in the workers; `parse_line` turns one line into text or a
 counted error. Nothing here raises on bad data: malformed JSON, a missing key,
-invalid UTF-8, empty documents and truncated compressed files become `Problem`s.
+invalid UTF-8, empty documents and truncated compressed files become `Problem`s. A
+truncated `.zst`/`.gz` keeps every line decoded before the damage (zstd decodes whole
+blocks of up to 128 KiB, so a cut inside the first block keeps nothing); its partial
+last line is dropped with the file's problem. Inputs that cannot be read at all (no
+such file, an unsupported type, a dataset without the text column) raise `InputError`.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_lev.errors import DataError
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.gz", ".json", ".json.zst", ".json.gz")
 # inside a directory only unambiguous line files are taken: a plain `.json` there is
@@ -22,6 +29,10 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.gz", ".json", ".json.zst", ".j
 DIR_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.gz")
 HF_SUFFIXES = (".arrow", ".parquet")
 ERROR_KINDS = ("malformed_json", "missing_key", "invalid_utf8", "empty_document", "truncated_file")
+
+
+class InputError(DataError):
+    """An input path or dataset cannot be read at all; the message names it."""
 
 
 @dataclass
@@ -54,7 +65,7 @@ def find_inputs(inputs: list[str]) -> list[str]:
     for item in inputs:
         matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
         if not matches:
-            raise FileNotFoundError(f"input {item!r}: no file matches this pattern")
+            raise InputError(f"--input {item!r}: no file matches this pattern; check the pattern and quote it")
         for m in matches:
             p = Path(m)
             if p.is_dir() and any((p / n).exists() for n in ("dataset_info.json", "state.json", "dataset_dict.json")):
@@ -62,16 +73,18 @@ def find_inputs(inputs: list[str]) -> list[str]:
             elif p.is_dir():
                 inner = sorted(str(q) for q in p.rglob("*") if q.is_file() and q.name.endswith(DIR_SUFFIXES + HF_SUFFIXES))
                 if not inner:
-                    raise FileNotFoundError(f"input directory {p}: no *.jsonl, *.jsonl.zst, *.jsonl.gz, "
-                                            "*.arrow or *.parquet files in it")
+                    raise InputError(f"--input {p}: no *.jsonl, *.jsonl.zst, *.jsonl.gz, *.arrow or *.parquet "
+                                     "files in this directory; give the files or a directory holding them")
                 found.extend(inner)
             elif p.is_file():
                 if not p.name.endswith(JSONL_SUFFIXES + HF_SUFFIXES):
-                    raise ValueError(f"input {p}: unsupported file type (use .jsonl, .jsonl.zst, .jsonl.gz, "
+                    raise InputError(f"--input {p}: unsupported file type (use .jsonl, .jsonl.zst, .jsonl.gz, "
                                      ".arrow, .parquet or a datasets directory)")
                 found.append(str(p))
+            elif not p.exists():
+                raise InputError(f"--input {p}: no such file or directory; check the path")
             else:
-                raise FileNotFoundError(f"input {p}: no such file or directory")
+                raise InputError(f"--input {p}: not a regular file or directory")
     return list(dict.fromkeys(found))
 
 
@@ -121,13 +134,15 @@ def _plain_blocks(f, path: str, problems: list[Problem], block: int = 1 << 20) -
 def iter_jsonl_lines(path: str, problems: list[Problem]) -> Iterator[bytes]:
     """The raw lines of a jsonl file (compressed or not), without their newline."""
     opener = _zst_blocks if path.endswith(".zst") else _gz_blocks if path.endswith(".gz") else _plain_blocks
-    rest = b""
+    rest, before = b"", len(problems)
     with open(path, "rb") as f:
         for block in opener(f, path, problems):
             lines = (rest + block).split(b"\n")
             rest = lines.pop()
             yield from lines
-    if rest:
+    if rest and len(problems) > before:  # the stream was cut: its last line is partial
+        problems[-1].message += f" (dropped the partial last line, {len(rest)} bytes)"
+    elif rest:
         yield rest
 
 
@@ -161,16 +176,26 @@ def _iter_hf_records(path: str, text_key: str, chunk_bytes: int):
     """(first row number, [(text, subset), ...]) batches from a local HF dataset."""
     import datasets
 
-    if os.path.isdir(path):
-        ds = datasets.load_from_disk(path)
-        if isinstance(ds, datasets.DatasetDict):
-            ds = datasets.concatenate_datasets([ds[k] for k in sorted(ds)])
-    elif path.endswith(".parquet"):
-        ds = datasets.Dataset.from_parquet(path)
-    else:
-        ds = datasets.Dataset.from_file(path)
+    quiet = logging.getLogger("datasets")  # its error log would repeat the one line raised below
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        if os.path.isdir(path):
+            ds = datasets.load_from_disk(path)
+            if isinstance(ds, datasets.DatasetDict):
+                ds = datasets.concatenate_datasets([ds[k] for k in sorted(ds)])
+        elif path.endswith(".parquet"):
+            ds = datasets.Dataset.from_parquet(path)
+        else:
+            ds = datasets.Dataset.from_file(path)
+    except Exception as exc:  # pyarrow and datasets raise many types for a damaged file
+        raise InputError(f"--input {path}: not a readable dataset ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}); check the file") from exc
+    finally:
+        quiet.setLevel(level)
     if text_key not in ds.column_names:
-        raise KeyError(f"{path}: dataset has no column {text_key!r} (columns: {ds.column_names})")
+        raise InputError(f"--input {path}: dataset has no column {text_key!r} (columns: {ds.column_names}); "
+                         "set --json-key to the text column")
     has_meta = "meta" in ds.column_names
     batch, size, first = [], 0, 1
     for row_no, row in enumerate(ds, start=1):

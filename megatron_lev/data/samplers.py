@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megatron_lev.errors import DataError
+
 
 class PretrainingSampler:
     """Yields this DP rank's index list for each global micro-batch, from `consumed_samples` on."""
@@ -17,7 +19,7 @@ class PretrainingSampler:
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
         if total_samples <= 0:
-            raise ValueError(f"no samples to draw (total_samples={total_samples})")
+            raise DataError(f"no samples to draw (total_samples={total_samples}); check the data and train.train_iters")
         if micro_batch_size <= 0 or data_parallel_size <= 0:
             raise ValueError(f"micro_batch_size={micro_batch_size} and data_parallel_size={data_parallel_size} "
                              "must be positive")

@@ -88,10 +88,13 @@ def test_splits_by_document(pile_shard, tmp_path):
     assert train is not None and valid is None and test is None
 
 
-def test_blend_proportions_and_items(pile_shard, tmp_path):
+def test_blend_proportions_and_items(pile_shard, neox_path, tmp_path):
+    from megatron_lev.data.manifest import write_manifest_for
+
     other = str(tmp_path / "copy")
     for ext in ("bin", "idx"):
         shutil.copyfile(f"{pile_shard}.{ext}", f"{other}.{ext}")
+    write_manifest_for(other, "hf", neox_path)  # a copy without a manifest is refused until it has one
     cfg = DataConfig(data_path=["0.3", pile_shard, "0.7", other], split="90,10,0", cache_dir=str(tmp_path))
     train, valid, test = build_train_valid_test_datasets(cfg, S, (3000, 200, 0))
     assert test is None and len(train) == 3000 and len(valid) == 200

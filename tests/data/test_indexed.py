@@ -138,9 +138,9 @@ def test_bad_magic_dtype_and_missing_file(tmp_path):
     with pytest.raises(IndexedDatasetError, match="unknown dtype code 9"):
         IndexedDataset(prefix)
     bad = bytearray(raw)
-    bad[17] = 4  # int32 claimed for a uint16 .bin: the sizes no longer match the bytes
+    bad[17] = 4  # int32 claimed for a uint16 .bin: the pointers no longer match the sizes
     (tmp_path / "p.idx").write_bytes(bytes(bad))
-    with pytest.raises(IndexedDatasetError, match="p.bin"):
+    with pytest.raises(IndexedDatasetError, match=r"p\.idx.*disagree"):
         IndexedDataset(prefix)
     (tmp_path / "p.idx").write_bytes(b"NOTMMIDX" + bytes(raw[8:]))
     with pytest.raises(IndexedDatasetError, match="not an MMIDIDX"):
