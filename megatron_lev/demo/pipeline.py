@@ -74,7 +74,7 @@ def build_steps(opts: DemoOptions) -> list[Step]:
              lambda: _cli("preprocess", "--input", str(corpus), "--output-prefix", str(shards),
                           "--tokenizer-type", "sentencepiece", "--tokenizer", f"{spm}.model", "--workers", "2",
                           "--no-progress"),
-             lambda: [Path(f"{shards}.idx"), Path(f"{shards}.counts.npy")]),
+             lambda: [Path(f"{shards}.manifest.json")]),  # written last: the set is complete
         Step("train", f"train the tiny {opts.embedding.upper()} model with DeepSpeed on {nproc} processes, "
                       f"{opts.iters} steps",
              lambda: [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",

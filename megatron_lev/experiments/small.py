@@ -135,8 +135,7 @@ class SmallGrid:
                                   "megatron_lev", "preprocess", "--input", str(self.data / f"{part}.jsonl"),
                                   "--output-prefix", str(self.prefix(part)), "--tokenizer", str(self.tokenizer),
                                   "--workers", "1", "--no-progress"),
-                              lambda part=part: [Path(f"{self.prefix(part)}{s}")
-                                                 for s in (".bin", ".idx", ".counts.npy")], env))
+                              lambda part=part: [Path(f"{self.prefix(part)}.manifest.json")], env))
         seq = load_config(self.config, validate=False).model.seq_length
         for v in self.variants:
             run = self.run_dir(v)
