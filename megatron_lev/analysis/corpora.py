@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_lev.errors import DataError
+
 
 def sequence_batches(documents: Iterable[np.ndarray], seq_len: int, batch_size: int) -> Iterator[torch.Tensor]:
     """Concatenate documents and cut windows of S+1 tokens with stride S (B, S+1).
@@ -52,10 +54,10 @@ def indexed_documents(prefix: str | Path, max_docs: int | None = None,
         part, spec = split
         names = ("train", "valid", "test")
         if part not in names:
-            raise ValueError(f"split {part!r} must be one of {', '.join(names)}")
+            raise DataError(f"split {part!r} must be one of {', '.join(names)}")
         start, end = split_documents(len(ds), spec)[names.index(part)]
         if end <= start:
-            raise ValueError(f"{prefix}: split {part!r} of {spec!r} holds no documents (of {len(ds)})")
+            raise DataError(f"{prefix}: split {part!r} of {spec!r} holds no documents (of {len(ds)})")
     if max_docs is not None:
         end = min(end, start + max_docs)
     for i in range(start, end):
@@ -63,12 +65,24 @@ def indexed_documents(prefix: str | Path, max_docs: int | None = None,
 
 
 def text_documents(path: str | Path) -> Iterator[str]:
-    """Texts of a `.jsonl` / `.jsonl.zst` corpus (the "text" field) or a plain-text file (one document)."""
+    """Texts of a `.jsonl` / `.jsonl.zst` corpus (the "text" field) or a plain-text file (one document).
+
+    A file that is not UTF-8, a line that is not a JSON object with a string "text", or a damaged
+    `.zst` is a DataError naming the file (and line).
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: corpus file not found")
     name = path.name
-    if name.endswith(".jsonl") or name.endswith(".jsonl.zst"):
+    if not (name.endswith(".jsonl") or name.endswith(".jsonl.zst")):
+        try:
+            yield path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{path}: not UTF-8 text (byte {exc.start}); convert it to UTF-8 or pass a .jsonl "
+                            "corpus") from None
+        return
+    lineno = 0
+    try:
         if name.endswith(".zst"):
             import zstandard
 
@@ -81,11 +95,22 @@ def text_documents(path: str | Path) -> Iterator[str]:
                 if not line.strip():
                     continue
                 try:
-                    yield json.loads(line)["text"]
+                    text = json.loads(line)["text"]
                 except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise ValueError(f"{path}:{lineno}: not a JSON object with a 'text' field ({exc})") from exc
-    else:
-        yield path.read_text(encoding="utf-8")
+                    raise DataError(f"{path}:{lineno}: not a JSON object with a 'text' field ({exc}); one "
+                                    '{"text": ...} object per line') from None
+                if not isinstance(text, str):
+                    raise DataError(f"{path}:{lineno}: 'text' is a {type(text).__name__}, not a string")
+                yield text
+    except UnicodeDecodeError:
+        raise DataError(f"{path}:{lineno + 1}: not UTF-8 text; convert the corpus to UTF-8") from None
+    except DataError:
+        raise
+    except Exception as exc:  # zstandard.ZstdError and friends: a damaged compressed file
+        if type(exc).__module__.startswith("zstandard"):
+            raise DataError(f"{path}: damaged zstd stream after line {lineno} ({exc}); recompress the "
+                            "corpus") from None
+        raise
 
 
 @dataclass
@@ -95,6 +120,8 @@ class TextTokenizer:
     name: str
     encode: Callable[[str], list[int]]
     eos_id: int | None
+    vocab_size: int | None = None  # ids the tokenizer can produce (None: unknown)
+    file: Path | None = None  # its tokenizer.json, to compare with a model's
 
 
 def load_tokenizer(path: str | Path) -> TextTokenizer:
@@ -103,16 +130,28 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
     if path.is_file() and path.suffix == ".json":
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(path))
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises its own exception type
+            raise DataError(f"{path}: not a Hugging Face tokenizer.json ({str(exc)[:200]})") from None
         eos = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
                     if tok.token_to_id(t) is not None), None)
-        return TextTokenizer(path.name, lambda s: tok.encode(s, add_special_tokens=False).ids, eos)
+        return TextTokenizer(path.name, lambda s: tok.encode(s, add_special_tokens=False).ids, eos,
+                             tok.get_vocab_size(), path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: tokenizer not found (a tokenizer.json or a model directory)")
+    if path.is_file():
+        raise DataError(f"{path}: not a tokenizer (a tokenizer.json file or a model directory)")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path))
-    return TextTokenizer(path.name, lambda s: tok.encode(s, add_special_tokens=False), tok.eos_token_id)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise DataError(f"{path}: no tokenizer in this directory ({str(exc).strip()[:200]}); pass --tokenizer "
+                        "with a tokenizer.json") from None
+    file = path / "tokenizer.json"
+    return TextTokenizer(path.name, lambda s: tok.encode(s, add_special_tokens=False), tok.eos_token_id,
+                         len(tok), file if file.is_file() else None)
 
 
 class TokenizedCorpus:

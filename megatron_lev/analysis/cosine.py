@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from megatron_lev.errors import DataError
+
 
 @dataclass
 class CosineStats:
@@ -40,18 +42,33 @@ class CosineStats:
                 "hist_pairs": self.hist_pairs, "seconds": self.seconds}
 
 
+class MatrixError(DataError):
+    """An embedding matrix cannot be measured (wrong rank or dtype, non-finite rows, too few rows)."""
+
+
 def normalized_rows(matrix: torch.Tensor | np.ndarray, chunk: int = 16384) -> tuple[torch.Tensor, int]:
     """(V, d) -> (V', d) float32 unit rows with zero-norm rows dropped, and how many were dropped.
 
     Norms are taken in float64 a chunk of rows at a time, so memory stays ~ one float32 copy.
+    A row with nan/inf is refused (it is neither a zero row nor a direction).
     """
+    if isinstance(matrix, np.ndarray) and not (np.issubdtype(matrix.dtype, np.floating)
+                                               or np.issubdtype(matrix.dtype, np.integer)):
+        raise MatrixError(f"embedding matrix must hold real numbers, got dtype {matrix.dtype}")
     x = matrix if isinstance(matrix, torch.Tensor) else torch.from_numpy(np.asarray(matrix))
     if x.ndim != 2:
-        raise ValueError(f"embedding matrix must be 2-D (V, d), got shape {tuple(x.shape)}")
+        raise MatrixError(f"embedding matrix must be 2-D (V, d), got shape {tuple(x.shape)}")
+    if x.is_complex() or x.dtype == torch.bool:
+        raise MatrixError(f"embedding matrix must hold real numbers, got dtype {x.dtype}")
     x = x.detach().cpu()
     parts = []
     for s in range(0, x.shape[0], chunk):
         rows = x[s:s + chunk].to(torch.float64)                    # (c, d)
+        bad = (~torch.isfinite(rows)).any(dim=1).nonzero().flatten()
+        if len(bad):
+            raise MatrixError(f"row {s + int(bad[0])} holds non-finite values (nan/inf), and "
+                              f"{len(bad) - 1} more row(s) among rows {s}..{s + len(rows) - 1}: the weights are "
+                              "damaged; measure an earlier checkpoint")
         norms = rows.norm(dim=1)                                   # (c,)
         keep = norms > 0
         parts.append((rows[keep] / norms[keep, None]).to(torch.float32))
@@ -102,19 +119,20 @@ def cosine_stats(matrix: torch.Tensor | np.ndarray, block: int = 4096, bins: int
     `auto_hist_stride`); mu, sigma and eps are always over every pair.
     """
     if block < 1 or bins < 1 or (hist_stride is not None and hist_stride < 1):
-        raise ValueError("block, bins and hist_stride must be >= 1")
+        raise MatrixError(f"--block, bins and --hist-stride must be >= 1, got {block}, {bins}, {hist_stride}")
     start = time.perf_counter()
     x, dropped = normalized_rows(matrix)
     if sample is not None and sample < x.shape[0]:
         if sample < 2:
-            raise ValueError(f"--sample must be >= 2 rows, got {sample}")
+            raise MatrixError(f"--sample must be >= 2 rows, got {sample}")
         gen = torch.Generator().manual_seed(seed)
         x = x[torch.randperm(x.shape[0], generator=gen)[:sample]].contiguous()
     else:
         sample = None
     n, d = x.shape
     if n < 2:
-        raise ValueError(f"need at least 2 non-zero rows, got {n}")
+        raise MatrixError(f"need at least 2 non-zero rows to measure pairwise cosines, got {n} "
+                          f"(of {n + dropped} rows, {dropped} zero)")
     hist_stride = hist_stride or auto_hist_stride(n, d)
     dev = torch.device(device) if device is not None else x.device
     x = x.to(dev)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -10,21 +11,54 @@ import torch
 
 from megatron_lev.analysis.corpora import TextTokenizer, TokenizedCorpus, indexed_documents, sequence_batches
 from megatron_lev.analysis.perplexity import DEFAULT_EDGES, evaluation_result, per_token_losses
+from megatron_lev.errors import DataError, UserError
 
 
-def hf_model_fn(model_dir: str | Path, device: str = "cpu", dtype: str = "float32") -> Callable:
-    """`input_ids (B, S) -> logits (B, S, V)` for an exported Hugging Face causal LM."""
+def read_hf_config(model_dir: str | Path) -> dict:
+    """config.json of a Hugging Face model directory; a missing or unreadable one is named."""
+    import json
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise DataError(f"{model_dir}: not a Hugging Face model directory (no config.json) and not a training "
+                        "checkpoint; pass an exported model directory or a checkpoint save directory")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: not a JSON model config ({exc}); re-export the model") from None
+    if not isinstance(config, dict):
+        raise DataError(f"{path}: not a JSON model config (top level is {type(config).__name__})")
+    return config
+
+
+def hf_model_fn(model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
+                trust_remote_code: bool = False) -> Callable:
+    """`input_ids (B, S) -> logits (B, S, V)` for an exported Hugging Face causal LM.
+
+    A model that ships its own code (`auto_map` in config.json, e.g. a `--keep-lev` export) is
+    only run with `trust_remote_code`: that code runs in this process.
+    """
     from transformers import AutoModelForCausalLM
 
-    if not Path(model_dir).is_dir():
-        raise FileNotFoundError(f"{model_dir}: not a Hugging Face model directory")
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    config = read_hf_config(model_dir)
+    if config.get("auto_map") and not trust_remote_code:
+        code = sorted(p.name for p in Path(model_dir).glob("*.py")) or ["its auto_map classes"]
+        raise UserError(f"{model_dir} ships its own model code ({', '.join(code)}; e.g. a --keep-lev export): "
+                        "pass --trust-remote-code to run it, only if you trust that code")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype),
+                                                     trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise DataError(f"{model_dir}: transformers cannot load this model: {type(exc).__name__}: "
+                        f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}") from None
     model.to(device).eval()
     return lambda ids: model(input_ids=ids).logits
 
 
-def checkpoint_model_fn(checkpoint: str | Path, tag: str | None = None, device: str = "cpu") -> tuple[Callable, int]:
-    """`input_ids -> logits` of a training checkpoint of any TP x PP x ZeRO layout, and its sequence length.
+def checkpoint_model_fn(checkpoint: str | Path, tag: str | None = None,
+                        device: str = "cpu") -> tuple[Callable, int, int]:
+    """`input_ids -> logits` of a training checkpoint of any TP x PP x ZeRO layout, its sequence length
+    and vocabulary size.
 
     The shards are merged into the TP = 1 model; logits keep the tokenizer's vocabulary only
     (padding rows dropped), exactly as an export does, so both give the same numbers.
@@ -35,7 +69,7 @@ def checkpoint_model_fn(checkpoint: str | Path, tag: str | None = None, device: 
     src = open_checkpoint(checkpoint, tag)
     model = source_model(src, progress=False).to(device)
     vocab = src.vocab_size
-    return (lambda ids: model(ids)[..., :vocab]), src.cfg.model.seq_length
+    return (lambda ids: model(ids)[..., :vocab]), src.cfg.model.seq_length, vocab
 
 
 def is_hf_model_dir(path: str | Path) -> bool:
@@ -43,37 +77,76 @@ def is_hf_model_dir(path: str | Path) -> bool:
 
 
 def hf_sequence_length(model_dir: str | Path) -> int:
-    import json
+    return int(read_hf_config(model_dir).get("max_position_embeddings") or 1024)
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(config.get("max_position_embeddings") or 1024)
+
+def hf_vocab_size(model_dir: str | Path) -> int | None:
+    config = read_hf_config(model_dir)
+    vocab = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+    return int(vocab) if isinstance(vocab, int) else None
+
+
+def _checked(batches: Iterator[torch.Tensor], source: str, vocab_size: int | None) -> Iterator[torch.Tensor]:
+    """The batches, refusing a corpus with no window to evaluate or ids the model has no row for."""
+    n = 0
+    for batch in batches:
+        n += 1
+        top = int(batch.max())
+        if vocab_size is not None and top >= vocab_size:
+            raise DataError(f"{source}: token id {top} >= the model's vocabulary of {vocab_size}: the corpus was "
+                            "tokenized with another tokenizer than the model's; use the model's tokenizer")
+        yield batch
+    if n == 0:
+        raise DataError(f"{source}: no tokens to evaluate (empty, or fewer than 2 tokens); give a corpus with text")
+
+
+def _losses(batches, model_fn, **kwargs):
+    """`per_token_losses`, closing its progress bar on an error so the error stays the last line."""
+    try:
+        return per_token_losses(batches, model_fn, **kwargs)
+    except BaseException:
+        from tqdm import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
+        raise
+
+
+def _finite(result: dict, source: str) -> dict:
+    if not math.isfinite(result["mean_nll"]):
+        raise DataError(f"{source}: the evaluation gave a non-finite perplexity ({result['mean_nll']} mean NLL): "
+                        "the model's weights or logits are not finite; evaluate an earlier checkpoint")
+    return result
 
 
 def evaluate_model(model_fn: Callable, name: str, data_prefixes: list[str] = (), text_paths: list[str] = (),
                    tokenizer: TextTokenizer | None = None, counts: np.ndarray | None = None,
                    edges: tuple[float, ...] = DEFAULT_EDGES, seq_len: int = 1024, batch_size: int = 4,
                    max_docs: int | None = None, device: str = "cpu", returns_loss: bool = False,
-                   progress: bool = True, split: tuple[str, str] | None = None) -> list[dict]:
+                   progress: bool = True, split: tuple[str, str] | None = None,
+                   vocab_size: int | None = None) -> list[dict]:
     """One result per held-out shard and per text corpus (frequency buckets when `counts` is given).
 
     `split=(part, spec)` evaluates only that part of each shard's documents, as the trainer splits them.
+    `vocab_size`: the model's; a corpus with larger ids is refused (another tokenizer). A corpus
+    with nothing to evaluate, or a non-finite result, is refused too.
     """
     results = []
     for prefix in data_prefixes:
-        batches = sequence_batches(indexed_documents(prefix, max_docs, split), seq_len, batch_size)
-        losses = per_token_losses(batches, model_fn, returns_loss=returns_loss, device=device,
-                                  progress=progress)
-        results.append(evaluation_result(losses, name, counts, edges, corpus=str(prefix),
-                                         corpus_kind="mmidx", seq_len=seq_len))
+        batches = _checked(sequence_batches(indexed_documents(prefix, max_docs, split), seq_len, batch_size),
+                           str(prefix), vocab_size)
+        losses = _losses(batches, model_fn, returns_loss=returns_loss, device=device, progress=progress)
+        results.append(_finite(evaluation_result(losses, name, counts, edges, corpus=str(prefix),
+                                                 corpus_kind="mmidx", seq_len=seq_len), str(prefix)))
         if split is not None:
             results[-1]["split"] = {"part": split[0], "spec": split[1]}
     for path in text_paths:
         if tokenizer is None:
-            raise ValueError("evaluating a text corpus needs a tokenizer (--tokenizer)")
+            raise UserError("evaluating a text corpus needs a tokenizer (--tokenizer)")
         corpus = TokenizedCorpus([path], tokenizer, max_docs)
-        losses = per_token_losses(sequence_batches(corpus, seq_len, batch_size), model_fn,
-                                  returns_loss=returns_loss, device=device, progress=progress)
-        results.append(evaluation_result(losses, name, counts, edges, n_bytes=corpus.n_bytes,
-                                         tokenizer=tokenizer.name, corpus=str(path), corpus_kind="text",
-                                         documents=corpus.n_docs, seq_len=seq_len))
+        batches = _checked(sequence_batches(corpus, seq_len, batch_size), str(path), vocab_size)
+        losses = _losses(batches, model_fn, returns_loss=returns_loss, device=device, progress=progress)
+        results.append(_finite(evaluation_result(losses, name, counts, edges, n_bytes=corpus.n_bytes,
+                                                 tokenizer=tokenizer.name, corpus=str(path), corpus_kind="text",
+                                                 documents=corpus.n_docs, seq_len=seq_len), str(path)))
     return results

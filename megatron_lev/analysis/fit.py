@@ -15,6 +15,12 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import least_squares
 
+from megatron_lev.errors import DataError
+
+
+class PackingError(DataError):
+    """Packing results that cannot be fitted: unreadable, malformed, non-finite or too few rows."""
+
 
 def _jl(p, k, d):
     return np.sqrt(p[0] * np.log(k) / d)
@@ -37,28 +43,44 @@ FORMS = {
 
 
 def load_packing(path: str | Path) -> np.ndarray:
-    """Rows `[k, d, eps*]` from a JSON list (the paper's sweep files and our sweep output)."""
+    """Rows `[k, d, eps*]` from a JSON list (the paper's sweep files and our sweep output).
+
+    A row that is not three finite numbers with k, d > 0 and eps* >= 0 is refused, naming it.
+    """
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read packing results ({exc})") from exc
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PackingError(f"{path}: cannot read packing results ({exc})") from None
     if isinstance(data, dict):
         data = data.get("rows", [])
+    if not isinstance(data, list) or not data:
+        raise PackingError(f"{path}: expected a non-empty list of [k, d, eps*] rows")
+    for i, row in enumerate(data):
+        if (not isinstance(row, list) or len(row) != 3
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row)):
+            raise PackingError(f"{path}: row {i} is {row!r}, expected [k, d, eps*] (three numbers)")
     arr = np.asarray(data, dtype=np.float64)
-    if arr.ndim != 2 or arr.shape[1] != 3 or len(arr) == 0:
-        raise ValueError(f"{path}: expected a non-empty list of [k, d, eps*] rows, got shape {arr.shape}")
+    bad = np.nonzero(~np.isfinite(arr).all(axis=1) | (arr[:, 0] <= 0) | (arr[:, 1] <= 0) | (arr[:, 2] < 0))[0]
+    if len(bad):
+        raise PackingError(f"{path}: row {int(bad[0])} is {data[int(bad[0])]!r}: k and d must be positive and "
+                           f"eps* finite and >= 0 ({len(bad)} bad row(s)); rerun the sweep or drop the row")
     return arr
 
 
-def refit(rows: np.ndarray) -> dict[str, dict]:
+def refit(rows: np.ndarray, source: str = "packing rows") -> dict[str, dict]:
     """Fit every form; returns {form: {"params": {...}, "r2", "mape_percent", "n_fit", "n"}}."""
     k, d, eps = (np.asarray(c, dtype=np.float64) for c in np.asarray(rows).T)
     out = {}
     for key, (predict, names, start, domain) in FORMS.items():
         mask = domain(k, d)
-        if mask.sum() < len(names):
-            raise ValueError(f"too few rows with k > d to fit the {key} form ({int(mask.sum())})")
+        need = len(names)  # at least one row per constant
+        if mask.sum() < need:
+            where = "rows" if key == "jl" else "rows with k > d"
+            raise PackingError(f"{source}: too few {where} to fit the {key} form: {int(mask.sum())}, need at "
+                               f"least {need}; add packing results (e.g. --sweep small)")
         km, dm, em = k[mask], d[mask], eps[mask]
         with np.errstate(invalid="ignore"):    # trial points may leave the domain; lm backs off
             sol = least_squares(lambda p, km=km, dm=dm, em=em, f=predict: f(p, km, dm) - em,

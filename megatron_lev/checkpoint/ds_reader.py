@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
 import sys
 import tempfile
@@ -52,17 +53,24 @@ def resolve_tag_dir(path: str | os.PathLike, tag: str | None = None) -> Path:
     """The directory holding the shard files: `path/tag`, `path/<latest>`, or `path` itself."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
+        raise CheckpointError(f"checkpoint directory {path} does not exist (or is not a directory); pass the "
+                              "run's save directory or one checkpoint tag directory")
     if tag is not None:
         tag_dir = path / tag
         if not tag_dir.is_dir():
-            raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist")
+            tags = sorted(p.name for p in path.iterdir() if p.is_dir())
+            raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist (--tag {tag}); tags there: "
+                                  f"{', '.join(tags[:8]) or 'none'}")
         return tag_dir
     if any(path.glob("*model_states.pt")):
         return path
     latest = path / "latest"
     if latest.is_file():
-        tag_dir = path / latest.read_text().strip()
+        name = latest.read_text(errors="replace").strip()
+        if not name or name in (".", "..") or "/" in name or "\\" in name:
+            raise CheckpointError(f"{latest} does not name a checkpoint tag (got {name!r}); write the tag "
+                                  "(e.g. iter_0001000) into it or pass --tag")
+        tag_dir = path / name
         if not tag_dir.is_dir():
             raise CheckpointError(f"{latest} names tag {tag_dir.name!r} but {tag_dir} does not exist")
         return tag_dir
@@ -97,7 +105,8 @@ def find_files(tag_dir: Path) -> CheckpointFiles:
         return CheckpointFiles(tag_dir, "zero3", tp, zero_dp=dp)
     mp = {int(m.group(1)): tag_dir / n for n in names if (m := _MP.match(n))}
     if not mp:
-        raise CheckpointError(f"{tag_dir}: no model_states.pt shard files found")
+        raise CheckpointError(f"{tag_dir}: no *model_states.pt shard files found: not a DeepSpeed checkpoint "
+                              "tag, or its save was interrupted; pass a complete tag (--tag)")
     tp = 1 + max(mp)
     if sorted(mp) != list(range(tp)):
         raise CheckpointError(f"{tag_dir}: mp_rank files for TP ranks {sorted(mp)}, expected 0..{tp - 1}: "
@@ -105,13 +114,83 @@ def find_files(tag_dir: Path) -> CheckpointFiles:
     return CheckpointFiles(tag_dir, "plain", tp, mp_files=mp)
 
 
+# DeepSpeed's own checkpoint files pickle these objects besides tensors and plain containers
+# (the loss scaler and ZeRO stage of the optimizer states, bf16 fragment addresses); nothing else
+# is unpickled, so a planted pickle payload cannot run code when a checkpoint is read.
+DEEPSPEED_SAFE_GLOBALS = (
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+)
+
+
+def safe_globals() -> list:
+    """The classes `load_file` allows besides tensors (those of the installed DeepSpeed that exist)."""
+    import importlib
+
+    found = []
+    for module, name in DEEPSPEED_SAFE_GLOBALS:
+        with contextlib.suppress(ImportError, AttributeError):
+            found.append(getattr(importlib.import_module(module), name))
+    return found
+
+
+def safe_torch_load(path, **kwargs):
+    """`torch.load` with `weights_only=True` and only DeepSpeed's allow-listed classes."""
+    kwargs["weights_only"] = True
+    with torch.serialization.safe_globals(safe_globals()):
+        return torch.load(path, **kwargs)
+
+
 def load_file(path: Path) -> dict:
-    """`torch.load` one shard on CPU; a truncated or foreign file becomes a CheckpointError naming it."""
+    """`torch.load` one shard on CPU without running code from it; a truncated, foreign or
+    code-carrying file becomes a CheckpointError naming it."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return safe_torch_load(path, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        if "weights only" in str(exc).lower():
+            raise CheckpointError(_refused(path, exc)) from None
+        raise CheckpointError(f"cannot read checkpoint file {path}: {_first_line(exc)} (truncated or corrupted; "
+                              "was the save interrupted?)") from None
     except Exception as exc:  # torch raises several types for damaged zip archives
-        raise CheckpointError(f"cannot read checkpoint file {path}: {type(exc).__name__}: {exc} "
+        raise CheckpointError(f"cannot read checkpoint file {path}: {type(exc).__name__}: {_first_line(exc)} "
                               "(truncated or corrupted; was the save interrupted?)") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
+def _refused(path, exc: BaseException) -> str:
+    what = re.search(r"(?:Unsupported global|Unsupported operand)[^\n]*", str(exc))
+    return (f"refusing to load {path}: it holds pickled objects other than tensors and DeepSpeed's own "
+            f"state ({what.group(0).strip() if what else _first_line(exc)}); a checkpoint is never unpickled "
+            "beyond that, since it could run code: use a checkpoint written by the trainer")
+
+
+class _WeightsOnlyTorch:
+    """`torch` as DeepSpeed's zero_to_fp32 sees it, with `load` restricted to weights and allow-listed classes."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def load(path, *args, **kwargs):
+        kwargs.pop("weights_only", None)
+        return safe_torch_load(path, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _weights_only_zero_to_fp32():
+    """zero_to_fp32 calls `torch.load(..., weights_only=False)`; route those calls through `safe_torch_load`."""
+    from deepspeed.utils import zero_to_fp32
+
+    real = zero_to_fp32.torch
+    zero_to_fp32.torch = _WeightsOnlyTorch()
+    try:
+        yield
+    finally:
+        zero_to_fp32.torch = real
 
 
 def plain_module_state(files: CheckpointFiles, tp_rank: int) -> dict[str, torch.Tensor]:
@@ -135,19 +214,59 @@ def zero3_module_state(files: CheckpointFiles, tp_rank: int) -> dict[str, torch.
             if tag in p.name and (_ZERO3.match(p.name) or _OPTIM.match(p.name)):
                 os.symlink(p.resolve(), Path(tmp) / p.name)
         try:
-            with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints its progress to stdout
+            with contextlib.redirect_stdout(sys.stderr), _weights_only_zero_to_fp32():  # progress goes to stdout
                 state = _get_fp32_state_dict_from_zero_checkpoint(tmp, exclude_frozen_parameters=False)
+        except pickle.UnpicklingError as exc:
+            if "weights only" not in str(exc).lower():
+                raise CheckpointError(f"{files.tag_dir}: cannot read the ZeRO-3 files of TP rank {tp_rank}: "
+                                      f"{_first_line(exc)} (truncated or corrupted?)") from None
+            raise CheckpointError(_refused(f"a ZeRO-3 file of TP rank {tp_rank} in {files.tag_dir}", exc)) from None
         except Exception as exc:
             raise CheckpointError(f"{files.tag_dir}: cannot gather the ZeRO-3 partitions of TP rank {tp_rank}: "
-                                  f"{type(exc).__name__}: {exc}") from None
+                                  f"{type(exc).__name__}: {_first_line(exc)}") from None
     return dict(to_torch_tensor(state))  # lazy views over the flat partitions -> real tensors
 
 
+# model keys that change training only (memory, regularisation, init), not the function a checkpoint computes
+TRAINING_ONLY_MODEL_KEYS = {"name", "activation_checkpointing", "checkpoint_num_layers", "hidden_dropout",
+                            "attention_dropout", "init_std", "lev.chunk_size", "lev.recompute",
+                            "lev.w_out_init_scale"}
+
+
+def stored_config_path(tag_dir: Path) -> Path | None:
+    """The config.yaml the trainer saved with this checkpoint (tag dir, then the save dir), if any."""
+    return next((p for p in (tag_dir / "config.yaml", tag_dir.parent / "config.yaml") if p.is_file()), None)
+
+
+def model_differences(stored: RunConfig, given: RunConfig) -> list[str]:
+    """`model.<key>: <stored> (checkpoint) != <given>` for every key that changes what the model computes."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(stored.to_dict()["model"]), flat(given.to_dict()["model"])
+    return [f"model.{k}: {a.get(k)!r} in the checkpoint != {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if k not in TRAINING_ONLY_MODEL_KEYS and a.get(k) != b.get(k)]
+
+
 def find_run_config(tag_dir: Path, config: str | os.PathLike | None = None) -> RunConfig:
-    """The run config saved with the checkpoint (tag dir, then the save dir), or `config` if given."""
-    candidates = [Path(config)] if config else [tag_dir / "config.yaml", tag_dir.parent / "config.yaml"]
-    for path in candidates:
-        if path.is_file():
-            return load_config([path])
+    """The run config saved with the checkpoint (tag dir, then the save dir), or `config` if given.
+
+    A given `config` whose model differs from the stored one is refused with the differences:
+    converting with another rope_theta or norm_eps gives a model that is not the trained one.
+    """
+    stored = stored_config_path(tag_dir)
+    if config:
+        given = load_config([Path(config)])
+        if stored is not None and Path(config).resolve() != stored.resolve():
+            diffs = model_differences(load_config([stored]), given)
+            if diffs:
+                raise CheckpointError(f"--config {config} describes another model than the checkpoint's "
+                                      f"{stored}: {'; '.join(diffs)}; drop --config to use the checkpoint's own")
+        return given
+    if stored is not None:
+        return load_config([stored])
     raise CheckpointError(f"no config.yaml beside the checkpoint (looked in {tag_dir} and {tag_dir.parent}); "
                           "pass --config with the run's resolved config")

@@ -8,8 +8,14 @@ compressed baselines are rebuilt at TP = 1 from their merged parameters and
 untied. Vocabulary rows added for TP padding are dropped (export vocab = tokenizer vocab).
 
 The directory is written as `<out>.partial` and renamed to `<out>` only after the
-exported model reproduces the source model's logits (see `validate`); a failed
-validation leaves `<out>.invalid` for inspection and raises `ValidationError`.
+exported model reproduces the source model's logits (see `validate`), and a probe model
+of the same config with large random weights converted the same way reproduces its own
+(so a wrong rope_theta, norm_eps or head layout shows even on a barely trained
+checkpoint); a failed validation leaves `<out>.invalid` for inspection and raises
+`ValidationError`, any other failure removes `<out>.partial`.
+
+Before any work, the model config used is compared with the one stored in the checkpoint,
+and the tokenizer with the training run's (sha256 of the file): differences are refused.
 """
 
 from __future__ import annotations
@@ -21,6 +27,12 @@ from pathlib import Path
 
 import torch
 
+from megatron_lev.checkpoint.ds_reader import (
+    CheckpointError,
+    find_run_config,
+    resolve_tag_dir,
+    stored_config_path,
+)
 from megatron_lev.checkpoint.hf_writer import (
     DEFAULT_MAX_SHARD_BYTES,
     SafetensorsShardWriter,
@@ -37,6 +49,7 @@ from megatron_lev.checkpoint.validate import (
     source_stages,
     validation_ids,
 )
+from megatron_lev.errors import UserError
 from megatron_lev.logging import get_logger
 
 log = get_logger(__name__)
@@ -44,6 +57,14 @@ log = get_logger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REMOTE_CODE = "modeling_lev_llama.py"  # shipped beside this file, copied into --keep-lev exports
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # atol = rtol of validation
+PROBE_TOLERANCE = 1e-4  # the probe runs in fp32 whatever the export dtype; atol relative to each stage's scale
+PROBE_GAIN = 2.0  # probe matrices ~ N(0, (gain / sqrt(fan_in))^2): sharp attention, where rope_theta shows
+
+
+class ExportError(UserError):
+    """A flag or the output directory does not allow the export; nothing was written."""
+
+    exit_code = 2
 
 
 @dataclass
@@ -64,76 +85,153 @@ def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tag:
     `trust_remote_code=True`) instead of materialising the dense table.
     """
     if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        raise ExportError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
-    tok = _tokenizer(checkpoint, tag, config, tokenizer)
+    tag_dir = resolve_tag_dir(checkpoint, tag)
+    check_out_dir(out, overwrite, protect=[Path(checkpoint), tag_dir])
+    tok = run_tokenizer(tag_dir, find_run_config(tag_dir, config), tokenizer)
     src = open_checkpoint(checkpoint, tag, config, vocab_size=tok.vocab_size)
-    work = out.with_name(out.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    tied = src.cfg.model.embedding == "tied"
     if keep_lev and src.cfg.model.embedding != "lev":
-        raise ValueError(f"--keep-lev needs a LEV model; this checkpoint has model.embedding="
-                         f"{src.cfg.model.embedding!r}")
-    hf_config = llama_config(src.cfg.model, src.vocab_size, tied, DTYPES[dtype],
-                             bos_token_id=tok.eod, eos_token_id=tok.eod)
-    files = write_weights(src, work, DTYPES[dtype], max_shard_bytes, progress, keep_lev)
-    write_config(work, hf_config, extra=lev_config(src) if keep_lev else None)
-    if keep_lev:
-        shutil.copyfile(Path(__file__).with_name(REMOTE_CODE), work / REMOTE_CODE)
-    tok.save_for_hf(work)
-    report = None
-    if validate:
-        try:
+        raise ExportError(f"--keep-lev needs a LEV model; this checkpoint has model.embedding="
+                          f"{src.cfg.model.embedding!r}")
+    tied = src.cfg.model.embedding == "tied"
+    work = out.with_name(out.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)  # a dead earlier run's
+    work.mkdir(parents=True)
+    try:
+        hf_config = llama_config(src.cfg.model, src.vocab_size, tied, DTYPES[dtype],
+                                 bos_token_id=tok.eod, eos_token_id=tok.eod)
+        files = write_weights(src, work, DTYPES[dtype], max_shard_bytes, progress, keep_lev)
+        write_config(work, hf_config, extra=lev_config(src) if keep_lev else None)
+        if keep_lev:
+            shutil.copyfile(Path(__file__).with_name(REMOTE_CODE), work / REMOTE_CODE)
+        tok.save_for_hf(work)
+        report = None
+        if validate:
             report = validate_export(src, work, DTYPES[dtype], progress, remote_code=keep_lev)
-        except ValidationError:
-            bad = out.with_name(out.name + ".invalid")
-            shutil.rmtree(bad, ignore_errors=True)
-            os.replace(work, bad)
-            log.error("the export failed validation; the files are kept in %s", bad)
-            raise
-        log.info(report.summary())
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(work, out)
+            log.info(report.summary())
+    except ValidationError:
+        bad = out.with_name(out.name + ".invalid")
+        shutil.rmtree(bad, ignore_errors=True)
+        os.replace(work, bad)
+        log.error("the export failed validation; the files are kept in %s", bad)
+        raise
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)  # never leave a half-written model behind
+        raise
+    _move_into_place(work, out)
     return ExportResult(out, [out / f.name for f in files], src.vocab_size, report)
 
 
-def _tokenizer(checkpoint, tag, config, tokenizer):
-    from megatron_lev.checkpoint.ds_reader import CheckpointError, find_run_config, resolve_tag_dir
-    from megatron_lev.data.tokenizers import build_tokenizer
+def check_out_dir(out: Path, overwrite: bool, protect: list[Path] = ()) -> None:
+    """Refuse an output path that is a file, a non-empty directory (without `overwrite`), or holds the input."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir():
+        raise ExportError(f"output {out} exists and is not a directory; choose a new directory")
+    resolved = out.resolve()
+    for p in protect:
+        p = Path(p).resolve()
+        if resolved == p or resolved in p.parents:
+            raise ExportError(f"output {out} holds the checkpoint being converted ({p}); choose another directory")
+    if any(out.iterdir()) and not overwrite:
+        raise ExportError(f"output {out} exists and is not empty; pass --overwrite to replace it or choose a "
+                          "new directory")
 
-    cfg = find_run_config(resolve_tag_dir(checkpoint, tag), config)
-    path = tokenizer or cfg.data.tokenizer_path
+
+def _move_into_place(work: Path, out: Path) -> None:
+    """Rename `work` to `out`; an existing `out` is moved aside first and removed only after."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old.{os.getpid()}")
+        os.replace(out, old)
+        os.replace(work, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(work, out)
+
+
+def recorded_tokenizer(stored_config: Path | None) -> dict | None:
+    """A tokenizer fingerprint (a mapping with `sha256`) the run recorded in its config.yaml, if any."""
+    import yaml
+
+    if stored_config is None:
+        return None
+    try:
+        data = (yaml.safe_load(stored_config.read_text()) or {}).get("data") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    for key in ("tokenizer", "tokenizer_fingerprint"):
+        if isinstance(data.get(key), dict) and data[key].get("sha256"):
+            return data[key]
+    if isinstance(data.get("tokenizer_sha256"), str):
+        return {"sha256": data["tokenizer_sha256"], "file": Path(str(data.get("tokenizer_path"))).name}
+    return None
+
+
+def run_tokenizer(tag_dir: Path, cfg, tokenizer: str | os.PathLike | None = None):
+    """The training run's tokenizer, or `tokenizer` after checking it is the same file (sha256).
+
+    The reference is the tokenizer named by the checkpoint's own config.yaml (and a fingerprint
+    recorded there, if any): exporting with another tokenizer gives a model that reads wrong ids.
+    """
+    from megatron_lev.config import load_config
+    from megatron_lev.data.tokenizers import build_tokenizer, fingerprint_mismatch, tokenizer_fingerprint
+
+    stored_path = stored_config_path(tag_dir)
+    stored = load_config([stored_path]) if stored_path is not None else cfg
+    kind, recorded_path = stored.data.tokenizer_type, stored.data.tokenizer_path
+    path = tokenizer or recorded_path
     if not path or not Path(path).is_file():
-        raise CheckpointError(f"tokenizer not found (data.tokenizer_path={cfg.data.tokenizer_path!r} in the run's "
-                              "config); pass --tokenizer PATH")
-    return build_tokenizer(cfg.data.tokenizer_type, path)
+        raise CheckpointError(f"tokenizer not found (data.tokenizer_path={recorded_path!r} in the run's config"
+                              f"{'' if not tokenizer else f', --tokenizer {tokenizer}'}); pass --tokenizer PATH "
+                              "with the run's tokenizer file")
+    tok = build_tokenizer(kind, path)
+    given = tokenizer_fingerprint(kind, path, tok)
+    expected = recorded_tokenizer(stored_path)
+    where = f"data.tokenizer_path of {stored_path or 'the config'}"
+    if expected is None and tokenizer and recorded_path and Path(recorded_path).is_file():
+        expected = tokenizer_fingerprint(kind, recorded_path)
+    if expected is not None:
+        diff = fingerprint_mismatch(expected, given)
+        if diff:
+            raise CheckpointError(f"tokenizer {path} is not the one the run was trained with ({where}: "
+                                  f"{recorded_path}): {diff}; pass the run's tokenizer with --tokenizer")
+    elif tokenizer and recorded_path != str(tokenizer):
+        log.warning("cannot check --tokenizer %s against the run's (%s=%r is not on this machine)", tokenizer,
+                    where, recorded_path)
+    if stored.model.vocab_size and stored.model.vocab_size != tok.vocab_size:
+        raise CheckpointError(f"tokenizer {path} has {tok.vocab_size} tokens but the run's model.vocab_size is "
+                              f"{stored.model.vocab_size}; pass the run's tokenizer with --tokenizer")
+    return tok
 
 
 def write_weights(src: SourceCheckpoint, out: Path, dtype: torch.dtype, max_shard_bytes: int,
                   progress: bool = True, keep_lev: bool = False) -> list[Path]:
     """Stream the merged checkpoint into safetensors shards under Llama names."""
     writer = SafetensorsShardWriter(out, max_shard_bytes)
+    for hf_name, tensor in hf_tensors(src, iter_canonical(src, progress), dtype, keep_lev):
+        writer.add(hf_name, tensor)
+    return writer.close()
+
+
+def hf_tensors(src: SourceCheckpoint, canonical, dtype: torch.dtype, keep_lev: bool = False):
+    """`(canonical name, tensor)` of the project's model -> `(Llama name, tensor)` of the export."""
     dense = src.cfg.model.embedding in ("tied", "untied")
     embedding: dict[str, torch.Tensor] = {}
-    for name, tensor in iter_canonical(src, progress):
+    for name, tensor in canonical:
         if keep_lev and name.startswith("embedding."):  # LEV kept as a layer: same names under embed_tokens
-            writer.add("model.embed_tokens." + name.removeprefix("embedding."), tensor.to(dtype))
+            yield "model.embed_tokens." + name.removeprefix("embedding."), tensor.to(dtype)
             continue
         if name.startswith("embedding.") and not dense:
             embedding[name.removeprefix("embedding.")] = tensor
             continue
         if embedding:
-            writer.add("model.embed_tokens.weight", materialized_table(src, embedding).to(dtype))
+            yield "model.embed_tokens.weight", materialized_table(src, embedding).to(dtype)
             embedding = {}
         for hf_name, t in to_hf(name, tensor, src.cfg.model, src.vocab_size):
-            writer.add(hf_name, t.to(dtype))
+            yield hf_name, t.to(dtype)
     if embedding:
-        writer.add("model.embed_tokens.weight", materialized_table(src, embedding).to(dtype))
-    return writer.close()
+        yield "model.embed_tokens.weight", materialized_table(src, embedding).to(dtype)
 
 
 def materialized_table(src: SourceCheckpoint, params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -173,18 +271,95 @@ def lev_config(src: SourceCheckpoint) -> dict:
 
 def validate_export(src: SourceCheckpoint, hf_dir: Path, dtype: torch.dtype = torch.float32,
                     progress: bool = True, remote_code: bool = False) -> ValidationReport:
-    """Run the source and the exported model on the same ids; raise ValidationError naming the first bad stage."""
+    """Run the source and the exported model on the same ids, then the probe (`probe_export`);
+    raise ValidationError naming the first bad stage."""
     from transformers import AutoModelForCausalLM
 
     ids = validation_ids(src.vocab_size, src.cfg.model.seq_length)
     model = source_model(src, progress)
     reference = source_stages(model, ids, src.vocab_size)
     del model  # one model in memory at a time
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=remote_code).eval()
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=remote_code).eval()
+    except (RuntimeError, ValueError, OSError, KeyError) as exc:
+        raise ValidationError(f"transformers cannot load the export with its config.json: "
+                              f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}") from None
     exported = hf_stages(hf, ids)
     del hf
     tol = TOLERANCE[dtype]
-    return compare_stages(reference, exported, atol=tol, rtol=tol)
+    report = compare_stages(reference, exported, atol=tol, rtol=tol)
+    report.probe_max_abs_diff = probe_export(src, hf_dir, remote_code).max_abs_diff
+    return report
 
 
-__all__ = ["export_to_hf", "ExportResult", "validate_export", "source_model", "materialized_table"]
+# the embedding's output is linear in these (first match wins): the probe scales them
+_EMBEDDING_OUTPUT = (("embedding.out_proj", "embedding.residual.weight"), ("embedding.proj.weight",),
+                     ("embedding.mlp.down.weight",), ("embedding.table.weight",))
+
+
+def probe_model(src: SourceCheckpoint, ids: torch.Tensor, seed: int = 0) -> torch.nn.Module:
+    """The source's `GPTModel` with large random weights: matrices of gain `PROBE_GAIN` (sharp attention,
+    so rope_theta and the head layout matter), norm gains 1 +- 0.5, and the input embedding scaled to
+    RMS sqrt(norm_eps) (so the norms' eps matters). A trained checkpoint may show none of these yet."""
+    from megatron_lev.model.gpt import GPTModel
+
+    torch.manual_seed(seed)
+    model = GPTModel(src.cfg.model, src.padded_vocab).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            noise = torch.randn(p.shape, generator=gen)
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.5 * noise)
+            elif name == "embedding.table.weight" and src.cfg.model.embedding in ("tied", "untied"):
+                p.copy_(noise)
+            elif not name.startswith("embedding."):
+                p.copy_(noise * PROBE_GAIN / p.shape[-1] ** 0.5)
+        names = next((g for g in _EMBEDDING_OUTPUT if any(n in params for n in g)), ())
+        rms = model.embedding(ids).float().pow(2).mean().sqrt().item()
+        if names and 0 < rms < float("inf"):
+            for n in names:
+                if n in params:
+                    params[n].mul_(src.cfg.model.norm_eps ** 0.5 / rms)
+    return model
+
+
+def probe_export(src: SourceCheckpoint, hf_dir: Path, remote_code: bool = False) -> ValidationReport:
+    """Convert a probe model (`probe_model`) with the export's own mapping, load it into a model built
+    from the export's config.json, and compare every stage with the probe (fp32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ids = validation_ids(src.vocab_size, src.cfg.model.seq_length, seed=1)
+    model = probe_model(src, ids)
+    reference = source_stages(model, ids, src.vocab_size)
+    state = dict(hf_tensors(src, model.state_dict().items(), torch.float32, keep_lev=remote_code))
+    del model
+    try:
+        config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=remote_code)
+        hf = AutoModelForCausalLM.from_config(config, trust_remote_code=remote_code).float().eval()
+    except (RuntimeError, ValueError, OSError, KeyError) as exc:
+        raise ValidationError(f"probe: transformers cannot build the model {hf_dir / 'config.json'} describes: "
+                              f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}") from None
+    try:
+        missing, unexpected = hf.load_state_dict(state, strict=False)
+    except RuntimeError as exc:
+        raise ValidationError(f"probe: the weights do not fit the model {hf_dir / 'config.json'} describes: "
+                              f"{str(exc).splitlines()[-1].strip()}") from None
+    tied = getattr(config, "tie_word_embeddings", False)
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValidationError(f"probe: {hf_dir / 'config.json'} describes a model with other weights than "
+                              f"the export: missing {missing[:3]}, unexpected {unexpected[:3]} "
+                              "(tie_word_embeddings or the layer names are wrong)")
+    exported = hf_stages(hf, ids)
+    try:
+        return compare_stages(reference, exported, atol=PROBE_TOLERANCE, rtol=PROBE_TOLERANCE, relative=True)
+    except ValidationError as exc:
+        raise ValidationError(f"probe with large random weights: {exc}; a setting of {hf_dir / 'config.json'} "
+                              "(rope_theta, rms_norm_eps, heads, tie_word_embeddings) or the weight mapping "
+                              "does not match the training model") from None
+
+
+__all__ = ["export_to_hf", "ExportResult", "ExportError", "validate_export", "probe_export", "source_model",
+           "materialized_table"]

@@ -19,6 +19,7 @@ must equal that of the merged source model at TP = 1 (same weights, same padding
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -151,7 +152,7 @@ def reference_loss(src: SourceCheckpoint, cfg: RunConfig, ids: torch.Tensor) -> 
     padded = padded_vocab_size(src.vocab_size, cfg.model, cfg.parallel.tensor_model_parallel_size)
     specs = canonical_state_dict_spec(cfg.model, padded)
     with torch.device("meta"):
-        model = GPTModel(cfg.model, padded, seed=cfg.train.seed)
+        model = GPTModel(cfg.model, padded, seed=cfg.train.seed, true_vocab_size=src.vocab_size)
     state = {n: adapt_rows(n, t.float(), specs[n].shape, src.vocab_size) for n, t in iter_canonical(src, False)}
     model.load_state_dict(state, strict=True, assign=True)
     with torch.no_grad():
@@ -161,14 +162,29 @@ def reference_loss(src: SourceCheckpoint, cfg: RunConfig, ids: torch.Tensor) -> 
 def reshard(checkpoint: str | os.PathLike, out_root: str | os.PathLike, tp: int, pp: int, dp: int = 1,
             tag: str | None = None, config: str | os.PathLike | None = None, validate: bool = True,
             timeout: float = 3600.0) -> tuple[Path, float | None, float | None]:
-    """Write the resharded checkpoint under `out_root`; returns (tag dir, reference loss, resharded loss)."""
+    """Write the resharded checkpoint under `out_root`; returns (tag dir, reference loss, resharded loss).
+
+    The result is written to a hidden `.<out>.partial` directory and renamed to `out_root` only
+    after it reloads with the source's loss, so a failed or interrupted reshard leaves no
+    checkpoint the trainer could resume from.
+    """
+    from megatron_lev.checkpoint.hf_export import ExportError, check_out_dir
+    from megatron_lev.config import ConfigError
     from megatron_lev.testing.distributed import run_distributed
 
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
     src = open_checkpoint(checkpoint, tag, config)
-    cfg = target_config(src.cfg, tp, pp, dp)
+    try:
+        cfg = target_config(src.cfg, tp, pp, dp)
+    except ConfigError as exc:
+        raise ConfigError(f"--tp {tp} --pp {pp} --dp {dp} does not fit this model: {exc}") from None
     out = Path(out_root)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty; reshard into a new directory")
+    try:
+        check_out_dir(out, overwrite=False, protect=[Path(checkpoint), src.tag_dir])
+    except ExportError as exc:
+        raise CheckpointError(str(exc).replace("pass --overwrite to replace it or choose", "choose")) from None
     ids = None
     ref = None
     if validate:
@@ -176,13 +192,24 @@ def reshard(checkpoint: str | os.PathLike, out_root: str | os.PathLike, tp: int,
         ids = torch.randint(0, src.vocab_size, (cfg.train.micro_batch_size, s + 1),
                             generator=torch.Generator().manual_seed(0))
         ref = reference_loss(src, cfg, ids)
+    work = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(work, ignore_errors=True)  # a dead earlier run's
     world = tp * pp * dp
-    losses = run_distributed(reshard_worker, world_size=world, timeout=timeout,
-                             args=(str(checkpoint), tag, str(config) if config else None, str(out), cfg.to_yaml(), ids))
-    got = losses[0]
-    if validate and abs(got - ref) > 1e-4 * max(1.0, abs(ref)):
-        raise CheckpointError(f"resharded checkpoint loads with loss {got:.6f} but the source gives {ref:.6f}")
-    latest = (out / "latest").read_text().strip()
+    try:
+        losses = run_distributed(reshard_worker, world_size=world, timeout=timeout,
+                                 args=(str(checkpoint), tag, str(config) if config else None, str(work),
+                                       cfg.to_yaml(), ids))
+        got = losses[0]
+        if validate and abs(got - ref) > 1e-4 * max(1.0, abs(ref)):
+            raise CheckpointError(f"resharded checkpoint loads with loss {got:.6f} but the source gives {ref:.6f}; "
+                                  "nothing was written")
+        latest = (work / "latest").read_text().strip()
+        if out.is_dir():
+            out.rmdir()  # empty (checked above)
+        os.replace(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     return out / latest, ref, got
 
 

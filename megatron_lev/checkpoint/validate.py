@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
 from megatron_lev.errors import UserError
 
 
@@ -24,10 +25,13 @@ class ValidationReport:
     stage_diffs: dict[str, float]  # stage -> max |difference|
     atol: float
     rtol: float
+    probe_max_abs_diff: float | None = None  # the large-random-weights probe's (see hf_export.probe_export)
 
     def summary(self) -> str:
+        probe = ("" if self.probe_max_abs_diff is None else
+                 f"; probe with large random weights: max |logit difference| = {self.probe_max_abs_diff:.3e}")
         return (f"validation passed: max |logit difference| = {self.max_abs_diff:.3e} "
-                f"(atol={self.atol:g}, rtol={self.rtol:g}) over {len(self.stage_diffs)} stages")
+                f"(atol={self.atol:g}, rtol={self.rtol:g}) over {len(self.stage_diffs)} stages{probe}")
 
 
 def validation_ids(vocab_size: int, seq_length: int, batch: int = 3, seed: int = 0) -> torch.Tensor:
@@ -79,20 +83,27 @@ def hf_stages(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def compare_stages(source: dict[str, torch.Tensor], exported: dict[str, torch.Tensor],
-                   atol: float = 1e-4, rtol: float = 1e-4) -> ValidationReport:
-    """Raise ValidationError at the first stage whose outputs differ beyond the tolerance."""
+                   atol: float = 1e-4, rtol: float = 1e-4, relative: bool = False) -> ValidationReport:
+    """Raise ValidationError at the first stage whose outputs differ beyond the tolerance.
+
+    `relative`: atol is multiplied by the stage's largest |value| (for the probe's large activations).
+    """
     diffs: dict[str, float] = {}
     for stage, ref in source.items():
         got = exported.get(stage)
         if got is None or got.shape != ref.shape:
             raise ValidationError(f"stage '{stage}': exported output shape "
                                   f"{None if got is None else tuple(got.shape)} != source {tuple(ref.shape)}")
+        if not torch.isfinite(ref).all():
+            raise ValidationError(f"stage '{stage}' of the source model is not finite (nan/inf): the checkpoint's "
+                                  "weights are damaged; convert an earlier checkpoint (--tag)")
         diffs[stage] = (got - ref).abs().max().item()
+        tol = atol * max(1.0, ref.abs().max().item()) if relative else atol
         try:
-            torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+            torch.testing.assert_close(got, ref, atol=tol, rtol=rtol)
         except AssertionError:
             raise ValidationError(
                 f"the exported model first diverges from the source at stage '{stage}': max |difference| "
-                f"{diffs[stage]:.3e} > atol={atol:g} (earlier stages: "
+                f"{diffs[stage]:.3e} > atol={tol:g} (earlier stages: "
                 + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items() if k != stage) + ")") from None
     return ValidationReport(diffs["logits"], diffs, atol, rtol)

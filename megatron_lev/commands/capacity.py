@@ -72,22 +72,28 @@ def main(args: argparse.Namespace) -> int:
             rows = load_packing(args.fit)
         import numpy as np
 
-        text = fit_markdown(refit(np.asarray(rows, dtype=np.float64)))
+        text = fit_markdown(refit(np.asarray(rows, dtype=np.float64), source=args.fit or "the sweep"))
         atomic_write_text(out / "fit.md", text)
         print(text, end="")
         return 0
     if not args.paths:
-        print("megatron-lev capacity: give PATH..., --formula D EPS, --sweep or --fit")
-        return 2
+        from megatron_lev.errors import UserError
+
+        raise UserError("give PATH..., --formula D EPS, --sweep or --fit")
     from megatron_lev.analysis.capacity import capacity_report, report_markdown, write_report
+    from megatron_lev.analysis.cosine import MatrixError
     from megatron_lev.analysis.loaders import load_matrices
 
     reports = []
     for path in args.paths:
         for name, matrix in load_matrices(path, args.tensor).items():
             print(f"{name}: {tuple(matrix.shape)}")
-            reports.append(capacity_report(matrix, name, sample=args.sample, block=args.block,
-                                           hist_stride=args.hist_stride, device=args.device, progress=True))
+            try:
+                reports.append(capacity_report(matrix, name, sample=args.sample, block=args.block,
+                                               hist_stride=args.hist_stride, device=args.device, progress=True))
+            except MatrixError as exc:
+                where = path if name == Path(path).name else f"{path} ({name.split(':', 1)[-1]})"
+                raise MatrixError(f"{where}: {exc}") from None
     paths = write_report(reports, out)
     print(report_markdown(reports), end="")
     print(f"wrote {paths['json']}, {paths['markdown']} and histogram PNGs in {out}")

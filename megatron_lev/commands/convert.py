@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_lev.checkpoint.ds_reader import CheckpointError
-from megatron_lev.checkpoint.hf_export import DTYPES, export_to_hf
-from megatron_lev.checkpoint.merge import ShardMismatchError
+from megatron_lev.checkpoint.hf_export import DTYPES, ExportError, export_to_hf
 from megatron_lev.checkpoint.validate import ValidationError
 
 
@@ -34,17 +32,18 @@ def main(args: argparse.Namespace) -> int:
     from megatron_lev.logging import setup_logging
 
     setup_logging()
+    if args.max_shard_size <= 0 or args.max_shard_size != args.max_shard_size:
+        raise ExportError(f"--max-shard-size must be a positive number of GB, got {args.max_shard_size}")
     try:
         result = export_to_hf(args.checkpoint, args.out, tag=args.tag, config=args.config, tokenizer=args.tokenizer,
                               dtype=args.dtype, validate=not args.skip_validation,
                               max_shard_bytes=int(args.max_shard_size * 1024**3), overwrite=args.overwrite,
                               progress=not args.no_progress, keep_lev=args.keep_lev)
     except ValidationError as exc:
-        print(f"megatron-lev convert: VALIDATION FAILED: {exc}", file=sys.stderr)
+        if getattr(args, "debug", False):
+            raise
+        print(f"megatron-lev convert: error: VALIDATION FAILED: {exc}", file=sys.stderr)
         return 1
-    except (CheckpointError, ShardMismatchError, FileExistsError, FileNotFoundError, ValueError) as exc:
-        print(f"megatron-lev convert: {exc}", file=sys.stderr)
-        return 2
     if result.report is not None:
         print(result.report.summary())
     else:

@@ -35,6 +35,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--out", default="eval_results", help="output directory (JSON + markdown)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the model code a model directory ships (needed for --keep-lev exports)")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    from megatron_lev.errors import UserError
+
+    for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size),
+                        ("--max-docs", args.max_docs), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+
+
+def _check_tokenizer(tokenizer, model: str, is_hf: bool, vocab: int | None, tag: str | None) -> None:
+    """Refuse a --tokenizer that is not the model's (another file) or yields ids the model has no row for."""
+    from megatron_lev.errors import DataError
+    from megatron_lev.utils.io import sha256_file
+
+    if vocab is not None and tokenizer.vocab_size is not None and tokenizer.vocab_size > vocab:
+        raise DataError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but the model {model} only "
+                        f"{vocab}: it is not the model's tokenizer; pass the one the model was trained with")
+    if tokenizer.file is None:
+        return
+    reference = _model_tokenizer_file(model, is_hf, tag)
+    if reference is None or not reference.is_file() or reference.resolve() == Path(tokenizer.file).resolve():
+        return
+    if sha256_file(reference) != sha256_file(tokenizer.file):
+        raise DataError(f"--tokenizer {tokenizer.file} is not the model's tokenizer ({reference} differs, sha256); "
+                        f"drop --tokenizer to use the model's, or pass {reference}")
+
+
+def _model_tokenizer_file(model: str, is_hf: bool, tag: str | None) -> Path | None:
+    """The tokenizer file a model was exported or trained with, where it is known."""
+    if is_hf:
+        return Path(model) / "tokenizer.json"
+    from megatron_lev.checkpoint.ds_reader import find_run_config, resolve_tag_dir
+
+    path = find_run_config(resolve_tag_dir(model, tag)).data.tokenizer_path
+    return Path(path) if path else None
+
+
+def _check_shard_tokenizers(prefixes: list[str], reference: Path | None) -> None:
+    """Refuse held-out shards whose manifest records another tokenizer than the model's."""
+    from megatron_lev.errors import DataError
+    from megatron_lev.utils.io import sha256_file
+
+    if not prefixes or reference is None or not reference.is_file():
+        return
+    try:
+        from megatron_lev.data.manifest import find_manifest
+    except ImportError:
+        return
+    sha = sha256_file(reference)
+    for prefix in prefixes:
+        try:
+            path, manifest, _ = find_manifest(prefix)
+        except Exception:  # a damaged manifest is named when the shard is read
+            continue
+        recorded = (manifest or {}).get("tokenizer") or {}
+        if recorded.get("sha256") and recorded["sha256"] != sha:
+            raise DataError(f"{prefix}: made with tokenizer {recorded.get('file', '?')} ({path}), not the model's "
+                            f"{reference} (sha256 differs); evaluate shards made with the model's tokenizer")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -46,29 +108,42 @@ def main(args: argparse.Namespace) -> int:
         evaluate_model,
         hf_model_fn,
         hf_sequence_length,
+        hf_vocab_size,
         is_hf_model_dir,
     )
     from megatron_lev.analysis.perplexity import DEFAULT_EDGES, load_counts, result_markdown
     from megatron_lev.config import atomic_write_json, atomic_write_text
+    from megatron_lev.errors import DataError, UserError
 
     if not args.data and not args.text:
-        print("megatron-lev evaluate: give --data PREFIX... and/or --text FILE...")
-        return 2
+        raise UserError("give --data PREFIX... and/or --text FILE...")
+    _check_flags(args)
+    if args.text and not args.tokenizer and not is_hf_model_dir(args.model):
+        raise UserError("--text with a training checkpoint needs --tokenizer (the run's tokenizer file)")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     name = args.name or Path(args.model).name
-    if is_hf_model_dir(args.model):
-        model_fn, seq_len = hf_model_fn(args.model, args.device, args.dtype), hf_sequence_length(args.model)
+    hf = is_hf_model_dir(args.model)
+    if hf:
+        model_fn = hf_model_fn(args.model, args.device, args.dtype, args.trust_remote_code)
+        seq_len, vocab = hf_sequence_length(args.model), hf_vocab_size(args.model)
     else:
-        model_fn, seq_len = checkpoint_model_fn(args.model, args.tag, args.device)
-    if args.text and not args.tokenizer and not is_hf_model_dir(args.model):
-        print("megatron-lev evaluate: --text with a training checkpoint needs --tokenizer")
-        return 2
+        model = Path(args.model)
+        if model.is_dir() and (any(model.glob("*.safetensors")) or any(model.glob("pytorch_model*.bin"))):
+            raise DataError(f"{model} holds model weights but no config.json: not a complete Hugging Face model "
+                            "directory; export it again (megatron-lev convert) or add its config.json")
+        model_fn, seq_len, vocab = checkpoint_model_fn(args.model, args.tag, args.device)
+    _check_shard_tokenizers(args.data, _model_tokenizer_file(args.model, hf, args.tag))
     tokenizer = load_tokenizer(args.tokenizer or args.model) if args.text else None
-    counts = load_counts(args.counts) if args.counts else None
+    if tokenizer is not None:
+        _check_tokenizer(tokenizer, args.model, hf, vocab, args.tag)
+    try:
+        counts = load_counts(args.counts) if args.counts else None
+    except ValueError as exc:
+        raise DataError(f"--counts: {exc}") from None
     split = (args.split, args.split_spec) if args.split else None
     results = evaluate_model(model_fn, name, args.data, args.text, tokenizer, counts,
                              tuple(args.edges or DEFAULT_EDGES), args.seq_len or seq_len,
-                             args.batch_size, args.max_docs, args.device, split=split)
+                             args.batch_size, args.max_docs, args.device, split=split, vocab_size=vocab)
     out = Path(args.out)
     table = result_markdown(results)
     atomic_write_json(out / "eval.json", {"name": name, "model": str(args.model), "results": results})

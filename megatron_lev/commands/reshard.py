@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
-
-from megatron_lev.checkpoint.ds_reader import CheckpointError
-from megatron_lev.checkpoint.merge import ShardMismatchError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,12 +24,8 @@ def main(args: argparse.Namespace) -> int:
     from megatron_lev.logging import setup_logging
 
     setup_logging()
-    try:
-        tag_dir, ref, got = reshard(args.checkpoint, args.out, args.tp, args.pp, args.dp, tag=args.tag,
-                                    config=args.config, validate=not args.skip_validation)
-    except (CheckpointError, ShardMismatchError, FileExistsError) as exc:
-        print(f"megatron-lev reshard: {exc}", file=sys.stderr)
-        return 1
+    tag_dir, ref, got = reshard(args.checkpoint, args.out, args.tp, args.pp, args.dp, tag=args.tag,
+                                config=args.config, validate=not args.skip_validation)
     if ref is not None:
         print(f"validation passed: loss {got:.6f} after reloading at TP={args.tp} PP={args.pp} DP={args.dp} "
               f"(source {ref:.6f})")

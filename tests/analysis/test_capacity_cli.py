@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from megatron_lev.analysis import capacity_report, cosine_stats, write_report
 from megatron_lev.analysis.loaders import load_matrices
 from megatron_lev.cli import main as cli
+from megatron_lev.errors import DataError
 
 
 def test_hf_directory_reports_input_and_output_separately(tiny_llama, tmp_path, capsys):
@@ -45,7 +46,7 @@ def test_npy_safetensors_and_tensor_flag(tmp_path):
     assert list(found) == ["w.safetensors:input (transformer.wte.weight)"]
     (name, t), = load_matrices(tmp_path / "w.safetensors", tensor="my.table").items()
     assert name.endswith(":my.table") and torch.equal(t, torch.from_numpy(m))
-    with pytest.raises(KeyError, match="no tensor named 'nope'"):
+    with pytest.raises(DataError, match="no tensor named .nope."):
         load_matrices(tmp_path / "w.safetensors", tensor="nope")
     with pytest.raises(FileNotFoundError, match="missing.npy"):
         load_matrices(tmp_path / "missing.npy")

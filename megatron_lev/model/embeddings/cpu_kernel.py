@@ -5,7 +5,9 @@ system's C compiler; the shared library is cached by a hash of the source, the
 flags, the compiler and the CPU's instruction-set flags (`-march=native` code must
 not run on another CPU model of a shared file system), and is written atomically
 (temporary file, then rename), so ranks that build at once never load a half-written
-library. Without a compiler, or with `MEGATRON_LEV_CPU_KERNEL=0`, LEV uses its
+library. A library is loaded only from a directory and file this user owns and nobody
+else can write; a shared or tampered cache is skipped (with a warning) for a private
+temporary build. Without a compiler, or with `MEGATRON_LEV_CPU_KERNEL=0`, LEV uses its
 PyTorch path (`phi` by `bmm`) and says so once in the log.
 
 The calls go through `ctypes`, which releases the GIL, so a thread pool of
@@ -14,6 +16,7 @@ The calls go through `ctypes`, which releases the GIL, so a thread pool of
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import hashlib
@@ -21,6 +24,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -74,26 +78,73 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def library_name(cc: str | None = None) -> str:
+    """The cached library's file name: a hash of the source, flags, compiler and CPU flags."""
+    cc = cc or _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc, or $CC) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(_flags()), version, _cpu_flags()]).encode())
+    return f"lev_cpu-{key.hexdigest()[:16]}.so"
+
+
+def _flags() -> list[str]:
+    return CFLAGS + ARCH_FLAGS.get(platform.machine(), [])
+
+
+def untrusted(path: Path, directory: bool) -> str | None:
+    """Why a library could not be trusted from `path` (None if it can): another user could have
+    written it, because it (or, for a file, the link itself) is theirs or writable by group/others."""
+    st = os.stat(path) if directory else os.lstat(path)
+    if directory and not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if not directory and not stat.S_ISREG(st.st_mode):
+        return "is not a regular file (a link?)"
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
 def build(directory: Path | None = None) -> Path:
-    """Compile the kernel (or find it cached); returns the shared library's path. Raises on failure."""
+    """Compile the kernel (or find it cached); returns the shared library's path. Raises on failure.
+
+    Only a cache directory and a library that this user owns and nobody else can write are
+    used; otherwise (a shared or planted cache) the kernel is built in a fresh private
+    temporary directory, with a warning, so no other user's code is ever loaded.
+    """
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc, or $CC) on PATH")
-    flags = CFLAGS + ARCH_FLAGS.get(platform.machine(), [])
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), version, _cpu_flags()]).encode())
+    name = library_name(cc)
     directory = Path(directory or cache_dir())
-    target = directory / f"lev_cpu-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".lev_cpu-", suffix=".so", dir=directory)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    problem = untrusted(directory, directory=True)
+    target = directory / name
+    if problem is None and (target.is_symlink() or target.exists()):
+        what = untrusted(target, directory=False)
+        if what is None:
+            return target
+        problem = f"holds {name}, which {what}"
+    if problem is not None:
+        private = Path(tempfile.mkdtemp(prefix="megatron_lev-kernel-"))  # mode 0700, ours
+        atexit.register(shutil.rmtree, private, True)
+        log.warning("LEV CPU kernel: not loading from %s: it %s; building in the private directory %s instead",
+                    directory, problem, private)
+        return _compile(cc, private / name)
+    return _compile(cc, target)
+
+
+def _compile(cc: str, target: Path) -> Path:
+    fd, tmp = tempfile.mkstemp(prefix=".lev_cpu-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([cc, *_flags(), str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
                               check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed on {SOURCE.name}:\n{proc.stderr.strip()}")
+        os.chmod(tmp, 0o755)  # whatever the umask: nobody else may write a library we load
         os.replace(tmp, target)  # atomic: a concurrent rank sees no library or a whole one
     finally:
         if os.path.exists(tmp):
@@ -127,10 +178,12 @@ def library() -> ctypes.CDLL | None:
                 try:
                     path = build()
                 except OSError as exc:  # e.g. a read-only home on compute nodes: build in the temp dir
+                    # (a name another user can guess: build() checks it is ours and private before using it)
                     fallback = Path(tempfile.gettempdir()) / f"megatron_lev-kernels-{os.getuid()}"
                     log.info("LEV CPU kernel: cannot write %s (%s); building in %s", cache_dir(), exc, fallback)
                     path = build(fallback)
                 lib = _bind(ctypes.CDLL(str(path)))
+                _state["path"] = path
                 if lib.lev_group_size() != GROUP:
                     raise RuntimeError(f"{SOURCE.name} groups {lib.lev_group_size()} factors, lev.py {GROUP}")
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:

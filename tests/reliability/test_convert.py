@@ -1,0 +1,606 @@
+"""Bad inputs and faults of `convert`, `evaluate`, `capacity` and `reshard`, and the CPU-kernel cache.
+
+Each case runs the command in this process and checks the exit status, the one-line
+message (it names the file, key or flag) and what is left on disk: no half-written
+output, no `.partial` directory, inputs untouched, and no code run from data (pickle
+payloads and planted libraries create a marker file that must not appear).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.checkpoint.conftest import ds_checkpoints, sample_text, tokenizer_path  # noqa: F401 (fixtures)
+from tests.reliability.harness import expect_error, expect_ok, run_cli
+
+pytestmark = pytest.mark.multiprocess  # the shared checkpoints are made by 4 gloo processes
+
+
+# ----------------------------------------------------------------------------- shared inputs
+
+
+class Payload:
+    """Unpickling this runs `open(marker, "w")`: a stand-in for any code planted in a data file."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def clone(src: Path, dst: Path) -> Path:
+    """A copy of a checkpoint tree whose files are symlinks (cheap); `own()` makes one file real."""
+    for root, _, files in os.walk(src):
+        rel = Path(root).relative_to(src)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for f in files:
+            os.symlink(Path(root) / f, dst / rel / f)
+    return dst
+
+
+def own(path: Path) -> Path:
+    real = path.resolve()
+    path.unlink()
+    shutil.copyfile(real, path)
+    return path
+
+
+def tag_of(root: Path) -> Path:
+    return root / (root / "latest").read_text().strip()
+
+
+@dataclass
+class Ctx:
+    tmp: Path
+    ckpt: dict[str, Path]
+    hf: Path
+    hf_lev: Path
+    tokenizer: Path
+    marker: Path = field(init=False)
+
+    def __post_init__(self):
+        self.marker = self.tmp / "PAYLOAD_RAN"
+
+    def copy(self, variant: str = "tied") -> Path:
+        return clone(self.ckpt[variant], self.tmp / f"ckpt_{variant}")
+
+    def plant(self, path: Path) -> None:
+        """Replace a checkpoint file with a valid torch file that carries a pickle payload."""
+        path.unlink()
+        torch.save({"module": {"w": torch.zeros(2)}, "evil": Payload(self.marker)}, path)
+
+    def other_tokenizer(self) -> Path:
+        """The run's tokenizer with the ids of two tokens swapped: same size, other ids."""
+        data = json.loads(self.tokenizer.read_text())
+        vocab = data["model"]["vocab"]
+        vocab["the"], vocab["and"] = vocab["and"], vocab["the"]
+        path = self.tmp / "other-tokenizer.json"
+        path.write_text(json.dumps(data))
+        return path
+
+
+@pytest.fixture(scope="module")
+def exports(ds_checkpoints, tmp_path_factory):  # noqa: F811
+    """A dense export of the tied checkpoint and a --keep-lev export of the LEV one."""
+    from megatron_lev.checkpoint.hf_export import export_to_hf
+
+    out = tmp_path_factory.mktemp("exports")
+    dense = export_to_hf(ds_checkpoints["tied"][0], out / "tied", progress=False).out_dir
+    lev = export_to_hf(ds_checkpoints["lev"][0], out / "lev_layer", progress=False, keep_lev=True).out_dir
+    return dense, lev
+
+
+@pytest.fixture
+def ctx(ds_checkpoints, exports, tokenizer_path, tmp_path):  # noqa: F811
+    return Ctx(tmp_path, {k: v[0] for k, v in ds_checkpoints.items()}, exports[0], exports[1], Path(tokenizer_path))
+
+
+def tree(path: Path) -> dict[str, int]:
+    return {str(p.relative_to(path)): p.lstat().st_size for p in sorted(path.rglob("*"))} if path.exists() else {}
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+@dataclass
+class Case:
+    setup: Callable[[Ctx], list]          # -> argv (after the command name)
+    fragments: tuple[str, ...]            # regexes the error line must match
+    rc: int | None = None
+    check: Callable[[Ctx], None] | None = None  # the state on disk afterwards
+
+
+def no_output(c: Ctx) -> None:
+    leftovers = [p.name for p in c.tmp.iterdir() if p.name.startswith(("out", ".out"))]
+    assert leftovers == [], f"half-written output left behind: {leftovers}"
+    assert not c.marker.exists(), "a pickle payload ran"
+
+
+def no_eval(c: Ctx) -> None:
+    assert not (c.tmp / "ev").exists(), "results written for a refused evaluation"
+    assert not c.marker.exists()
+
+
+def no_capacity(c: Ctx) -> None:
+    assert not (c.tmp / "cap" / "capacity.json").exists() and not c.marker.exists()
+
+
+def cv(*extra):
+    """argv of `convert` on the unmodified tied checkpoint into tmp/out."""
+    return lambda c: ["convert", c.ckpt["tied"], c.tmp / "out", "--no-progress", *extra]
+
+
+def cv_on(prepare, *extra, variant="tied"):
+    """argv of `convert` on a copy of a checkpoint changed by `prepare(ctx, root)`."""
+    def setup(c):
+        root = c.copy(variant)
+        prepare(c, root)
+        return ["convert", root, c.tmp / "out", "--no-progress", *extra]
+    return setup
+
+
+def write(path: Path, data: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.write_bytes if isinstance(data, bytes) else path.write_text)(data)
+    return path
+
+
+def config_with(c: Ctx, variant: str = "tied", **changes) -> Path:
+    import yaml
+
+    cfg = yaml.safe_load((tag_of(c.ckpt[variant]) / "config.yaml").read_text())
+    for key, value in changes.items():
+        section, name = key.split("__")
+        cfg[section][name] = value
+    return write(c.tmp / "other.yaml", yaml.safe_dump(cfg))
+
+
+def truncate(c, root):
+    victim = own(tag_of(root) / "layer_01-model_01-model_states.pt")
+    victim.write_bytes(victim.read_bytes()[:300])
+
+
+def kept_file(c: Ctx):
+    assert (c.tmp / "out").read_text() == "keep me"
+
+
+def kept_dir(c: Ctx):
+    assert (c.tmp / "out" / "mine.txt").read_text() == "keep me" and len(list((c.tmp / "out").iterdir())) == 1
+
+
+def ckpt_intact(c: Ctx):
+    assert (tag_of(c.tmp / "ckpt_tied") / "complete").exists() and not c.marker.exists()
+
+
+CONVERT = [
+    pytest.param(Case(lambda c: ["convert", c.tmp / "nope", c.tmp / "out"], ("nope", "does not exist"), 1, no_output),
+                 id="checkpoint-dir-missing"),
+    pytest.param(Case(lambda c: ["convert", write(c.tmp / "empty" / "x.txt", "").parent, c.tmp / "out"],
+                      ("empty", "no 'latest'"), 1, no_output), id="dir-without-latest"),
+    pytest.param(Case(cv_on(lambda c, r: ((r / "latest").unlink(), (r / "latest").write_text("iter_0000099\n"))),
+                      ("latest", "iter_0000099", "does not exist"), 1, no_output), id="latest-names-missing-tag"),
+    pytest.param(Case(cv_on(lambda c, r: ((r / "latest").unlink(), (r / "latest").write_text("\n"))),
+                      ("latest", "does not name a checkpoint tag", "--tag"), 1, no_output), id="latest-empty"),
+    pytest.param(Case(cv_on(lambda c, r: ((r / "latest").unlink(), (r / "latest").write_text("../../etc\n"))),
+                      ("latest", "does not name a checkpoint tag"), 1, no_output), id="latest-escapes-dir"),
+    pytest.param(Case(cv("--tag", "iter_0000042"), ("iter_0000042", "does not exist", "iter_0000001"), 1, no_output),
+                 id="tag-missing"),
+    pytest.param(Case(cv_on(lambda c, r: (tag_of(r) / "complete").unlink()), ("complete", "interrupted", "--tag"),
+                      1, no_output), id="incomplete-tag-no-marker"),
+    pytest.param(Case(cv_on(lambda c, r: (tag_of(r) / "layer_02-model_00-model_states.pt").unlink()),
+                      ("layer 2", r"TP ranks \[1\]", "incomplete"), 1, no_output), id="missing-shard"),
+    pytest.param(Case(cv_on(lambda c, r: [p.unlink() for p in tag_of(r).glob("*model_states.pt")]),
+                      ("no \\*model_states.pt",), 1, no_output), id="tag-without-shards"),
+    pytest.param(Case(cv_on(truncate), ("layer_01-model_01-model_states.pt", "truncated or corrupted"), 1, no_output),
+                 id="truncated-shard"),
+    pytest.param(Case(cv_on(lambda c, r: c.plant(tag_of(r) / "layer_01-model_00-model_states.pt")),
+                      ("refusing to load", "layer_01-model_00-model_states.pt", "builtins.open|open"), 1, no_output),
+                 id="pickle-payload-in-layer-file"),
+    pytest.param(Case(cv_on(lambda c, r: c.plant(tag_of(r) / "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+                            variant="albert"), ("refusing to load", "ZeRO-3", "TP rank 0"), 1, no_output),
+                 id="pickle-payload-in-zero3-model-states"),
+    pytest.param(Case(cv_on(lambda c, r: c.plant(tag_of(r) / "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt"),
+                            variant="albert"), ("refusing to load", "TP rank 1"), 1, no_output),
+                 id="pickle-payload-in-zero3-optim-states"),
+    pytest.param(Case(lambda c: ["convert", c.ckpt["tied"], c.tmp / "out", "--config",
+                                 config_with(c, model__rope_theta=500000.0)],
+                      ("other.yaml", "model.rope_theta: 10000.0 in the checkpoint != 500000.0", "drop --config"), 1,
+                      no_output), id="config-other-rope-theta"),
+    pytest.param(Case(lambda c: ["convert", c.ckpt["tied"], c.tmp / "out", "--config",
+                                 config_with(c, model__norm_eps=1e-6, model__num_kv_heads=4)],
+                      ("model.norm_eps: 1e-05 in the checkpoint != 1e-06", "model.num_kv_heads: 2"), 1, no_output),
+                 id="config-other-norm-eps-and-gqa"),
+    pytest.param(Case(lambda c: ["convert", c.ckpt["tied"], c.tmp / "out", "--tokenizer", c.other_tokenizer()],
+                      ("other-tokenizer.json", "not the one the run was trained with", "sha256"), 1, no_output),
+                 id="tokenizer-other-file"),
+    pytest.param(Case(lambda c: ["convert", c.ckpt["tied"], c.tmp / "out", "--tokenizer", c.tmp / "none.json"],
+                      ("tokenizer not found", "none.json", "--tokenizer"), 1, no_output), id="tokenizer-missing"),
+    pytest.param(Case(cv_on(lambda c, r: own(tag_of(r) / "config.yaml").write_text(
+                          (tag_of(r) / "config.yaml").read_text().replace(str(c.tokenizer), "/moved/tok.json"))),
+                      ("tokenizer not found", "/moved/tok.json", "--tokenizer"), 1, no_output),
+                 id="run-tokenizer-moved"),
+    pytest.param(Case(lambda c: ["convert", c.ckpt["tied"], write(c.tmp / "out" / "mine.txt", "keep me").parent],
+                      ("out", "exists and is not empty", "--overwrite"), 2, kept_dir), id="output-not-empty"),
+    pytest.param(Case(lambda c: ["convert", c.ckpt["tied"], write(c.tmp / "out", "keep me")],
+                      ("out", "not a directory"), 2, kept_file), id="output-is-a-file"),
+    pytest.param(Case(lambda c: ["convert", c.copy(), c.tmp / "ckpt_tied", "--overwrite"],
+                      ("holds the checkpoint",), 2, ckpt_intact), id="output-is-the-checkpoint"),
+    pytest.param(Case(cv("--keep-lev"), ("--keep-lev needs a LEV model", "tied"), 2, no_output),
+                 id="keep-lev-on-tied"),
+    pytest.param(Case(cv("--max-shard-size", "0"), ("--max-shard-size",), 2, no_output), id="max-shard-size-zero"),
+]
+
+
+def ev(*extra, model="hf"):
+    return lambda c: ["evaluate", getattr(c, model), "--out", c.tmp / "ev", "--threads", "1", "--seq-len", "8",
+                      *extra]
+
+
+def ev_text(content: str | bytes, name: str = "corpus.txt"):
+    return lambda c: ev("--text", write(c.tmp / name, content), "--tokenizer", c.tokenizer)(c)
+
+
+def shard(c: Ctx, ids) -> Path:
+    from megatron_lev.data.indexed import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(c.tmp / "heldout", dtype=np.uint16)
+    builder.add_document(np.asarray(ids))
+    builder.finalize()
+    return c.tmp / "heldout"
+
+
+def shard_of_other_tokenizer(c: Ctx) -> Path:
+    from megatron_lev.data.manifest import write_manifest
+
+    prefix = shard(c, range(1, 30))
+    write_manifest(prefix, [str(prefix)], {"type": "hf", "file": "other.json", "sha256": "0" * 64,
+                                           "vocab_size": 50277, "eod": 0}, 29)
+    return prefix
+
+
+def nan_model(c: Ctx) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    out = c.tmp / "nan_model"
+    shutil.copytree(c.hf, out)
+    state = load_file(out / "model.safetensors")
+    state["model.norm.weight"][:] = float("nan")
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def no_config(c: Ctx) -> Path:
+    out = c.tmp / "weights_only"
+    out.mkdir()
+    shutil.copyfile(c.hf / "model.safetensors", out / "model.safetensors")
+    return out
+
+
+EVALUATE = [
+    pytest.param(Case(ev_text(""), ("corpus.txt", "no tokens to evaluate"), 1, no_eval), id="text-empty"),
+    pytest.param(Case(ev_text(b"caf\xe9 latin-1 text\n"), ("corpus.txt", "not UTF-8"), 1, no_eval),
+                 id="text-not-utf8"),
+    pytest.param(Case(ev_text('{"text": "ok"}\nnot json\n', "c.jsonl"), (r"c.jsonl:2", "not a JSON object"), 1,
+                      no_eval), id="jsonl-bad-line"),
+    pytest.param(Case(ev_text('{"text": 17}\n', "c.jsonl"), (r"c.jsonl:1", "'text' is a int"), 1, no_eval),
+                 id="jsonl-text-not-string"),
+    pytest.param(Case(ev_text(b'{"text": "\xff\xfe"}\n', "c.jsonl"), ("c.jsonl", "not UTF-8"), 1, no_eval),
+                 id="jsonl-not-utf8"),
+    pytest.param(Case(lambda c: ev("--text", write(c.tmp / "t.txt", "some text here and more"), "--tokenizer",
+                                   c.other_tokenizer())(c), ("other-tokenizer.json", "not the model's tokenizer"),
+                      1, no_eval), id="tokenizer-not-the-models"),
+    pytest.param(Case(lambda c: ev("--data", shard(c, [5, 6, 60000, 7, 8, 9, 10, 11, 12, 13]))(c),
+                      ("heldout", "token id 60000", "vocabulary of 50277"), 1, no_eval), id="shard-ids-beyond-vocab"),
+    pytest.param(Case(lambda c: ev("--data", shard_of_other_tokenizer(c))(c),
+                      ("heldout", "other.json", "not the model's"), 1, no_eval), id="shard-manifest-other-tokenizer"),
+    pytest.param(Case(lambda c: ["evaluate", nan_model(c), "--data", shard(c, list(range(1, 40))), "--out",
+                                 c.tmp / "ev", "--seq-len", "8", "--threads", "1"],
+                      ("heldout", "non-finite perplexity"), 1, no_eval), id="non-finite-result"),
+    pytest.param(Case(lambda c: ["evaluate", no_config(c), "--data", c.tmp / "x", "--out", c.tmp / "ev"],
+                      ("weights_only", "no config.json"), 1, no_eval), id="hf-dir-without-config"),
+    pytest.param(Case(ev("--text", "x.txt", model="hf_lev"), ("lev_layer", "modeling_lev_llama.py",
+                                                              "--trust-remote-code"), 1, no_eval),
+                 id="keep-lev-export-needs-trust-remote-code"),
+    pytest.param(Case(lambda c: ev("--data", shard(c, range(1, 20)), "--seq-len", "0")(c), ("--seq-len", ">= 1"), 1,
+                      no_eval), id="seq-len-zero"),
+    pytest.param(Case(lambda c: ["evaluate", c.ckpt["tied"], "--text", write(c.tmp / "t.txt", "a b c"), "--out",
+                                 c.tmp / "ev"], ("--text", "needs --tokenizer"), 1, no_eval),
+                 id="checkpoint-text-without-tokenizer"),
+    pytest.param(Case(lambda c: ["evaluate", c.tmp / "gone", "--data", c.tmp / "x", "--out", c.tmp / "ev"],
+                      ("gone", "does not exist"), 1, no_eval), id="model-missing"),
+    pytest.param(Case(lambda c: ev("--data", shard(c, range(1, 20)), "--counts", write(c.tmp / "c.npy", b"junk"))(c),
+                      ("--counts", "c.npy"), 1, no_eval), id="counts-not-npy"),
+    pytest.param(Case(lambda c: ev()(c), ("--data", "--text"), 1, no_eval), id="nothing-to-evaluate"),
+]
+
+
+def npy(c: Ctx, array, name="m.npy", allow_pickle=False) -> Path:
+    path = c.tmp / name
+    np.save(path, array, allow_pickle=allow_pickle)
+    return path
+
+
+def cap(make):
+    return lambda c: ["capacity", make(c), "--out", c.tmp / "cap", "--threads", "1"]
+
+
+def with_nan(value, row=3):
+    def make(c):
+        m = np.random.default_rng(0).normal(size=(20, 8)).astype(np.float32)
+        m[row, 2] = value
+        return npy(c, m)
+    return make
+
+
+def fit_file(rows) -> Callable:
+    return lambda c: ["capacity", "--fit", write(c.tmp / "rows.json", rows if isinstance(rows, str) else
+                                                  json.dumps(rows)), "--out", c.tmp / "cap"]
+
+
+def planted_bin(c: Ctx) -> Path:
+    d = c.tmp / "torch_model"
+    d.mkdir()
+    with open(d / "pytorch_model.bin", "wb") as f:
+        torch.save({"model.embed_tokens.weight": torch.zeros(4, 4), "x": Payload(c.marker)}, f)
+    return d
+
+
+GOOD_ROWS = [[64, 8, 0.3], [128, 8, 0.4], [256, 16, 0.35], [512, 16, 0.4], [1024, 32, 0.33], [16, 32, 0.0]]
+
+CAPACITY = [
+    pytest.param(Case(cap(lambda c: npy(c, np.zeros((2, 3, 4), np.float32))), ("m.npy", "2-D"), 1, no_capacity),
+                 id="npy-3d"),
+    pytest.param(Case(cap(lambda c: npy(c, np.ones((5, 4), np.complex64))), ("m.npy", "real numbers"), 1,
+                      no_capacity), id="npy-complex"),
+    pytest.param(Case(cap(lambda c: npy(c, np.array([Payload(c.marker)] * 4, dtype=object).reshape(2, 2),
+                                        allow_pickle=True)), ("m.npy", "not a readable .npy"), 1, no_capacity),
+                 id="npy-object-pickle-payload"),
+    pytest.param(Case(cap(with_nan(np.nan)), ("m.npy", "row 3", "non-finite"), 1, no_capacity), id="npy-nan-row"),
+    pytest.param(Case(cap(with_nan(np.inf, row=17)), ("m.npy", "row 17", "non-finite"), 1, no_capacity),
+                 id="npy-inf-row"),
+    pytest.param(Case(cap(lambda c: npy(c, np.ones((1, 8), np.float32))), ("m.npy", "at least 2", "got 1"), 1,
+                      no_capacity), id="npy-one-row"),
+    pytest.param(Case(cap(lambda c: npy(c, np.zeros((6, 8), np.float32))), ("m.npy", "6 zero"), 1, no_capacity),
+                 id="npy-all-zero-rows"),
+    pytest.param(Case(cap(lambda c: write(c.tmp / "m.npy", b"\x93NUMPY garbage")), ("m.npy", "not a readable"), 1,
+                      no_capacity), id="npy-damaged"),
+    pytest.param(Case(cap(planted_bin), ("pytorch_model.bin", "not a plain PyTorch state dict"), 1, no_capacity),
+                 id="bin-pickle-payload"),
+    pytest.param(Case(cap(lambda c: write(c.tmp / "w.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{bad json")),
+                      ("w.safetensors", "not a readable .safetensors"), 1, no_capacity), id="safetensors-damaged"),
+    pytest.param(Case(cap(lambda c: write(c.tmp / "dir" / "README", "x").parent), ("dir", "no \\*.safetensors"), 1,
+                      no_capacity), id="dir-without-weights"),
+    pytest.param(Case(fit_file(GOOD_ROWS[:2] + [[256, 16, float("nan")]] + GOOD_ROWS[3:]),
+                      ("rows.json", "row 2", "finite"), 1, no_capacity), id="fit-nan-row"),
+    pytest.param(Case(fit_file([[64, 8, 0.3], [128, 8, 0.4]]), ("rows.json", "too few", "need at least"), 1,
+                      no_capacity), id="fit-too-few-rows"),
+    pytest.param(Case(fit_file([[64, 8, 0.3], [128, 8]]), ("rows.json", "row 1", r"\[k, d, eps\*\]"), 1, no_capacity),
+                 id="fit-row-wrong-shape"),
+    pytest.param(Case(fit_file("[[1, 2, 3"), ("rows.json", "cannot read"), 1, no_capacity), id="fit-not-json"),
+    pytest.param(Case(fit_file(GOOD_ROWS[:1] + [[-5, 8, 0.2]] + GOOD_ROWS[1:]), ("rows.json", "row 1", "positive"),
+                      1, no_capacity), id="fit-negative-k"),
+]
+
+
+def rs(*flags, out="out"):
+    return lambda c: ["reshard", c.ckpt["tied"], c.tmp / out, *flags]
+
+
+def reshard_planted(c: Ctx) -> list:
+    root = c.copy("albert")
+    c.plant(tag_of(root) / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    return ["reshard", root, c.tmp / "out", "--tp", "1", "--pp", "1"]
+
+
+RESHARD = [
+    pytest.param(Case(rs("--tp", "3", "--pp", "1"), ("--tp 3", "num_attention_heads=4 is not divisible"), 2,
+                      no_output), id="tp-does-not-divide-heads"),
+    pytest.param(Case(rs("--tp", "1", "--pp", "5"), ("--pp 5", "exceeds model.num_layers=2"), 2, no_output),
+                 id="pp-more-than-layers"),
+    pytest.param(Case(rs("--tp", "1", "--pp", "1", "--dp", "0"), ("--dp must be >= 1",), 2, no_output),
+                 id="dp-zero"),
+    pytest.param(Case(lambda c: ["reshard", c.ckpt["tied"], write(c.tmp / "out" / "mine.txt", "keep me").parent,
+                                 "--tp", "1", "--pp", "1"], ("out", "is not empty"), 1, kept_dir),
+                 id="reshard-output-not-empty"),
+    pytest.param(Case(lambda c: ["reshard", c.copy(), c.tmp / "ckpt_tied", "--tp", "1", "--pp", "1"],
+                      ("holds the checkpoint",), 1, ckpt_intact), id="reshard-output-is-the-checkpoint"),
+    pytest.param(Case(lambda c: ["reshard", c.tmp / "nope", c.tmp / "out", "--tp", "1", "--pp", "1"],
+                      ("nope", "does not exist"), 1, no_output), id="reshard-source-missing"),
+    pytest.param(Case(reshard_planted, ("refusing to load", "ZeRO-3"), 1, no_output),
+                 id="reshard-pickle-payload-in-source"),
+]
+
+
+@pytest.mark.parametrize("case", CONVERT + EVALUATE + CAPACITY + RESHARD)
+def test_bad_input_is_refused_in_one_line(case: Case, ctx: Ctx, capsys):
+    argv = case.setup(ctx)
+    before = tree(ctx.ckpt["tied"])
+    outcome = run_cli(argv, capsys)
+    expect_error(outcome, *case.fragments, rc=case.rc)
+    if case.check is not None:
+        case.check(ctx)
+    assert tree(ctx.ckpt["tied"]) == before, "the source checkpoint was changed"
+
+
+# ----------------------------------------------------------------------------- validation with the probe
+
+
+def _patch_config(monkeypatch, key, value):
+    from megatron_lev.checkpoint import hf_export
+
+    real = hf_export.write_config
+
+    def patched(out_dir, config, max_new_tokens=64, extra=None):  # a converter bug: one wrong key
+        real(out_dir, config, max_new_tokens, extra)
+        cfg = json.loads((out_dir / "config.json").read_text())
+        cfg[key] = value
+        if key == "rope_theta":
+            cfg["rope_parameters"]["rope_theta"] = value
+        (out_dir / "config.json").write_text(json.dumps(cfg))
+
+    monkeypatch.setattr(hf_export, "write_config", patched)
+
+
+PROBE = [
+    pytest.param("lev", "rope_theta", 20000.0, "layer 0", id="rope-theta"),
+    pytest.param("tied", "rope_theta", 10100.0, "layer 0", id="rope-theta-close"),
+    pytest.param("lev", "tie_word_embeddings", True, "input embedding", id="tie-word-embeddings"),
+]
+
+
+@pytest.mark.parametrize("variant,key,value,stage", PROBE)
+def test_probe_catches_a_wrong_setting_the_trained_weights_hide(variant, key, value, stage, ctx, monkeypatch,
+                                                                  capsys):
+    from megatron_lev.checkpoint import hf_export
+
+    _patch_config(monkeypatch, key, value)
+    real_probe = hf_export.probe_export
+    # the old check alone (the checkpoint's own weights) passes this broken export ...
+    monkeypatch.setattr(hf_export, "probe_export", lambda *a, **k: hf_export.ValidationReport(0.0, {}, 0, 0))
+    expect_ok(run_cli(["convert", ctx.ckpt[variant], ctx.tmp / "old", "--no-progress"], capsys))
+    # ... the probe does not
+    monkeypatch.setattr(hf_export, "probe_export", real_probe)
+    outcome = run_cli(["convert", ctx.ckpt[variant], ctx.tmp / "out", "--no-progress"], capsys)
+    expect_error(outcome, "VALIDATION FAILED", "probe with large random weights", f"stage '{stage}'",
+                 "config.json", rc=1)
+    assert not (ctx.tmp / "out").exists() and not (ctx.tmp / "out.partial").exists()
+    assert (ctx.tmp / "out.invalid" / "config.json").is_file()
+
+
+def test_an_export_transformers_cannot_load_is_a_validation_failure(ctx, monkeypatch, capsys):
+    _patch_config(monkeypatch, "num_key_value_heads", 4)
+    outcome = run_cli(["convert", ctx.ckpt["tied"], ctx.tmp / "out", "--no-progress"], capsys)
+    expect_error(outcome, "VALIDATION FAILED", "transformers cannot load", rc=1)
+    assert not (ctx.tmp / "out").exists() and (ctx.tmp / "out.invalid").is_dir()
+
+
+def test_disk_full_while_writing_leaves_no_partial_export(ctx, monkeypatch, capsys):
+    """ENOSPC is simulated by making the shard writer's save raise it (no tmpfs needed)."""
+    import errno
+
+    from megatron_lev.checkpoint import hf_writer
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(ctx.tmp / "out.partial" / ".shard-00000.tmp"))
+
+    monkeypatch.setattr(hf_writer, "save_file", full)
+    outcome = run_cli(["convert", ctx.ckpt["tied"], ctx.tmp / "out", "--no-progress"], capsys)
+    expect_error(outcome, "no space left", "out.partial", rc=1)
+    no_output(ctx)
+
+
+def test_overwrite_replaces_only_after_success_and_config_with_training_only_changes_passes(ctx, capsys):
+    out = write(ctx.tmp / "out" / "old.txt", "old").parent
+    other = config_with(ctx, model__hidden_dropout=0.1, model__activation_checkpointing=True)
+    expect_ok(run_cli(["convert", ctx.ckpt["tied"], out, "--overwrite", "--config", other, "--no-progress"], capsys))
+    assert (out / "config.json").is_file() and not (out / "old.txt").exists()
+    assert [p.name for p in ctx.tmp.iterdir() if p.name.startswith(".")] == []  # no .out.old / .partial left
+
+
+def test_keep_lev_export_evaluates_with_trust_remote_code(ctx, capsys):
+    text = write(ctx.tmp / "t.txt", "The quick brown fox jumps over the lazy dog. " * 4)
+    expect_ok(run_cli(["evaluate", ctx.hf_lev, "--text", text, "--trust-remote-code", "--seq-len", "8",
+                       "--threads", "1", "--out", ctx.tmp / "ev"], capsys))
+    result = json.loads((ctx.tmp / "ev" / "eval.json").read_text())["results"][0]
+    assert np.isfinite(result["perplexity"]) and result["tokens"] > 8
+
+
+# ----------------------------------------------------------------------------- the CPU kernel cache
+
+EVIL_C = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) { FILE *f = fopen("%s", "w"); if (f) fclose(f); }
+int lev_group_size(void) { return 0; }
+"""
+
+
+def _plant_library(directory: Path, marker: Path) -> Path:
+    from megatron_lev.model.embeddings import cpu_kernel
+
+    src = directory / "evil.c"
+    src.write_text(EVIL_C % marker)
+    lib = directory / cpu_kernel.library_name()
+    subprocess.run([cpu_kernel._compiler(), "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+    src.unlink()
+    return lib
+
+
+def _load_in_child(cache: Path) -> subprocess.CompletedProcess:
+    code = ("from megatron_lev.model.embeddings import cpu_kernel\n"
+            "print('LOADED', cpu_kernel.available(), cpu_kernel._state.get('path'))\n")
+    env = dict(os.environ, MEGATRON_LEV_KERNEL_CACHE=str(cache))
+    env.pop(cpu_kernel_switch(), None)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def cpu_kernel_switch() -> str:
+    from megatron_lev.model.embeddings import cpu_kernel
+
+    return cpu_kernel.ENV_SWITCH
+
+
+def _world_writable_dir(c: Path) -> None:
+    c.chmod(0o777)
+
+
+def _world_writable_lib(c: Path) -> None:
+    next(c.glob("lev_cpu-*.so")).chmod(0o666)
+
+
+def _foreign_lib(c: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("changing a file's owner needs root")
+    os.chown(next(c.glob("lev_cpu-*.so")), 65534, 65534)
+
+
+def _symlinked_lib(c: Path) -> None:
+    lib = next(c.glob("lev_cpu-*.so"))
+    real = c.parent / "elsewhere.so"
+    lib.rename(real)
+    lib.symlink_to(real)
+
+
+KERNEL = [
+    pytest.param(_world_writable_dir, "writable by group or others", id="cache-dir-world-writable"),
+    pytest.param(_world_writable_lib, "writable by group or others", id="library-world-writable"),
+    pytest.param(_foreign_lib, "owned by uid 65534", id="library-of-another-user"),
+    pytest.param(_symlinked_lib, "not a regular file", id="library-is-a-symlink"),
+]
+
+
+@pytest.mark.parametrize("weaken,reason", KERNEL)
+def test_planted_kernel_library_is_never_loaded(weaken, reason, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    marker = tmp_path / "PLANTED_LIBRARY_RAN"
+    _plant_library(cache, marker)
+    weaken(cache)
+    before = tree(cache)
+    proc = _load_in_child(cache)
+    assert proc.returncode == 0, proc.stderr
+    assert not marker.exists(), "a library another user could write was loaded"
+    loaded = Path(proc.stdout.split()[-1])
+    assert proc.stdout.startswith("LOADED True") and cache not in loaded.parents  # the real kernel, built privately
+    assert reason in proc.stderr and "private" in proc.stderr
+    assert tree(cache) == before  # nothing written into the untrusted cache
+
+
+def test_a_private_cache_is_used(tmp_path):
+    cache = tmp_path / "cache"
+    first = _load_in_child(cache)
+    second = _load_in_child(cache)
+    assert first.returncode == second.returncode == 0
+    assert Path(second.stdout.split()[-1]).parent == cache and "private" not in second.stderr
+    assert oct(cache.stat().st_mode & 0o777) == "0o700"
