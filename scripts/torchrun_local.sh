@@ -10,6 +10,11 @@
 # script it uses MEGATRON_LEV_PYTHON, else .venv/bin/python, else python; ENTRY replaces
 # "-m megatron_lev train". Started again with the same train.save, a run resumes from
 # its latest checkpoint.
+#
+# Exit status: the trainer's. A preempted run (SIGTERM or SIGUSR1, to this script or to the
+# ranks) exits 75 so a scheduler can requeue it; torchrun itself reports any failed rank as
+# 1, so each rank writes its status into $MEGATRON_LEV_EXIT_DIR and this script passes a 75
+# through when no rank reported another failure.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 if [ -n "${MEGATRON_LEV_PYTHON:-}" ]; then
@@ -19,6 +24,7 @@ elif [ -x "$root/.venv/bin/python" ]; then
 else
     python=python
 fi
+trap 'exit 75' TERM USR1  # preempted before anything started: requeue
 [ $# -gt 0 ] || { echo "usage: $0 --config FILE [section.key=value ...]" >&2; exit 2; }
 if [ -z "${NPROC:-}" ]; then
     NPROC=$("$python" -c "import torch; print(max(1, torch.cuda.device_count()))")
@@ -27,4 +33,49 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
 read -ra entry <<<"${ENTRY:--m megatron_lev train}"
 echo "[torchrun_local] $NPROC process(es), python $python"
-exec "$python" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "${entry[@]}" "$@"
+
+exit_dir=$(mktemp -d "${TMPDIR:-/tmp}/torchrun_local.XXXXXX")
+trap 'rm -rf "$exit_dir"' EXIT
+export MEGATRON_LEV_EXIT_DIR=$exit_dir
+# torchrun forwards these to the ranks (SIGUSR1 is not among its defaults)
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
+# ranks get this long to finish the step and save after a signal before torchrun kills them
+export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-300}
+( trap - INT QUIT; exec "$python" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
+    "${entry[@]}" "$@" ) &
+pid=$!
+signalled=0  # a preemption signal came to this script: forwarded, and a reason to requeue
+for sig in TERM USR1; do
+    trap "signalled=1; kill -$sig $pid 2>/dev/null || true" "$sig"
+done
+for sig in INT HUP QUIT; do
+    trap "kill -$sig $pid 2>/dev/null || true" "$sig"
+done
+status=0
+while :; do
+    status=0
+    wait "$pid" || status=$?
+    kill -0 "$pid" 2>/dev/null || break  # else a trapped signal interrupted the wait
+done
+status=0
+wait "$pid" || status=$?  # the child's own status, also when a signal interrupted the last wait
+
+if [ "$status" -ne 0 ]; then
+    preempted=0 other=0
+    for f in "$exit_dir"/rank*; do
+        [ -e "$f" ] || continue
+        case $(cat "$f") in
+            75) preempted=1 ;;
+            0) ;;
+            *) other=1 ;;
+        esac
+    done
+    if [ "$signalled" = 1 ] && [ "$preempted" = 0 ] && [ "$other" = 0 ]; then
+        preempted=1  # torchrun was stopped before any rank reported (still starting up)
+    fi
+    if [ "$preempted" = 1 ] && [ "$other" = 0 ]; then
+        echo "[torchrun_local] preempted: exiting with status 75 (requeue)" >&2
+        status=75
+    fi
+fi
+exit "$status"

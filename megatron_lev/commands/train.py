@@ -8,16 +8,39 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_lev.commands.config_cmd import add_config_arguments, config_files_and_overrides
+from megatron_lev.training.signals import install_startup_handler, report_exit_code
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # The first code of a `train` run: from here on SIGTERM/SIGUSR1 exit 75 (requeue) instead of 143.
+    install_startup_handler()
+    from megatron_lev.commands.config_cmd import add_config_arguments
+
     add_config_arguments(parser)
+    parser.add_argument("--allow-change", action="append", default=[], metavar="KEY",
+                        help="resume although config KEY (e.g. train.lr) differs from the checkpoint's; "
+                             "repeatable; model keys can never change")
 
 
 def main(args: argparse.Namespace) -> int:
+    code = 1
+    try:
+        code = _train(args)
+        return code
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+        raise
+    except BaseException as exc:
+        code = getattr(exc, "exit_code", 1)
+        raise
+    finally:
+        report_exit_code(code)
+
+
+def _train(args: argparse.Namespace) -> int:
     import torch
 
+    from megatron_lev.commands.config_cmd import config_files_and_overrides
     from megatron_lev.config import load_config
     from megatron_lev.training.ds_config import validate_training
     from megatron_lev.training.launch import read_dist_env
@@ -29,4 +52,4 @@ def main(args: argparse.Namespace) -> int:
 
     from megatron_lev.training.run import pretrain
 
-    return pretrain(cfg).exit_code
+    return pretrain(cfg, allow_changes=args.allow_change).exit_code

@@ -15,6 +15,7 @@ from torch import nn
 from megatron_lev.config import ConfigError, RunConfig
 from megatron_lev.logging import get_logger, setup_logging
 from megatron_lev.parallel import state
+from megatron_lev.training import checkpointing
 from megatron_lev.training.batches import make_loader, pipeline_batches, token_batches
 from megatron_lev.training.ds_config import batch_layout, build_ds_config, validate_training
 from megatron_lev.training.engine import build_engine, disable_cpu_shm_comm
@@ -59,16 +60,17 @@ def find_input_embedding(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if isinstance(m, InputEmbedding)), None)
 
 
-def pretrain(cfg: RunConfig) -> TrainResult:
-    """Run (or resume) the pretraining described by `cfg` on the launcher's processes."""
+def pretrain(cfg: RunConfig, allow_changes=()) -> TrainResult:
+    """Run (or resume) the pretraining described by `cfg` on the launcher's processes; config keys
+    in `allow_changes` may differ from the resumed checkpoint's (see `training.resume_config`)."""
     watcher = PreemptionWatcher().install()  # before the slow start-up: Slurm's notice may come early
     try:
-        return _pretrain(cfg, watcher)
+        return _pretrain(cfg, watcher, allow_changes)
     finally:
         watcher.uninstall()
 
 
-def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher) -> TrainResult:
+def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> TrainResult:
     from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
     from megatron_lev.data.tokenizers import build_tokenizer
     from megatron_lev.model.build import build_model, padded_vocab_size
@@ -89,6 +91,10 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher) -> TrainResult:
 
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_path)
     vocab = padded_vocab_size(check_vocab(cfg, tokenizer.vocab_size), cfg.model, tp)
+    # which checkpoint (verified, config compared), or a fresh start that loses nothing: before the model
+    save_dir = cfg.train.save or str(out / "checkpoints")
+    load_dir = cfg.train.load or save_dir
+    plan = checkpointing.plan_resume(load_dir, save_dir, cfg, allow_changes)
     if rank == 0:
         log.info("resolved config saved to %s", cfg.save(out))
 
@@ -127,15 +133,14 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher) -> TrainResult:
         batches = token_batches(make_loader(valid_ds, 0, micro, dp_rank, dp, 0), dev)
         return pipeline_batches(batches) if pipeline else batches
 
-    save_dir = cfg.train.save or str(out / "checkpoints")
     writer = MetricsWriter(out, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
     trainer = Trainer(cfg, engine, optimizer, budget, pipeline=pipeline, world_size=world, device=dev,
                       train_batches=train_batches, valid_batches=valid_batches if valid_ds is not None else None,
                       flops_per_token=flops_per_token(cfg.model, vocab), writer=writer, gas=gas,
-                      global_batch=global_batch, save_dir=save_dir, load_dir=cfg.train.load or save_dir,
+                      global_batch=global_batch, save_dir=save_dir, load_dir=load_dir,
                       nan_steps=injected_nan_steps(), embedding_probe=probe, watcher=watcher)
     try:
-        trainer.resume()
+        trainer.resume(plan)
         writer.record("event", trainer.state.iteration, {"event": "start", "parameters": n_params,
                                                           "train_iters": budget.train_iters, "world_size": world})
         result = trainer.train()

@@ -4,22 +4,66 @@ Slurm sends SIGTERM (or the `--signal` of the job) before it kills a job; the
 sbatch script requeues a job that exits with `PREEMPTED_EXIT_CODE` (EX_TEMPFAIL).
 A signal may reach only some ranks, so every step the ranks all-reduce the flag:
 they stop at the same iteration and none waits forever in a collective.
+
+Two phases. `install_startup_handler()` runs first, before torch and DeepSpeed are
+imported: there is nothing to save yet, so a signal exits 75 at once. `pretrain()`
+then installs a `PreemptionWatcher`, which only records the signal; the trainer
+checks it between steps. This module imports nothing heavy so the first phase can
+start within milliseconds.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+from pathlib import Path
 from types import FrameType
-
-import torch
-import torch.distributed as dist
-
-from megatron_lev.logging import get_logger
 
 PREEMPTED_EXIT_CODE = 75
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_DIR_ENV = "MEGATRON_LEV_EXIT_DIR"  # launchers read each rank's exit status here (torchrun hides 75)
 
-log = get_logger(__name__)
+
+def _log():
+    from megatron_lev.logging import get_logger
+
+    return get_logger(__name__)
+
+
+def report_exit_code(code: int) -> None:
+    """Write this rank's exit status to `$MEGATRON_LEV_EXIT_DIR/rank<R>` if a launcher asked for it."""
+    directory = os.environ.get(EXIT_DIR_ENV)
+    if not directory:
+        return
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+    try:
+        Path(directory, f"rank{rank}").write_text(f"{int(code)}\n")
+    except OSError:
+        pass  # best effort: the launcher then keeps torchrun's own status
+
+
+def _exit_at_startup(signum: int, frame: FrameType | None) -> None:
+    name = signal.Signals(signum).name
+    msg = (f"megatron-lev train: preempted ({name}) during start-up, before the first step; nothing to save, "
+           f"exiting with status {PREEMPTED_EXIT_CODE} so the job is requeued\n")
+    try:
+        os.write(2, msg.encode())
+    except OSError:
+        pass
+    report_exit_code(PREEMPTED_EXIT_CODE)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a stream may be mid-write; exiting matters more
+            pass
+    os._exit(PREEMPTED_EXIT_CODE)  # mid-import: unwinding could run half-initialised code
+
+
+def install_startup_handler(signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
+    """Exit 75 at once on a preemption signal; call before the heavy imports of a training run."""
+    for sig in signals:
+        signal.signal(sig, _exit_at_startup)
 
 
 class PreemptionWatcher:
@@ -32,8 +76,8 @@ class PreemptionWatcher:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
-            log.warning("received %s: will save a checkpoint after this step and exit with status %d",
-                        signal.Signals(signum).name, PREEMPTED_EXIT_CODE)
+            _log().warning("received %s: will save a checkpoint after this step and exit with status %d",
+                           signal.Signals(signum).name, PREEMPTED_EXIT_CODE)
         self.received = signum
 
     def install(self) -> PreemptionWatcher:
@@ -52,8 +96,11 @@ class PreemptionWatcher:
     def __exit__(self, *exc) -> None:
         self.uninstall()
 
-    def should_stop(self, device: torch.device | None = None) -> bool:
+    def should_stop(self, device=None) -> bool:
         """True on every rank if any rank was signalled (an all-reduce MAX when distributed)."""
+        import torch
+        import torch.distributed as dist
+
         flag = torch.tensor([1.0 if self.received is not None else 0.0], device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

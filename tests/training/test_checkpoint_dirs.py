@@ -14,6 +14,7 @@ def _make(root, iteration, complete=True):
     d = root / ck.tag_for(iteration)
     d.mkdir(parents=True)
     (d / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (d / ck.STARTED_MARKER).write_text("{}")  # written by our save: a partial one is ours to prune
     if complete:
         (d / ck.COMPLETE_MARKER).write_text("{}")
     return d

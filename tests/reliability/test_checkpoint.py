@@ -1,0 +1,591 @@
+"""Checkpoints under faults: damaged files, markers and pointers, foreign directories, config
+changes on resume, preemption signals at start-up, a full disk during a save, pickle payloads.
+
+One real tiny training (two checkpoints, iterations 2 and 4) is shared by the module and
+copied per case. Most cases call the code `megatron-lev train` runs before it builds the
+model (`checkpointing.plan_resume` and friends) in this process; the faults that need a
+real process (signals, a full disk, torchrun, a resume that trains) run the CLI.
+
+A full disk is a real one when this user may mount a small tmpfs (root); otherwise
+DeepSpeed's file writer is patched in the child process to raise ENOSPC.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from megatron_lev.errors import CheckpointDataError
+from megatron_lev.training import checkpointing as ck
+from tests.reliability.harness import ROOT, expect_error, expect_ok, leftover_processes, run_cli_process
+
+pytestmark = pytest.mark.timeout(300)
+
+TINY = ROOT / "pretrain" / "configs" / "tiny.yaml"
+ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+MODEL = "mp_rank_00_model_states.pt"
+OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+RNG = "rng_state_rank0.pt"
+IT2, IT4 = ck.tag_for(2), ck.tag_for(4)
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "MEGATRON_LEV_DEBUG")}
+    env.update(ENV, **extra)
+    return env
+
+
+def overrides(data: dict, out: Path, **extra) -> list[str]:
+    """A seconds-long CPU run of the tiny config writing under `out`."""
+    base = {
+        "data.data_path": f"[{data['prefix']}]", "data.tokenizer_path": data["tokenizer"], "data.split": "98,2,0",
+        "data.cache_dir": str(data["cache"]), "model.num_layers": 2, "model.hidden_size": 32,
+        "model.num_attention_heads": 2, "model.seq_length": 32, "model.lev.d_seed": 8, "model.lev.heads": 2,
+        "model.lev.rank": 4, "model.lev.kappa": 4, "train.micro_batch_size": 2, "train.train_iters": 4,
+        "train.lr": 3e-3, "train.min_lr": 3e-4, "train.lr_warmup_iters": 2, "train.save_interval": 2,
+        "train.keep_last": 2, "train.save": str(out / "ckpt"), "logging.output_dir": str(out),
+        "logging.log_interval": 1, "logging.progress_bar": False, "logging.tensorboard": False,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def train(over: list[str], *, timeout: float = 180, **env) -> object:
+    return run_cli_process(["train", "--config", TINY, *over], timeout=timeout, env=_env(**env))
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file under `root` (to prove nothing changed)."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------ shared inputs
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, shared_data) -> dict:
+    """300 real Wikipedia documents in one shard set, GPT-NeoX tokenizer."""
+    from megatron_lev.data.preprocess import PreprocessOptions, preprocess
+
+    work = tmp_path_factory.mktemp("ckdata")
+    lines = []
+    with open(shared_data / "minipile" / "Wikipedia_en.jsonl.zst", "rb") as f:
+        for line in io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f), encoding="utf-8"):
+            lines.append(line)
+            if len(lines) == 300:
+                break
+    (work / "docs.jsonl").write_text("".join(lines))
+    tok = str(shared_data / "tokenizers" / "gpt-neox-20b.json")
+    preprocess(PreprocessOptions([str(work / "docs.jsonl")], str(work / "wiki_text_document"), "hf", tok,
+                                 workers=1, progress=False))
+    return {"prefix": str(work / "wiki_text_document"), "tokenizer": tok, "cache": work / "cache"}
+
+
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory) -> Path:
+    """The output directory of a finished 4-iteration run with checkpoints at 2 and 4."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    expect_ok(train(overrides(data, out)))
+    assert (out / "ckpt" / "latest").read_text().strip() == IT4
+    return out
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path) -> Path:
+    """A private copy of the trained run (output directory with `ckpt/`)."""
+    dst = tmp_path / "run"
+    shutil.copytree(trained, dst)
+    return dst
+
+
+def flip(path: Path, n: int = 64) -> None:
+    """Invert `n` bytes in the middle of `path` (the size stays the same)."""
+    raw = bytearray(path.read_bytes())
+    mid = len(raw) // 2
+    raw[mid:mid + n] = bytes(b ^ 0xFF for b in raw[mid:mid + n])
+    path.write_bytes(bytes(raw))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def edit_marker(tag_dir: Path, fn) -> None:
+    marker = tag_dir / ck.COMPLETE_MARKER
+    data = json.loads(marker.read_text())
+    fn(data)
+    marker.write_text(json.dumps(data))
+
+
+def _wrong_sha(d):
+    d["files"][MODEL]["sha256"] = "0" * 64
+
+
+def _wrong_size(d):
+    d["files"][OPTIM]["size"] += 1
+
+
+def _escape(d):
+    d["files"]["../../outside"] = {"size": 1, "sha256": "0" * 64}
+
+
+def _extra_listed(d):
+    d["files"]["layer_99-model_states.pt"] = {"size": 10, "sha256": "0" * 64}
+
+
+# ------------------------------------------------------------------ damaged checkpoints (choose another)
+
+DAMAGE = [
+    # id, what is done to ckpt/, the tag resume must pick (None: error), regex the warning/error must match
+    pytest.param(lambda c: flip(c / IT4 / MODEL), IT2, rf"{IT4}/{MODEL} does not match its checksum",
+                 id="model-64-bytes-flipped"),
+    pytest.param(lambda c: flip(c / IT4 / OPTIM), IT2, rf"{IT4}/{OPTIM} does not match", id="optim-flipped"),
+    pytest.param(lambda c: flip(c / IT4 / RNG, 8), IT2, rf"{IT4}/{RNG} does not match", id="rng-flipped"),
+    pytest.param(lambda c: flip(c / IT4 / "config.yaml", 4), IT2, rf"{IT4}/config.yaml does not match",
+                 id="stored-config-flipped"),
+    pytest.param(lambda c: truncate(c / IT4 / MODEL), IT2, rf"{MODEL} has \d+ bytes, \d+ expected",
+                 id="model-truncated"),
+    pytest.param(lambda c: truncate(c / IT4 / OPTIM), IT2, rf"{OPTIM} has \d+ bytes", id="optim-truncated"),
+    pytest.param(lambda c: (c / IT4 / MODEL).unlink(), IT2, rf"{IT4}/{MODEL} is missing", id="model-deleted"),
+    pytest.param(lambda c: (c / IT4 / RNG).unlink(), IT2, rf"{IT4}/{RNG} is missing", id="rng-deleted"),
+    pytest.param(lambda c: (c / IT4 / ck.COMPLETE_MARKER).unlink(), IT2, rf"incomplete checkpoint.*{IT4}",
+                 id="marker-missing"),
+    pytest.param(lambda c: (c / IT4 / ck.COMPLETE_MARKER).write_text("{not json"), IT2,
+                 rf"{IT4}/complete is unreadable", id="marker-garbage"),
+    pytest.param(lambda c: (c / IT4 / ck.COMPLETE_MARKER).write_bytes(b"\xff\xfe\x00"), IT2,
+                 rf"{IT4}/complete is unreadable", id="marker-binary"),
+    pytest.param(lambda c: edit_marker(c / IT4, _wrong_sha), IT2, rf"{MODEL} does not match its checksum",
+                 id="marker-wrong-checksum"),
+    pytest.param(lambda c: edit_marker(c / IT4, _wrong_size), IT2, rf"{OPTIM} has \d+ bytes", id="marker-wrong-size"),
+    pytest.param(lambda c: edit_marker(c / IT4, _extra_listed), IT2, r"layer_99-model_states.pt is missing",
+                 id="marker-lists-missing-file"),
+    pytest.param(lambda c: edit_marker(c / IT4, _escape), IT2, r"outside the checkpoint", id="marker-path-escape"),
+    pytest.param(lambda c: (c / "latest").write_text("iter_0000009\n"), IT4,
+                 r"latest points to 'iter_0000009', which is missing", id="latest-names-missing-tag"),
+    pytest.param(lambda c: (c / "latest").write_text("../../etc\n"), IT4, r"latest does not name a checkpoint",
+                 id="latest-garbage"),
+    pytest.param(lambda c: (c / "latest").write_bytes(b"\x80\x81\xfe"), IT4, r"latest is unreadable",
+                 id="latest-binary"),
+    pytest.param(lambda c: ((c / "latest").write_text(IT2 + "\n"), flip(c / IT2 / MODEL)), IT4,
+                 rf"{IT2}/{MODEL} does not match", id="latest-points-to-damaged-older"),
+    pytest.param(lambda c: (flip(c / IT4 / MODEL), flip(c / IT2 / OPTIM)), None,
+                 r"no usable checkpoint under .*ckpt.*iter_0000004, iter_0000002 failed verification.*restore",
+                 id="all-damaged"),
+]
+
+
+@pytest.mark.parametrize("damage, expected, pattern", DAMAGE)
+def test_damaged_checkpoint_is_named_and_skipped(run_copy, caplog, damage, expected, pattern):
+    ckpt = run_copy / "ckpt"
+    damage(ckpt)
+    before = snapshot(ckpt)
+    caplog.set_level("WARNING", logger="megatron_lev")
+    if expected is None:
+        with pytest.raises(CheckpointDataError) as err:
+            ck.plan_resume(ckpt, ckpt)
+        assert re.search(pattern, str(err.value)), str(err.value)
+    else:
+        plan = ck.plan_resume(ckpt, ckpt)
+        assert plan.tag == expected
+        assert re.search(pattern, caplog.text), caplog.text
+        assert ck.verify_checkpoint(ckpt / plan.tag) == []
+    assert snapshot(ckpt) == before, "choosing a checkpoint must not change any file"
+
+
+def test_checksums_cover_every_file_and_cost_little(trained):
+    """Every file of a saved checkpoint is in its marker; verifying the tiny model takes milliseconds."""
+    tag_dir = trained / "ckpt" / IT4
+    marker = ck.read_marker(tag_dir)
+    assert sorted(marker["files"]) == ck.checkpoint_files(tag_dir) == sorted([MODEL, OPTIM, RNG, "config.yaml"])
+    start = time.perf_counter()
+    assert ck.verify_checkpoint(tag_dir) == []
+    elapsed = time.perf_counter() - start
+    size = sum(m["size"] for m in marker["files"].values())
+    assert elapsed < 2.0, f"verifying {size / 2**20:.0f} MiB took {elapsed:.2f}s"
+
+
+def test_flipped_latest_resumes_from_the_previous_checkpoint(run_copy, data):
+    """End to end: 64 flipped bytes in the newest model file used to load silently (next loss 1765)."""
+    flip(run_copy / "ckpt" / IT4 / MODEL)
+    res = train(overrides(data, run_copy, **{"train.train_iters": 6, "train.save_interval": 0}))
+    expect_ok(res)
+    assert re.search(rf"checkpoint .*{IT4} is damaged: .*{MODEL} does not match its checksum", res.err), res.err
+    assert f"resumed from {run_copy / 'ckpt' / IT2}" in res.err
+    losses = [float(x) for x in re.findall(r"iter [3-6]/6 \| loss ([0-9.]+)", res.err + res.out)]
+    assert len(losses) == 4 and all(5 < x < 11.5 for x in losses), losses
+    assert (run_copy / "ckpt" / "latest").read_text().strip() == ck.tag_for(6)
+    assert ck.verify_checkpoint(run_copy / "ckpt" / ck.tag_for(6)) == []
+
+
+def test_every_checkpoint_damaged_exits_with_one_line(run_copy, data):
+    flip(run_copy / "ckpt" / IT4 / MODEL)
+    truncate(run_copy / "ckpt" / IT2 / OPTIM)
+    before = snapshot(run_copy / "ckpt")
+    res = train(overrides(data, run_copy))
+    expect_error(res, r"no usable checkpoint under .*ckpt", "iter_0000004, iter_0000002", "restore", rc=1)
+    assert snapshot(run_copy / "ckpt") == before
+
+
+# ------------------------------------------------------------------ a fresh start never destroys what it did not write
+
+
+def _unmarked(root: Path) -> None:
+    d = root / IT4
+    d.mkdir(parents=True)
+    (d / MODEL).write_bytes(b"weights someone trained")
+
+
+def _deepspeed_dir(root: Path) -> None:
+    (root / "global_step100").mkdir(parents=True)
+    (root / "global_step100" / MODEL).write_bytes(b"w")
+    (root / "latest").write_text("global_step100")
+
+
+def _foreign_file(root: Path) -> None:
+    root.mkdir(parents=True)
+    (root / "notes.txt").write_text("mine")
+
+
+def _latest_only(root: Path) -> None:
+    root.mkdir(parents=True)
+    (root / "latest").write_text(IT4)
+
+
+def _our_partial(root: Path) -> None:
+    d = root / IT2
+    d.mkdir(parents=True)
+    (d / ck.STARTED_MARKER).write_text("{}")
+    (d / MODEL).write_bytes(b"half")
+    for name in ck.DEEPSPEED_HELPERS:
+        (root / name).write_text("# helper")
+    (root / f".latest{ck.TEMP_MARK}123").write_text("x")
+
+
+FRESH = [
+    pytest.param(_unmarked, r"iter_0000004/ \(no 'complete' marker, not written by this trainer\)",
+                 id="unmarked-iter-dir"),
+    pytest.param(_deepspeed_dir, r"global_step100/", id="deepspeed-global-step-dir"),
+    pytest.param(_foreign_file, r"notes\.txt", id="foreign-file"),
+    pytest.param(_latest_only, r"latest \(names iter_0000004, which is not a usable checkpoint\)",
+                 id="latest-without-checkpoints"),
+    pytest.param(_our_partial, None, id="own-interrupted-first-save-is-fine"),
+    pytest.param(lambda root: root.mkdir(parents=True), None, id="empty-dir-is-fine"),
+]
+
+
+@pytest.mark.parametrize("prepare, pattern", FRESH)
+def test_fresh_start_refuses_a_directory_it_did_not_write(tmp_path, prepare, pattern):
+    save = tmp_path / "ckpt"
+    prepare(save)
+    before = snapshot(save)
+    if pattern is None:
+        assert ck.plan_resume(save, save) == ck.ResumePlan(None, None)
+    else:
+        with pytest.raises(CheckpointDataError) as err:
+            ck.plan_resume(save, save)
+        msg = str(err.value)
+        assert re.search(pattern, msg) and f"train.save={save}" in msg and "move them" in msg, msg
+        assert snapshot(save) == before
+
+
+def test_prune_never_removes_unmarked_directories(tmp_path):
+    root = tmp_path / "ckpt"
+    _unmarked(root)  # iter_0000004 without markers
+    for it in (6, 8, 10):
+        d = root / ck.tag_for(it)
+        d.mkdir()
+        (d / ck.STARTED_MARKER).write_text("{}")
+        (d / ck.COMPLETE_MARKER).write_text("{}")
+    assert ck.prune_checkpoints(root, keep_last=1) == [ck.tag_for(6), ck.tag_for(8)]
+    assert (root / IT4 / MODEL).read_bytes() == b"weights someone trained"
+
+
+def test_fresh_start_into_unmarked_checkpoints_exits_before_training(data, tmp_path):
+    out = tmp_path / "run"
+    _unmarked(out / "ckpt")
+    before = snapshot(out / "ckpt")
+    res = train(overrides(data, out))
+    expect_error(res, rf"train.save={out / 'ckpt'}", r"iter_0000004/", "move them", rc=1)
+    assert snapshot(out / "ckpt") == before
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_explicit_load_without_checkpoint_is_refused(tmp_path):
+    with pytest.raises(CheckpointDataError, match=r"train.load=.*nowhere holds no complete checkpoint"):
+        ck.plan_resume(tmp_path / "nowhere", tmp_path / "ckpt")
+
+
+# ------------------------------------------------------------------ config differences on resume
+
+
+CONFIG_DIFFS = [
+    # override, allowed via --allow-change, expected: None (allowed) or regex of the refusal
+    pytest.param({"model.hidden_size": 64}, (), r"model.hidden_size differ.*weights", id="model-width"),
+    pytest.param({"model.embedding": "tied"}, (), r"model.embedding differ", id="model-embedding"),
+    pytest.param({"model.rope_theta": 500000.0}, ("model.rope_theta",), r"model.rope_theta differ",
+                 id="model-change-cannot-be-allowed"),
+    pytest.param({"train.precision": "bf16"}, (), r"train.precision differ", id="precision"),
+    pytest.param({"parallel.zero_stage": 2}, (), r"parallel.zero_stage differ.*reshard", id="zero-stage"),
+    pytest.param({"train.seed": 7}, (), r"resume exactly.*train.seed.*--allow-change train.seed", id="train-seed"),
+    pytest.param({"data.seed": 7}, (), r"data.seed", id="data-seed"),
+    pytest.param({"data.split": "90,10,0"}, (), r"data.split", id="data-split"),
+    pytest.param({"train.lr": 1e-3}, (), r"train.lr differ", id="lr-refused"),
+    pytest.param({"train.lr": 1e-3}, ("train.lr",), None, id="lr-allowed-by-flag"),
+    pytest.param({"train.micro_batch_size": 4}, (), r"train.micro_batch_size", id="batch-size"),
+    pytest.param({"train.train_iters": 40}, (), None, id="train-iters-allowed"),
+    pytest.param({"train.save_interval": 7, "train.keep_last": 5}, (), None, id="save-interval-allowed"),
+    pytest.param({"logging.log_interval": 5, "logging.tensorboard": True}, (), None, id="logging-allowed"),
+    pytest.param({"model.activation_checkpointing": True}, (), None, id="activation-checkpointing-allowed"),
+]
+
+
+@pytest.mark.parametrize("change, allow, refusal", CONFIG_DIFFS)
+def test_config_differences_on_resume(run_copy, data, caplog, change, allow, refusal):
+    from megatron_lev.config import load_config
+
+    ckpt = run_copy / "ckpt"
+    cfg = load_config([TINY], overrides(data, run_copy, **change), validate=False)
+    caplog.set_level("WARNING", logger="megatron_lev")
+    if refusal is None:
+        assert ck.plan_resume(ckpt, ckpt, cfg, allow) == ck.ResumePlan(ckpt, IT4)
+    else:
+        with pytest.raises(CheckpointDataError) as err:
+            ck.plan_resume(ckpt, ckpt, cfg, allow)
+        assert re.search(refusal, str(err.value)), str(err.value)
+        assert "\n" not in str(err.value)
+    for key, value in change.items():  # every difference is printed, with its verdict
+        assert re.search(rf"{re.escape(key)}: .* -> {re.escape(repr(value))} \((allowed|refused)", caplog.text), \
+            caplog.text
+
+
+def test_model_change_on_resume_exits_with_the_differences(run_copy, data):
+    before = snapshot(run_copy / "ckpt")
+    res = train(overrides(data, run_copy, **{"model.hidden_size": 64, "train.train_iters": 8}))
+    expect_error(res, r"cannot resume from .*iter_0000004", "model.hidden_size", rc=1)
+    assert "model.hidden_size: 32 -> 64 (refused" in res.err and "train.train_iters: 4 -> 8 (allowed)" in res.err
+    assert snapshot(run_copy / "ckpt") == before
+
+
+# ------------------------------------------------------------------ code in checkpoint files is never run
+
+
+class _Payload:
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.target}",))
+
+
+def test_rng_file_round_trips_with_weights_only(tmp_path):
+    import random
+
+    import numpy as np
+    import torch
+
+    from megatron_lev.utils.io import atomic_save_torch
+
+    atomic_save_torch(ck.capture_rng_state(), tmp_path / RNG)
+    a = (random.random(), np.random.rand(), torch.rand(2))
+    ck.restore_rng_state(ck.load_rng_file(tmp_path / RNG))
+    b = (random.random(), np.random.rand(), torch.rand(2))
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+@pytest.mark.parametrize("reseal", [pytest.param(True, id="payload-with-matching-checksum"),
+                                    pytest.param(False, id="payload-caught-by-checksum")])
+def test_pickle_payload_in_rng_file_is_refused_not_run(run_copy, tmp_path, reseal):
+    import torch
+
+    target = tmp_path / "pwned"
+    tag_dir = run_copy / "ckpt" / IT4
+    torch.save({"python": _Payload(target), "numpy": 0, "torch": 0}, tag_dir / RNG)
+    if reseal:  # whoever can write the file can rewrite the marker too
+        digest = hashlib.sha256((tag_dir / RNG).read_bytes()).hexdigest()
+        edit_marker(tag_dir, lambda d: d["files"].update({RNG: {"size": (tag_dir / RNG).stat().st_size,
+                                                                "sha256": digest}}))
+        assert ck.verify_checkpoint(tag_dir) == []
+        with pytest.raises(CheckpointDataError, match=rf"{RNG} is not a plain tensor file \(refused to unpickle"):
+            ck.load_rng_file(tag_dir / RNG)
+    else:
+        assert ck.plan_resume(run_copy / "ckpt", run_copy / "ckpt").tag == IT2
+    assert not target.exists(), "the payload ran"
+
+
+def test_plain_pickle_in_rng_file_is_refused(tmp_path):
+    target = tmp_path / "pwned"
+    (tmp_path / RNG).write_bytes(pickle.dumps(_Payload(target), protocol=2))
+    with pytest.raises(CheckpointDataError, match="refused to unpickle"):
+        ck.load_rng_file(tmp_path / RNG)
+    assert not target.exists()
+
+
+# ------------------------------------------------------------------ preemption at start-up
+
+
+@pytest.mark.parametrize("sig, delay", [pytest.param(signal.SIGTERM, 0.2, id="sigterm-during-imports"),
+                                        pytest.param(signal.SIGUSR1, 0.6, id="sigusr1-during-imports"),
+                                        pytest.param(signal.SIGTERM, 1.5, id="sigterm-later-in-start-up")])
+def test_signal_during_start_up_exits_75(data, tmp_path, sig, delay):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_lev", "train", "--config", str(TINY), *overrides(data, out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    time.sleep(delay)
+    proc.send_signal(sig)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the trainer did not exit after a preemption signal")
+    assert proc.returncode == 75, err[-3000:]
+    assert "Traceback" not in err
+    assert re.search(r"preempted.*(before the first step|exiting with status 75)", err.splitlines()[-1]), err[-2000:]
+    assert not list((out / "ckpt").glob("iter_*")), "nothing may be saved before the first step"
+
+
+def _run_script(args: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen([str(ROOT / "scripts" / "torchrun_local.sh"), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@pytest.mark.multiprocess
+def test_torchrun_local_passes_the_ranks_75_through(data, tmp_path):
+    """Slurm signals every process of the step: script, torchrun and ranks get SIGUSR1 mid-run.
+    torchrun reports the ranks' 75 as 1; the script must exit 75, with a complete checkpoint."""
+    out = tmp_path / "run"
+    env = _env(NPROC="2")
+    proc = _run_script(["--config", str(TINY), *overrides(data, out, **{"train.train_iters": 2000,
+                                                                          "train.save_interval": 0})], env)
+    deadline = time.monotonic() + 150
+    while not ((out / "metrics.jsonl").exists() and "iteration\": 3" in (out / "metrics.jsonl").read_text()):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail("training did not start")
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGUSR1)
+    try:
+        log, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("torchrun did not stop after SIGUSR1")
+    assert proc.returncode == 75, log[-4000:]
+    assert "[torchrun_local] preempted: exiting with status 75" in log
+    tag = (out / "ckpt" / "latest").read_text().strip()
+    assert ck.verify_checkpoint(out / "ckpt" / tag) == []
+    assert {RNG, "rng_state_rank1.pt"} <= set(ck.read_marker(out / "ckpt" / tag)["files"])
+    assert not leftover_processes(str(out))
+
+
+def test_torchrun_local_signal_during_start_up_exits_75(data, tmp_path):
+    out = tmp_path / "run"
+    proc = _run_script(["--config", str(TINY), *overrides(data, out)], _env(NPROC="2"))
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)  # to the script only: it forwards to torchrun
+    try:
+        log, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("torchrun_local.sh did not exit after SIGTERM")
+    assert proc.returncode == 75, log[-3000:]
+    assert not leftover_processes(str(out))
+
+
+# ------------------------------------------------------------------ disk full during a save
+
+
+_ENOSPC_DRIVER = """
+import errno, sys
+from deepspeed.runtime.checkpoint_engine import torch_checkpoint_engine as m
+orig = m.TorchCheckpointEngine.save
+def save(self, state, path):
+    if "iter_0000004" in str(path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    return orig(self, state, path)
+m.TorchCheckpointEngine.save = save
+from megatron_lev.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _small_tmpfs(path: Path, size: str) -> bool:
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        return False
+    path.mkdir(parents=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_disk_full_during_save_names_the_path_and_keeps_the_previous(data, tmp_path):
+    """A 34 MiB tmpfs holds the first checkpoint (26 MiB) but not the second; without root the
+    child process's DeepSpeed writer raises ENOSPC for the second instead."""
+    disk = tmp_path / "disk"
+    real = _small_tmpfs(disk, "34m")
+    try:
+        out = tmp_path / "run"
+        over = overrides(data, out, **{"train.save": str(disk / "ckpt")})
+        if real:
+            res = train(over)
+        else:
+            disk.mkdir(exist_ok=True)
+            cmd = [sys.executable, "-c", _ENOSPC_DRIVER, "train", "--config", str(TINY), *over]
+            p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+            from tests.reliability.harness import Outcome
+
+            res = Outcome(p.returncode, p.stdout, p.stderr)
+        expect_error(res, r"saving checkpoint .*ckpt/iter_0000004 failed: no space left on the device",
+                     rf"{disk / 'ckpt' / IT2} and .*latest are unchanged", rc=1)
+        ckpt = disk / "ckpt"
+        assert (ckpt / "latest").read_text().strip() == IT2
+        assert ck.verify_checkpoint(ckpt / IT2) == []
+        assert not (ckpt / IT4 / ck.COMPLETE_MARKER).exists()
+        assert ck.plan_resume(ckpt, ckpt).tag == IT2
+        assert not [p for p in ckpt.rglob("*") if ck.TEMP_MARK in p.name]
+    finally:
+        if real:
+            subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_disk_full_is_recognised_from_the_errno_chain(tmp_path):
+    exc = RuntimeError("unexpected pos 576 vs 534")
+    exc.__context__ = OSError(errno.ENOSPC, "No space left on device")
+    assert ck._disk_full(exc, tmp_path)
+    assert not ck._disk_full(RuntimeError("a bug"), tmp_path)
+
+
+def test_resuming_from_train_load_refuses_a_foreign_save_directory(run_copy, tmp_path):
+    save = tmp_path / "new-save"
+    _unmarked(save)
+    with pytest.raises(CheckpointDataError, match=rf"train.save={save} already holds iter_0000004/"):
+        ck.plan_resume(run_copy / "ckpt", save)
+    assert ck.plan_resume(run_copy / "ckpt", tmp_path / "empty-save") == ck.ResumePlan(run_copy / "ckpt", IT4)
+
+
+def test_save_never_overwrites_a_directory_it_did_not_write(tmp_path):
+    root = tmp_path / "ckpt"
+    _unmarked(root)
+
+    class NoEngine:  # the guard runs before DeepSpeed is asked to write anything
+        def save_checkpoint(self, *a, **k):
+            raise AssertionError("DeepSpeed must not be called")
+
+    with pytest.raises(CheckpointDataError, match=r"iter_0000004 exists and was not written by this trainer"):
+        ck.save_checkpoint(NoEngine(), root, 4, {}, keep_last=2)
+    assert (root / IT4 / MODEL).read_bytes() == b"weights someone trained"
