@@ -78,8 +78,23 @@ def resolve_tag_dir(path: str | os.PathLike, tag: str | None = None) -> Path:
                           "checkpoint (pass the save directory or one tag directory)")
 
 
+def verify_tag(tag_dir: Path) -> None:
+    """Refuse a tag whose completion marker lists checksums its files no longer match."""
+    from megatron_lev.training.checkpointing import COMPLETE_MARKER, verify_checkpoint
+
+    if not (tag_dir / COMPLETE_MARKER).is_file():
+        return  # a tag directory saved by another tool; find_files checks what is there
+    problems = verify_checkpoint(tag_dir)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"{problems[0]}{more}: this checkpoint is damaged; convert an earlier tag "
+                              f"(--tag) or restore it from a copy")
+
+
 def find_files(tag_dir: Path) -> CheckpointFiles:
-    """Classify the shard files of `tag_dir` and check that no TP rank or layer is missing."""
+    """Classify the shard files of `tag_dir` and check that no TP rank or layer is missing
+    and that every file matches the checksum its completion marker recorded."""
+    verify_tag(tag_dir)
     names = [p.name for p in tag_dir.iterdir()]
     layers: dict[int, dict[int, Path]] = {}
     for n in names:

@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_lev.utils.io import sha256_file
+
 from tests.checkpoint.conftest import ds_checkpoints, sample_text, tokenizer_path  # noqa: F401 (fixtures)
 from tests.reliability.harness import expect_error, expect_ok, run_cli
 
@@ -77,9 +79,12 @@ class Ctx:
         return clone(self.ckpt[variant], self.tmp / f"ckpt_{variant}")
 
     def plant(self, path: Path) -> None:
-        """Replace a checkpoint file with a valid torch file that carries a pickle payload."""
+        """Replace a checkpoint file with a valid torch file that carries a pickle payload, and
+        record its checksum in the completion marker (whoever can plant a file can do that too):
+        the loader, not the checksum, must refuse it."""
         path.unlink()
         torch.save({"module": {"w": torch.zeros(2)}, "evil": Payload(self.marker)}, path)
+        rerecord(path)
 
     def other_tokenizer(self) -> Path:
         """The run's tokenizer with the ids of two tokens swapped: same size, other ids."""
@@ -89,6 +94,25 @@ class Ctx:
         path = self.tmp / "other-tokenizer.json"
         path.write_text(json.dumps(data))
         return path
+
+
+def rerecord(path: Path) -> None:
+    """Write `path`'s current size and sha256 into its checkpoint's completion marker."""
+    marker = path.parent / "complete"
+    if marker.is_file():
+        data = json.loads(marker.read_text())
+        if path.name in data.get("files", {}):
+            data["files"][path.name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+            own(marker).write_text(json.dumps(data))
+
+
+def flip_bytes(path: Path, n: int = 64) -> None:
+    """Flip `n` bytes in the middle of `path` (same size: only a checksum can tell)."""
+    data = bytearray(own(path).read_bytes())
+    mid = len(data) // 2
+    for i in range(mid, min(mid + n, len(data))):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +227,14 @@ CONVERT = [
                       ("layer 2", r"TP ranks \[1\]", "incomplete"), 1, no_output), id="missing-shard"),
     pytest.param(Case(cv_on(lambda c, r: [p.unlink() for p in tag_of(r).glob("*model_states.pt")]),
                       ("no \\*model_states.pt",), 1, no_output), id="tag-without-shards"),
-    pytest.param(Case(cv_on(truncate), ("layer_01-model_01-model_states.pt", "truncated or corrupted"), 1, no_output),
+    pytest.param(Case(cv_on(truncate), ("layer_01-model_01-model_states.pt", "truncated", "damaged"), 1, no_output),
                  id="truncated-shard"),
+    pytest.param(Case(cv_on(lambda c, r: flip_bytes(tag_of(r) / "layer_01-model_00-model_states.pt")),
+                      ("layer_01-model_00-model_states.pt", "checksum", "--tag"), 1, no_output),
+                 id="flipped-bytes-in-layer-file"),
+    pytest.param(Case(cv_on(lambda c, r: flip_bytes(sorted(tag_of(r).glob("*optim_states.pt"))[0], 16)),
+                      ("optim_states.pt", "checksum", "damaged"), 1, no_output),
+                 id="flipped-bytes-in-optimizer-file"),
     pytest.param(Case(cv_on(lambda c, r: c.plant(tag_of(r) / "layer_01-model_00-model_states.pt")),
                       ("refusing to load", "layer_01-model_00-model_states.pt", "builtins.open|open"), 1, no_output),
                  id="pickle-payload-in-layer-file"),
