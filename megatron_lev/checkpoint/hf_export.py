@@ -248,8 +248,8 @@ def source_model(src: SourceCheckpoint, progress: bool = True) -> torch.nn.Modul
     """The project's `GPTModel` at TP = 1 / PP = 1 (fp32) holding the merged checkpoint weights."""
     from megatron_lev.model.gpt import GPTModel
 
-    with torch.device("meta"):
-        model = GPTModel(src.cfg.model, src.padded_vocab)
+    with torch.device("meta"):  # the loss leaves the padding rows out, as in training and the export
+        model = GPTModel(src.cfg.model, src.padded_vocab, true_vocab_size=src.vocab_size)
     state = {name: t.float() for name, t in iter_canonical(src, progress)}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

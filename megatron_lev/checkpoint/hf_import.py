@@ -59,6 +59,6 @@ def import_hf_llama(source: str | os.PathLike | torch.nn.Module, make_vocab_size
         hf_state.pop("lm_head.weight", None)
     state = from_hf(hf_state, cfg, padded, tied=cfg.embedding == "tied")
     with torch.device("meta"):
-        model = GPTModel(cfg, padded)
+        model = GPTModel(cfg, padded, true_vocab_size=cfg.vocab_size)  # padding rows stay out of the loss
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval(), cfg

@@ -20,6 +20,8 @@ def padded_vocab_size(tokenizer_vocab_size: int, model_cfg: ModelConfig, tp: int
 def build_model(cfg: RunConfig, vocab_size: int, topology=None) -> nn.Module:
     """Validate `cfg`, pad `vocab_size` (the tokenizer's), and build the model for this rank.
 
+    The padding rows are left out of the loss (see `parallel.cross_entropy`).
+
     The config is checked before anything touches a process group, so a bad layout
     (heads not divisible by TP, ZeRO-2/3 with PP, ...) fails here with a message naming the key.
     Needs `parallel.state.initialize_model_parallel(tp, pp)` when TP or PP > 1.
@@ -37,7 +39,7 @@ def build_model(cfg: RunConfig, vocab_size: int, topology=None) -> nn.Module:
             f"parallel.tensor_model_parallel_size={tp}, parallel.pipeline_model_parallel_size={pp}")
     padded = padded_vocab_size(vocab_size, cfg.model, tp)
     if pp == 1:
-        return GPTModel(cfg.model, padded, seed=cfg.train.seed)
+        return GPTModel(cfg.model, padded, seed=cfg.train.seed, true_vocab_size=vocab_size)
     from megatron_lev.model.pipeline import build_pipeline
 
-    return build_pipeline(cfg, padded, topology)
+    return build_pipeline(cfg, padded, topology, true_vocab_size=vocab_size)

@@ -34,24 +34,29 @@ def build_embedding(model_cfg: ModelConfig, vocab_size: int, seed: int) -> Input
         return build_input_embedding(model_cfg, vocab_size)
 
 
-def build_final_norm_and_head(model_cfg: ModelConfig, vocab_size: int, seed: int) -> tuple[RMSNorm, VocabParallelHead]:
+def build_final_norm_and_head(model_cfg: ModelConfig, vocab_size: int, seed: int,
+                              true_vocab_size: int | None = None) -> tuple[RMSNorm, VocabParallelHead]:
     with seeded(layer_seed(seed, "head")):
         norm = RMSNorm(model_cfg.hidden_size, model_cfg.norm_eps)
         head = VocabParallelHead(model_cfg.hidden_size, vocab_size, model_cfg.init_std,
-                                 tied=model_cfg.embedding == "tied")
+                                 tied=model_cfg.embedding == "tied", true_vocab_size=true_vocab_size)
     return norm, head
 
 
 class GPTModel(nn.Module):
-    """Decoder-only LM. `vocab_size` is the padded size (divisible by TP; see `build.padded_vocab_size`)."""
+    """Decoder-only LM. `vocab_size` is the padded size (divisible by TP; see `build.padded_vocab_size`).
 
-    def __init__(self, model_cfg: ModelConfig, vocab_size: int, seed: int = 1234):
+    `true_vocab_size` is the tokenizer's vocabulary (default: no padding): the loss masks the
+    logits of the padding rows, so every TP size trains the objective of the exported model.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, vocab_size: int, seed: int = 1234, true_vocab_size: int | None = None):
         super().__init__()
         self.cfg, self.vocab_size = model_cfg, vocab_size
         self.embedding = build_embedding(model_cfg, vocab_size, seed)
         self.layers = nn.ModuleList(TransformerBlock(model_cfg, i, layer_seed(seed, "block", i))
                                     for i in range(model_cfg.num_layers))
-        self.final_norm, self.output_head = build_final_norm_and_head(model_cfg, vocab_size, seed)
+        self.final_norm, self.output_head = build_final_norm_and_head(model_cfg, vocab_size, seed, true_vocab_size)
         if self.output_head.tied and self.embedding.tied_output_weight() is None:
             raise ValueError(f"model.embedding={model_cfg.embedding!r} has no table to tie the output head to")
 
@@ -67,7 +72,7 @@ class GPTModel(nn.Module):
         logits = self.output_head(self.final_norm(h), self.embedding.tied_output_weight())  # (B, S, V/tp)
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels)  # (B, S) fp32
+        return vocab_parallel_cross_entropy(logits, labels, self.output_head.true_vocab_size)  # (B, S) fp32
 
 
 def _run_blocks(blocks):

@@ -12,12 +12,20 @@ from megatron_lev.parallel.mappings import copy_to_tensor_parallel_region
 
 
 class VocabParallelHead(nn.Module):
-    """`(B, S, D) -> (B, S, V/tp)`. Untied: owns `weight (V/tp, D)`; tied: uses the table it is given."""
+    """`(B, S, D) -> (B, S, V/tp)`. Untied: owns `weight (V/tp, D)`; tied: uses the table it is given.
 
-    def __init__(self, hidden_size: int, vocab_size: int, init_std: float = 0.02, tied: bool = False):
+    `vocab_size` is the padded row count; `true_vocab_size` (default: all rows) is the real
+    vocabulary, which the loss uses to leave the padding rows out of the softmax.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, init_std: float = 0.02, tied: bool = False,
+                 true_vocab_size: int | None = None):
         super().__init__()
         world, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+        if true_vocab_size is not None and not 0 < true_vocab_size <= vocab_size:
+            raise ValueError(f"true vocabulary size {true_vocab_size} must be in [1, {vocab_size}] (the padded size)")
         self.vocab_size, self.tied = vocab_size, tied
+        self.true_vocab_size = true_vocab_size if true_vocab_size is not None else vocab_size
         self.vocab_start, self.vocab_end = vocab_range(vocab_size, rank, world)
         if tied:
             self.register_parameter("weight", None)

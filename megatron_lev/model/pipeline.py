@@ -17,6 +17,8 @@ mask would travel as `labels = (labels, loss_mask)` and `loss_fn` would return
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -68,13 +70,19 @@ def _tied_head_forward(stage: EmbeddingStage, h: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(copy_to_tensor_parallel_region(h), stage.tied_weight)
 
 
-def pipeline_loss(logits: torch.Tensor, labels) -> torch.Tensor:
-    """Mean per-token loss from vocabulary-parallel logits `(B, S, V/tp)` and labels `(B, S)`."""
-    return vocab_parallel_cross_entropy(logits, labels).mean()
+def pipeline_loss(logits: torch.Tensor, labels, vocab_size: int | None = None) -> torch.Tensor:
+    """Mean per-token loss from vocabulary-parallel logits `(B, S, V/tp)` and labels `(B, S)`.
+
+    `vocab_size`: the real vocabulary; the padding rows beyond it are left out of the softmax.
+    """
+    return vocab_parallel_cross_entropy(logits, labels, vocab_size).mean()
 
 
-def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None):
-    """A `deepspeed.pipe.PipelineModule` for `cfg` (already validated); `vocab_size` is padded."""
+def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None, true_vocab_size: int | None = None):
+    """A `deepspeed.pipe.PipelineModule` for `cfg` (already validated); `vocab_size` is padded.
+
+    `true_vocab_size` (the tokenizer's, default: no padding) is what the loss keeps.
+    """
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -102,7 +110,8 @@ def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None):
         specs.append(LayerSpec(HeadStage, m, vocab_size, seed))
     ckpt = m.checkpoint_num_layers if m.activation_checkpointing else 0
     # each layer seeds itself (layer_seed), so DeepSpeed's own per-layer seeding stays off
-    return PipelineModule(layers=specs, topology=topology, loss_fn=pipeline_loss,
+    loss_fn = functools.partial(pipeline_loss, vocab_size=true_vocab_size) if true_vocab_size else pipeline_loss
+    return PipelineModule(layers=specs, topology=topology, loss_fn=loss_fn,
                           partition_method=_partition_method(p.partition_method),
                           activation_checkpoint_interval=ckpt, activation_checkpoint_func=checkpointed,
                           checkpointable_layers=["TransformerBlock"], seed_layers=False)

@@ -4,6 +4,10 @@ Each TP rank holds logits for its `V/tp` vocabulary rows. The max, the sum of
 exponentials and the target's logit are each all-reduced over the TP group (three
 `(B, S)`-sized collectives), so no rank ever holds `(B, S, V)` logits. The softmax
 shard is kept for a closed-form backward: `grad = softmax - onehot(target)`.
+
+Rows added to pad the vocabulary (to a multiple of `make_vocab_size_divisible_by x TP`)
+are masked to -inf: they take no part in the softmax and get zero gradient, so the
+loss is the same at every TP size and equals the exported model's (which drops them).
 """
 
 from __future__ import annotations
@@ -22,13 +26,16 @@ def _all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        # logits: (.., V/tp) this rank's shard; target: (..) global token ids
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+        # logits: (.., V/tp) this rank's shard; target: (..) global token ids; vocab_size: real rows
         rank = state.get_tensor_model_parallel_rank()
         ctx.input_dtype = logits.dtype
         per = logits.shape[-1]
         start = rank * per
         logits = logits.float()  # the input is never modified in place below
+        if vocab_size is not None and start + per > vocab_size:  # this shard holds padding rows
+            padded = torch.arange(start, start + per, device=logits.device) >= vocab_size  # (V/tp,)
+            logits = logits.masked_fill(padded, float("-inf"))
         logits_max = _all_reduce(logits.max(dim=-1).values, op=dist.ReduceOp.MAX)  # (..)
         shifted = logits - logits_max.unsqueeze(-1)  # (.., V/tp)
 
@@ -51,15 +58,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax.clone()  # (.., V/tp)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), (~outside).to(grad.dtype).unsqueeze(-1).neg())
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None
+        return grad.to(ctx.input_dtype), None, None
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor,
+                                 vocab_size: int | None = None) -> torch.Tensor:
     """Per-token loss `(..)` in fp32 from this rank's logits `(.., V/tp)` and global target ids `(..)`.
 
-    Targets must lie in `[0, V)` (no ignore index): mask the returned per-token loss instead.
+    `vocab_size` is the real vocabulary (the tokenizer's): rows from it on are padding and
+    are left out of the softmax; None treats every row as real. Targets must lie in
+    `[0, vocab_size)` (no ignore index): mask the returned per-token loss instead.
     """
     if logits_shard.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits_shard.shape)} and target {tuple(target.shape)} disagree: "
                          "expected logits (.., V/tp) and target (..)")
-    return _VocabParallelCrossEntropy.apply(logits_shard, target)
+    if vocab_size is not None and vocab_size < 1:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, vocab_size)

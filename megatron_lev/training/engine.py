@@ -16,6 +16,8 @@ from megatron_lev.config import RunConfig
 from megatron_lev.parallel import state
 from megatron_lev.training.optim import GuardedAdamW, param_groups
 
+GROUP_FILLER = "param_group_filler"
+
 
 def disable_cpu_shm_comm() -> None:
     """Keep DeepSpeed from compiling its shared-memory all-reduce op on CPU (gloo suffices).
@@ -49,13 +51,45 @@ class TensorParallelMPU:
     get_pipeline_model_parallel_group = staticmethod(state.get_pipeline_model_parallel_group)
 
 
+def uses_zero_optimizer_per_group(ds_config: dict) -> bool:
+    """Whether DeepSpeed wraps the optimizer in its ZeRO-1/2 optimizer, which works group by group.
+
+    bf16 with fp32 gradient accumulation under ZeRO-1 (the pipeline template) gets DeepSpeed's
+    BF16 optimizer instead, which reduces one norm over all groups and steps once.
+    """
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    bf16 = (ds_config.get("bf16") or {}).get("enabled", False)
+    fp32_accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype") == "fp32"
+    return stage in (1, 2) and not (stage == 1 and bf16 and fp32_accum)
+
+
+def same_groups_on_every_stage(model: nn.Module, groups: list[dict]) -> list[dict]:
+    """Give an empty group a one-element zero parameter (no gradient, saved in no layer file).
+
+    DeepSpeed's ZeRO-1/2 optimizer all-reduces one gradient norm per parameter group over
+    the model-parallel group, and the guard agrees once per group: under a pipeline, a stage
+    without, say, any 1-D parameter would issue fewer collectives than the others and every
+    rank would wait forever at the first step. With the filler every stage has both groups.
+    """
+    reference = next(model.parameters())
+    for group in groups:
+        if not group["params"]:
+            filler = nn.Parameter(torch.zeros(1, dtype=reference.dtype, device=reference.device))
+            model.register_parameter(GROUP_FILLER, filler)
+            group["params"].append(filler)
+    return [g for g in groups if g["params"]]
+
+
 def build_engine(cfg: RunConfig, model: nn.Module, ds_config: dict, pipeline: bool):
     """Returns `(engine, optimizer)`; the optimizer is the `GuardedAdamW` DeepSpeed wraps."""
     import deepspeed
 
     t = cfg.train
-    optimizer = GuardedAdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                             eps=t.adam_eps)
+    groups = param_groups(model, t.weight_decay, keep_empty=pipeline)
+    if pipeline and uses_zero_optimizer_per_group(ds_config):
+        groups = same_groups_on_every_stage(model, groups)
+    groups = [g for g in groups if g["params"]]
+    optimizer = GuardedAdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     mpu = TensorParallelMPU() if not pipeline and cfg.parallel.tensor_model_parallel_size > 1 else None
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=mpu,
                                            dist_init_required=False)

@@ -1,7 +1,8 @@
-"""Non-finite steps: count them, stop after too many in a row; plus a NaN injector for tests.
+"""Non-finite steps: count them, stop after too many in a row; plus fault injectors for tests.
 
-A step whose loss or gradient norm is inf/NaN is skipped by the optimizer guard
-(`optim.GuardedAdamW`); this module keeps the tally the trainer logs and checkpoints.
+A step whose loss or gradients are inf/NaN is skipped by the optimizer guard
+(`optim.GuardedAdamW`); this module keeps the tally the trainer logs and checkpoints,
+the fused finiteness test both use, and the error for weights an update made non-finite.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
 from megatron_lev.errors import UserError
 
-INJECT_NAN_ENV = "MEGATRON_LEV_INJECT_NAN_AT_STEP"
+INJECT_NAN_ENV = "MEGATRON_LEV_INJECT_NAN_AT_STEP"  # forward output NaN (the loss is NaN)
+INJECT_NAN_GRAD_ENV = "MEGATRON_LEV_INJECT_NAN_GRAD_AT_STEP"  # finite loss, NaN gradients
+INJECT_INF_WEIGHTS_ENV = "MEGATRON_LEV_INJECT_INF_WEIGHTS_AT_STEP"  # the update writes inf into a weight
 
 
 class TooManySkippedSteps(UserError, RuntimeError):
@@ -49,36 +53,79 @@ class SkipTracker:
         self.consecutive = int(state.get("consecutive", 0))
 
 
+class AllStepsSkipped(UserError, RuntimeError):
+    """Every step of a run was skipped as non-finite: it learnt nothing and must not look successful."""
+
+    exit_code = 3
+
+
+class NonFiniteWeights(UserError, RuntimeError):
+    """An update made the weights inf/NaN, or weights about to be saved or resumed are not finite."""
+
+    exit_code = 3  # like a run stopped by too many skipped steps
+
+
 def is_finite(value: float | None) -> bool:
     return value is None or math.isfinite(value)
 
 
-def injected_nan_steps(environ: dict | None = None) -> set[int]:
-    """Testing aid: iterations (1-based, comma-separated) at which the forward output is made NaN."""
-    raw = (os.environ if environ is None else environ).get(INJECT_NAN_ENV, "").strip()
+def all_finite(tensors) -> torch.Tensor:
+    """One bool tensor: every element of every tensor is finite (one fused max-abs, no host sync).
+
+    The max-abs of finite numbers is finite (unlike a sum or a 2-norm, it cannot overflow).
+    """
+    tensors = [t.detach() for t in tensors if t is not None and t.numel()]
+    if not tensors:
+        return torch.ones((), dtype=torch.bool)
+    return torch.isfinite(torch.nn.utils.get_total_norm(tensors, norm_type=math.inf))
+
+
+def injected_nan_steps(environ: dict | None = None, name: str = INJECT_NAN_ENV) -> set[int]:
+    """Testing aid: iterations (1-based, comma-separated) listed in the variable `name` (a fault each)."""
+    raw = (os.environ if environ is None else environ).get(name, "").strip()
     if not raw:
         return set()
     try:
         return {int(x) for x in raw.split(",") if x.strip()}
     except ValueError:
-        raise ValueError(f"{INJECT_NAN_ENV}={raw!r} must be iteration numbers, e.g. 3 or 3,4") from None
+        raise ValueError(f"{name}={raw!r} must be iteration numbers, e.g. 3 or 3,4") from None
+
+
+class _NaNGradient(torch.autograd.Function):
+    """Identity forward; the gradient that flows back is NaN."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def _poison(t, grad: bool):
+    if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+        return t
+    return _NaNGradient.apply(t) if grad else t * float("nan")
 
 
 class NaNInjector:
-    """Forward hook that multiplies a module's tensor output by NaN while armed (testing aid)."""
+    """Forward hook that makes a module's output NaN while armed (testing aid).
 
-    def __init__(self, module: nn.Module) -> None:
-        self.armed = False
+    `grad=True` keeps the output (and the loss) finite and makes its gradient NaN instead.
+    """
+
+    def __init__(self, module: nn.Module, grad: bool = False) -> None:
+        self.armed, self.grad = False, grad
         self._handle = module.register_forward_hook(self._hook)
 
     def _hook(self, module, inputs, output):
         if not self.armed:
             return None
         if isinstance(output, torch.Tensor):
-            return output * float("nan")
+            return _poison(output, self.grad)
         if isinstance(output, tuple):
-            return tuple(o * float("nan") if isinstance(o, torch.Tensor) and o.is_floating_point() else o
-                         for o in output)
+            return tuple(_poison(o, self.grad) for o in output)
         return None
 
     def remove(self) -> None:

@@ -2,8 +2,10 @@
 
 DeepSpeed wraps this optimizer (ZeRO partitions, bf16 master weights) and calls its
 `step()` on every rank at the same iteration; the guard checks the gradients it is
-about to apply, agrees across all ranks (all-reduce MAX), and applies nothing —
-parameters and Adam moments untouched — when any rank saw inf/NaN.
+about to apply with one fused test, agrees across all ranks (one all-reduce MAX per
+call), and applies nothing — parameters and Adam moments untouched — when any rank
+saw inf/NaN. Every rank must therefore call `step()` equally often: see
+`engine.same_groups_on_every_stage`.
 """
 
 from __future__ import annotations
@@ -12,11 +14,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_lev.training.health import all_finite
+
 NO_DECAY_NAME_PARTS = ("norm", "bias")
+GROUP_NAMES = ("decay", "no_decay")
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: decayed matrices, and undecayed norms, biases and other 1-D parameters."""
+def param_groups(model: nn.Module, weight_decay: float, keep_empty: bool = False) -> list[dict]:
+    """Two groups: decayed matrices, and undecayed norms, biases and other 1-D parameters.
+
+    An empty group is dropped unless `keep_empty` (the caller then fills it).
+    """
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -28,7 +36,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             decay.append(param)
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
-    return [g for g in groups if g["params"]]
+    return groups if keep_empty else [g for g in groups if g["params"]]
 
 
 class GuardedAdamW(torch.optim.AdamW):
@@ -43,6 +51,7 @@ class GuardedAdamW(torch.optim.AdamW):
 
     def __init__(self, params, **kwargs) -> None:
         super().__init__(params, **kwargs)
+        self.corrupt_update = False  # testing aid: the next applied update writes inf into a weight
         self.begin_iteration()
 
     def begin_iteration(self, force_skip: bool = False) -> None:
@@ -54,19 +63,27 @@ class GuardedAdamW(torch.optim.AdamW):
     def iteration_skipped(self) -> bool:
         return self.calls == 0 or self.skipped_calls > 0
 
+    def _flag_device(self, grads: list[torch.Tensor]) -> torch.device:
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return grads[0].device if grads else torch.device("cpu")
+
     @torch.no_grad()
     def step(self, closure=None):
         self.calls += 1
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        if dist.is_initialized() and dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        bad = torch.full((1,), float(self.force_skip), device=device)
-        for g in grads:
-            bad += (~torch.isfinite(g)).any().to(device=device, dtype=bad.dtype)
+        bad = (~all_finite(grads)).to(device=self._flag_device(grads), dtype=torch.float32).reshape(1)
+        if self.force_skip:
+            bad.fill_(1.0)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item() > 0:
             self.skipped_calls += 1
             return None
-        return super().step(closure)
+        out = super().step(closure)
+        if self.corrupt_update:
+            self.corrupt_update = False
+            target = next((p for g in self.param_groups for p in g["params"] if p.numel()), None)
+            if target is not None:
+                target.view(-1)[0] = float("inf")
+        return out

@@ -19,7 +19,17 @@ import torch.distributed as dist
 from megatron_lev.config import RunConfig
 from megatron_lev.logging import get_logger
 from megatron_lev.training import checkpointing
-from megatron_lev.training.health import NaNInjector, SkipTracker, TooManySkippedSteps
+from megatron_lev.training.health import (
+    INJECT_INF_WEIGHTS_ENV,
+    INJECT_NAN_GRAD_ENV,
+    AllStepsSkipped,
+    NaNInjector,
+    NonFiniteWeights,
+    SkipTracker,
+    TooManySkippedSteps,
+    all_finite,
+    injected_nan_steps,
+)
 from megatron_lev.training.metrics import MetricsWriter, memory_stats, perplexity, throughput
 from megatron_lev.training.schedule import Budget, learning_rate
 from megatron_lev.training.signals import PREEMPTED_EXIT_CODE, PreemptionWatcher
@@ -53,7 +63,8 @@ class Trainer:
                  device: torch.device, train_batches: Callable[[int], Iterator], valid_batches: Callable[[], Iterator]
                  | None, flops_per_token: float | None, writer: MetricsWriter, gas: int, global_batch: int,
                  save_dir: str | None, load_dir: str | None, nan_steps: set[int] = frozenset(),
-                 embedding_probe=None, watcher: PreemptionWatcher | None = None) -> None:
+                 embedding_probe=None, watcher: PreemptionWatcher | None = None,
+                 nan_grad_steps: set[int] | None = None, inf_weight_steps: set[int] | None = None) -> None:
         self.cfg, self.engine, self.optimizer, self.budget = cfg, engine, optimizer, budget
         self.pipeline, self.world_size, self.device = pipeline, world_size, device
         self.make_train_batches, self.make_valid_batches = train_batches, valid_batches
@@ -61,12 +72,18 @@ class Trainer:
         self.gas, self.global_batch = gas, global_batch
         self.save_dir, self.load_dir = save_dir, load_dir
         self.nan_steps = set(nan_steps)
+        # testing aids (default: from the environment): NaN gradients with a finite loss; an inf weight
+        self.nan_grad_steps = injected_nan_steps(name=INJECT_NAN_GRAD_ENV) if nan_grad_steps is None \
+            else set(nan_grad_steps)
+        self.inf_weight_steps = injected_nan_steps(name=INJECT_INF_WEIGHTS_ENV) if inf_weight_steps is None \
+            else set(inf_weight_steps)
         self.embedding_probe = embedding_probe  # .value: input-embedding RMS at the first forward
         self.watcher = watcher  # installed by the caller before start-up (a notice may come early); else here
         self.state = TrainState()
         self.skips = SkipTracker(cfg.train.max_consecutive_skips)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._injector = NaNInjector(self._nan_target()) if self.nan_steps else None
+        self._grad_injector = NaNInjector(self._nan_target(), grad=True) if self.nan_grad_steps else None
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -78,15 +95,16 @@ class Trainer:
             return layers[-1] if layers else module
         return module
 
-    def resume(self) -> None:
-        """Load the newest complete checkpoint under the load directory, if any."""
-        if not self.load_dir:
+    def resume(self, plan: checkpointing.ResumePlan | None = None, allow_changes=()) -> None:
+        """Load the checkpoint `plan` names (by default the newest one that verifies, see
+        `checkpointing.plan_resume`); config keys in `allow_changes` may differ from the checkpoint's."""
+        if not self.load_dir and not self.save_dir:
             return
-        tag = checkpointing.find_resume_tag(self.load_dir)
-        if tag is None:
-            log.info("no checkpoint under %s: starting from scratch", self.load_dir)
+        if plan is None:
+            plan = checkpointing.plan_resume(self.load_dir, self.save_dir, self.cfg, allow_changes)
+        if plan.tag is None:
             return
-        client = checkpointing.load_checkpoint(self.engine, self.load_dir, tag)
+        client = checkpointing.load_checkpoint(self.engine, plan.root, plan.tag)
         st = client.get("train_state", {})
         self.state = TrainState(iteration=int(st["iteration"]), consumed_samples=int(st["consumed_samples"]),
                                 consumed_tokens=int(st.get("consumed_tokens", 0)))
@@ -95,6 +113,7 @@ class Trainer:
     def save(self) -> None:
         if not self.save_dir:
             return
+        self._check_weights(f"refusing to save a checkpoint to {self.save_dir}")  # "last good" must be finite
         self.state.skips = self.skips.state_dict()
         client = {"train_state": vars(self.state).copy(), "config": self.cfg.to_dict()}
         checkpointing.save_checkpoint(self.engine, self.save_dir, self.state.iteration, client,
@@ -109,17 +128,41 @@ class Trainer:
             value /= self.world_size
         return float(value.item())
 
+    def _weights_bad(self) -> torch.Tensor:
+        """This rank's flag (float 0/1 on the device): a weight it updates (ZeRO: its partition) is inf/NaN."""
+        weights = (p for g in self.optimizer.param_groups for p in g["params"])
+        return (~all_finite(weights)).to(device=self.device, dtype=torch.float32)
+
+    def _check_weights(self, what: str) -> None:
+        """Raise NonFiniteWeights on every rank when any rank holds a non-finite weight (one all-reduce)."""
+        bad = self._weights_bad().reshape(1)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item() > 0:
+            raise NonFiniteWeights(f"{what}: the weights at iteration {self.state.iteration} are not finite "
+                                   "(inf/NaN); use an earlier checkpoint, and lower train.lr or use "
+                                   "train.precision=fp32 to find the cause")
+
     def train_step(self, batches: Iterator) -> tuple[float, float | None, bool]:
-        """One optimizer step over `gas` micro-batches; returns (loss, grad norm, skipped)."""
+        """One optimizer step over `gas` micro-batches; returns (loss, grad norm, skipped).
+
+        Raises NonFiniteWeights (before anything is saved) when the update made any rank's
+        weights inf/NaN; that flag travels in the same all-reduce as the loss.
+        """
         it = self.state.iteration
         lr = learning_rate(it, self.cfg.train, self.budget.train_iters)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self._injector is not None:
             self._injector.armed = (it + 1) in self.nan_steps
+        if self._grad_injector is not None:
+            self._grad_injector.armed = (it + 1) in self.nan_grad_steps
+        if hasattr(self.optimizer, "corrupt_update"):
+            self.optimizer.corrupt_update = (it + 1) in self.inf_weight_steps
         if self.pipeline:
             self.optimizer.begin_iteration()
-            loss = float(self.engine.train_batch(data_iter=batches))  # DP-mean, on every stage
+            local_loss = self.engine.train_batch(data_iter=batches)  # DP-mean, the same on every stage
+            local_loss = torch.as_tensor(local_loss).detach().float().reshape(()).to(self.device)
         else:
             total = torch.zeros((), device=self.device)
             for micro in range(self.gas):
@@ -130,12 +173,28 @@ class Trainer:
                 if micro == self.gas - 1:
                     self.optimizer.begin_iteration(force_skip=not bool(torch.isfinite(total)))
                 self.engine.step()
-            loss = self._mean_over_world(total / self.gas)
-        if self._injector is not None:
-            self._injector.armed = False
+            local_loss = total / self.gas
+        for injector in (self._injector, self._grad_injector):
+            if injector is not None:
+                injector.armed = False
+        if hasattr(self.optimizer, "corrupt_update"):
+            self.optimizer.corrupt_update = False
+        skipped_update = self.optimizer.iteration_skipped  # the same on every rank (the guard agrees)
+        # one collective per step: the loss (mean over ranks) and "an update made a weight inf/NaN"
+        bad = torch.zeros((), device=self.device) if skipped_update else self._weights_bad()
+        stats = torch.stack([local_loss, bad])
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(stats)
+        loss, weights_bad = float(stats[0]) / max(self.world_size, 1), float(stats[1]) > 0
+        if weights_bad:
+            raise NonFiniteWeights(
+                f"iteration {it + 1}: the update made the weights non-finite (inf/NaN) although the gradients "
+                f"were finite; nothing was saved, so the newest checkpoint in {self.save_dir} holds the last good "
+                "weights: resume from it with a lower train.lr or a higher train.adam_eps, or use "
+                "train.precision=fp32")
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else None
-        skipped = self.optimizer.iteration_skipped or not math.isfinite(loss)
+        skipped = skipped_update or not math.isfinite(loss)
         return loss, norm, skipped
 
     # ------------------------------------------------------------------ validation
@@ -187,9 +246,14 @@ class Trainer:
             if watcher.should_stop(self.device):  # the notice came during start-up: nothing new to save
                 log.warning("preempted before the first step: exiting with status %d", PREEMPTED_EXIT_CODE)
                 return TrainResult(self.state.iteration, PREEMPTED_EXIT_CODE, "preempted", self.skips.total)
+            if self.state.iteration < total_iters:
+                self._check_weights(f"before the first step (loaded from {self.load_dir})" if self.state.iteration
+                                    else "before the first step")
+            steps_run = steps_applied = 0
             while self.state.iteration < total_iters:
                 start = time.perf_counter()
                 loss, norm, skipped = self.train_step(batches)
+                steps_run, steps_applied = steps_run + 1, steps_applied + int(not skipped)
                 self.state.iteration += 1
                 it = self.state.iteration
                 self.state.consumed_samples += self.global_batch
@@ -226,6 +290,12 @@ class Trainer:
                     log.warning("preempted at iteration %d: checkpoint saved, exiting with status %d",
                                 it, PREEMPTED_EXIT_CODE)
                     return TrainResult(it, PREEMPTED_EXIT_CODE, "preempted", self.skips.total, result.losses)
+            if steps_run and not steps_applied:
+                raise AllStepsSkipped(
+                    f"all {steps_run} steps (iterations {self.state.iteration - steps_run + 1}-"
+                    f"{self.state.iteration}) had a non-finite loss or gradients and were skipped: the run "
+                    "learnt nothing and saved nothing; check the data, lower train.lr, or use "
+                    "train.precision=fp32 to find the cause")
             if t.eval_interval and self.state.iteration % t.eval_interval:
                 self._log_validation(self.state.iteration)
             if saved_at != self.state.iteration:
