@@ -34,10 +34,13 @@ NO_GRAD_BLOCK_SCALE = 4  # no-grad blocks (eval, materialize) save nothing, so t
 GROUP = 16  # factors multiplied directly before one log is taken
 SAFE_FACTOR = 1e-3  # below this |phi|, log|phi| and log(|phi| + 1e-9) differ by > 1e-6: per-factor path
 SAFE_RANGE = (1e-30, 1e30)  # a group product outside this (or not finite) is recomputed per factor
-# "kernel": the fused C kernel on CPU (cpu_kernel.py); "dense": phi by bmm; "gather": the spec's 3-row gather
-PHI_MODES = ("gather", "dense", "kernel")
-PHI_MODE_BY_DEVICE = {"cpu": "kernel", "cuda": "gather"}
+# "kernel": the fused C kernel on CPU (cpu_kernel.py); "triton": the fused Triton kernel on CUDA
+# (triton_kernel.py); "dense": phi by bmm; "gather": the spec's 3-row gather
+PHI_MODES = ("gather", "dense", "kernel", "triton")
+FUSED_MODES = ("kernel", "triton")  # basis and product in one kernel, from u
+PHI_MODE_BY_DEVICE = {"cpu": "kernel", "cuda": "triton"}
 KERNEL_FALLBACK = "dense"  # where the CPU kernel cannot be built
+TRITON_FALLBACK = "gather"  # where Triton is not importable, or MEGATRON_LEV_TRITON=0
 
 
 def digit_base(vocab_size: int, k: int) -> int:
@@ -255,6 +258,11 @@ def default_phi_mode(device: torch.device) -> str:
 
         if device.type != "cpu" or not cpu_kernel.available():
             return KERNEL_FALLBACK
+    if mode == "triton":
+        from megatron_lev.model.embeddings import triton_kernel
+
+        if device.type != "cuda" or not triton_kernel.available():
+            return TRITON_FALLBACK
     return mode
 
 
@@ -265,8 +273,8 @@ def separable_product(weight: torch.Tensor, index: torch.Tensor, delta: torch.Te
     Without autograd (eval, `materialize`) nothing is saved and blocks are larger.
     """
     mode = mode or default_phi_mode(weight.device)
-    if mode == "kernel":  # the kernel starts from u: see spline_product
-        mode = KERNEL_FALLBACK
+    if mode in FUSED_MODES:  # the fused kernels start from u: see spline_product
+        mode = KERNEL_FALLBACK if mode == "kernel" else TRITON_FALLBACK
     if mode not in PHI_MODES:
         raise ValueError(f"phi mode must be one of {PHI_MODES}, got {mode!r}")
     if torch.is_grad_enabled() and (weight.requires_grad or delta.requires_grad):
@@ -281,9 +289,16 @@ def spline_product(u: torch.Tensor, delta: torch.Tensor, kappa: int, mode: str |
     """Spec steps 4-6 from the latent coordinates: u `(N,h,d)` in [0,1], delta `(h,d,kappa,r)` -> `(N,h,r)`.
 
     Modes "gather"/"dense": `active_basis` then `separable_product`; "kernel": both fused in the
-    CPU kernel (the default on CPU where it builds).
+    CPU kernel (the default on CPU where it builds); "triton": both fused in the Triton kernel
+    (the default on CUDA where Triton imports).
     """
     mode = mode or default_phi_mode(u.device)
+    if mode == "triton":
+        from megatron_lev.model.embeddings import triton_kernel
+
+        if delta.shape[2] != kappa:
+            raise ValueError(f"delta has {delta.shape[2]} knots, kappa is {kappa}")
+        return triton_kernel.spline_product(u, delta)
     if mode != "kernel":
         index, weight = active_basis(u, kappa)
         return separable_product(weight, index, delta, mode)
@@ -363,10 +378,10 @@ class LevEmbedding(InputEmbedding):
 
         def basis(z):  # what `recompute` checkpoints: the kernel takes u, the other modes the active basis
             u = self.latent(z)
-            return u if mode == "kernel" else active_basis(u, kappa)
+            return u if mode in FUSED_MODES else active_basis(u, kappa)
 
         inputs = checkpoint(basis, z, use_reentrant=False) if recompute else basis(z)
-        if mode == "kernel":
+        if mode in FUSED_MODES:
             modes = spline_product(inputs, self.delta.to(cdt), kappa, mode)  # (N, h, r)
         else:
             index, weight = inputs
