@@ -255,7 +255,10 @@ class DataConfig:
     cache_dir: str | None = None  # index cache; default: beside the data
     seed: int = 1234
     num_workers: int = 0
-    reset_position_ids: bool = False
+    # packed documents, split at the tokenizer's EOD id (Megatron-LM / GPT-NeoX semantics; docs/training.md)
+    reset_position_ids: bool = False  # positions restart at 0 after every EOD
+    reset_attention_mask: bool = False  # attention does not cross documents
+    eod_mask_loss: bool = False  # no loss where the input is EOD (the target is the next document's first token)
 
     def validate(self) -> None:
         check_ranges(self, "data")

@@ -5,6 +5,10 @@ Fused QKV layout (column-parallel, `partition_dim` 0): the full weight is
 `[Wq rows of heads r*H/tp..(r+1)*H/tp ; Wk rows of its KV/tp heads ; Wv likewise]`,
 i.e. its slice of each of the three parts, concatenated. The output projection
 `(D, H*hd)` is row-parallel (split along its input columns, the heads).
+
+With `documents` (see `model.documents`), RoPE takes per-token positions and attention stays
+inside each packed document: flash-attn's variable-length kernel on CUDA, else a block-diagonal
+causal mask with `scaled_dot_product_attention`.
 """
 
 from __future__ import annotations
@@ -17,15 +21,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lev.config import ModelConfig
+from megatron_lev.model.documents import Documents
 from megatron_lev.model.rotary import RotaryEmbedding, apply_rotary
 from megatron_lev.parallel import state
 from megatron_lev.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_lev.parallel.random import get_rng_tracker
 
 try:  # optional, CUDA only
-    from flash_attn import flash_attn_func
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
 except ImportError:  # pragma: no cover - depends on the machine
-    flash_attn_func = None
+    flash_attn_func = flash_attn_varlen_func = None
 
 
 def use_flash_attention(x: torch.Tensor) -> bool:
@@ -47,7 +52,7 @@ class ParallelAttention(nn.Module):
         self.dense = RowParallelLinear(q, cfg.hidden_size, init_std=cfg.init_std / math.sqrt(2 * num_layers_for_init))
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, S, D) -> (B, S, D)
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:  # (B, S, D) -> (B, S, D)
         b, s, _ = x.shape
         hd = self.head_dim
         qkv = self.qkv(x)  # (B, S, (H/tp + 2 KV/tp) * hd)
@@ -55,15 +60,26 @@ class ParallelAttention(nn.Module):
         q = q.view(b, s, self.local_heads, hd)
         k = k.view(b, s, self.local_kv_heads, hd)
         v = v.view(b, s, self.local_kv_heads, hd)
-        cos, sin = self.rotary(s, x.device, q.dtype)
+        cos, sin = self.rotary(s, x.device, q.dtype)  # (S, hd)
+        if documents is not None and documents.position_ids is not None:
+            cos, sin = cos[documents.position_ids], sin[documents.position_ids]  # (B, S, hd): restart per document
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        separate = documents is not None and documents.separate_attention
         p = self.dropout if self.training else 0.0
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():  # dropout on this rank's own heads
-            if use_flash_attention(x):
+            if use_flash_attention(x) and separate:
+                cu, longest = documents.cu_seqlens()  # every document of every row, end to end
+                out = flash_attn_varlen_func(
+                    q.reshape(b * s, self.local_heads, hd), k.reshape(b * s, self.local_kv_heads, hd),
+                    v.reshape(b * s, self.local_kv_heads, hd), cu, cu, longest, longest, dropout_p=p,
+                    causal=True).view(b, s, self.local_heads, hd)  # (B*S, H/tp, hd) -> (B, S, H/tp, hd)
+            elif use_flash_attention(x):
                 out = flash_attn_func(q, k, v, dropout_p=p, causal=True)  # (B, S, H/tp, hd), GQA native
             else:
+                mask = documents.attention_mask() if separate else None  # (B, 1, S, S) bool
                 out = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p, is_causal=True,
-                    enable_gqa=self.local_kv_heads != self.local_heads).transpose(1, 2)  # (B, S, H/tp, hd)
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, dropout_p=p,
+                    is_causal=mask is None, enable_gqa=self.local_kv_heads != self.local_heads,
+                ).transpose(1, 2)  # (B, S, H/tp, hd)
         return self.dense(out.reshape(b, s, self.local_heads * hd))
 

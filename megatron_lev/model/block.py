@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_lev.config import ModelConfig
 from megatron_lev.model.attention import ParallelAttention
+from megatron_lev.model.documents import Documents
 from megatron_lev.model.mlp import ParallelSwiGLU
 from megatron_lev.model.norm import RMSNorm
 from megatron_lev.parallel.random import get_rng_tracker, seeded
@@ -27,10 +28,10 @@ class TransformerBlock(nn.Module):
             self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
             self.mlp = ParallelSwiGLU(cfg, cfg.num_layers)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, S, D) -> (B, S, D)
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:  # (B, S, D) -> (B, S, D)
         # hidden dropout acts on replicated activations: the default stream, identical on TP ranks
         p = self.hidden_dropout if self.training else 0.0
-        x = x + F.dropout(self.attention(self.attention_norm(x)), p, self.training)
+        x = x + F.dropout(self.attention(self.attention_norm(x), documents), p, self.training)
         return x + F.dropout(self.mlp(self.mlp_norm(x)), p, self.training)
 
 

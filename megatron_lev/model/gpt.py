@@ -3,6 +3,9 @@
     input ids (B, S) -> input embedding (any variant) -> N x TransformerBlock
     -> RMSNorm -> vocabulary-parallel head -> logits (B, S, V/tp) or per-token loss (B, S)
 
+Packed documents (optional, `model.documents`): `position_ids (B, S)` restart RoPE at each
+document, `document_ids (B, S)` keep attention inside each document.
+
 Every part is built from its own seed (`layer_seed`), so the pipeline-parallel model
 (`model.pipeline`) starts from exactly the same weights as this one.
 """
@@ -14,6 +17,7 @@ from torch import nn
 
 from megatron_lev.config import ModelConfig
 from megatron_lev.model.block import TransformerBlock, checkpointed
+from megatron_lev.model.documents import Documents
 from megatron_lev.model.embeddings.base import InputEmbedding
 from megatron_lev.model.head import VocabParallelHead
 from megatron_lev.model.norm import RMSNorm
@@ -60,24 +64,28 @@ class GPTModel(nn.Module):
         if self.output_head.tied and self.embedding.tied_output_weight() is None:
             raise ValueError(f"model.embedding={model_cfg.embedding!r} has no table to tie the output head to")
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        documents = None
+        if position_ids is not None or document_ids is not None:
+            documents = Documents(position_ids, document_ids)  # built once, shared by every block
         h = self.embedding(input_ids)  # (B, S, D)
         group = self.cfg.checkpoint_num_layers
         for start in range(0, len(self.layers), group):
             blocks = self.layers[start:start + group]
             if self.cfg.activation_checkpointing and self.training:
-                h = checkpointed(_run_blocks(blocks), h)
+                h = checkpointed(_run_blocks(blocks, documents), h)
             else:
-                h = _run_blocks(blocks)(h)
+                h = _run_blocks(blocks, documents)(h)
         logits = self.output_head(self.final_norm(h), self.embedding.tied_output_weight())  # (B, S, V/tp)
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.output_head.true_vocab_size)  # (B, S) fp32
 
 
-def _run_blocks(blocks):
+def _run_blocks(blocks, documents: Documents | None = None):
     def run(h):
         for block in blocks:
-            h = block(h)
+            h = block(h, documents)
         return h
     return run

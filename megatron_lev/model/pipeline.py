@@ -10,9 +10,13 @@ stage each hold a copy of the table; DeepSpeed broadcasts it at start and all-re
 gradient between the two stages, so the copies stay identical.
 
 Batches are `((input_ids,), labels)`; `loss_fn` returns the mean per-token loss. Every TP rank
-of the first and last stage reads its own data iterator: feed them the same batches. A loss
-mask would travel as `labels = (labels, loss_mask)` and `loss_fn` would return
-`(loss * mask).sum() / mask.sum()`.
+of the first and last stage reads its own data iterator: feed them the same batches.
+
+Packed documents (`data.reset_position_ids`, `data.reset_attention_mask`, `data.eod_mask_loss`):
+the inputs are `(input_ids, position_ids, document_ids)`, each `(B, S)`, keeping only those
+switched on and in this order (`document_inputs`); they travel beside the hidden state from stage
+to stage, `(h, position_ids, document_ids)`, and the final norm drops them. With a loss mask the
+labels are `(labels, loss_mask)` and `loss_fn` averages over the unmasked tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 
 from megatron_lev.config import RunConfig
 from megatron_lev.model.block import TransformerBlock, checkpointed
+from megatron_lev.model.documents import documents_for, masked_mean
 from megatron_lev.model.gpt import build_embedding, layer_seed
 from megatron_lev.model.head import VocabParallelHead
 from megatron_lev.model.norm import RMSNorm
@@ -45,16 +50,37 @@ class EmbeddingStage(nn.Module):
     def tied_weight(self) -> torch.Tensor:  # the tied table, named for DeepSpeed's `tied_weight_attr`
         return self.embedding.tied_output_weight()
 
-    def forward(self, inputs):  # ((B, S),) or (B, S) -> (B, S, D)
-        input_ids = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
-        return self.embedding(input_ids)
+    def forward(self, inputs):  # ((B, S), *document tensors) or (B, S) -> (B, S, D) or ((B, S, D), *document tensors)
+        if isinstance(inputs, (tuple, list)):
+            h = self.embedding(inputs[0])
+            return (h, *inputs[1:]) if len(inputs) > 1 else h
+        return self.embedding(inputs)
+
+
+class DocumentTransformerBlock(TransformerBlock):
+    """A `TransformerBlock` whose input and output are `(h, *document tensors)` (names in `inputs`).
+
+    The same parameters, names and seed as `TransformerBlock`; only the calling convention differs.
+    """
+
+    def __init__(self, cfg, layer_index: int, seed: int, inputs: tuple[str, ...]):
+        super().__init__(cfg, layer_index, seed)
+        self.document_inputs = inputs
+
+    def forward(self, inputs):  # ((B, S, D), *(B, S)) -> ((B, S, D), *(B, S))
+        h, *extra = inputs
+        documents = documents_for(**dict(zip(self.document_inputs, extra, strict=True)))
+        return (super().forward(h, documents), *extra)
 
 
 class FinalNormStage(RMSNorm):
-    """The final RMSNorm (holds no random state, so it needs no seed)."""
+    """The final RMSNorm (holds no random state, so it needs no seed); drops the document tensors."""
 
     def __init__(self, model_cfg):
         super().__init__(model_cfg.hidden_size, model_cfg.norm_eps)
+
+    def forward(self, x):
+        return super().forward(x[0] if isinstance(x, (tuple, list)) else x)
 
 
 class HeadStage(VocabParallelHead):
@@ -71,11 +97,21 @@ def _tied_head_forward(stage: EmbeddingStage, h: torch.Tensor) -> torch.Tensor:
 
 
 def pipeline_loss(logits: torch.Tensor, labels, vocab_size: int | None = None) -> torch.Tensor:
-    """Mean per-token loss from vocabulary-parallel logits `(B, S, V/tp)` and labels `(B, S)`.
+    """Mean per-token loss from vocabulary-parallel logits `(B, S, V/tp)` and labels `(B, S)`, or
+    `(labels, loss_mask)`: then the mean over the tokens the mask keeps (`masked_mean`).
 
     `vocab_size`: the real vocabulary; the padding rows beyond it are left out of the softmax.
     """
+    if isinstance(labels, (tuple, list)):
+        labels, loss_mask = labels
+        return masked_mean(vocab_parallel_cross_entropy(logits, labels, vocab_size), loss_mask)
     return vocab_parallel_cross_entropy(logits, labels, vocab_size).mean()
+
+
+def document_inputs(data_cfg) -> tuple[str, ...]:
+    """Names of the document tensors that follow `input_ids` in a pipeline batch, in order."""
+    return tuple(name for name, on in (("position_ids", data_cfg.reset_position_ids),
+                                       ("document_ids", data_cfg.reset_attention_mask)) if on)
 
 
 def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None, true_vocab_size: int | None = None):
@@ -101,7 +137,12 @@ def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None, true_vocab_si
         specs = [TiedLayerSpec(TIED_KEY, EmbeddingStage, m, vocab_size, seed, tied_weight_attr="tied_weight")]
     else:
         specs = [LayerSpec(EmbeddingStage, m, vocab_size, seed)]
-    specs += [LayerSpec(TransformerBlock, m, i, layer_seed(seed, "block", i)) for i in range(m.num_layers)]
+    extra = document_inputs(cfg.data)
+    if extra:
+        specs += [LayerSpec(DocumentTransformerBlock, m, i, layer_seed(seed, "block", i), extra)
+                  for i in range(m.num_layers)]
+    else:
+        specs += [LayerSpec(TransformerBlock, m, i, layer_seed(seed, "block", i)) for i in range(m.num_layers)]
     specs.append(LayerSpec(FinalNormStage, m))
     if tied:
         specs.append(TiedLayerSpec(TIED_KEY, EmbeddingStage, m, vocab_size, seed, forward_fn=_tied_head_forward,
@@ -114,7 +155,7 @@ def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None, true_vocab_si
     return PipelineModule(layers=specs, topology=topology, loss_fn=loss_fn,
                           partition_method=_partition_method(p.partition_method),
                           activation_checkpoint_interval=ckpt, activation_checkpoint_func=checkpointed,
-                          checkpointable_layers=["TransformerBlock"], seed_layers=False)
+                          checkpointable_layers=["TransformerBlock", "DocumentTransformerBlock"], seed_layers=False)
 
 
 def _wrap_process_group() -> None:

@@ -35,6 +35,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x (B, S, H, hd)` by position; `cos`, `sin` are `(S, hd)`."""
-    cos, sin = cos[:, None, :], sin[:, None, :]  # (S, 1, hd): broadcast over heads
+    """Rotate `x (B, S, H, hd)` by position; `cos`, `sin` are `(S, hd)`, or `(B, S, hd)` for per-row positions."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (S, 1, hd) or (B, S, 1, hd): broadcast over heads
     return x * cos + _rotate_half(x) * sin

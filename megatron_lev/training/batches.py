@@ -4,14 +4,38 @@ Each data-parallel rank reads its own slice of every global batch (Megatron's
 pretraining sampler); tensor- and pipeline-parallel peers of a replica read the
 same slice themselves, so no batch is broadcast. The train position is the number
 of samples consumed, which the checkpoint stores.
+
+A micro-batch is `(input_ids, labels)`, or a `MicroBatch` when the run treats packed documents
+separately (`data.documents.DocumentLayout`: positions, attention and loss mask from the EOD id).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from megatron_lev.data.documents import DocumentLayout
+from megatron_lev.model.documents import masked_mean
+from megatron_lev.model.embeddings.base import check_token_ids
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of packed documents; the optional tensors are None when their option is off."""
+
+    input_ids: torch.Tensor  # (B, S)
+    labels: torch.Tensor  # (B, S)
+    position_ids: torch.Tensor | None = None  # (B, S) restart at each document (data.reset_position_ids)
+    document_ids: torch.Tensor | None = None  # (B, S) attention within documents (data.reset_attention_mask)
+    loss_mask: torch.Tensor | None = None  # (B, S) float 0/1 (data.eod_mask_loss)
+
+    def pipeline(self) -> tuple:
+        """DeepSpeed's pipeline form `((input_ids, *document tensors), labels or (labels, loss_mask))`."""
+        inputs = (self.input_ids, *(t for t in (self.position_ids, self.document_ids) if t is not None))
+        return inputs, self.labels if self.loss_mask is None else (self.labels, self.loss_mask)
 
 
 def make_loader(dataset: Dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
@@ -28,14 +52,47 @@ def make_loader(dataset: Dataset, consumed_samples: int, micro_batch_size: int, 
     return loader
 
 
-def token_batches(loader: DataLoader, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """`(input_ids, labels)`, each `(B, S)`, on `device`; labels are the inputs shifted by one."""
+def token_batches(loader: DataLoader, device: torch.device, vocab_size: int | None = None,
+                  documents: DocumentLayout | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor] | MicroBatch]:
+    """`(input_ids, labels)`, each `(B, S)`, on `device`; labels are the inputs shifted by one.
+
+    With a `documents` layout: a `MicroBatch` that also carries the document tensors it switches on.
+
+    With `vocab_size`, every id is checked on the host before the copy (IndexError naming the
+    id), so the model's own check on the device never has to make the host wait.
+    """
     for batch in loader:
-        tokens = batch["tokens"].to(device, non_blocking=True).long()  # (B, S+1)
-        yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        tokens = batch["tokens"]  # (B, S+1) host memory
+        if vocab_size is not None:
+            check_token_ids(tokens, vocab_size)
+        tokens = tokens.to(device, non_blocking=True).long()
+        input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        if documents is None:
+            yield input_ids, labels
+        else:
+            yield MicroBatch(input_ids, labels, **documents(input_ids))
 
 
-def pipeline_batches(batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[tuple]:
-    """The `((inputs,), labels)` form DeepSpeed's pipeline engine expects."""
-    for input_ids, labels in batches:
-        yield (input_ids,), labels
+def pipeline_batches(batches: Iterator[tuple[torch.Tensor, torch.Tensor] | MicroBatch]) -> Iterator[tuple]:
+    """The `((inputs,), labels)` form DeepSpeed's pipeline engine expects (see `MicroBatch.pipeline`)."""
+    for batch in batches:
+        if isinstance(batch, MicroBatch):
+            yield batch.pipeline()
+        else:
+            input_ids, labels = batch
+            yield (input_ids,), labels
+
+
+def micro_batch_loss(model, batch: tuple[torch.Tensor, torch.Tensor] | MicroBatch) -> torch.Tensor:
+    """The mean per-token loss `()` (fp32) of one micro-batch; with a loss mask, over the tokens it keeps.
+
+    The step averages these means over micro-batches and data-parallel ranks with equal weights
+    (as Megatron-LM and GPT-NeoX do), so a token's weight depends slightly on how many targets its
+    micro-batch masks.
+    """
+    if not isinstance(batch, MicroBatch):
+        input_ids, labels = batch
+        return model(input_ids, labels=labels).float().mean()  # (B, S) per-token -> ()
+    losses = model(batch.input_ids, labels=batch.labels, position_ids=batch.position_ids,
+                   document_ids=batch.document_ids)  # (B, S)
+    return masked_mean(losses, batch.loss_mask)

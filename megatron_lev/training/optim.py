@@ -45,8 +45,10 @@ class GuardedAdamW(torch.optim.AdamW):
     DeepSpeed may call `step()` several times per iteration (ZeRO steps one parameter
     group at a time); each call checks the gradients it is given and agrees with the
     other ranks. `begin_iteration(force_skip)` resets the per-iteration record (the
-    trainer forces a skip when the loss itself was non-finite); `iteration_skipped`
-    says afterwards whether anything was held back (or DeepSpeed never called us).
+    trainer forces a skip when the loss itself was non-finite: a bool, or a bool tensor
+    folded into the flag on the device, so the trainer never waits for the loss);
+    `iteration_skipped` says afterwards whether anything was held back (or DeepSpeed
+    never called us). The flag's one read per call is the step's only host sync here.
     """
 
     def __init__(self, params, **kwargs) -> None:
@@ -54,7 +56,7 @@ class GuardedAdamW(torch.optim.AdamW):
         self.corrupt_update = False  # testing aid: the next applied update writes inf into a weight
         self.begin_iteration()
 
-    def begin_iteration(self, force_skip: bool = False) -> None:
+    def begin_iteration(self, force_skip: bool | torch.Tensor = False) -> None:
         self.force_skip = force_skip
         self.calls = 0
         self.skipped_calls = 0
@@ -73,7 +75,9 @@ class GuardedAdamW(torch.optim.AdamW):
         self.calls += 1
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         bad = (~all_finite(grads)).to(device=self._flag_device(grads), dtype=torch.float32).reshape(1)
-        if self.force_skip:
+        if isinstance(self.force_skip, torch.Tensor):
+            bad = torch.maximum(bad, self.force_skip.to(device=bad.device, dtype=bad.dtype).reshape(1))
+        elif self.force_skip:
             bad.fill_(1.0)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)

@@ -71,6 +71,7 @@ def pretrain(cfg: RunConfig, allow_changes=()) -> TrainResult:
 
 
 def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> TrainResult:
+    from megatron_lev.data.documents import DocumentLayout
     from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
     from megatron_lev.data.tokenizers import build_tokenizer
     from megatron_lev.model.build import build_model, padded_vocab_size
@@ -104,7 +105,8 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
-    model = build_model(cfg, check_vocab(cfg, tokenizer.vocab_size), topology=topology)
+    true_vocab = check_vocab(cfg, tokenizer.vocab_size)
+    model = build_model(cfg, true_vocab, topology=topology)
     pipeline = pp > 1
     n_params = parameter_count(cfg.model, vocab)["total"]
     micro, gas, global_batch = batch_layout(cfg, world)
@@ -124,13 +126,15 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
     if train_ds is None:
         raise ConfigError(f"data.split={cfg.data.split!r} leaves no training documents")
 
+    documents = DocumentLayout.from_config(cfg.data, tokenizer.eod)  # None unless a document option is on
+
     def train_batches(consumed: int):
         loader = make_loader(train_ds, consumed, micro, dp_rank, dp, cfg.data.num_workers)
-        batches = token_batches(loader, dev)
+        batches = token_batches(loader, dev, true_vocab, documents)
         return pipeline_batches(batches) if pipeline else batches
 
     def valid_batches():
-        batches = token_batches(make_loader(valid_ds, 0, micro, dp_rank, dp, 0), dev)
+        batches = token_batches(make_loader(valid_ds, 0, micro, dp_rank, dp, 0), dev, true_vocab, documents)
         return pipeline_batches(batches) if pipeline else batches
 
     writer = MetricsWriter(out, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)

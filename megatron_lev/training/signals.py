@@ -73,6 +73,7 @@ class PreemptionWatcher:
         self.signals = signals
         self.received: int | None = None
         self._previous: dict[int, object] = {}
+        self._group = None  # the host-side group of the flag's all-reduce, made at the first check
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
@@ -97,11 +98,19 @@ class PreemptionWatcher:
         self.uninstall()
 
     def should_stop(self, device=None) -> bool:
-        """True on every rank if any rank was signalled (an all-reduce MAX when distributed)."""
+        """True on every rank if any rank was signalled (an all-reduce MAX when distributed).
+
+        The flag travels in host memory (over a gloo group when the default backend is not
+        gloo), so the check never waits for the accelerator to finish the queued step.
+        """
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if self.received is not None else 0.0], device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        here = self.received is not None
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return here
+        if self._group is None:  # every rank reaches its first check at the same step: a safe collective
+            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        flag = torch.tensor([1.0 if here else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.numpy()[0] > 0)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_lev.config import RunConfig
 from megatron_lev.logging import get_logger
 from megatron_lev.training import checkpointing
+from megatron_lev.training.batches import micro_batch_loss
 from megatron_lev.training.health import (
     INJECT_INF_WEIGHTS_ENV,
     INJECT_NAN_GRAD_ENV,
@@ -84,6 +85,7 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._injector = NaNInjector(self._nan_target()) if self.nan_steps else None
         self._grad_injector = NaNInjector(self._nan_target(), grad=True) if self.nan_grad_steps else None
+        self._counts = [0, 0]  # steps run and steps applied by the current `train()`
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -121,12 +123,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _mean_over_world(self, value: torch.Tensor) -> float:
+    def _mean_over_world(self, value: torch.Tensor) -> torch.Tensor:
         if dist.is_initialized() and self.world_size > 1:
             value = value.clone()
             dist.all_reduce(value)
             value /= self.world_size
-        return float(value.item())
+        return value.detach().reshape(())
 
     def _weights_bad(self) -> torch.Tensor:
         """This rank's flag (float 0/1 on the device): a weight it updates (ZeRO: its partition) is inf/NaN."""
@@ -144,10 +146,23 @@ class Trainer:
                                    "train.precision=fp32 to find the cause")
 
     def train_step(self, batches: Iterator) -> tuple[float, float | None, bool]:
-        """One optimizer step over `gas` micro-batches; returns (loss, grad norm, skipped).
+        """One optimizer step over `gas` micro-batches; returns (loss, grad norm, skipped) as numbers.
 
-        Raises NonFiniteWeights (before anything is saved) when the update made any rank's
-        weights inf/NaN; that flag travels in the same all-reduce as the loss.
+        Reads the step's values at once (a host sync); the training loop uses `device_step`
+        and reads them only at logging intervals. Raises NonFiniteWeights when the update
+        made any rank's weights inf/NaN.
+        """
+        step = self.device_step(batches)
+        loss, norm, weights_bad = _read([step])[0]
+        if weights_bad:
+            raise self._non_finite_weights(self.state.iteration + 1)
+        return loss, norm, step.skipped or not math.isfinite(loss)
+
+    def device_step(self, batches: Iterator) -> _Step:
+        """One optimizer step over `gas` micro-batches, its loss and flags left on the device.
+
+        The only host reads are the guard's finiteness flag (one per `optimizer.step()` call)
+        and, for LEV and the other per-unique-id embeddings, `torch.unique`'s output size.
         """
         it = self.state.iteration
         lr = learning_rate(it, self.cfg.train, self.budget.train_iters)
@@ -166,12 +181,11 @@ class Trainer:
         else:
             total = torch.zeros((), device=self.device)
             for micro in range(self.gas):
-                input_ids, labels = next(batches)
-                loss_mb = self.engine(input_ids, labels=labels).float().mean()  # (B, S) per-token -> ()
+                loss_mb = micro_batch_loss(self.engine, next(batches))  # (B, S) per-token -> () mean
                 total += loss_mb.detach()
                 self.engine.backward(loss_mb)
-                if micro == self.gas - 1:
-                    self.optimizer.begin_iteration(force_skip=not bool(torch.isfinite(total)))
+                if micro == self.gas - 1:  # a non-finite loss skips the update: decided on the device
+                    self.optimizer.begin_iteration(force_skip=~torch.isfinite(total))
                 self.engine.step()
             local_loss = total / self.gas
         for injector in (self._injector, self._grad_injector):
@@ -180,22 +194,24 @@ class Trainer:
         if hasattr(self.optimizer, "corrupt_update"):
             self.optimizer.corrupt_update = False
         skipped_update = self.optimizer.iteration_skipped  # the same on every rank (the guard agrees)
-        # one collective per step: the loss (mean over ranks) and "an update made a weight inf/NaN"
+        # one collective per step: the loss (summed over ranks) and "an update made a weight inf/NaN"
         bad = torch.zeros((), device=self.device) if skipped_update else self._weights_bad()
-        stats = torch.stack([local_loss, bad])
+        stats = torch.stack([local_loss, bad.reshape(())])
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(stats)
-        loss, weights_bad = float(stats[0]) / max(self.world_size, 1), float(stats[1]) > 0
-        if weights_bad:
-            raise NonFiniteWeights(
-                f"iteration {it + 1}: the update made the weights non-finite (inf/NaN) although the gradients "
-                f"were finite; nothing was saved, so the newest checkpoint in {self.save_dir} holds the last good "
-                "weights: resume from it with a lower train.lr or a higher train.adam_eps, or use "
-                "train.precision=fp32")
-        norm = self.engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else None
-        skipped = skipped_update or not math.isfinite(loss)
-        return loss, norm, skipped
+        norm = self.engine.get_global_grad_norm()  # a device tensor, a float (inf when skipped), or None
+        if isinstance(norm, torch.Tensor):
+            norm = norm.detach().to(torch.float32, copy=True).reshape(())  # the engine may reuse its buffer
+        elif norm is not None:
+            norm = torch.tensor(float(norm))
+        return _Step(it + 1, stats, max(self.world_size, 1), norm, skipped_update)
+
+    def _non_finite_weights(self, iteration: int) -> NonFiniteWeights:
+        return NonFiniteWeights(
+            f"iteration {iteration}: the update made the weights non-finite (inf/NaN) although the gradients "
+            f"were finite; nothing was saved, so the newest checkpoint in {self.save_dir} holds the last good "
+            "weights: resume from it with a lower train.lr or a higher train.adam_eps, or use "
+            "train.precision=fp32")
 
     # ------------------------------------------------------------------ validation
 
@@ -212,14 +228,15 @@ class Trainer:
                     losses.append(float(self.engine.eval_batch(data_iter=batches)))
                 else:
                     for _ in range(self.gas):
-                        input_ids, labels = next(batches)
-                        losses.append(self._mean_over_world(self.engine(input_ids, labels=labels).float().mean()))
+                        losses.append(self._mean_over_world(micro_batch_loss(self.engine, next(batches))))
         except StopIteration:
             log.warning("validation data ran out after %d batches", len(losses))
         finally:
             self.engine.train()
         if not losses:
             return None
+        losses = torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.device).reshape(())
+                              for x in losses]).tolist()  # one host read for the whole validation
         loss = sum(losses) / len(losses)
         return {"loss": loss, "ppl": perplexity(loss)}
 
@@ -249,29 +266,29 @@ class Trainer:
             if self.state.iteration < total_iters:
                 self._check_weights(f"before the first step (loaded from {self.load_dir})" if self.state.iteration
                                     else "before the first step")
-            steps_run = steps_applied = 0
+            self._counts = [0, 0]  # steps run, steps applied
+            pending: list[_Step] = []  # steps whose loss and flags are still on the device
             while self.state.iteration < total_iters:
                 start = time.perf_counter()
-                loss, norm, skipped = self.train_step(batches)
-                steps_run, steps_applied = steps_run + 1, steps_applied + int(not skipped)
+                pending.append(self.device_step(batches))
                 self.state.iteration += 1
                 it = self.state.iteration
                 self.state.consumed_samples += self.global_batch
                 self.state.consumed_tokens += self.budget.tokens_per_iter
-                result.losses[it] = loss
-                window.add(loss, norm, skipped, time.perf_counter() - start, self.budget.tokens_per_iter)
-                if skipped:
-                    log.warning("iteration %d: non-finite loss (%s) or gradient norm (%s): update skipped",
-                                it, loss, norm)
+                window.add_time(time.perf_counter() - start, self.budget.tokens_per_iter)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-                too_many = None
-                try:
-                    self.skips.update(skipped, it)
-                except TooManySkippedSteps as exc:
-                    too_many = exc
-                if it % lg.log_interval == 0 or it == total_iters or too_many:
+                stop = watcher.should_stop(self.device)
+                evaluate = bool(t.eval_interval and it % t.eval_interval == 0)
+                save = bool(t.save_interval and it % t.save_interval == 0)
+                log_now = it % lg.log_interval == 0 or it == total_iters
+                # the host reads the losses only here: at a log line, a skipped step (the skip limit
+                # counts at once), and before anything that must see finite weights or every loss
+                if not (log_now or pending[-1].skipped or evaluate or save or stop):
+                    continue
+                too_many = self._settle(pending, window, result, bar)
+                pending = []
+                if log_now or too_many:
                     self._log_window(window, it)
                     window = _Window()
                 if too_many is not None:
@@ -279,17 +296,18 @@ class Trainer:
                     self.save()
                     return TrainResult(it, SKIP_LIMIT_EXIT_CODE, "too many skipped steps", self.skips.total,
                                        result.losses)
-                if t.eval_interval and it % t.eval_interval == 0:
+                if evaluate:
                     self._log_validation(it)
-                if t.save_interval and it % t.save_interval == 0:
+                if save:
                     self.save()
                     saved_at = it
-                if watcher.should_stop(self.device):
+                if stop:
                     if saved_at != it:
                         self.save()
                     log.warning("preempted at iteration %d: checkpoint saved, exiting with status %d",
                                 it, PREEMPTED_EXIT_CODE)
                     return TrainResult(it, PREEMPTED_EXIT_CODE, "preempted", self.skips.total, result.losses)
+            steps_run, steps_applied = self._counts
             if steps_run and not steps_applied:
                 raise AllStepsSkipped(
                     f"all {steps_run} steps (iterations {self.state.iteration - steps_run + 1}-"
@@ -308,6 +326,35 @@ class Trainer:
             redirect.__exit__(None, None, None)
             if bar is not None:
                 bar.close()
+
+    def _settle(self, pending: list[_Step], window: _Window, result: TrainResult, bar) -> TooManySkippedSteps | None:
+        """Read the pending steps' values (one host sync), record them, and apply the checks in order.
+
+        Raises NonFiniteWeights at the first step whose update made a weight inf/NaN; returns the
+        skip-limit error if a step reached it (the caller logs, saves and stops).
+        """
+        start = time.perf_counter()
+        values = _read(pending)
+        window.add_time(time.perf_counter() - start, 0)  # the device work the read waited for
+        too_many = None
+        for step, (loss, norm, weights_bad) in zip(pending, values):
+            if weights_bad:
+                raise self._non_finite_weights(step.iteration)
+            skipped = step.skipped or not math.isfinite(loss)
+            result.losses[step.iteration] = loss
+            window.add(loss, norm, skipped)
+            self._counts[0] += 1
+            self._counts[1] += int(not skipped)
+            if skipped:
+                log.warning("iteration %d: non-finite loss (%s) or gradient norm (%s): update skipped",
+                            step.iteration, loss, norm)
+            try:
+                self.skips.update(skipped, step.iteration)
+            except TooManySkippedSteps as exc:
+                too_many = too_many or exc
+        if bar is not None and values:
+            bar.set_postfix(loss=f"{values[-1][0]:.4f}", refresh=False)
+        return too_many
 
     def _log_window(self, w: _Window, it: int) -> None:
         tp = throughput(w.tokens, w.seconds, self.flops_per_token, self.world_size, self.cfg.logging.peak_tflops)
@@ -343,6 +390,30 @@ class Trainer:
 
 
 @dataclass
+class _Step:
+    """One optimizer step's results, still on the device until `_read`."""
+
+    iteration: int
+    stats: torch.Tensor  # (2,): loss summed over ranks, "weights non-finite" flag (> 0)
+    world_size: int
+    norm: torch.Tensor | None  # global gradient norm, or None when the engine has none
+    skipped: bool  # the guard held the update back (a host value: the guard read its flag)
+
+
+def _read(steps: list[_Step]) -> list[tuple[float, float | None, bool]]:
+    """(loss, grad norm, weights non-finite) of each step, with one host read for all of them."""
+    if not steps:
+        return []
+    device = steps[0].stats.device
+    nan = torch.full((), float("nan"), device=device)
+    rows = torch.stack([torch.stack([s.stats[0], s.stats[1],
+                                     nan if s.norm is None else s.norm.to(device=device, dtype=torch.float32)])
+                        for s in steps])  # (steps, 3)
+    return [(loss / s.world_size, None if s.norm is None else norm, bad > 0)
+            for s, (loss, bad, norm) in zip(steps, rows.tolist())]
+
+
+@dataclass
 class _Window:
     """Accumulates the iterations between two log lines."""
 
@@ -353,15 +424,17 @@ class _Window:
     tokens: int = 0
     last_norm: float | None = None
 
-    def add(self, loss: float, norm: float | None, skipped: bool, seconds: float, tokens: int) -> None:
+    def add(self, loss: float, norm: float | None, skipped: bool) -> None:
         if math.isfinite(loss) and not skipped:
             self.loss_sum += loss
             self.finite += 1
         self.skipped_now += int(skipped)
-        self.seconds += seconds
-        self.tokens += tokens
         if norm is not None:
             self.last_norm = norm
+
+    def add_time(self, seconds: float, tokens: int) -> None:
+        self.seconds += seconds
+        self.tokens += tokens
 
     @property
     def mean_loss(self) -> float:

@@ -1,0 +1,128 @@
+"""Host syncs per training step, counted on CPU by patching the tensor-to-Python reads.
+
+A real step (GPTModel, DeepSpeed ZeRO-1, the guarded AdamW, 2 micro-batches) on one gloo
+rank. On a GPU each counted read waits for the device; the project's own code may read
+only the guard's flag (one per `optimizer.step()` call) in a step, and the losses once per
+log line. DeepSpeed's ZeRO optimizer reads its norm-validity check itself (listed, not
+ours). `torch.unique`'s size is a sync in C++ and is counted on the GPU only
+(benchmarks/gpu_acceptance.py).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+from megatron_lev.testing.syncs import HostReads
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+VOCAB, SEQ, MICRO, STEPS, LOG_INTERVAL = 500, 16, 2, 7, 3
+OURS = os.sep + "megatron_lev" + os.sep
+
+
+def _tiny(embedding: str):
+    from megatron_lev.config import load_config
+    from megatron_lev.model.build import build_model
+    from megatron_lev.training.ds_config import build_ds_config
+    from megatron_lev.training.engine import build_engine
+    from megatron_lev.training.metrics import MetricsWriter
+    from megatron_lev.training.schedule import Budget
+    from megatron_lev.training.trainer import Trainer
+    from tests.training.conftest import TINY
+
+    cfg = load_config([TINY], [
+        f"model.embedding={embedding}", "model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
+        f"model.seq_length={SEQ}", "model.lev.d_seed=8", "model.lev.heads=2", "model.lev.rank=4",
+        "model.lev.kappa=4", f"train.micro_batch_size={MICRO}", f"train.global_batch_size={2 * MICRO}",
+        f"train.train_iters={STEPS}", "logging.progress_bar=false", "logging.tensorboard=false",
+        f"logging.log_interval={LOG_INTERVAL}"])
+    engine, optimizer = build_engine(cfg, build_model(cfg, VOCAB), build_ds_config(cfg, 1), pipeline=False)
+    gen = torch.Generator().manual_seed(0)
+
+    def batches(consumed: int = 0):
+        while True:
+            tokens = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=gen)
+            yield tokens[:, :-1], tokens[:, 1:]
+
+    return Trainer(cfg, engine, optimizer, Budget(STEPS, 2 * MICRO * SEQ, "test"), pipeline=False, world_size=1,
+                   device=torch.device("cpu"), train_batches=batches, valid_batches=None, flops_per_token=1e6,
+                   writer=MetricsWriter(tempfile.mkdtemp(), True, False), gas=2, global_batch=2 * MICRO,
+                   save_dir=None, load_dir=None)
+
+
+def count_reads() -> dict:
+    """Runs in a spawned gloo process: reads per step and over a whole `train()`, by origin."""
+    from megatron_lev.parallel import state
+    from megatron_lev.training.engine import disable_cpu_shm_comm
+
+    disable_cpu_shm_comm()
+    state.initialize_model_parallel(1, 1)
+    out = {}
+    for embedding in ("lev", "tied"):
+        tr = _tiny(embedding)
+        batches = tr.make_train_batches(0)
+        tr.device_step(batches)  # the first step creates the optimizer state
+        steps = []
+        for _ in range(3):
+            with HostReads() as reads:
+                tr.device_step(batches)
+            steps.append({"ours": reads.count(OURS), "deepspeed": reads.count(os.sep + "deepspeed" + os.sep),
+                          "total": reads.total, "guard_calls": tr.optimizer.calls, "sites": reads.summary()})
+        loop = _tiny(embedding)
+        with HostReads() as reads:
+            result = loop.train()
+        out[embedding] = {"steps": steps, "loop_ours": reads.count(OURS), "loop_sites": reads.summary(),
+                          "loop_guard_calls": loop.optimizer.calls, "losses": sorted(result.losses),
+                          "exit": result.exit_code}
+    return out
+
+
+@pytest.fixture(scope="module")
+def reads():
+    from megatron_lev.testing.distributed import run_distributed
+
+    (res,) = run_distributed(count_reads, world_size=1, timeout=240)
+    return res
+
+
+@pytest.mark.parametrize("embedding", ["lev", "tied"])
+def test_a_step_reads_only_the_guard_flag(reads, embedding):
+    for step in reads[embedding]["steps"]:
+        assert step["guard_calls"] >= 1
+        assert step["ours"] == step["guard_calls"], step["sites"]  # one flag per optimizer.step(), nothing else
+        assert step["total"] == step["ours"] + step["deepspeed"], step["sites"]  # no other library reads
+
+
+@pytest.mark.parametrize("embedding", ["lev", "tied"])
+def test_the_loop_reads_losses_once_per_log_line(reads, embedding):
+    r = reads[embedding]
+    assert r["exit"] == 0 and r["losses"] == list(range(1, STEPS + 1))  # every loss still recorded
+    log_lines = len({*range(LOG_INTERVAL, STEPS + 1, LOG_INTERVAL), STEPS})
+    weight_check = 1  # the finiteness of the weights before the first step
+    assert r["loop_ours"] == r["loop_guard_calls"] * STEPS + log_lines + weight_check, r["loop_sites"]
+
+
+def test_host_reads_counts_and_restores():
+    t = torch.tensor([1.5])
+    with HostReads() as reads:
+        float(t), t.item(), bool(t > 0), t.tolist(), int(t)
+        t.numpy()  # host memory only: never a device sync, not counted
+    assert reads.total == 5 and reads.count("test_host_syncs") == 5
+    with HostReads() as again:
+        pass
+    float(t)
+    assert again.total == 0 and "Tensor" in type(t).__name__
+
+
+def test_the_loader_checks_token_ids_on_the_host():
+    from megatron_lev.training.batches import token_batches
+
+    loader = [{"tokens": torch.tensor([[1, 2, 3], [4, 5, 9]])}]
+    ((x, y),) = token_batches(loader, torch.device("cpu"), vocab_size=10)
+    assert x.shape == (2, 2) and y.tolist() == [[2, 3], [5, 9]]
+    with pytest.raises(IndexError, match="token id 9 is outside the vocabulary"):
+        list(token_batches(loader, torch.device("cpu"), vocab_size=9))
