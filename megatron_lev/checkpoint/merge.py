@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lev.model.canonical import ParamSpec, merge_tp_shards, split_tp_shard
 from megatron_lev.errors import UserError
+from megatron_lev.model.canonical import ParamSpec, merge_tp_shards, split_tp_shard
 
 
 class ShardMismatchError(UserError, ValueError):

@@ -13,6 +13,7 @@ import os
 import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
+
 from megatron_lev.errors import DataError
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<eod>")

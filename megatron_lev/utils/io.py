@@ -13,8 +13,9 @@ import errno
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 from megatron_lev.errors import UserError
 

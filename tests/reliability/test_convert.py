@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from megatron_lev.utils.io import sha256_file
-
 from tests.checkpoint.conftest import ds_checkpoints, sample_text, tokenizer_path  # noqa: F401 (fixtures)
 from tests.reliability.harness import expect_error, expect_ok, run_cli
 
