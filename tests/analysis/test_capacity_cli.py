@@ -65,3 +65,39 @@ def test_formula_only_mode(capsys):
     assert cli(["capacity", "--formula", "4096", "0.0645"]) == 0
     out = capsys.readouterr().out
     assert "3.99e+07" in out and "2.16e+09" in out and "low-eps" in out
+
+
+def test_cli_default_is_exact_gram_eps_with_a_seeded_histogram_sample(tmp_path, monkeypatch, capsys):
+    """By default no pass visits all pairs: eps from the Gram matrix, the histogram from --hist-rows rows."""
+    import megatron_lev.analysis.cosine as cosine
+
+    visited = []
+    pair_pass = cosine._accumulate
+    monkeypatch.setattr(cosine, "_accumulate", lambda x, *a: visited.append(x.shape[0]) or pair_pass(x, *a))
+    rng = np.random.default_rng(2)
+    m = rng.normal(size=(300, 32)) + 0.4 * rng.normal(size=(1, 32))
+    np.save(tmp_path / "e.npy", m.astype(np.float32))
+    args = ["capacity", str(tmp_path / "e.npy"), "--threads", "1", "--hist-rows", "50"]
+    assert cli([*args, "--out", str(tmp_path / "a")]) == 0
+    assert visited == [50]
+    r = json.loads((tmp_path / "a" / "capacity.json").read_text())["reports"][0]
+    assert r["eps_method"] == "gram" and r["exact"] and r["pairs"] == 300 * 299 // 2
+    assert (r["hist_mode"], r["hist_rows"], r["hist_seed"], r["hist_pairs"]) == ("sample", 50, 0, 50 * 49 // 2)
+    assert r["eps"] == pytest.approx(cosine.gram_moments(m.astype(np.float32))[0]
+                                     + 2 * cosine.gram_moments(m.astype(np.float32))[1], abs=1e-12)
+    md = (tmp_path / "a" / "capacity.md").read_text()
+    assert "Gram identity" in md and "sample of 50 rows (seed 0)" in md
+    assert cli([*args, "--out", str(tmp_path / "b")]) == 0                 # same seed: same histogram
+    again = json.loads((tmp_path / "b" / "capacity.json").read_text())["reports"][0]
+    assert again["histogram"]["counts"] == r["histogram"]["counts"]
+    assert cli([*args, "--seed", "1", "--out", str(tmp_path / "c")]) == 0
+    other = json.loads((tmp_path / "c" / "capacity.json").read_text())["reports"][0]
+    assert other["eps"] == r["eps"] and other["histogram"]["counts"] != r["histogram"]["counts"]
+    visited.clear()
+    assert cli([*args, "--histogram", "off", "--out", str(tmp_path / "d")]) == 0
+    assert visited == [] and not list((tmp_path / "d").glob("*.png"))
+    assert cli([*args, "--histogram", "full", "--out", str(tmp_path / "e")]) == 0
+    full = json.loads((tmp_path / "e" / "capacity.json").read_text())["reports"][0]
+    assert visited == [300] and full["hist_pairs"] == full["pairs"] and full["eps"] == r["eps"]
+    assert full["eps_pairs"] == pytest.approx(r["eps"], abs=1e-6)
+    capsys.readouterr()
