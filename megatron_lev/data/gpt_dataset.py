@@ -25,7 +25,7 @@ from megatron_lev.data.manifest import cached_sha256, verify_shard_set
 from megatron_lev.errors import DataError
 from megatron_lev.utils.io import atomic_open, atomic_write_json
 
-INDEX_VERSION = 2  # bump when the index scheme changes, so old caches are not reused
+INDEX_VERSION = 3  # bump when the index scheme changes, so old caches are not reused (3: sample_idx[0] = (0, 0))
 log = logging.getLogger(__name__)
 
 

@@ -32,19 +32,54 @@ def build_doc_idx(documents: np.ndarray, epochs: int, rng: np.random.Generator) 
 
 
 def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_samples: int,
-                     block: int = 1 << 24) -> np.ndarray:
-    """(num_samples + 1, 2) int32 (position in doc_idx, offset) of each sample's first token."""
-    ends = np.cumsum(sizes[doc_idx], dtype=np.int64)  # (E*D,) exclusive end of each document in the stream
-    if num_samples * seq_length >= ends[-1]:
-        raise DataError(f"{num_samples} samples of {seq_length}+1 tokens need more than {ends[-1]} tokens; "
+                     chunk: int = 1 << 16) -> np.ndarray:
+    """(num_samples + 1, 2) (position in doc_idx, offset) of each sample's first token: int32, or int64
+    when doc_idx has 2**31 positions or more.
+
+    Sample i starts at token i * S of the documents in doc_idx order. One pass over doc_idx
+    in chunks of documents: from a chunk's cumulative ends, ceil(end / S) counts the samples
+    that start before each document's end; a sample's document in the chunk is how many
+    documents end at or before its first token (a histogram of the counts, then its running sum).
+    Time and memory are linear in documents + samples, every temporary is chunk-sized
+    (cache-resident) except the output, and documents after the last sample are not read.
+    Row 0 is (0, 0) even when the first document is empty, as in Megatron's sample_idx.
+    """
+    sizes, doc_idx = np.asarray(sizes), np.asarray(doc_idx)
+    if len(doc_idx) and (doc_idx.min() < 0 or doc_idx.max() >= len(sizes)):
+        raise DataError(f"doc_idx holds ids outside the {len(sizes)} documents")
+    out = np.empty((num_samples + 1, 2), dtype=np.int32 if len(doc_idx) < 2**31 else np.int64)
+    lengths = np.empty(chunk, dtype=sizes.dtype)
+    ends = np.empty(chunk + 1, dtype=np.int64)  # [0]: tokens before the chunk, [1:]: its documents' ends
+    started = np.empty(chunk + 1, dtype=np.int64)  # samples starting before each of those ends
+    before, done = 0, 0  # tokens before the chunk, samples placed so far
+    for c0 in range(0, len(doc_idx), chunk):
+        n = min(chunk, len(doc_idx) - c0)
+        np.take(sizes, doc_idx[c0:c0 + n], out=lengths[:n], mode="clip")  # ids checked above
+        e, st = ends[:n + 1], started[:n + 1]
+        e[0] = before
+        np.cumsum(lengths[:n], out=e[1:])
+        e[1:] += before
+        np.add(e, seq_length - 1, out=st)
+        st //= seq_length
+        st[0] = done
+        if st[-1] > num_samples + 1:
+            np.minimum(st, num_samples + 1, out=st)
+        upto = int(st[-1])
+        if upto > done:
+            m = upto - done
+            doc = np.cumsum(np.bincount(st[1:n] - done, minlength=m)[:m])  # (m,) each sample's document
+            rows = out[done:upto]
+            first_token = np.arange(done * seq_length, upto * seq_length, seq_length, dtype=np.int64)
+            np.subtract(first_token, e[doc], out=rows[:, 1], casting="unsafe")
+            np.add(doc, np.int64(c0), out=rows[:, 0], casting="unsafe")
+            done = upto
+        before = int(e[-1])
+        if done > num_samples:
+            break
+    if done <= num_samples:
+        raise DataError(f"{num_samples} samples of {seq_length}+1 tokens need more than {before} tokens; "
                         "use more data or fewer samples")
-    out = np.empty((num_samples + 1, 2), dtype=np.int32)
-    for start in range(0, num_samples + 1, block):  # blocks bound the temporary memory
-        pos = np.arange(start, min(start + block, num_samples + 1), dtype=np.int64) * seq_length
-        doc = np.searchsorted(ends, pos, side="right")
-        before = np.where(doc > 0, ends[np.maximum(doc - 1, 0)], 0)
-        out[start:start + len(pos), 0] = doc
-        out[start:start + len(pos), 1] = pos - before
+    out[0] = 0
     return out
 
 
