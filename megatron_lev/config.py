@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from megatron_lev.errors import UserError
+from megatron_lev.resources import config_path
 from megatron_lev.utils.io import atomic_write_json, atomic_write_text  # noqa: F401  (re-exported)
 
 EMBEDDINGS = ("tied", "untied", "albert", "flat_mlp", "factorized_mlp", "lev")
@@ -317,7 +318,7 @@ class TrainConfig:
     clip_grad: float = 1.0
     precision: str = "fp32"
     seed: int = 1234
-    ds_config: str | None = None  # a DeepSpeed JSON template from ds_configs/; None: by zero_stage
+    ds_config: str | None = None  # a template path, or a name in ds_configs/ (packaged); None: by zero_stage
     save: str | None = None  # checkpoint directory
     load: str | None = None  # checkpoint directory to resume from (default: save)
     save_interval: int = 0  # 0: only at the end
@@ -424,14 +425,18 @@ class RunConfig:
 
 def load_config(paths: str | os.PathLike | list | None = None, overrides: list[str] | None = None,
                 world_size: int | None = None, validate: bool = True) -> RunConfig:
-    """Merge YAML files (later wins), apply dotted overrides, type-check, validate."""
+    """Merge YAML files (later wins), apply dotted overrides, type-check, validate.
+
+    A path that does not exist is looked up among the packaged configs (`tiny.yaml`,
+    `pretrain/configs/models/200m.yaml`): see `megatron_lev.resources`.
+    """
     if paths is None:
         paths = []
     elif isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     merged: dict[str, Any] = {}
     for path in paths:
-        _deep_merge(merged, _read_tree(Path(path), ()))
+        _deep_merge(merged, _read_tree(config_path(path), ()))
     for item in overrides or []:
         key, value = parse_override(item)
         _set_dotted(merged, key, value)

@@ -6,15 +6,16 @@ import argparse
 from pathlib import Path
 
 from megatron_lev.config import EMBEDDINGS, ConfigError, load_config
+from megatron_lev.resources import CONFIG_DIR, config_path, model_config_names
 
-MODELS_DIR = Path(__file__).resolve().parents[2] / "pretrain" / "configs" / "models"
+MODELS_DIR = CONFIG_DIR / "models"  # the packaged copy of pretrain/configs/models
 DEFAULT_SIZES = ("tiny", "200m", "400m", "1.2b")
 NEOX_VOCAB = 50277  # GPT-NeoX-20B tokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), metavar="NAME_OR_YAML",
-                        help="model configs: names in pretrain/configs/models or YAML paths")
+                        help="model configs: names in pretrain/configs/models (packaged) or YAML paths")
     parser.add_argument("--vocab-size", type=int, default=NEOX_VOCAB,
                         help="tokenizer vocabulary (padded to make_vocab_size_divisible_by x TP)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (changes the padding only)")
@@ -23,15 +24,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_path(name: str) -> Path:
-    path = Path(name)
-    if path.suffix in (".yaml", ".yml"):
+    if Path(name).suffix in (".yaml", ".yml"):
+        path = config_path(name)  # as given, else packaged (e.g. experiments/small/small.yaml)
         if not path.is_file():
-            raise ConfigError(f"--sizes: config file not found: {path}")
+            raise ConfigError(f"--sizes: config file not found: {name}")
         return path
     path = MODELS_DIR / f"{name}.yaml"
     if not path.is_file():
-        known = sorted(p.stem for p in MODELS_DIR.glob("*.yaml"))
-        raise ConfigError(f"--sizes: no model config named {name!r} (known: {', '.join(known)})")
+        raise ConfigError(f"--sizes: no model config named {name!r} (known: {', '.join(model_config_names())})")
     return path
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from megatron_lev.config import atomic_write_json
 from megatron_lev.demo.steps import Step, StepRunner
+from megatron_lev.resources import CONFIG_DIR, config_path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = REPO_ROOT / "pretrain" / "configs" / "tiny.yaml"
+DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"  # the packaged copy of pretrain/configs/tiny.yaml
 VALID_SPLIT = "949,50,1"  # train, valid, test by document: the demo's corpus has ~1.5k documents
 
 
@@ -127,9 +127,10 @@ def check_options(opts: DemoOptions) -> None:
         if not opts.corpus_dir.is_dir():
             raise ConfigError(f"--corpus-dir {opts.corpus_dir}: not a directory of Pile-format *.jsonl[.zst] files")
         input_files([str(opts.corpus_dir)])
+    opts.config = config_path(opts.config)  # as given, else a packaged config of that name
     if not Path(opts.config).is_file():
-        raise ConfigError(f"--config {opts.config}: run config not found; pass --config pretrain/configs/tiny.yaml "
-                          "from a checkout of the repository")
+        raise ConfigError(f"--config {opts.config}: run config not found; give a YAML path or a packaged "
+                          "config such as tiny.yaml")
     load_config([opts.config], train_overrides(opts), world_size=opts.nproc)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_lev.config import EMBEDDINGS
+from megatron_lev.resources import config_path
 
 # model.embedding -> the paper's name for the variant (the compare tables use these)
 VARIANT_NAMES: dict[str, str] = {
@@ -20,8 +21,9 @@ VARIANT_NAMES: dict[str, str] = {
 }
 assert tuple(VARIANT_NAMES) == EMBEDDINGS, "every embedding variant needs a display name"
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-PAPER_DIR = Path("pretrain/configs/experiments/paper")  # relative: the commands run from the repository root
+# As written in the commands, which run from the repository root; `resources.config_path` finds the
+# packaged copy when that path does not exist (an installed package, another directory).
+PAPER_DIR = Path("pretrain/configs/experiments/paper")
 SMALL_CONFIG = Path("pretrain/configs/experiments/small/small.yaml")
 GPUS_PER_NODE = 8
 TOKENS_PER_STEP = 256 * 2048  # global batch x sequence of every paper config
@@ -94,7 +96,7 @@ def chinchilla_tokens(size: str, vocab_size: int = NEOX_VOCAB, tokens_per_param:
     from megatron_lev.model.build import padded_vocab_size
     from megatron_lev.model.flops import parameter_count
 
-    cfg = load_config(REPO_ROOT / PAPER_DIR / f"{size}.yaml", validate=False)
+    cfg = load_config(config_path(PAPER_DIR / f"{size}.yaml"), validate=False)
     vocab = padded_vocab_size(vocab_size, cfg.model, cfg.parallel.tensor_model_parallel_size)
     return tokens_per_param * parameter_count(cfg.model, vocab, "tied")["total"]
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from megatron_lev.config import EMBEDDINGS, ConfigError, atomic_write_text, load_config
 from megatron_lev.demo.steps import Step, StepRunner, read_marker
-from megatron_lev.experiments.grid import REPO_ROOT, SMALL_CONFIG, VARIANT_NAMES
+from megatron_lev.experiments.grid import SMALL_CONFIG, VARIANT_NAMES
+from megatron_lev.resources import config_path
 
 DEFAULT_TOKENIZER = "../shared/data/tokenizers/gpt-neox-20b.json"
 
@@ -39,8 +40,7 @@ class SmallGrid:
     threads: int | None = None  # CPU threads per process (default: cores / nproc)
 
     def __post_init__(self) -> None:
-        if not Path(self.config).exists() and (REPO_ROOT / self.config).exists():  # started outside the repo
-            self.config = REPO_ROOT / self.config
+        self.config = config_path(self.config)  # as given, else the packaged copy (outside the repo)
 
     def check(self) -> None:
         """Refuse a grid that cannot run, before any step starts; errors name the flag."""

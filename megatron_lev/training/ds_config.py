@@ -1,4 +1,4 @@
-"""DeepSpeed JSON from a template in `ds_configs/` plus the run's own settings.
+"""DeepSpeed JSON from a template (packaged copies of `ds_configs/`) plus the run's own settings.
 
 The run config is the single source of truth for batch sizes, clipping, precision
 and the ZeRO stage: they are written into the template, and a template that sets a
@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_lev.config import ConfigError, RunConfig
-
-DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+from megatron_lev.resources import DS_CONFIG_DIR, ds_config_template
 
 # keys the run builds itself; a template must not carry them
 _FORBIDDEN = {
@@ -52,14 +51,13 @@ def default_template(cfg: RunConfig) -> Path:
 
 
 def resolve_template_path(name: str) -> Path:
-    """A path as given, else a file of that name in the repository's ds_configs/."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    for candidate in (DS_CONFIG_DIR / name, DS_CONFIG_DIR / f"{name}.json"):
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(f"train.ds_config={name!r}: no such file (also looked in {DS_CONFIG_DIR})")
+    """A path as given, else the packaged template of that name (`zero2`, `zero2.json`)."""
+    path = ds_config_template(name)
+    if path is None:
+        known = ", ".join(sorted(p.stem for p in DS_CONFIG_DIR.glob("*.json")))
+        raise ConfigError(f"train.ds_config={name!r}: no such file, and no packaged template of that name "
+                          f"(packaged: {known})")
+    return path
 
 
 def load_template(path: Path) -> dict[str, Any]:

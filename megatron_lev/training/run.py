@@ -77,8 +77,11 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
     from megatron_lev.model.build import build_model, padded_vocab_size
     from megatron_lev.model.flops import flops_per_token, parameter_count
     from megatron_lev.parallel.random import model_parallel_manual_seed
+    from megatron_lev.resources import checkout_root
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[2] / ".torch_extensions"))
+    root = checkout_root()
+    if root is not None:  # a checkout builds its kernels beside it; an install uses torch's cache
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / ".torch_extensions"))
     disable_cpu_shm_comm()
     env = init_distributed(cfg.parallel.distributed_backend)
     out = Path(cfg.logging.output_dir)
