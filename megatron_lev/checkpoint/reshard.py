@@ -9,7 +9,14 @@ its part of the model with `build_model`, copies in its TP shard of every tensor
 trainer does (`training.engine.build_engine`, `training.ds_config.build_ds_config`) and
 saves through `training.checkpointing.save_checkpoint`, so the result is a native
 checkpoint the trainer resumes from (model weights, iteration, client state such as
-the data position). The Adam moments are NOT carried over: they restart from zero.
+the data position, hence the learning-rate schedule).
+
+Adam's state is carried (`optimizer_state`): each parameter's `exp_avg` / `exp_avg_sq` is
+merged from the source's ZeRO-0/1/2 files with the parameter's TP rules, split for the
+target and set into the target engine's optimizer (ZeRO-0: the torch AdamW; ZeRO-1/2 and the
+bf16 optimizer: their flat fp32 partitions, with the fp32 master weights) before it saves,
+together with the step count. Sources or targets it cannot serve (ZeRO-3, CPU offload) are
+refused unless `optimizer=False` (`--drop-optimizer`), which restarts the moments from zero.
 
 Validation (on by default): a fresh engine in the target layout loads the written
 checkpoint through the trainer's `load_checkpoint` and its forward loss on a fixed batch
@@ -27,6 +34,7 @@ import torch
 from megatron_lev.checkpoint.ds_reader import CheckpointError, load_file
 from megatron_lev.checkpoint.llama_names import pad_rows
 from megatron_lev.checkpoint.merge import split_full
+from megatron_lev.checkpoint.optimizer_state import OptimizerState, load_into_engine, read_optimizer_state
 from megatron_lev.checkpoint.source import SourceCheckpoint, iter_canonical, open_checkpoint
 from megatron_lev.config import RunConfig, from_dict
 from megatron_lev.model.build import padded_vocab_size
@@ -72,7 +80,7 @@ def _client_state(src: SourceCheckpoint) -> tuple[dict, int]:
 
 
 def reshard_worker(src_path: str, tag: str | None, config: str | None, out_root: str, cfg_yaml: str,
-                   check_ids: torch.Tensor | None) -> float | None:
+                   check_ids: torch.Tensor | None, optim: OptimizerState | None = None) -> float | None:
     """Collective on the target layout: build, fill, save, and (optionally) reload and measure the loss."""
     import yaml
 
@@ -91,9 +99,11 @@ def reshard_worker(src_path: str, tag: str | None, config: str | None, out_root:
     try:
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg, src.vocab_size)
-        fill_from_source(model, src, cfg)
+        local = fill_from_source(model, src, cfg)
         ds_config = build_ds_config(cfg, world)
         engine, _ = build_engine(cfg, model, ds_config, pipeline=pp > 1)
+        if optim is not None:
+            load_into_engine(engine, optimizer_shards(local, optim, src, cfg), optim.step)
         client, iteration = _client_state(src)
         engine.global_steps = iteration
         save_checkpoint(engine, out_root, iteration, client, keep_last=10**6, config_yaml=cfg.to_yaml())
@@ -107,8 +117,10 @@ def reshard_worker(src_path: str, tag: str | None, config: str | None, out_root:
         state.destroy_model_parallel()
 
 
-def fill_from_source(model: torch.nn.Module, src: SourceCheckpoint, cfg: RunConfig) -> None:
-    """Copy this rank's TP shard of every merged source tensor into the (plain or pipeline) model."""
+def fill_from_source(model: torch.nn.Module, src: SourceCheckpoint,
+                     cfg: RunConfig) -> dict[str, list[torch.nn.Parameter]]:
+    """Copy this rank's TP shard of every merged source tensor into the (plain or pipeline) model;
+    returns the model's parameters by canonical name (a tied table's copies under one name)."""
     from megatron_lev.model.pipeline import canonical_name
     from megatron_lev.parallel import state
 
@@ -133,6 +145,25 @@ def fill_from_source(model: torch.nn.Module, src: SourceCheckpoint, cfg: RunConf
     missing = sorted(set(local) - filled)
     if missing:
         raise CheckpointError(f"the target model has parameters the source lacks: {missing[:3]}")
+    return local
+
+
+def optimizer_shards(local: dict[str, list[torch.nn.Parameter]], optim: OptimizerState, src: SourceCheckpoint,
+                     cfg: RunConfig) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+    """This rank's TP shard of every parameter's moments (and fp32 master weight), by target parameter."""
+    from megatron_lev.parallel import state
+
+    tp, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    specs = canonical_state_dict_spec(cfg.model, padded_vocab_size(src.vocab_size, cfg.model, tp))
+    out = {}
+    for name, params in local.items():
+        full = dict(optim.moments[name])
+        if name in optim.master:
+            full["master"] = optim.master[name]
+        shard = {k: split_full(adapt_rows(name, t, specs[name].shape, src.vocab_size), specs[name], tp)[rank]
+                 for k, t in full.items()}
+        out.update({p: shard for p in params if isinstance(p, torch.nn.Parameter)})
+    return out
 
 
 def forward_loss(engine, ids: torch.Tensor, pipeline: bool) -> float:
@@ -161,8 +192,11 @@ def reference_loss(src: SourceCheckpoint, cfg: RunConfig, ids: torch.Tensor) -> 
 
 def reshard(checkpoint: str | os.PathLike, out_root: str | os.PathLike, tp: int, pp: int, dp: int = 1,
             tag: str | None = None, config: str | os.PathLike | None = None, validate: bool = True,
-            timeout: float = 3600.0) -> tuple[Path, float | None, float | None]:
+            timeout: float = 3600.0, optimizer: bool = True) -> tuple[Path, float | None, float | None]:
     """Write the resharded checkpoint under `out_root`; returns (tag dir, reference loss, resharded loss).
+
+    `optimizer`: carry Adam's moments and step (refused where they cannot be carried); False
+    restarts them from zero.
 
     The result is written to a hidden `.<out>.partial` directory and renamed to `out_root` only
     after it reloads with the source's loss, so a failed or interrupted reshard leaves no
@@ -192,13 +226,14 @@ def reshard(checkpoint: str | os.PathLike, out_root: str | os.PathLike, tp: int,
         ids = torch.randint(0, src.vocab_size, (cfg.train.micro_batch_size, s + 1),
                             generator=torch.Generator().manual_seed(0))
         ref = reference_loss(src, cfg, ids)
+    optim = read_optimizer_state(src) if optimizer else None  # after the weights: a damaged file is named first
     work = out.with_name(f".{out.name}.partial")
     shutil.rmtree(work, ignore_errors=True)  # a dead earlier run's
     world = tp * pp * dp
     try:
         losses = run_distributed(reshard_worker, world_size=world, timeout=timeout,
                                  args=(str(checkpoint), tag, str(config) if config else None, str(work),
-                                       cfg.to_yaml(), ids))
+                                       cfg.to_yaml(), ids, optim))
         got = losses[0]
         if validate and abs(got - ref) > 1e-4 * max(1.0, abs(ref)):
             raise CheckpointError(f"resharded checkpoint loads with loss {got:.6f} but the source gives {ref:.6f}; "

@@ -17,6 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the run's resolved config (default: config.yaml beside the checkpoint)")
     parser.add_argument("--skip-validation", action="store_true",
                         help="do not reload the result and compare its loss with the source model's")
+    parser.add_argument("--drop-optimizer", action="store_true",
+                        help="restart Adam's moments from zero instead of carrying them (needed for ZeRO-3 sources)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -25,9 +27,11 @@ def main(args: argparse.Namespace) -> int:
 
     setup_logging()
     tag_dir, ref, got = reshard(args.checkpoint, args.out, args.tp, args.pp, args.dp, tag=args.tag,
-                                config=args.config, validate=not args.skip_validation)
+                                config=args.config, validate=not args.skip_validation,
+                                optimizer=not args.drop_optimizer)
     if ref is not None:
         print(f"validation passed: loss {got:.6f} after reloading at TP={args.tp} PP={args.pp} DP={args.dp} "
               f"(source {ref:.6f})")
-    print(f"wrote {tag_dir} (model weights, iteration and client state; Adam moments restart from zero)")
+    moments = "Adam moments restart from zero" if args.drop_optimizer else "Adam moments and step carried"
+    print(f"wrote {tag_dir} (model weights, iteration and client state; {moments})")
     return 0
