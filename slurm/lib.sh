@@ -16,6 +16,22 @@ export MLEV_PREEMPTED_EXIT_CODE=75
 mlev_log() { echo "[$(date -u +%H:%M:%S) ${SLURM_JOB_ID:-local}] $*"; }
 mlev_die() { echo "[${SLURM_JOB_ID:-local}] error: $*" >&2; exit 1; }
 
+# mlev_input_name PATH [VAR]: the file name of an input without its known extension
+# (c4-train.00000-of-01024.json.gz -> c4-train.00000-of-01024; other dots are kept, so
+# inputs that differ only after their first dot keep distinct names). Printed, or put in VAR.
+MLEV_INPUT_EXTENSIONS=(.jsonl.zst .jsonl.gz .json.zst .json.gz .jsonl .json .parquet .arrow .zst .gz)
+mlev_input_name() {
+    local _mlev_name=${1%/} _mlev_ext  # not `name`: VAR may be called that
+    _mlev_name=${_mlev_name##*/}
+    for _mlev_ext in "${MLEV_INPUT_EXTENSIONS[@]}"; do
+        if [ "${#_mlev_name}" -gt "${#_mlev_ext}" ] && [ "${_mlev_name%"$_mlev_ext"}" != "$_mlev_name" ]; then
+            _mlev_name=${_mlev_name%"$_mlev_ext"}
+            break
+        fi
+    done
+    if [ $# -ge 2 ]; then printf -v "$2" '%s' "$_mlev_name"; else printf '%s\n' "$_mlev_name"; fi
+}
+
 # mlev_setup: repository root, Python and environment. Sets MLEV_ROOT, MLEV_PYTHON.
 mlev_setup() {
     MLEV_ROOT=${MEGATRON_LEV_ROOT:?mlev_setup needs MEGATRON_LEV_ROOT}

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_lev.errors import DataError
+from megatron_lev.utils.io import temp_path
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -50,7 +51,7 @@ def index_file(prefix: str | os.PathLike) -> Path:
 
 
 def _tmp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    return temp_path(path)
 
 
 def write_index(path: Path, dtype: np.dtype, sizes: np.ndarray, doc_idx: np.ndarray) -> str:

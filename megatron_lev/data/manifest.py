@@ -165,7 +165,9 @@ def _checksum_problem(directory: Path, path: Path, manifest: dict, names: list[s
 
 def _agree_on(check) -> None:
     """Run `check()` (an error message or None) once, on rank 0 under torch.distributed, and
-    raise the same error on every rank."""
+    raise the same error on every rank. When `check()` itself raises on rank 0 (an unreadable
+    file, say), the other ranks are told too and raise a ShardSetError with its message, so no
+    rank is left waiting in the broadcast."""
     dist = None
     try:
         import torch.distributed as td
@@ -177,9 +179,18 @@ def _agree_on(check) -> None:
     if dist is None:
         message = check()
     else:
-        box = [check() if dist.get_rank() == 0 else None]
+        failure: Exception | None = None
+        box: list = [None]
+        if dist.get_rank() == 0:
+            try:
+                box = [("ok", check())]
+            except Exception as exc:  # told to every rank below, so that all of them raise
+                failure = exc
+                box = [("raised", f"checking the shard set on rank 0 failed: {type(exc).__name__}: {exc}")]
         dist.broadcast_object_list(box, src=0)
-        message = box[0]
+        kind, message = box[0]
+        if kind == "raised":
+            raise ShardSetError(message) from failure
     if message:
         raise ShardSetError(message)
 

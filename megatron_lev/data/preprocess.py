@@ -17,7 +17,6 @@ that the new set does not have are removed after.
 from __future__ import annotations
 
 import ctypes
-import glob
 import hashlib
 import multiprocessing as mp
 import os
@@ -35,17 +34,18 @@ from pathlib import Path
 import numpy as np
 
 from megatron_lev.data.indexed import IndexedDatasetBuilder, best_dtype
+from megatron_lev.data.manifest import SET_FILES, SHARD_FILES, read_manifest, write_manifest
 from megatron_lev.data.manifest import SUFFIX as MANIFEST_SUFFIX
-from megatron_lev.data.manifest import read_manifest, write_manifest
 from megatron_lev.data.readers import Chunk, Problem, check_text, find_inputs, iter_chunks, parse_line
 from megatron_lev.data.tokenizers import build_tokenizer, tokenizer_fingerprint
 from megatron_lev.errors import DataError, UserError
 from megatron_lev.utils.io import (
-    _alive,
+    TEMP_MARK,
     atomic_open,
     atomic_write_json,
     raise_if_disk_full,
     remove_stale_temps,
+    temp_tag,
 )
 
 UNKNOWN_SUBSET = "unknown"
@@ -432,7 +432,7 @@ def preprocess(opts: PreprocessOptions) -> dict:
     if removed:
         print(f"removed {len(removed)} temporary file(s) of an interrupted earlier run into {out_prefix}",
               file=sys.stderr)
-    staging = out_dir / f".{out_prefix.name}.staging.tmp.{os.getpid()}"
+    staging = out_dir / f".{out_prefix.name}.staging{TEMP_MARK}{temp_tag()}"
     try:
         staging.mkdir()
     except OSError as exc:
@@ -495,15 +495,9 @@ def preprocess(opts: PreprocessOptions) -> dict:
 
 
 def clean_dead_runs(out_prefix: Path) -> list[Path]:
-    """Remove temp files, staging and part directories that dead runs left for this prefix."""
-    name = glob.escape(out_prefix.name)
-    removed = remove_stale_temps(out_prefix.parent, f"{name}*")
-    for p in out_prefix.parent.glob(f".{name}.parts.*"):  # part directories of the earlier design
-        pid = p.name.rsplit(".", 1)[-1]
-        if p.is_dir() and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-    return removed
+    """Remove temp files, staging and part directories (`.parts.`: the earlier design) that dead
+    runs left for this prefix; those of other hosts only when old (see `remove_stale_temps`)."""
+    return remove_stale_temps(out_prefix.parent, out_prefix.name, marks=(TEMP_MARK, ".parts."))
 
 
 def _warn_truncated(problems: list[Problem]) -> None:
@@ -536,6 +530,8 @@ def _commit(out_prefix: Path, staging: Path, shards: list[IndexedDatasetBuilder]
     """Move the staged set into place, write its manifest last and remove what an earlier run into
     the same prefix wrote that this one does not. Returns the removed files."""
     out_dir, name = out_prefix.parent, out_prefix.name
+    staged = sorted(p for p in staging.iterdir() if TEMP_MARK not in p.name)
+    _refuse_other_sets(out_prefix, [p.name for p in staged], bases)
     old_manifest = Path(f"{out_prefix}{MANIFEST_SUFFIX}")
     old_files: list[str] = []
     if old_manifest.is_file():
@@ -545,23 +541,71 @@ def _commit(out_prefix: Path, staging: Path, shards: list[IndexedDatasetBuilder]
             old_files = []
         old_manifest.unlink()  # from here on the old set is no longer a complete set
     new_files = []
-    for path in sorted(staging.iterdir()):
-        if ".tmp." in path.name:
-            continue
+    for path in staged:
         os.replace(path, out_dir / path.name)
         new_files.append(path.name)
     write_manifest(out_prefix, [str(out_dir / Path(b.prefix).name) for b in shards], fingerprint, max_token_id,
                    known_sha256, documents=stats["documents"], tokens=stats["tokens"], dtype=stats["dtype"])
     # numbered shards of the bases this run writes are this prefix's outputs too (e.g. from a run
-    # without a manifest); so are the files the old manifest listed
+    # without a manifest); so are the files the old manifest listed. A file that the manifest of
+    # another shard set lists is that set's, whatever its name, and is never removed.
     ours = re.compile(rf"^(?:{'|'.join(sorted(map(re.escape, bases)))})(?:_\d{{5}})?\.(?:bin|idx)$")
     keep = set(new_files)
     stale = [out_dir / f for f in old_files if f not in keep and "/" not in f and (out_dir / f).is_file()]
     stale += [p for p in out_dir.iterdir() if p.is_file() and ours.match(p.name) and p.name not in keep
-              and p not in stale and (p.stem == name or not (out_dir / f"{p.stem}{MANIFEST_SUFFIX}").exists())]
+              and p not in stale]
+    stale = [p for p in stale if _other_owner(out_dir, p.name, name) is None]
     for p in stale:
         p.unlink(missing_ok=True)
     return stale
+
+
+def _other_owner(out_dir: Path, file: str, name: str) -> Path | None:
+    """The manifest of another shard set than prefix `name` that owns `file` in `out_dir`, or None
+    when the file is this prefix's (its manifest lists it) or no set's. As in
+    `manifest.find_manifest`, the owner of `P_Github_00003.bin` is the first of
+    `P_Github_00003`, `P_Github`, `P` `.manifest.json` that lists it; an unreadable manifest of
+    another set is taken to own everything it could."""
+    stem, shard = file, False
+    for ext in (*SHARD_FILES, *SET_FILES):
+        if file.endswith(ext):
+            stem, shard = file[:-len(ext)], ext in SHARD_FILES
+            break
+    candidate = stem
+    while True:
+        path = out_dir / f"{candidate}{MANIFEST_SUFFIX}"
+        if path.is_file():
+            try:
+                manifest = read_manifest(path)
+            except DataError:
+                if candidate != name:
+                    return path
+                manifest = {"shards": [], "files": {}}
+            if file in manifest["files"] or (shard and stem in manifest["shards"]):
+                return None if candidate == name else path
+        if "_" not in candidate:
+            return None
+        candidate = candidate.rsplit("_", 1)[0]
+
+
+def _refuse_other_sets(out_prefix: Path, files: list[str], bases: set[str]) -> None:
+    """Refuse, before anything is moved, a run whose outputs would overwrite a file of another shard
+    set, or whose output name (`<prefix>_<subset>` of --split-by-subset) is another set's prefix."""
+    out_dir, name = out_prefix.parent, out_prefix.name
+    for file in files:
+        owner = _other_owner(out_dir, file, name) if (out_dir / file).exists() else None
+        if owner is not None:
+            raise PreprocessError(
+                f"--output-prefix {out_prefix}: would overwrite {out_dir / file} of the shard set "
+                f"{out_dir / owner.name[:-len(MANIFEST_SUFFIX)]} (see {owner}); choose another --output-prefix, "
+                f"or move or delete that set first; nothing was written")
+    for base in sorted(bases - {name}):
+        other = out_dir / f"{base}{MANIFEST_SUFFIX}"
+        if other.exists():
+            raise PreprocessError(
+                f"--output-prefix {out_prefix}: would write {out_dir / base}.bin/.idx, but {out_dir / base} is "
+                f"the prefix of another shard set (see {other}); choose another --output-prefix, or move or "
+                f"delete that set first; nothing was written")
 
 
 def _stats(opts, files, tok, tally: _Tally, outputs: list[str], seconds: float) -> dict:

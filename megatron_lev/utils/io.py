@@ -13,22 +13,37 @@ import errno
 import hashlib
 import json
 import os
+import re
+import shutil
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from megatron_lev.errors import UserError
 
-TEMP_MARK = ".tmp."  # every temp name contains it: `.<name>.tmp.<pid>`
+TEMP_MARK = ".tmp."  # every temp name contains it: `.<name>.tmp.<host>-<pid>`
+STALE_FOREIGN_TEMP_S = 24 * 3600  # a temp of another host (or of unknown host) is reaped only when older
 
 
 class DiskFullError(UserError, OSError):
     """No space left while writing `path`."""
 
 
+def temp_tag() -> str:
+    """`<host>-<pid>`: who writes a temp file. The host makes it unique on a filesystem that
+    several nodes share, and tells `remove_stale_temps` where the writer's pid means something."""
+    return f"{_host()}-{os.getpid()}"
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname().split(".")[0]) or "localhost"
+
+
 def temp_path(path: str | os.PathLike) -> Path:
     path = Path(path)
-    return path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}")
+    return path.with_name(f".{path.name}{TEMP_MARK}{temp_tag()}")
 
 
 def raise_if_disk_full(exc: OSError, path: str | os.PathLike) -> None:
@@ -90,29 +105,56 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def remove_stale_temps(directory: str | os.PathLike, pattern: str = "*") -> list[Path]:
-    """Remove temp files left in `directory` by writers that died (`.name.tmp.<pid>`),
-    skipping those of processes still alive. Returns what was removed."""
-    removed = []
+def remove_stale_temps(directory: str | os.PathLike, name: str,
+                       marks: tuple[str, ...] = (TEMP_MARK,)) -> list[Path]:
+    """Remove the temp files and directories that dead writers of `name` left in `directory`.
+    Returns what was removed.
+
+    Only temps of `name` itself are considered: `.<name>.tmp.<tag>`, `.<name>.<...>.tmp.<tag>` and
+    `.<name>_<...>.tmp.<tag>` (so `pile_1` never touches `.pile_10...`; `marks` may list other
+    markers than `.tmp.`), and only when `<tag>` is `<host>-<pid>` (see `temp_tag`) or a bare
+    pid; anything else is not a temp of ours and is left.
+    Liveness can only be checked on this host: a temp of this host is removed when its pid is no
+    longer running. A temp of another host (the directory is on a filesystem shared by several
+    nodes), or with a bare pid from a version that did not record the host, may belong to a run
+    still going elsewhere: it is left alone unless older than STALE_FOREIGN_TEMP_S (24 hours)."""
+    removed: list[Path] = []
     directory = Path(directory)
     if not directory.is_dir():
         return removed
-    for p in directory.glob(f".{pattern}"):
-        name = p.name
-        if TEMP_MARK not in name:
+    mark = "|".join(map(re.escape, marks))
+    ours = re.compile(rf"^\.{re.escape(name)}(?:[._].*)?(?:{mark})(?:(?P<host>[A-Za-z0-9_-]+)-)?(?P<pid>\d+)$")
+    here, now = _host(), time.time()
+    for p in directory.iterdir():
+        m = ours.match(p.name)
+        if m is None:
             continue
-        pid = name.rsplit(TEMP_MARK, 1)[1]
-        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+        pid = int(m["pid"])
+        if m["host"] == here:
+            if pid != os.getpid() and _alive(pid):
+                continue
+        elif now - _last_change(p) < STALE_FOREIGN_TEMP_S:
             continue
         with contextlib.suppress(OSError):
-            if p.is_dir():
-                import shutil
-
+            if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)
             else:
                 p.unlink()
             removed.append(p)
     return removed
+
+
+def _last_change(path: Path) -> float:
+    """The newest mtime of `path` and, for a directory, of what it holds (a staging directory
+    whose one shard is still growing is in use); +inf when it cannot be read."""
+    try:
+        newest = path.lstat().st_mtime
+        if path.is_dir() and not path.is_symlink():
+            for entry in os.scandir(path):
+                newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+    except OSError:
+        return float("inf")
+    return newest
 
 
 def _alive(pid: int) -> bool:

@@ -362,13 +362,32 @@ def test_a_failed_rerun_keeps_the_earlier_set(tmp_path, good_set, neox, capsys):
     verify_shard_set(f"{prefix}_00000")
 
 
+def dead_pid() -> int:
+    """A pid that no longer runs."""
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout.strip())
+
+
+def this_host() -> str:
+    """The host part of this machine's temp names (`.<name>.tmp.<host>-<pid>`)."""
+    from megatron_lev.utils.io import temp_tag
+
+    return temp_tag().rsplit("-", 1)[0]
+
+
+DAY = 24 * 3600
+
+
 def test_next_run_cleans_what_dead_runs_left(tmp_path, corpus, neox, capsys):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()  # a pid that no longer runs
+    pid = dead_pid()
+    dead = f"{this_host()}-{pid}"
     out = tmp_path / "out"
     (out / f".set.staging.tmp.{dead}").mkdir(parents=True)
     (out / f".set.staging.tmp.{dead}" / "set.bin").write_bytes(b"x" * 100)
-    (out / f".set.parts.{dead}").mkdir()
+    (out / f".set.parts.{pid}").mkdir()  # the earlier design: no host recorded, so removed once old
+    os.utime(out / f".set.parts.{pid}", (time.time() - 2 * DAY,) * 2)
+    (out / f".set.counts.npy.tmp.othernode-{pid}").write_bytes(b"x")  # another host's, a day untouched
+    os.utime(out / f".set.counts.npy.tmp.othernode-{pid}", (time.time() - 2 * DAY,) * 2)
     (out / f".set.bin.tmp.{dead}").write_bytes(b"x")
     (out / f".set_00003.idx.tmp.{dead}").write_bytes(b"x")
     (out / ".other.bin.tmp.1").write_bytes(b"x")  # another set's: not ours to remove
@@ -376,6 +395,131 @@ def test_next_run_cleans_what_dead_runs_left(tmp_path, corpus, neox, capsys):
     expect_ok(res)
     assert "interrupted earlier run" in res.err
     assert sorted(leftovers(out)) == [".other.bin.tmp.1"]
+
+
+def _temp(make_name, age: float = 0, directory: bool = False):
+    def make(out: Path) -> Path:
+        p = out / make_name()
+        p.mkdir() if directory else p.write_bytes(b"x")
+        if age:
+            os.utime(p, (time.time() - age,) * 2)
+        return p
+    return make
+
+
+# (temp left in the directory of prefix `set_1`, removed by the next run into set_1?)
+TEMP_CASES = [
+    pytest.param(_temp(lambda: f".set_1.bin.tmp.{this_host()}-{dead_pid()}"), True, id="temp-of-dead-pid-here"),
+    pytest.param(_temp(lambda: f".set_1.staging.tmp.{this_host()}-{dead_pid()}", directory=True), True,
+                 id="staging-of-dead-pid-here"),
+    pytest.param(_temp(lambda: f".set_1.bin.tmp.{this_host()}-{os.getppid()}"), False, id="temp-of-live-pid-here"),
+    pytest.param(_temp(lambda: f".set_10.bin.tmp.{this_host()}-{dead_pid()}"), False,
+                 id="temp-of-a-longer-prefix-not-ours"),
+    pytest.param(_temp(lambda: f".set_1.bin.tmp.{dead_pid()}x"), False, id="temp-suffix-not-a-pid"),
+    pytest.param(_temp(lambda: ".set_1.notes.tmp.keep-me"), False, id="temp-suffix-not-host-pid"),
+    pytest.param(_temp(lambda: f".set_1.bin.tmp.othernode-{dead_pid()}"), False,
+                 id="temp-of-another-host-kept"),
+    pytest.param(_temp(lambda: f".set_1.staging.tmp.othernode-{dead_pid()}", directory=True), False,
+                 id="staging-of-another-host-kept"),
+    pytest.param(_temp(lambda: f".set_1.bin.tmp.{dead_pid()}"), False, id="temp-without-host-kept"),
+    pytest.param(_temp(lambda: f".set_1.bin.tmp.{os.getppid()}", age=2 * DAY), True,
+                 id="temp-without-host-older-than-a-day"),  # its pid number running here proves nothing
+]
+
+
+@pytest.mark.parametrize("make, removed", TEMP_CASES)
+def test_dead_run_cleanup_takes_only_stale_temps_of_this_prefix(make, removed, tmp_path):
+    """Liveness (a pid) means something on this host only: the directory may be on a filesystem
+    that other nodes write to at the same time."""
+    from megatron_lev.data.preprocess import clean_dead_runs
+
+    temp = make(tmp_path)
+    gone = clean_dead_runs(tmp_path / "set_1")
+    assert (not temp.exists()) == removed and (temp in gone) == removed, (temp.name, gone)
+
+
+def subset_docs(docs: list[bytes], subsets: list[str]) -> bytes:
+    """The documents as JSON lines with meta.pile_set_name cycling through `subsets`."""
+    texts = [json.loads(d)["text"] for d in docs if d.strip()][:40]
+    return b"".join(json.dumps({"text": t, "meta": {"pile_set_name": subsets[i % len(subsets)]}}).encode() + b"\n"
+                    for i, t in enumerate(texts))
+
+
+def _sharded_subset_set_then_split(tmp, cli):
+    """data/pile_Github made with --shard-size-mb, then `--output-prefix data/pile --split-by-subset`,
+    which writes data/pile_Github.bin/.idx beside it (and used to delete its shards)."""
+    cli(tmp / "github.jsonl", tmp / "data" / "pile_Github", "--shard-size-mb", "0.01")
+    return tmp / "data" / "pile_Github", (tmp / "mixed.jsonl", tmp / "data" / "pile", "--split-by-subset")
+
+
+def _sharded_subset_set_then_sharded_split(tmp, cli):
+    cli(tmp / "github.jsonl", tmp / "data" / "pile_Github", "--shard-size-mb", "0.01")
+    return tmp / "data" / "pile_Github", (tmp / "mixed.jsonl", tmp / "data" / "pile", "--split-by-subset",
+                                          "--shard-size-mb", "0.01")
+
+
+def _unsharded_subset_set_then_split(tmp, cli):
+    cli(tmp / "github.jsonl", tmp / "data" / "pile_Github")
+    return tmp / "data" / "pile_Github", (tmp / "mixed.jsonl", tmp / "data" / "pile", "--split-by-subset")
+
+
+def _split_set_then_its_subset_prefix(tmp, cli):
+    """data/pile made with --split-by-subset, then `--output-prefix data/pile_Github`: its
+    pile_Github.bin/.idx are pile's."""
+    cli(tmp / "mixed.jsonl", tmp / "data" / "pile", "--split-by-subset")
+    return tmp / "data" / "pile", (tmp / "github.jsonl", tmp / "data" / "pile_Github")
+
+
+def _shared_shards_then_rerun_unsplit(tmp, cli):
+    """data/pile made with --split-by-subset --shard-size-mb, its Github shards then also given a
+    set of their own (--write-manifest-for data/pile_Github); a rerun into data/pile that no longer
+    writes them must not delete what the other set lists."""
+    cli(tmp / "mixed.jsonl", tmp / "data" / "pile", "--split-by-subset", "--shard-size-mb", "0.01")
+    cli(None, tmp / "data" / "pile_Github")
+    return tmp / "data" / "pile_Github", (tmp / "mixed.jsonl", tmp / "data" / "pile")
+
+
+OTHER_SET_CASES = [
+    pytest.param(_sharded_subset_set_then_split, [r"data/pile_Github\b", "prefix of another shard set",
+                                                  r"pile_Github\.manifest\.json", "--output-prefix"],
+                 id="split-beside-a-sharded-set-of-a-subset-name"),
+    pytest.param(_sharded_subset_set_then_sharded_split, [r"would overwrite .*pile_Github_00000\.(bin|idx)",
+                                                          r"shard set .*data/pile_Github\b", "--output-prefix"],
+                 id="split-would-overwrite-shards-of-another-set"),
+    pytest.param(_unsharded_subset_set_then_split, [r"would overwrite .*pile_Github\.(bin|idx)",
+                                                    r"pile_Github\.manifest\.json", "--output-prefix"],
+                 id="split-would-overwrite-an-unsharded-set"),
+    pytest.param(_split_set_then_its_subset_prefix, [r"would overwrite .*pile_Github\.(bin|idx)",
+                                                     r"shard set .*data/pile\b", r"pile\.manifest\.json"],
+                 id="prefix-would-overwrite-a-subset-of-another-set"),
+    pytest.param(_shared_shards_then_rerun_unsplit, None, id="rerun-keeps-shards-another-set-lists"),
+]
+
+
+@pytest.mark.parametrize("make, fragments", OTHER_SET_CASES)
+def test_preprocess_never_touches_another_shard_set(make, fragments, tmp_path, docs, neox, capsys):
+    (tmp_path / "github.jsonl").write_bytes(subset_docs(docs, ["Github"]))
+    (tmp_path / "mixed.jsonl").write_bytes(subset_docs(docs, ["Github", "Wikipedia"]))
+
+    def cli(src, prefix, *extra):
+        argv = (preprocess_argv([src], prefix, neox, *extra) if src is not None else
+                ["preprocess", "--write-manifest-for", prefix, "--tokenizer", neox])
+        return run_cli(argv, capsys)
+
+    other, later = make(tmp_path, lambda *a: expect_ok(cli(*a)))
+    manifest = json.loads(Path(f"{other}.manifest.json").read_text())
+    owned = [*manifest["files"], f"{other.name}.manifest.json"]
+    before = {n: (other.parent / n).read_bytes() for n in owned}
+    res = cli(*later)
+    if fragments is None:
+        expect_ok(res)
+    else:
+        expect_error(res, *fragments, "nothing was written")
+        assert not Path(f"{later[1]}.manifest.json").exists()
+    assert {n: (other.parent / n).read_bytes() if (other.parent / n).exists() else None for n in owned} == before
+    for shard in manifest["shards"]:
+        verify_shard_set(other.parent / shard)
+    assert leftovers(other.parent) == []
 
 
 @pytest.fixture
@@ -641,6 +785,40 @@ def test_vocabulary_smaller_than_the_largest_id_is_refused(good_set):
     with pytest.raises(ShardSetError, match=rf"token id {manifest['max_token_id']}.*vocabulary has only 1000"):
         verify_shard_set(f"{good_set}_00000", vocab_size=1000)
     verify_shard_set(f"{good_set}_00000", vocab_size=manifest["max_token_id"] + 1)
+
+
+def _verify_with_hashing_failing_on_rank_0(shard: str, error: str) -> str:
+    """On 2 gloo ranks: rank 0, the one that hashes, cannot read the shard. Returns the error
+    every rank raised."""
+    import errno
+
+    import torch.distributed as dist
+
+    from megatron_lev.data import manifest
+
+    if dist.get_rank() == 0:
+        def failing(path):
+            if error == "permission":
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        manifest.cached_sha256 = failing
+    try:
+        manifest.verify_shard_set(shard)
+    except manifest.ShardSetError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("error, fragment", [
+    pytest.param("permission", "Permission denied", id="rank0-hash-permission-error"),
+])
+def test_a_checksum_failure_on_rank_0_reaches_every_rank(error, fragment, tmp_path, good_set):
+    """No rank is left waiting for rank 0's verdict: all raise the same one-line error."""
+    from megatron_lev.testing.distributed import run_distributed
+
+    prefix = copy_set(good_set, tmp_path / "set")
+    got = run_distributed(_verify_with_hashing_failing_on_rank_0, 2, args=(f"{prefix}_00000", error), timeout=90)
+    assert got[0] == got[1] and fragment in got[0] and "set_00000" in got[0] and "rank 0" in got[0], got
 
 
 def test_training_refuses_shards_of_another_tokenizer(tmp_path, good_set, neox):
