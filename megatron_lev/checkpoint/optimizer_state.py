@@ -126,7 +126,7 @@ def _zero0_local(src: SourceCheckpoint) -> dict[tuple[int, str], dict[str, torch
                               "mp_rank_*_model_states.pt): cannot carry Adam's moments")
     tp = src.files.tp
     layers = _layer_params(src) if src.files.kind == "pipeline" else None
-    next_layer = 0
+    next_layer = first_of_stage = 0  # files come in (stage, tp rank) order: TP rank 0 opens each stage
     out = {}
     for path in files:
         mp = int(path.name.split("_")[2])
@@ -159,7 +159,7 @@ def _group_names(names: list[tuple[str, int]], param_groups: list[dict], path) -
     """The module names of each optimizer group, in the order `training.optim.param_groups` put them."""
     by_kind = {"decay": [n for n, d in names if not _no_decay(n, d)],
                "no_decay": [n for n, d in names if _no_decay(n, d)]}
-    for kind, members in by_kind.items():
+    for members in by_kind.values():
         if not members:
             members.append(FILLER)
     out = []
