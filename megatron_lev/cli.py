@@ -91,11 +91,18 @@ def run_guarded(prog: str, fn, debug: bool = False) -> int:
     except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
         if debug:
             raise
-        what = {FileNotFoundError: "not found", IsADirectoryError: "is a directory, expected a file",
-                NotADirectoryError: "is not a directory", PermissionError: "permission denied",
-                FileExistsError: "already exists (a file where a directory is needed?)"}.get(type(exc), str(exc))
-        name = exc.filename or str(exc)
-        print(f"{prog}: error: {name}: {what}; check the path and its permissions", file=sys.stderr)
+        # raised by our own code as well as by a user's path: always name the file(s), point at --debug
+        kinds = ((FileNotFoundError, "not found"), (IsADirectoryError, "is a directory, expected a file"),
+                 (NotADirectoryError, "is not a directory"), (PermissionError, "permission denied"),
+                 (FileExistsError, "already exists (a file where a directory is needed?)"))
+        what = next((w for cls, w in kinds if isinstance(exc, cls)), exc.strerror or str(exc))
+        if exc.filename is None:
+            print(f"{prog}: error: {type(exc).__name__}: {exc} (no file named; --debug shows the traceback)",
+                  file=sys.stderr)
+            return 1
+        name = f"{exc.filename} -> {exc.filename2}" if exc.filename2 is not None else f"{exc.filename}"
+        print(f"{prog}: error: {name}: {what}; check the path and its permissions (--debug shows the traceback)",
+              file=sys.stderr)
         return 1
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):

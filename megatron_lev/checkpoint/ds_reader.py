@@ -131,9 +131,11 @@ def find_files(tag_dir: Path) -> CheckpointFiles:
 
 # DeepSpeed's own checkpoint files pickle these objects besides tensors and plain containers
 # (the loss scaler and ZeRO stage of the optimizer states, bf16 fragment addresses); nothing else
-# is unpickled, so a planted pickle payload cannot run code when a checkpoint is read.
+# is unpickled, so a planted pickle payload cannot run code when a checkpoint is read. An fp16 run
+# pickles a DynamicLossScaler, whose state is numbers, bools and a torch dtype (allowed by default).
 DEEPSPEED_SAFE_GLOBALS = (
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
     ("deepspeed.utils.tensor_fragment", "fragment_address"),
 )
@@ -151,10 +153,38 @@ def safe_globals() -> list:
 
 
 def safe_torch_load(path, **kwargs):
-    """`torch.load` with `weights_only=True` and only DeepSpeed's allow-listed classes."""
+    """`torch.load` with `weights_only=True` and only DeepSpeed's allow-listed classes.
+
+    Never falls back to `weights_only=False`. How the allow-list is given depends on torch:
+    2.5+ scopes it to this call (`serialization.safe_globals`); 2.4 has only the process-wide
+    `serialization.add_safe_globals`, so these few DeepSpeed classes stay allowed for every
+    weights-only load of the process; 2.3 has no allow-list at all, so a file that pickles one
+    of them (optimizer states of ZeRO-3 or fp16 runs) is refused with a CheckpointError that
+    asks for torch >= 2.4, while files of tensors and plain containers still load.
+    """
     kwargs["weights_only"] = True
-    with torch.serialization.safe_globals(safe_globals()):
+    serialization = torch.serialization
+    if hasattr(serialization, "safe_globals"):
+        with serialization.safe_globals(safe_globals()):
+            return torch.load(path, **kwargs)
+    if hasattr(serialization, "add_safe_globals"):
+        listed = getattr(serialization, "get_safe_globals", None) or getattr(serialization, "_get_safe_globals",
+                                                                            lambda: [])
+        have = list(listed())
+        missing = [g for g in safe_globals() if g not in have]
+        if missing:
+            serialization.add_safe_globals(missing)
         return torch.load(path, **kwargs)
+    try:
+        return torch.load(path, **kwargs)
+    except pickle.UnpicklingError as exc:
+        names = [f"{m}.{n}" for m, n in DEEPSPEED_SAFE_GLOBALS]
+        needed = [name for name in names if re.search(rf"\b{re.escape(name)}\b", str(exc))]
+        if not needed:
+            raise
+        raise CheckpointError(f"cannot read {path} safely with torch {torch.__version__}: it pickles DeepSpeed's "
+                              f"{needed[0]}, and torch < 2.4 cannot allow a class in a weights-only load; "
+                              "install torch >= 2.4 to read this checkpoint") from None
 
 
 def load_file(path: Path) -> dict:
@@ -162,6 +192,8 @@ def load_file(path: Path) -> dict:
     code-carrying file becomes a CheckpointError naming it."""
     try:
         return safe_torch_load(path, map_location="cpu")
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as exc:
         if "weights only" in str(exc).lower():
             raise CheckpointError(_refused(path, exc)) from None
@@ -177,7 +209,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _refused(path, exc: BaseException) -> str:
-    what = re.search(r"(?:Unsupported global|Unsupported operand)[^\n]*", str(exc))
+    what = re.search(r"(?:Unsupported global|Unsupported class|Unsupported operand)[^\n]*", str(exc))
     return (f"refusing to load {path}: it holds pickled objects other than tensors and DeepSpeed's own "
             f"state ({what.group(0).strip() if what else _first_line(exc)}); a checkpoint is never unpickled "
             "beyond that, since it could run code: use a checkpoint written by the trainer")
@@ -236,6 +268,8 @@ def zero3_module_state(files: CheckpointFiles, tp_rank: int) -> dict[str, torch.
                 raise CheckpointError(f"{files.tag_dir}: cannot read the ZeRO-3 files of TP rank {tp_rank}: "
                                       f"{_first_line(exc)} (truncated or corrupted?)") from None
             raise CheckpointError(_refused(f"a ZeRO-3 file of TP rank {tp_rank} in {files.tag_dir}", exc)) from None
+        except CheckpointError:
+            raise
         except Exception as exc:
             raise CheckpointError(f"{files.tag_dir}: cannot gather the ZeRO-3 partitions of TP rank {tp_rank}: "
                                   f"{type(exc).__name__}: {_first_line(exc)}") from None

@@ -89,8 +89,10 @@ def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tag:
     out = Path(out_dir)
     tag_dir = resolve_tag_dir(checkpoint, tag)
     check_out_dir(out, overwrite, protect=[Path(checkpoint), tag_dir])
-    tok = run_tokenizer(tag_dir, find_run_config(tag_dir, config), tokenizer)
-    src = open_checkpoint(checkpoint, tag, config, vocab_size=tok.vocab_size)
+    run_cfg = find_run_config(tag_dir, config)
+    tok = run_tokenizer(tag_dir, run_cfg, tokenizer)
+    # the rows the run trained: model.vocab_size when set (>= the tokenizer's, as training requires)
+    src = open_checkpoint(checkpoint, tag, config, vocab_size=run_cfg.model.vocab_size or tok.vocab_size)
     if keep_lev and src.cfg.model.embedding != "lev":
         raise ExportError(f"--keep-lev needs a LEV model; this checkpoint has model.embedding="
                           f"{src.cfg.model.embedding!r}")
@@ -173,6 +175,8 @@ def run_tokenizer(tag_dir: Path, cfg, tokenizer: str | os.PathLike | None = None
 
     The reference is the tokenizer named by the checkpoint's own config.yaml (and a fingerprint
     recorded there, if any): exporting with another tokenizer gives a model that reads wrong ids.
+    A model.vocab_size larger than the tokenizer's vocabulary is accepted, as training accepts it
+    (the extra rows are exported and never produced by the tokenizer); a smaller one is refused.
     """
     from megatron_lev.config import load_config
     from megatron_lev.data.tokenizers import build_tokenizer, fingerprint_mismatch, tokenizer_fingerprint
@@ -199,9 +203,10 @@ def run_tokenizer(tag_dir: Path, cfg, tokenizer: str | os.PathLike | None = None
     elif tokenizer and recorded_path != str(tokenizer):
         log.warning("cannot check --tokenizer %s against the run's (%s=%r is not on this machine)", tokenizer,
                     where, recorded_path)
-    if stored.model.vocab_size and stored.model.vocab_size != tok.vocab_size:
+    if stored.model.vocab_size and stored.model.vocab_size < tok.vocab_size:
         raise CheckpointError(f"tokenizer {path} has {tok.vocab_size} tokens but the run's model.vocab_size is "
-                              f"{stored.model.vocab_size}; pass the run's tokenizer with --tokenizer")
+                              f"only {stored.model.vocab_size} (smaller: ids up to {tok.vocab_size - 1} have no "
+                              "row); pass the run's tokenizer with --tokenizer")
     return tok
 
 

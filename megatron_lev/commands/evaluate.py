@@ -66,37 +66,54 @@ def _check_tokenizer(tokenizer, model: str, is_hf: bool, vocab: int | None, tag:
                         f"drop --tokenizer to use the model's, or pass {reference}")
 
 
-def _model_tokenizer_file(model: str, is_hf: bool, tag: str | None) -> Path | None:
-    """The tokenizer file a model was exported or trained with, where it is known."""
+def _model_tokenizer(model: str, is_hf: bool, tag: str | None) -> tuple[str, Path | None]:
+    """(type, file) of the tokenizer a model was exported or trained with; the file where it is known."""
     if is_hf:
-        return Path(model) / "tokenizer.json"
+        return "hf", Path(model) / "tokenizer.json"
     from megatron_lev.checkpoint.ds_reader import find_run_config, resolve_tag_dir
 
-    path = find_run_config(resolve_tag_dir(model, tag)).data.tokenizer_path
-    return Path(path) if path else None
+    data = find_run_config(resolve_tag_dir(model, tag)).data
+    return data.tokenizer_type, Path(data.tokenizer_path) if data.tokenizer_path else None
 
 
-def _check_shard_tokenizers(prefixes: list[str], reference: Path | None) -> None:
-    """Refuse held-out shards whose manifest records another tokenizer than the model's."""
+def _model_tokenizer_file(model: str, is_hf: bool, tag: str | None) -> Path | None:
+    """The tokenizer file a model was exported or trained with, where it is known."""
+    return _model_tokenizer(model, is_hf, tag)[1]
+
+
+def _check_shard_tokenizers(prefixes: list[str], reference: Path | None, tokenizer_type: str = "hf") -> None:
+    """Refuse held-out shards whose manifest records another tokenizer than the model's.
+
+    The same file (sha256) passes; another file passes when it tokenizes alike: the same
+    vocabulary size, EOD id and ids of a probe text (`tokenizers.encoding_mismatch`), as for a
+    tiktoken run's export, which holds the tokenizer.json converted from the run's tiktoken file.
+    A manifest that cannot be read is refused rather than skipped.
+    """
+    from megatron_lev.data.manifest import ShardSetError, find_manifest
+    from megatron_lev.data.tokenizers import encoding_mismatch, tokenizer_fingerprint
     from megatron_lev.errors import DataError
     from megatron_lev.utils.io import sha256_file
 
     if not prefixes or reference is None or not reference.is_file():
         return
-    try:
-        from megatron_lev.data.manifest import find_manifest
-    except ImportError:
-        return
     sha = sha256_file(reference)
+    mine = None  # the model tokenizer's fingerprint, built at the first shard of another file
     for prefix in prefixes:
         try:
             path, manifest, _ = find_manifest(prefix)
-        except Exception:  # a damaged manifest is named when the shard is read
-            continue
+        except ShardSetError as exc:
+            raise DataError(f"{prefix}: cannot tell which tokenizer made it: {exc}") from None
         recorded = (manifest or {}).get("tokenizer") or {}
-        if recorded.get("sha256") and recorded["sha256"] != sha:
+        if not isinstance(recorded, dict):
+            raise DataError(f"{prefix}: {path} records no readable tokenizer fingerprint (got "
+                            f"{type(recorded).__name__}); rerun `megatron-lev preprocess` to rewrite it")
+        if not recorded.get("sha256") or recorded["sha256"] == sha:
+            continue
+        mine = mine or tokenizer_fingerprint(tokenizer_type, reference)
+        diff = encoding_mismatch(recorded, mine)
+        if diff:
             raise DataError(f"{prefix}: made with tokenizer {recorded.get('file', '?')} ({path}), not the model's "
-                            f"{reference} (sha256 differs); evaluate shards made with the model's tokenizer")
+                            f"{reference} ({diff}); evaluate shards made with the model's tokenizer")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -132,7 +149,8 @@ def main(args: argparse.Namespace) -> int:
             raise DataError(f"{model} holds model weights but no config.json: not a complete Hugging Face model "
                             "directory; export it again (megatron-lev convert) or add its config.json")
         model_fn, seq_len, vocab = checkpoint_model_fn(args.model, args.tag, args.device)
-    _check_shard_tokenizers(args.data, _model_tokenizer_file(args.model, hf, args.tag))
+    tokenizer_type, reference = _model_tokenizer(args.model, hf, args.tag)
+    _check_shard_tokenizers(args.data, reference, tokenizer_type)
     tokenizer = load_tokenizer(args.tokenizer or args.model) if args.text else None
     if tokenizer is not None:
         _check_tokenizer(tokenizer, args.model, hf, vocab, args.tag)

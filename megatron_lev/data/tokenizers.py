@@ -8,6 +8,7 @@ No special tokens are added by `encode`: preprocessing appends `eod` explicitly.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -198,14 +199,52 @@ def build_tokenizer(tokenizer_type: str, path: str | os.PathLike) -> Tokenizer:
     return _TYPES[tokenizer_type](path)
 
 
+# Two tokenizer files that agree on the vocabulary size, the EOD id and the ids of this text are
+# taken as the same tokenizer where only ids matter (a tiktoken file and the tokenizer.json an
+# export converts it to; one tokenizer.json saved by two programs). It covers ASCII words,
+# contractions and punctuation, digits and numbers, runs of spaces, tabs and newlines, accented
+# Latin, Greek, Cyrillic, CJK, Arabic and emoji. Recorded digests depend on it: never edit it
+# (a changed text needs a new fingerprint key).
+PROBE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. It's 9:41, isn't it? (Yes!) a-b_c/d@e.com #tag\n"
+    "0 1 12 123 1234 12345 3.14159 -42 1,000,000 2024-01-31 0x1F 1e-5 007\n"
+    "  two spaces,   three,\ttab,\t\ttwo tabs, trailing   \n\n\nthree newlines\r\nCRLF \u00a0nbsp\n"
+    "na\u00efve caf\u00e9 Stra\u00dfe \u00c5ngstr\u00f6m \u0395\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac "
+    "\u0440\u0443\u0441\u0441\u043a\u0438\u0439 \u65e5\u672c\u8a9e\u306e\u6587\u7ae0 "
+    "\u4e2d\u6587 \ud55c\uad6d\uc5b4 \u0627\u0644\u0639\u0631\u0628\u064a\u0629 "
+    "\U0001f642\U0001f44d\U0001f3fd \U0001f468\u200d\U0001f469\u200d\U0001f467 \u2014 \u2026 \u20ac5"
+)
+
+
+def probe_digest(tokenizer: Tokenizer) -> str:
+    """sha256 of the ids `tokenizer` gives PROBE_TEXT."""
+    ids = tokenizer.encode(PROBE_TEXT)
+    return hashlib.sha256(" ".join(str(int(i)) for i in ids).encode()).hexdigest()
+
+
 def tokenizer_fingerprint(tokenizer_type: str, path: str | os.PathLike, tokenizer: Tokenizer | None = None) -> dict:
     """What identifies a tokenizer across preprocessing, training and export: type, name,
-    file name, sha256 of the file, vocabulary size and EOD id."""
+    file name, sha256 of the file, vocabulary size, EOD id and `probe_sha256` (`probe_digest`)."""
     from megatron_lev.utils.io import sha256_file
 
     tok = tokenizer if tokenizer is not None else build_tokenizer(tokenizer_type, path)
     return {"type": tokenizer_type, "name": tok.name, "file": Path(path).name, "sha256": sha256_file(path),
-            "vocab_size": int(tok.vocab_size), "eod": int(tok.eod)}
+            "vocab_size": int(tok.vocab_size), "eod": int(tok.eod), "probe_sha256": probe_digest(tok)}
+
+
+def encoding_mismatch(expected: dict, actual: dict) -> str | None:
+    """None when two fingerprints tokenize alike (the same file, or the same vocabulary size, EOD
+    id and ids of PROBE_TEXT), else what differs (one phrase)."""
+    if expected.get("sha256") and expected.get("sha256") == actual.get("sha256"):
+        return None
+    for key in ("vocab_size", "eod"):
+        if key in expected and key in actual and expected[key] != actual[key]:
+            return f"{key} {actual[key]!r} != {expected[key]!r}"
+    if not expected.get("probe_sha256") or not actual.get("probe_sha256"):
+        return "another file (sha256 differs) and no record of how it encodes the probe text"
+    if expected["probe_sha256"] != actual["probe_sha256"]:
+        return "it encodes the probe text (ASCII, digits, whitespace, unicode) into other ids"
+    return None
 
 
 def fingerprint_mismatch(expected: dict, actual: dict) -> str | None:

@@ -72,12 +72,20 @@ def is_finite(value: float | None) -> bool:
 def all_finite(tensors) -> torch.Tensor:
     """One bool tensor: every element of every tensor is finite (one fused max-abs, no host sync).
 
-    The max-abs of finite numbers is finite (unlike a sum or a 2-norm, it cannot overflow).
+    The max-abs of finite numbers is finite (unlike a sum or a 2-norm, it cannot overflow), and
+    a NaN anywhere makes it NaN. `torch._foreach_norm` (one multi-tensor kernel per device and
+    dtype on CUDA) is used rather than `torch.nn.utils.get_total_norm`, which needs torch >= 2.6.
     """
     tensors = [t.detach() for t in tensors if t is not None and t.numel()]
     if not tensors:
         return torch.ones((), dtype=torch.bool)
-    return torch.isfinite(torch.nn.utils.get_total_norm(tensors, norm_type=math.inf))
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    device = tensors[0].device
+    maxima = [torch.stack(torch._foreach_norm(group, math.inf)).amax().float().to(device)
+              for group in groups.values()]
+    return torch.isfinite(torch.stack(maxima).amax())
 
 
 def injected_nan_steps(environ: dict | None = None, name: str = INJECT_NAN_ENV) -> set[int]:

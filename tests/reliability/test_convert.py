@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -199,6 +200,20 @@ def kept_file(c: Ctx):
     assert (c.tmp / "out").read_text() == "keep me"
 
 
+def with_model_vocab(vocab: int):
+    """`prepare` for cv_on: the checkpoint's config.yaml says model.vocab_size=`vocab` (the tokenizer has
+    50,277; 50,300 pads to the same 50,304 rows, so the weights are those of such a run)."""
+    def prepare(c: Ctx, root: Path) -> None:
+        import yaml
+
+        path = own(tag_of(root) / "config.yaml")
+        cfg = yaml.safe_load(path.read_text())
+        cfg["model"]["vocab_size"] = vocab
+        path.write_text(yaml.safe_dump(cfg))
+        rerecord(path)
+    return prepare
+
+
 def kept_dir(c: Ctx):
     assert (c.tmp / "out" / "mine.txt").read_text() == "keep me" and len(list((c.tmp / "out").iterdir())) == 1
 
@@ -269,6 +284,8 @@ CONVERT = [
                       ("holds the checkpoint",), 2, ckpt_intact), id="output-is-the-checkpoint"),
     pytest.param(Case(cv("--keep-lev"), ("--keep-lev needs a LEV model", "tied"), 2, no_output),
                  id="keep-lev-on-tied"),
+    pytest.param(Case(cv_on(with_model_vocab(50000)), ("50277 tokens", "model.vocab_size is only 50000", "smaller"),
+                      1, no_output), id="model-vocab-smaller-than-tokenizer"),
     pytest.param(Case(cv("--max-shard-size", "0"), ("--max-shard-size",), 2, no_output), id="max-shard-size-zero"),
 ]
 
@@ -297,6 +314,38 @@ def shard_of_other_tokenizer(c: Ctx) -> Path:
     prefix = shard(c, range(1, 30))
     write_manifest(prefix, [str(prefix)], {"type": "hf", "file": "other.json", "sha256": "0" * 64,
                                            "vocab_size": 50277, "eod": 0}, 29)
+    return prefix
+
+
+def shard_with_manifest(c: Ctx, kind: str, tokenizer: Path, text: str = "") -> Path:
+    """Held-out shard of `text` (default: the probe-free sample below) made with `tokenizer`, and its manifest."""
+    from megatron_lev.data.manifest import write_manifest
+    from megatron_lev.data.tokenizers import build_tokenizer, tokenizer_fingerprint
+
+    tok = build_tokenizer(kind, tokenizer)
+    ids = tok.encode(text or "Held-out text: 12 apples, 3 pears.\n\tAnd caf\u00e9 na\u00efve! " * 3) + [tok.eod]
+    prefix = shard(c, ids)
+    write_manifest(prefix, [str(prefix)], tokenizer_fingerprint(kind, tokenizer, tok), max(ids))
+    return prefix
+
+
+def reformatted_tokenizer(c: Ctx) -> Path:
+    """The run's tokenizer.json written again by another JSON writer: same tokenizer, other bytes."""
+    path = c.tmp / "reformatted" / "tokenizer.json"
+    return write(path, json.dumps(json.loads(c.tokenizer.read_text()), indent=1, ensure_ascii=False))
+
+
+def digits_swapped_tokenizer(c: Ctx) -> Path:
+    """The run's tokenizer with the ids of "1" and "2" swapped: same size and EOD, other ids for digits."""
+    data = json.loads(c.tokenizer.read_text())
+    vocab = data["model"]["vocab"]
+    vocab["1"], vocab["2"] = vocab["2"], vocab["1"]
+    return write(c.tmp / "digits-swapped.json", json.dumps(data))
+
+
+def damaged_manifest(c: Ctx) -> Path:
+    prefix = shard(c, range(1, 30))
+    write(c.tmp / "heldout.manifest.json", "{not json")
     return prefix
 
 
@@ -335,6 +384,12 @@ EVALUATE = [
                       ("heldout", "token id 60000", "vocabulary of 50277"), 1, no_eval), id="shard-ids-beyond-vocab"),
     pytest.param(Case(lambda c: ev("--data", shard_of_other_tokenizer(c))(c),
                       ("heldout", "other.json", "not the model's"), 1, no_eval), id="shard-manifest-other-tokenizer"),
+    pytest.param(Case(lambda c: ev("--data", shard_with_manifest(c, "hf", digits_swapped_tokenizer(c)))(c),
+                      ("heldout", "digits-swapped.json", "not the model's", "probe text"), 1, no_eval),
+                 id="shard-manifest-tokenizer-encodes-otherwise"),
+    pytest.param(Case(lambda c: ev("--data", damaged_manifest(c))(c),
+                      ("heldout", "heldout.manifest.json", "unreadable shard-set manifest"), 1, no_eval),
+                 id="shard-manifest-damaged"),
     pytest.param(Case(lambda c: ["evaluate", nan_model(c), "--data", shard(c, list(range(1, 40))), "--out",
                                  c.tmp / "ev", "--seq-len", "8", "--threads", "1"],
                       ("heldout", "non-finite perplexity"), 1, no_eval), id="non-finite-result"),
@@ -462,6 +517,177 @@ def test_bad_input_is_refused_in_one_line(case: Case, ctx: Ctx, capsys):
     if case.check is not None:
         case.check(ctx)
     assert tree(ctx.ckpt["tied"]) == before, "the source checkpoint was changed"
+
+
+# ----------------------------------------------------------------------------- inputs that look odd but are fine
+
+
+@dataclass
+class Accepted:
+    setup: Callable[[Ctx], list]          # -> argv (after the command name)
+    check: Callable[[Ctx], None]          # the result on disk
+
+
+def exported_vocab(vocab: int) -> Callable[[Ctx], None]:
+    def check(c: Ctx) -> None:
+        from safetensors import safe_open
+
+        assert json.loads((c.tmp / "out" / "config.json").read_text())["vocab_size"] == vocab
+        with safe_open(str(next((c.tmp / "out").glob("*.safetensors"))), "pt") as f:
+            assert f.get_slice("model.embed_tokens.weight").get_shape()[0] == vocab
+    return check
+
+
+def evaluated(c: Ctx) -> None:
+    result = json.loads((c.tmp / "ev" / "eval.json").read_text())["results"][0]
+    assert np.isfinite(result["perplexity"]) and result["tokens"] > 8
+
+
+def tiktoken_export_and_its_shards(c: Ctx) -> list:
+    """What a tiktoken run leaves: an export holding the converted tokenizer.json, and shards whose
+    manifest records the tiktoken file (another file, the same ids)."""
+    from megatron_lev.data.tokenizers import build_tokenizer
+    from tests.data.test_tokenizers import _tiktoken_file
+
+    bpe = _tiktoken_file(c.tmp / "run.tiktoken", c.tokenizer)
+    model = c.tmp / "tiktoken_export"
+    model.mkdir()
+    for f in c.hf.iterdir():
+        if not f.name.startswith("tokenizer"):
+            os.symlink(f, model / f.name)
+    build_tokenizer("tiktoken", bpe).save_for_hf(model)
+    assert sha256_file(model / "tokenizer.json") != sha256_file(bpe)
+    return ["evaluate", model, "--data", shard_with_manifest(c, "tiktoken", bpe), "--out", c.tmp / "ev",
+            "--threads", "1", "--seq-len", "8"]
+
+
+ACCEPTED = [
+    pytest.param(Accepted(cv_on(with_model_vocab(50300)), exported_vocab(50300)),
+                 id="model-vocab-larger-than-tokenizer"),
+    pytest.param(Accepted(lambda c: ev("--data", shard_with_manifest(c, "hf", reformatted_tokenizer(c)))(c),
+                          evaluated), id="shard-manifest-equivalent-tokenizer-json"),
+    pytest.param(Accepted(tiktoken_export_and_its_shards, evaluated), id="tiktoken-export-evaluates-its-own-shards"),
+]
+
+
+@pytest.mark.parametrize("case", ACCEPTED)
+def test_equivalent_input_is_accepted(case: Accepted, ctx: Ctx, capsys):
+    expect_ok(run_cli(case.setup(ctx), capsys))
+    case.check(ctx)
+
+
+# ----------------------------------------------------------------------------- DeepSpeed files on older torch
+
+
+def _fp16_optim_states(c_tmp: Path, marker: Path) -> Path:
+    """What the optimizer states of an fp16 ZeRO-3 run pickle (fp16 needs CUDA, so the file is made
+    here from DeepSpeed's own classes, built as its engine builds them)."""
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    scaler = CreateLossScaler(dtype=torch.float16, static_loss_scale=0, dynamic_scaling=True,
+                              dynamic_loss_args=DeepSpeedFP16Config(enabled=True).dynamic_loss_scale_args())
+    path = c_tmp / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"zero_stage": ZeroStageEnum.weights, "loss_scaler": scaler,
+                                         "dynamic_loss_scale": True, "overflow": False, "partition_count": 2,
+                                         "fp32_flat_groups": [torch.ones(8)]}, "ds_version": "0.19"}, path)
+    return path
+
+
+def _tensors_only(c_tmp: Path, marker: Path) -> Path:
+    torch.save({"module": {"w": torch.ones(2)}, "iteration": 3}, c_tmp / "mp_rank_00_model_states.pt")
+    return c_tmp / "mp_rank_00_model_states.pt"
+
+
+def _payload(c_tmp: Path, marker: Path) -> Path:
+    torch.save({"module": {"w": torch.ones(2)}, "evil": Payload(marker)}, c_tmp / "mp_rank_00_model_states.pt")
+    return c_tmp / "mp_rank_00_model_states.pt"
+
+
+def _loaded_fp16(state: dict) -> None:
+    scaler = state["optimizer_state_dict"]["loss_scaler"]
+    assert type(scaler).__name__ == "DynamicLossScaler" and scaler.cur_scale == 2 ** 16 and scaler.dynamic
+
+
+def _loaded_tensors(state: dict) -> None:
+    assert torch.equal(state["module"]["w"], torch.ones(2))
+
+
+TORCH_2_4 = ("safe_globals",)  # torch.serialization functions a torch of that version lacks
+TORCH_2_3 = ("safe_globals", "add_safe_globals")
+SAFE_LOAD = [  # (functions taken away, file, check of the loaded state or fragments of the refusal)
+    pytest.param((), _fp16_optim_states, _loaded_fp16, id="fp16-loss-scaler"),
+    pytest.param(TORCH_2_4, _fp16_optim_states, _loaded_fp16, id="fp16-loss-scaler-torch-2.4"),
+    pytest.param(TORCH_2_3, _fp16_optim_states, ("optim_states.pt", "pickles DeepSpeed.s deepspeed", "torch >= 2.4"),
+                 id="fp16-loss-scaler-torch-2.3-refused"),
+    pytest.param(TORCH_2_3, _tensors_only, _loaded_tensors, id="tensors-torch-2.3"),
+    pytest.param(TORCH_2_4, _payload, ("refusing to load", "builtins.open|open"), id="payload-torch-2.4"),
+    pytest.param(TORCH_2_3, _payload, ("refusing to load", "builtins.open|open"), id="payload-torch-2.3"),
+]
+
+
+@pytest.mark.parametrize("missing,make,expect", SAFE_LOAD)
+def test_deepspeed_files_load_without_running_code_on_every_supported_torch(missing, make, expect, tmp_path,
+                                                                             monkeypatch):
+    from megatron_lev.checkpoint.ds_reader import CheckpointError, load_file, safe_globals
+
+    serialization = torch.serialization
+    saved = list(serialization.get_safe_globals())
+    ours = safe_globals()
+    serialization.clear_safe_globals()  # start without DeepSpeed's classes allowed process-wide
+    serialization.add_safe_globals([g for g in saved if g not in ours])
+    marker = tmp_path / "PAYLOAD_RAN"
+    try:
+        path = make(tmp_path, marker)
+        for name in missing:
+            monkeypatch.delattr(serialization, name)
+        if callable(expect):
+            expect(load_file(path))
+        else:
+            with pytest.raises(CheckpointError) as info:
+                load_file(path)
+            for frag in expect:
+                assert re.search(frag, str(info.value), re.IGNORECASE), f"{frag!r} not in {info.value}"
+        assert not marker.exists(), "a pickle payload ran"
+    finally:
+        monkeypatch.undo()
+        serialization.clear_safe_globals()
+        serialization.add_safe_globals(saved)
+
+
+# ----------------------------------------------------------------------------- file errors of our own code
+
+
+def _raising(exc: BaseException):
+    def fn(*args, **kwargs):
+        raise exc
+    return fn
+
+
+GUARDED = [  # an OSError raised inside a command (not by a path the user gave) -> the error line
+    pytest.param(lambda: FileNotFoundError(2, "No such file or directory", "/var/cache/lev/index.json"),
+                 ("/var/cache/lev/index.json", "not found", "--debug"), id="internal-missing-file"),
+    pytest.param(lambda: PermissionError(13, "Permission denied", "/data/run/.x.tmp", None, "/data/run/x"),
+                 ("/data/run/.x.tmp -> /data/run/x", "permission denied", "--debug"),
+                 id="internal-rename-names-both-files"),
+    pytest.param(lambda: FileNotFoundError("the checksum cache index is gone"),
+                 ("FileNotFoundError", "the checksum cache index is gone", "--debug"),
+                 id="internal-error-without-a-file-name"),
+]
+
+
+@pytest.mark.parametrize("make_exc,fragments", GUARDED)
+def test_file_errors_name_the_file_and_debug_shows_the_traceback(make_exc, fragments, tmp_path, monkeypatch,
+                                                                  capsys):
+    from megatron_lev.commands import evaluate
+
+    monkeypatch.setattr(evaluate, "_check_flags", _raising(make_exc()))
+    argv = ["evaluate", tmp_path / "model", "--data", tmp_path / "x", "--out", tmp_path / "ev"]
+    expect_error(run_cli(argv, capsys), *fragments, rc=1)
+    with pytest.raises(type(make_exc())) as info:  # --debug: the exception reaches the interpreter
+        run_cli([*argv, "--debug"], capsys)
+    assert info.traceback and not (tmp_path / "ev").exists()
 
 
 # ----------------------------------------------------------------------------- validation with the probe

@@ -418,17 +418,29 @@ def test_run_whose_steps_were_all_skipped_fails(one_rank, case):
     assert r["ckpt"]["tags"] == [], "a run that learnt nothing saved a checkpoint"
 
 
-def test_guard_flag_is_one_fused_test():
+TORCH_APIS = [  # torch functions taken away to run the guard as on an older torch (pyproject: torch>=2.3)
+    pytest.param((), id="installed-torch"),
+    pytest.param((("torch.nn.utils", "get_total_norm"),), id="torch-2.3-without-get-total-norm"),
+]
+
+
+@pytest.mark.parametrize("missing", TORCH_APIS)
+def test_guard_flag_is_one_fused_test(missing, monkeypatch):
+    import importlib
+
     from megatron_lev.training.health import all_finite
 
+    for module, name in missing:
+        monkeypatch.delattr(importlib.import_module(module), name)
     big = torch.full((4,), 3e38)
     assert all_finite([big, big]).item(), "large finite values are finite (no overflowing sum or norm)"
     assert all_finite([]).item() and all_finite([None]).item()
+    assert all_finite([torch.ones(3), torch.full((2,), 6e4, dtype=torch.float16), big.bfloat16()]).item()
     for bad in (float("nan"), float("inf"), -float("inf")):
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
             t = torch.ones(5, dtype=dtype)
             t[3] = bad
-            flag = all_finite([torch.ones(3), t])
+            flag = all_finite([torch.ones(3), t, torch.ones(2, dtype=torch.bfloat16)])
             assert flag.dtype == torch.bool and flag.dim() == 0 and not flag.item()
 
 
