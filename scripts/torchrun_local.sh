@@ -14,7 +14,9 @@
 # Exit status: the trainer's. A preempted run (SIGTERM or SIGUSR1, to this script or to the
 # ranks) exits 75 so a scheduler can requeue it; torchrun itself reports any failed rank as
 # 1, so each rank writes its status into $MEGATRON_LEV_EXIT_DIR and this script passes a 75
-# through when no rank reported another failure.
+# through when no rank reported another failure. A rank that wrote no status was killed (out
+# of memory, a crash): unless this script forwarded a preemption signal, that is a failure,
+# even if torchrun then stopped the other ranks while they were starting up (they report 75).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 if [ -n "${MEGATRON_LEV_PYTHON:-}" ]; then
@@ -61,7 +63,7 @@ status=0
 wait "$pid" || status=$?  # the child's own status, also when a signal interrupted the last wait
 
 if [ "$status" -ne 0 ]; then
-    preempted=0 other=0
+    preempted=0 other=0 missing=0
     for f in "$exit_dir"/rank*; do
         [ -e "$f" ] || continue
         case $(cat "$f") in
@@ -70,6 +72,13 @@ if [ "$status" -ne 0 ]; then
             *) other=1 ;;
         esac
     done
+    case $NPROC in
+        '' | *[!0-9]*) ;;  # e.g. "auto": the number of ranks is torchrun's to know
+        *) for ((r = 0; r < NPROC; r++)); do [ -e "$exit_dir/rank$r" ] || missing=1; done ;;
+    esac
+    if [ "$signalled" = 0 ] && [ "$missing" = 1 ]; then
+        other=1  # a rank died without a word and nobody asked the job to stop: a crash, not a preemption
+    fi
     if [ "$signalled" = 1 ] && [ "$preempted" = 0 ] && [ "$other" = 0 ]; then
         preempted=1  # torchrun was stopped before any rank reported (still starting up)
     fi

@@ -160,6 +160,32 @@ def _gather(items: list) -> list:
     return [x for part in parts for x in part]
 
 
+def _raise_on_every_rank(exc: BaseException | None) -> None:
+    """Collective: raise on every rank when any rank failed (`exc` is this rank's failure, or None).
+
+    The rank that failed re-raises its own exception; the others raise one of the same kind
+    (DiskFullError, CheckpointDataError, else RuntimeError) naming the failing rank, so no rank
+    waits in a later collective for one that already gave up."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if exc is not None:
+            raise exc
+        return
+    mine = None
+    if exc is not None:
+        kind = "disk" if isinstance(exc, DiskFullError) else "data" if isinstance(exc, CheckpointDataError) \
+            else "other"
+        mine = (kind, f"{type(exc).__name__}: {exc}" if kind == "other" else str(exc))
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    if exc is not None:
+        raise exc
+    failed = [(rank, part) for rank, part in enumerate(parts) if part is not None]
+    if failed:
+        rank, (kind, msg) = failed[0]
+        cls = {"disk": DiskFullError, "data": CheckpointDataError}.get(kind, RuntimeError)
+        raise cls(f"{msg} (on rank {rank})")
+
+
 def checkpoint_files(path: str | os.PathLike) -> list[str]:
     """Every file of a checkpoint directory (relative, sorted), without our markers and temp files."""
     path = Path(path)
@@ -174,7 +200,13 @@ def checkpoint_files(path: str | os.PathLike) -> list[str]:
 def file_checksums(path: str | os.PathLike, names: list[str]) -> dict[str, dict[str, Any]]:
     """Collective: `{name: {"size", "sha256"}}`; each rank hashes every world-size-th file."""
     path = Path(path)
-    mine = [(n, os.path.getsize(path / n), sha256_file(path / n)) for n in names[_rank()::_world()]]
+    mine, error = [], None
+    try:
+        mine = [(n, os.path.getsize(path / n), sha256_file(path / n)) for n in names[_rank()::_world()]]
+    except OSError as exc:
+        error = CheckpointDataError(f"cannot checksum the files of checkpoint {path} ({exc})")
+        error.__cause__ = exc
+    _raise_on_every_rank(error)
     return {n: {"size": size, "sha256": digest} for n, size, digest in _gather(mine)}
 
 
@@ -223,12 +255,15 @@ def verify_checkpoint(path: str | os.PathLike) -> list[str]:
     for name in sorted(files)[_rank()::_world()]:
         size, digest = files[name]
         p = path / name
-        if not p.is_file():
-            problems.append(f"{p} is missing")
-        elif p.stat().st_size != size:
-            problems.append(f"{p} has {p.stat().st_size} bytes, {size} expected (truncated or overwritten)")
-        elif sha256_file(p) != digest:
-            problems.append(f"{p} does not match its checksum (the file was altered or damaged)")
+        try:
+            if not p.is_file():
+                problems.append(f"{p} is missing")
+            elif p.stat().st_size != size:
+                problems.append(f"{p} has {p.stat().st_size} bytes, {size} expected (truncated or overwritten)")
+            elif sha256_file(p) != digest:
+                problems.append(f"{p} does not match its checksum (the file was altered or damaged)")
+        except OSError as exc:  # a problem like the others: every rank still reaches the gather
+            problems.append(f"{p} is unreadable ({exc})")
     return sorted(_gather(problems))
 
 
@@ -316,12 +351,21 @@ def check_resume_config(path: str | os.PathLike, cfg, allow=()) -> None:
             f"({stored_file}): restore them, or pass {flags} to accept a resume that is not exact")
 
 
+def _resolved(path: str | os.PathLike) -> Path:
+    """`path` absolute with symlinks resolved (as far as it exists), to compare two spellings of a directory."""
+    return Path(os.path.realpath(os.path.expanduser(os.fspath(path))))
+
+
 def plan_resume(load_dir: str | os.PathLike | None, save_dir: str | os.PathLike | None, cfg=None,
                 allow=()) -> ResumePlan:
     """Collective: the newest checkpoint that verifies, looked for in `save_dir` first (a requeued run
     continues its own checkpoints), then `load_dir`; damaged ones are named and skipped. With none,
-    checks that starting from scratch loses nothing."""
-    roots = [Path(d) for d in dict.fromkeys(d for d in (save_dir, load_dir) if d)]
+    checks that starting from scratch loses nothing. Directories are compared resolved: a relative
+    path or a symlink naming `save_dir` is the same directory."""
+    roots: list[Path] = []
+    for d in (save_dir, load_dir):
+        if d and all(_resolved(d) != _resolved(r) for r in roots):
+            roots.append(Path(d))
     for root in roots:
         tags, notes = resume_candidates(root)
         if _rank() == 0:
@@ -337,7 +381,7 @@ def plan_resume(load_dir: str | os.PathLike | None, save_dir: str | os.PathLike 
                     log.warning("resuming from %s instead of the damaged %s", root / tag, ", ".join(damaged))
                 if cfg is not None:
                     check_resume_config(root / tag, cfg, allow)
-                if save_dir and Path(save_dir) != root:  # resuming from train.load: saves go somewhere new
+                if save_dir and _resolved(save_dir) != _resolved(root):  # from train.load: saves go elsewhere
                     check_fresh_start(save_dir, cfg)
                 return ResumePlan(root, tag)
             damaged.append(tag)
@@ -349,7 +393,7 @@ def plan_resume(load_dir: str | os.PathLike | None, save_dir: str | os.PathLike 
             "above); restore them from a backup, or move the directory away to start from scratch")
     if save_dir:
         check_fresh_start(save_dir, cfg)
-    if load_dir and save_dir and Path(load_dir) != Path(save_dir):
+    if load_dir and save_dir and _resolved(load_dir) != _resolved(save_dir):
         raise CheckpointDataError(f"train.load={load_dir} holds no complete checkpoint: fix the path, or unset "
                                   "train.load to start from scratch")
     if _rank() == 0:
@@ -437,32 +481,44 @@ def _save_failed(exc: BaseException, root: Path, path: Path) -> None:
                         f"or set train.save to a directory with room{then}") from exc
 
 
+def _save_error(exc: BaseException, root: Path, path: Path) -> BaseException:
+    """The error to report for a failed save step: DiskFullError for a full disk, else `exc`."""
+    try:
+        _save_failed(exc, root, path)
+    except DiskFullError as full:
+        return full
+    return exc
+
+
 def save_checkpoint(engine, root: str | os.PathLike, iteration: int, client_state: dict[str, Any],
                     keep_last: int, config_yaml: str | None = None) -> Path:
     """Collective: save via DeepSpeed, then (after a barrier) checksum every file into the completion
-    marker, point `latest`, prune."""
+    marker, point `latest`, prune. A step that fails on one rank raises on every rank."""
     root = Path(root)
     tag = tag_for(iteration)
     path = root / tag
     start = time.perf_counter()
-    if _rank() == 0 and path.is_dir() and not (path / STARTED_MARKER).is_file() \
-            and not (path / COMPLETE_MARKER).is_file():
-        raise CheckpointDataError(f"{path} exists and was not written by this trainer; saving would overwrite "
-                                  "it: move it elsewhere, or set train.save to another directory")
+    error: BaseException | None = None
+    if _rank() == 0:
+        if path.is_dir() and not (path / STARTED_MARKER).is_file() and not (path / COMPLETE_MARKER).is_file():
+            error = CheckpointDataError(f"{path} exists and was not written by this trainer; saving would "
+                                        "overwrite it: move it elsewhere, or set train.save to another directory")
+        else:
+            try:  # re-saving a tag: it is not complete until this save is
+                (path / COMPLETE_MARKER).unlink(missing_ok=True)
+                atomic_write_json(path / STARTED_MARKER, {"iteration": iteration, "world_size": _world(),
+                                                          "host": socket.gethostname(), "time": time.time()})
+            except Exception as exc:  # noqa: BLE001 - shared with every rank below
+                error = _save_error(exc, root, path)
+    _raise_on_every_rank(error)  # also the barrier: `started` is on disk before any rank writes
     try:
-        if _rank() == 0:  # re-saving a tag: it is not complete until this save is
-            (path / COMPLETE_MARKER).unlink(missing_ok=True)
-            atomic_write_json(path / STARTED_MARKER, {"iteration": iteration, "world_size": _world(),
-                                                      "host": socket.gethostname(), "time": time.time()})
-        _barrier()
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
         atomic_save_torch(capture_rng_state(), path / f"rng_state_rank{_rank()}.pt")
         if _rank() == 0 and config_yaml is not None:
             atomic_write_text(path / CONFIG_FILE, config_yaml)
     except Exception as exc:  # noqa: BLE001 - a full disk surfaces as OSError or torch's RuntimeError
-        _save_failed(exc, root, path)
-        raise
-    _barrier()  # every rank's files are on disk
+        error = _save_error(exc, root, path)
+    _raise_on_every_rank(error)  # every rank's files are on disk
     saved = time.perf_counter()
     files = file_checksums(path, checkpoint_files(path))
     if _rank() == 0:
@@ -472,28 +528,52 @@ def save_checkpoint(engine, root: str | os.PathLike, iteration: int, client_stat
             atomic_write_text(root / LATEST_FILE, tag + "\n")
         except OSError as exc:
             (path / COMPLETE_MARKER).unlink(missing_ok=True)
-            _save_failed(exc, root, path)
-            raise
-        prune_checkpoints(root, keep_last)
-    _barrier()
+            error = _save_error(exc, root, path)
+        else:
+            try:
+                prune_checkpoints(root, keep_last, current=tag)
+            except OSError as exc:  # the save is complete; old checkpoints stay until the next save
+                log.warning("could not prune old checkpoints under %s (%s)", root, exc)
+    _raise_on_every_rank(error)
     log.info("saved checkpoint %s in %.1fs (checksums %.2fs)", path, time.perf_counter() - start,
              time.perf_counter() - saved)
     return path
 
 
-def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[str]:
+_warned_abandoned: set[tuple[str, str]] = set()  # (root, tags): each abandoned branch is named once
+
+
+def prune_checkpoints(root: str | os.PathLike, keep_last: int, current: str | None = None) -> list[str]:
     """Delete all but the newest `keep_last` complete checkpoints, and our partial saves older than
-    those. Directories without our markers are never deleted."""
+    those. Never deleted: directories without our markers, `current` (the tag just saved), the tag
+    `latest` names, and every checkpoint above `current`'s iteration. Those belong to a branch
+    this run abandoned when it resumed from an older tag (the newer one was damaged, or `latest` was
+    rolled back); they are kept, named in a warning, and not counted in `keep_last`, so they can
+    never push the run's own new checkpoints out."""
+    root = Path(root)
     ckpts = list_checkpoints(root)
-    complete = [c for c in ckpts if c.complete]
-    keep = {c.tag for c in complete[-keep_last:]}
-    newest = complete[-1].iteration if complete else -1
+    at = iteration_of(current) if current else None
+    ahead = [c for c in ckpts if at is not None and c.iteration > at]
+    ranked = [c for c in ckpts if c.complete and c not in ahead]
+    keep = {c.tag for c in ranked[-keep_last:]}
+    keep |= {c.tag for c in ahead}
+    latest, _ = read_latest(root)
+    keep |= {t for t in (current, latest) if t}
+    newest = ranked[-1].iteration if ranked else -1
     removed = []
     for c in ckpts:
         if c.tag in keep or not c.ours or (not c.complete and c.iteration > newest):
             continue
         shutil.rmtree(c.path, ignore_errors=True)
         removed.append(c.tag)
+    abandoned = [c for c in ahead if c.ours]
+    key = (str(root), ",".join(c.tag for c in abandoned))
+    if abandoned and key not in _warned_abandoned:
+        _warned_abandoned.add(key)
+        log.warning("checkpoint(s) %s under %s are newer than %s, the one just saved: left by an earlier run "
+                    "this one did not continue from; they are kept and not counted in train.keep_last. Once "
+                    "they are not needed, delete them (rm -r %s)", ", ".join(c.tag for c in abandoned), root,
+                    current, " ".join(str(c.path) for c in abandoned))
     return removed
 
 

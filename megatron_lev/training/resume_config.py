@@ -6,6 +6,11 @@ parallel layout, precision) describe the saved weights and optimizer states: a
 resume with other values would load them into the wrong shapes or meanings, so it
 is refused. Every other key (seeds, data, batch sizes, optimizer settings) breaks
 an exact resume: refused unless the user names it with `--allow-change KEY`.
+
+A few `model.*` keys change neither the shapes nor the meaning of the saved weights:
+dropout rates and initialisation scales (used only before the first step) are free,
+and `model.seq_length` (rotary positions: no weight depends on it) is allowed with
+`--allow-change`, since the data is then cut into other samples.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ FREE_KEYS = frozenset({
     "data.num_workers", "data.cache_dir", "parallel.distributed_backend", "parallel.cpu_offload",
     "model.name", "model.activation_checkpointing", "model.checkpoint_num_layers",
     "model.lev.chunk_size", "model.lev.recompute",
+    "model.hidden_dropout", "model.attention_dropout", "model.init_std", "model.lev.w_out_init_scale",
 })
+EXACT_KEYS = frozenset({"model.seq_length"})  # under a fixed prefix, yet allowed by --allow-change
 FIXED_PREFIXES = ("model.",)
 FIXED_KEYS = frozenset({
     "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
@@ -43,6 +50,8 @@ def kind_of(key: str) -> str:
     """"free", "fixed" or "exact" (see the module docstring)."""
     if key in FREE_KEYS or key.startswith(FREE_PREFIXES):
         return "free"
+    if key in EXACT_KEYS:
+        return "exact"
     if key in FIXED_KEYS or key.startswith(FIXED_PREFIXES):
         return "fixed"
     return "exact"

@@ -85,7 +85,7 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._injector = NaNInjector(self._nan_target()) if self.nan_steps else None
         self._grad_injector = NaNInjector(self._nan_target(), grad=True) if self.nan_grad_steps else None
-        self._counts = [0, 0]  # steps run and steps applied by the current `train()`
+        self._counts = [0, 0, 0]  # by the current `train()`: run, applied, held back by the fp16 scaler
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -194,6 +194,7 @@ class Trainer:
         if hasattr(self.optimizer, "corrupt_update"):
             self.optimizer.corrupt_update = False
         skipped_update = self.optimizer.iteration_skipped  # the same on every rank (the guard agrees)
+        scaler_overflow = skipped_update and self._loss_scaler_overflow()
         # one collective per step: the loss (summed over ranks) and "an update made a weight inf/NaN"
         bad = torch.zeros((), device=self.device) if skipped_update else self._weights_bad()
         stats = torch.stack([local_loss, bad.reshape(())])
@@ -204,7 +205,14 @@ class Trainer:
             norm = norm.detach().to(torch.float32, copy=True).reshape(())  # the engine may reuse its buffer
         elif norm is not None:
             norm = torch.tensor(float(norm))
-        return _Step(it + 1, stats, max(self.world_size, 1), norm, skipped_update)
+        return _Step(it + 1, stats, max(self.world_size, 1), norm, skipped_update, scaler_overflow)
+
+    def _loss_scaler_overflow(self) -> bool:
+        """Whether DeepSpeed's fp16 loss scaler held this step back (gradient overflow: it lowers the
+        scale and never calls our optimizer). Its optimizers (FP16, ZeRO) flag that as `.overflow`."""
+        if self.cfg.train.precision != "fp16" or getattr(self.optimizer, "calls", 0):
+            return False
+        return bool(getattr(getattr(self.engine, "optimizer", None), "overflow", False))
 
     def _non_finite_weights(self, iteration: int) -> NonFiniteWeights:
         return NonFiniteWeights(
@@ -266,7 +274,8 @@ class Trainer:
             if self.state.iteration < total_iters:
                 self._check_weights(f"before the first step (loaded from {self.load_dir})" if self.state.iteration
                                     else "before the first step")
-            self._counts = [0, 0]  # steps run, steps applied
+            self._counts = [0, 0, 0]  # steps run, applied, held back by the fp16 loss scaler
+            started_at = self.state.iteration  # 0: this process trains from scratch
             pending: list[_Step] = []  # steps whose loss and flags are still on the device
             while self.state.iteration < total_iters:
                 start = time.perf_counter()
@@ -307,8 +316,10 @@ class Trainer:
                     log.warning("preempted at iteration %d: checkpoint saved, exiting with status %d",
                                 it, PREEMPTED_EXIT_CODE)
                     return TrainResult(it, PREEMPTED_EXIT_CODE, "preempted", self.skips.total, result.losses)
-            steps_run, steps_applied = self._counts
-            if steps_run and not steps_applied:
+            steps_run, steps_applied, scaler_skips = self._counts
+            # a resumed run's short tail may be all skipped (the run before it learnt); and overflow
+            # steps whose loss scale the fp16 scaler lowers are its normal work, not a failure
+            if started_at == 0 and steps_run > scaler_skips and not steps_applied:
                 raise AllStepsSkipped(
                     f"all {steps_run} steps (iterations {self.state.iteration - steps_run + 1}-"
                     f"{self.state.iteration}) had a non-finite loss or gradients and were skipped: the run "
@@ -345,6 +356,7 @@ class Trainer:
             window.add(loss, norm, skipped)
             self._counts[0] += 1
             self._counts[1] += int(not skipped)
+            self._counts[2] += int(skipped and step.scaler_overflow and math.isfinite(loss))
             if skipped:
                 log.warning("iteration %d: non-finite loss (%s) or gradient norm (%s): update skipped",
                             step.iteration, loss, norm)
@@ -398,6 +410,7 @@ class _Step:
     world_size: int
     norm: torch.Tensor | None  # global gradient norm, or None when the engine has none
     skipped: bool  # the guard held the update back (a host value: the guard read its flag)
+    scaler_overflow: bool = False  # the fp16 loss scaler held it back (gradient overflow)
 
 
 def _read(steps: list[_Step]) -> list[tuple[float, float | None, bool]]:

@@ -30,6 +30,7 @@ import pytest
 import zstandard
 
 from megatron_lev.errors import CheckpointDataError
+from megatron_lev.testing.distributed import DistributedTestError, run_distributed
 from megatron_lev.training import checkpointing as ck
 from tests.reliability.harness import ROOT, expect_error, expect_ok, leftover_processes, run_cli_process
 
@@ -233,6 +234,17 @@ def test_flipped_latest_resumes_from_the_previous_checkpoint(run_copy, data):
     assert ck.verify_checkpoint(run_copy / "ckpt" / ck.tag_for(6)) == []
 
 
+def test_resumed_run_whose_short_tail_was_all_skipped_finishes(run_copy, data):
+    """Preempted one step before the end: the remaining step is skipped (non-finite loss). The run
+    before learnt; this one must save its final checkpoint and exit 0, not fail every requeue."""
+    res = train(overrides(data, run_copy, **{"train.train_iters": 5, "train.save_interval": 0}),
+                MEGATRON_LEV_INJECT_NAN_AT_STEP="5")
+    expect_ok(res)
+    assert re.search(r"iteration 5: non-finite loss .*update skipped", res.err), res.err[-3000:]
+    assert (run_copy / "ckpt" / "latest").read_text().strip() == ck.tag_for(5)
+    assert ck.verify_checkpoint(run_copy / "ckpt" / ck.tag_for(5)) == []
+
+
 def test_every_checkpoint_damaged_exits_with_one_line(run_copy, data):
     flip(run_copy / "ckpt" / IT4 / MODEL)
     truncate(run_copy / "ckpt" / IT2 / OPTIM)
@@ -316,6 +328,173 @@ def test_prune_never_removes_unmarked_directories(tmp_path):
     assert (root / IT4 / MODEL).read_bytes() == b"weights someone trained"
 
 
+class StubEngine:
+    """Writes one small file per rank where DeepSpeed would write its model and optimizer files."""
+
+    def save_checkpoint(self, root, tag, client_state, save_latest):
+        rank = ck._rank()
+        d = Path(root) / tag
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"stub_rank{rank}.pt").write_bytes(f"weights of rank {rank}".encode())
+
+
+def _our_checkpoint(root: Path, it: int, complete: bool = True) -> None:
+    d = root / ck.tag_for(it)
+    d.mkdir(parents=True)
+    (d / ck.STARTED_MARKER).write_text("{}")
+    (d / MODEL).write_bytes(b"w")
+    if complete:
+        (d / ck.COMPLETE_MARKER).write_text(json.dumps({"iteration": it, "files": {}}))
+
+
+PRUNE = [
+    # complete tags on disk, partial tags, `latest` before the save, iteration saved, keep_last, tags left
+    pytest.param((100, 200, 300), (), 300, 400, 2, (300, 400), id="ordinary-save"),
+    pytest.param((100, 200, 300), (), 200, 250, 1, (250, 300), id="resumed-below-damaged-newest"),
+    pytest.param((100, 200, 300), (), 200, 210, 2, (200, 210, 300), id="latest-rolled-back"),
+    pytest.param((100, 200, 300), (350,), 200, 250, 1, (250, 300, 350), id="abandoned-partial-kept"),
+    pytest.param((100, 200), (150,), 200, 300, 1, (300,), id="old-partial-pruned"),
+]
+
+
+@pytest.mark.parametrize("complete, partial, latest, saved, keep_last, left", PRUNE)
+def test_prune_keeps_the_save_and_what_latest_names(tmp_path, caplog, complete, partial, latest, saved,
+                                                    keep_last, left):
+    """Tags above the iteration just saved belong to a branch the run abandoned when it resumed from
+    an older tag: they are kept but never outrank the run's new saves in keep_last."""
+    root = tmp_path / "ckpt"
+    for it in complete:
+        _our_checkpoint(root, it)
+    for it in partial:
+        _our_checkpoint(root, it, complete=False)
+    (root / "latest").write_text(ck.tag_for(latest) + "\n")
+    caplog.set_level("WARNING", logger="megatron_lev")
+    ck.save_checkpoint(StubEngine(), root, saved, {}, keep_last=keep_last)
+    assert sorted(c.iteration for c in ck.list_checkpoints(root)) == list(left)
+    assert ck.read_latest(root)[0] == ck.tag_for(saved)
+    assert ck.verify_checkpoint(root / ck.tag_for(saved)) == []
+    ahead = [ck.tag_for(it) for it in (*complete, *partial) if it > saved]
+    if ahead:
+        assert re.search(rf"{', '.join(ahead)} under .* newer than {ck.tag_for(saved)}.*rm -r", caplog.text), \
+            caplog.text
+    else:
+        assert "newer than" not in caplog.text
+
+
+def test_prune_without_a_save_keeps_what_latest_names(tmp_path):
+    root = tmp_path / "ckpt"
+    for it in (100, 200, 300):
+        _our_checkpoint(root, it)
+    (root / "latest").write_text(ck.tag_for(100))
+    assert ck.prune_checkpoints(root, keep_last=1) == [ck.tag_for(200)]
+
+
+# ------------------------------------------------------------------ a failure on one rank raises on every rank
+
+
+def _fail_on(rank: int, name: str, err: int):
+    """A replacement for ck.atomic_write_json that raises OSError(err) on `rank` for files named `name`."""
+    real = ck.atomic_write_json
+
+    def write(path, obj):
+        if ck._rank() == rank and Path(path).name == name:
+            raise OSError(err, os.strerror(err), str(path))
+        return real(path, obj)
+
+    return write
+
+
+def _unreadable_on(rank: int):
+    real = ck.sha256_file
+
+    def digest(path):
+        if ck._rank() == rank:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return real(path)
+
+    return digest
+
+
+RANK_FAULTS = {  # case -> (what to break, on which operation)
+    "foreign-directory-seen-by-rank0": ("foreign", "save"),
+    "started-marker-disk-full-on-rank0": ("started", "save"),
+    "complete-marker-unwritable-on-rank0": ("complete", "save"),
+    "checksum-unreadable-on-rank1": ("checksum", "save"),
+    "verify-unreadable-on-rank1": ("checksum", "verify"),
+}
+
+
+def _rank_fault_suite(work: str) -> dict:
+    """Every rank: run each fault case; record what this rank raised (or returned)."""
+    import megatron_lev.training.checkpointing as ckm
+
+    out = {}
+    for case, (fault, op) in RANK_FAULTS.items():
+        root = Path(work) / case
+        saved = (ckm.atomic_write_json, ckm.sha256_file)
+        if fault == "foreign" and ckm._rank() == 0:
+            _unmarked(root)
+        if op == "verify":
+            ckm.save_checkpoint(StubEngine(), root, 4, {}, keep_last=2)
+        ckm._barrier()
+        if fault == "started":
+            ckm.atomic_write_json = _fail_on(0, ckm.STARTED_MARKER, errno.ENOSPC)
+        elif fault == "complete":
+            ckm.atomic_write_json = _fail_on(0, ckm.COMPLETE_MARKER, errno.EIO)
+        elif fault == "checksum":
+            ckm.sha256_file = _unreadable_on(1)
+        try:
+            if op == "verify":
+                out[case] = {"returned": ckm.verify_checkpoint(root / IT4)}
+            else:
+                ckm.save_checkpoint(StubEngine(), root, 4, {}, keep_last=2)
+                out[case] = {"returned": None}
+        except Exception as exc:  # noqa: BLE001 - the case checks what each rank raised
+            out[case] = {"raised": type(exc).__name__, "message": str(exc)}
+        finally:
+            ckm.atomic_write_json, ckm.sha256_file = saved
+    return out
+
+
+@pytest.fixture(scope="module")
+def rank_faults(tmp_path_factory):
+    work = tmp_path_factory.mktemp("rank-faults")
+    try:
+        return run_distributed(_rank_fault_suite, world_size=2, args=(str(work),), timeout=90)
+    except DistributedTestError as exc:
+        return str(exc)[-3000:]
+
+
+RANK_FAULT_EXPECTED = [
+    # case, exception every rank must raise (None: returned), regex of every rank's message
+    pytest.param("foreign-directory-seen-by-rank0", {"CheckpointDataError"}, r"not written by this trainer",
+                 id="foreign-directory-seen-by-rank0"),
+    pytest.param("started-marker-disk-full-on-rank0", {"DiskFullError"}, r"no space left on the device",
+                 id="started-marker-disk-full-on-rank0"),
+    pytest.param("complete-marker-unwritable-on-rank0", {"OSError", "RuntimeError"}, r"Input/output error",
+                 id="complete-marker-unwritable-on-rank0"),
+    pytest.param("checksum-unreadable-on-rank1", {"CheckpointDataError"}, r"cannot checksum .*Input/output error",
+                 id="checksum-unreadable-on-rank1"),
+    pytest.param("verify-unreadable-on-rank1", None, r"is unreadable \(.*Input/output error",
+                 id="verify-unreadable-on-rank1"),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case, raised, pattern", RANK_FAULT_EXPECTED)
+def test_failure_on_one_rank_raises_on_every_rank(rank_faults, case, raised, pattern):
+    """Two gloo ranks: a save step that fails on one rank used to leave the other in a barrier."""
+    if isinstance(rank_faults, str):
+        pytest.fail(f"the two-rank fault suite hung or crashed: {rank_faults}")
+    results = [r[case] for r in rank_faults]
+    if raised is None:
+        assert results[0] == results[1] and results[0]["returned"], results
+        assert all(re.search(pattern, line) for line in results[0]["returned"][:1]), results
+        return
+    for rank, r in enumerate(results):
+        assert r.get("raised") in raised and re.search(pattern, r["message"]), (rank, r)
+
+
 def test_fresh_start_into_unmarked_checkpoints_exits_before_training(data, tmp_path):
     out = tmp_path / "run"
     _unmarked(out / "ckpt")
@@ -329,6 +508,23 @@ def test_fresh_start_into_unmarked_checkpoints_exits_before_training(data, tmp_p
 def test_explicit_load_without_checkpoint_is_refused(tmp_path):
     with pytest.raises(CheckpointDataError, match=r"train.load=.*nowhere holds no complete checkpoint"):
         ck.plan_resume(tmp_path / "nowhere", tmp_path / "ckpt")
+
+
+SAME_DIR = [  # how train.load spells the directory train.save names (absolute)
+    pytest.param(lambda tmp: "ckpt", id="load-relative"),
+    pytest.param(lambda tmp: "./sub/../ckpt/", id="load-relative-with-dots"),
+    pytest.param(lambda tmp: (tmp / "link").symlink_to(tmp / "ckpt") or tmp / "link", id="load-via-symlink"),
+]
+
+
+@pytest.mark.parametrize("spell", SAME_DIR)
+def test_load_and_save_naming_one_directory_are_the_same(tmp_path, monkeypatch, spell):
+    """train.load and train.save spelled differently but naming one empty directory: a fresh start,
+    not "train.load holds no complete checkpoint"."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert ck.plan_resume(spell(tmp_path), tmp_path / "ckpt") == ck.ResumePlan(None, None)
 
 
 # ------------------------------------------------------------------ config differences on resume
@@ -352,6 +548,13 @@ CONFIG_DIFFS = [
     pytest.param({"train.save_interval": 7, "train.keep_last": 5}, (), None, id="save-interval-allowed"),
     pytest.param({"logging.log_interval": 5, "logging.tensorboard": True}, (), None, id="logging-allowed"),
     pytest.param({"model.activation_checkpointing": True}, (), None, id="activation-checkpointing-allowed"),
+    pytest.param({"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}, (), None, id="dropout-allowed"),
+    pytest.param({"model.init_std": 0.01, "model.lev.w_out_init_scale": 0.5}, (), None, id="init-scales-allowed"),
+    pytest.param({"model.seq_length": 64}, (), r"resume exactly.*model.seq_length.*--allow-change model.seq_length",
+                 id="seq-length-refused-without-flag"),
+    pytest.param({"model.seq_length": 64}, ("model.seq_length",), None, id="seq-length-allowed-by-flag"),
+    pytest.param({"model.num_layers": 3}, ("model.num_layers",), r"model.num_layers differ.*weights",
+                 id="model-depth-cannot-be-allowed"),
 ]
 
 
@@ -492,6 +695,22 @@ def test_torchrun_local_passes_the_ranks_75_through(data, tmp_path):
     assert ck.verify_checkpoint(out / "ckpt" / tag) == []
     assert {RNG, "rng_state_rank1.pt"} <= set(ck.read_marker(out / "ckpt" / tag)["files"])
     assert not leftover_processes(str(out))
+
+
+def test_torchrun_local_rank_killed_at_start_up_is_a_failure(tmp_path):
+    """A rank killed by SIGKILL (out of memory, a crash) writes no status; torchrun then stops its
+    siblings, which report 75 from the start-up handler. Nobody preempted the job: not 75."""
+    env = {**_env(NPROC="2", ENTRY="-m tests.reliability.rank_crash_probe", TMPDIR=str(tmp_path)),
+           "PET_SHUTDOWN_TIMEOUT": "10"}
+    proc = _run_script(["--go"], env)
+    try:
+        log, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("torchrun_local.sh did not exit after a rank was killed")
+    assert proc.returncode not in (0, 75), log[-3000:]
+    assert "preempted (SIGTERM) during start-up" in log, "the sibling was not stopped during start-up"
+    assert "[torchrun_local] preempted" not in log, log[-3000:]
 
 
 def test_torchrun_local_signal_during_start_up_exits_75(data, tmp_path):
