@@ -24,7 +24,6 @@ from megatron_lev.errors import UserError
 from megatron_lev.resources import config_path
 from megatron_lev.utils.io import atomic_write_json, atomic_write_text  # noqa: F401  (re-exported)
 
-EMBEDDINGS = ("tied", "untied", "albert", "flat_mlp", "factorized_mlp", "lev")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 PARTITION_METHODS = ("parameters", "uniform")
@@ -181,7 +180,7 @@ class ModelConfig:
     seq_length: int = 128
     vocab_size: int | None = None  # None: taken from the tokenizer
     make_vocab_size_divisible_by: int = 128  # padded to a multiple of this x TP
-    embedding: str = "lev"  # one of EMBEDDINGS
+    embedding: str = "lev"  # a variant of megatron_lev.model.embeddings.REGISTRY (checked there)
     lev: LevConfig = field(default_factory=LevConfig)
     baseline_dim: int | None = None  # albert/flat_mlp bottleneck e; None: sized to match LEV
     baseline_hidden: int | None = None  # MLP hidden width of the MLP baselines; None: sized to match LEV
@@ -195,7 +194,6 @@ class ModelConfig:
 
     def validate(self) -> None:
         check_ranges(self, "model")
-        _choice("model.embedding", self.embedding, EMBEDDINGS)
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} must be divisible by "
@@ -232,7 +230,7 @@ class ParallelConfig:
 
     def validate(self) -> None:
         check_ranges(self, "parallel")
-        _choice("parallel.partition_method", self.partition_method, PARTITION_METHODS)
+        check_choice("parallel.partition_method", self.partition_method, PARTITION_METHODS)
         if self.pipeline_model_parallel_size > 1 and self.zero_stage > 1:
             raise ConfigError(
                 f"parallel.zero_stage={self.zero_stage} cannot be combined with pipeline parallelism "
@@ -263,7 +261,7 @@ class DataConfig:
 
     def validate(self) -> None:
         check_ranges(self, "data")
-        _choice("data.tokenizer_type", self.tokenizer_type, TOKENIZER_TYPES)
+        check_choice("data.tokenizer_type", self.tokenizer_type, TOKENIZER_TYPES)
         try:
             weights = [float(p) for p in self.split.split(",")]
         except ValueError:
@@ -329,8 +327,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         check_ranges(self, "train")
-        _choice("train.precision", self.precision, PRECISIONS)
-        _choice("train.lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
+        check_choice("train.precision", self.precision, PRECISIONS)
+        check_choice("train.lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
         if self.train_iters is None and self.train_tokens is None and not self.chinchilla:
             raise ConfigError("set one of train.train_iters, train.train_tokens or train.chinchilla=true")
         if self.min_lr > self.lr:
@@ -638,7 +636,8 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else str(name)
 
 
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    """Refuse `value` of `key` unless it is one of `allowed`, listing them (and the closest)."""
     if value not in allowed:
         close = difflib.get_close_matches(str(value), allowed, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""

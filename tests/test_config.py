@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from megatron_lev.config import ConfigError, RunConfig, load_config, parse_override
@@ -48,9 +50,14 @@ def test_type_errors_name_the_key():
         load_config([], ["model.activation_checkpointing=3"])
 
 
-def test_choice_errors_list_allowed_values():
-    with pytest.raises(ConfigError, match=r"model.embedding='levv' is not one of .*did you mean 'lev'"):
-        load_config([], ["model.embedding=levv"])
+def test_choice_errors_list_allowed_values(capsys):
+    with pytest.raises(ConfigError, match=r"train.precision='bf61' is not one of .*did you mean 'bf16'"):
+        load_config([], ["train.precision=bf61"])
+    # the embedding variants are listed by the model's registry, which the config command consults
+    from megatron_lev.cli import main
+
+    assert main(["config", "model.embedding=levv"]) == 2
+    assert re.search(r"model.embedding='levv' is not one of tied, .*lev.*did you mean 'lev'", capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -2,10 +2,10 @@
 
     result = export_to_hf("runs/x/checkpoints", "runs/x/hf")     # validated by default
 
-The input embedding becomes a dense table: `tied`/`untied` copy theirs; LEV and the
-compressed baselines are rebuilt at TP = 1 from their merged parameters and
-`materialize()`d. `tied` exports with `tie_word_embeddings=True`, every other variant
-untied. Vocabulary rows added for TP padding are dropped (export vocab = tokenizer vocab).
+The input embedding becomes a dense table: variants whose class has a `dense_table`
+(`tied`/`untied`) copy theirs; LEV and the compressed baselines are rebuilt at TP = 1 from
+their merged parameters and `materialize()`d. A variant whose class `ties_output_head`
+(`tied`) exports with `tie_word_embeddings=True`, every other variant untied. Vocabulary rows added for TP padding are dropped (export vocab = tokenizer vocab).
 
 The directory is written as `<out>.partial` and renamed to `<out>` only after the
 exported model reproduces the source model's logits (see `validate`), and a probe model
@@ -96,7 +96,7 @@ def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tag:
     if keep_lev and src.cfg.model.embedding != "lev":
         raise ExportError(f"--keep-lev needs a LEV model; this checkpoint has model.embedding="
                           f"{src.cfg.model.embedding!r}")
-    tied = src.cfg.model.embedding == "tied"
+    tied = src.embedding.ties_output_head
     work = out.with_name(out.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)  # a dead earlier run's
     work.mkdir(parents=True)
@@ -221,7 +221,7 @@ def write_weights(src: SourceCheckpoint, out: Path, dtype: torch.dtype, max_shar
 
 def hf_tensors(src: SourceCheckpoint, canonical, dtype: torch.dtype, keep_lev: bool = False):
     """`(canonical name, tensor)` of the project's model -> `(Llama name, tensor)` of the export."""
-    dense = src.cfg.model.embedding in ("tied", "untied")
+    dense = src.embedding.dense_table
     embedding: dict[str, torch.Tensor] = {}
     for name, tensor in canonical:
         if keep_lev and name.startswith("embedding."):  # LEV kept as a layer: same names under embed_tokens
@@ -317,7 +317,7 @@ def probe_model(src: SourceCheckpoint, ids: torch.Tensor, seed: int = 0) -> torc
             noise = torch.randn(p.shape, generator=gen)
             if p.ndim == 1:
                 p.copy_(1.0 + 0.5 * noise)
-            elif name == "embedding.table.weight" and src.cfg.model.embedding in ("tied", "untied"):
+            elif name == "embedding.table.weight" and src.embedding.dense_table:
                 p.copy_(noise)
             elif not name.startswith("embedding."):
                 p.copy_(noise * PROBE_GAIN / p.shape[-1] ** 0.5)

@@ -44,6 +44,7 @@ def model_config_from_hf(config, make_vocab_size_divisible_by: int = 128) -> Mod
 
 def import_hf_llama(source: str | os.PathLike | torch.nn.Module, make_vocab_size_divisible_by: int = 128):
     """A TP = 1 `GPTModel` holding the weights of a Llama model; returns `(model, model_cfg)`."""
+    from megatron_lev.model.embeddings import embedding_class
     from megatron_lev.model.gpt import GPTModel
 
     if isinstance(source, torch.nn.Module):
@@ -55,9 +56,10 @@ def import_hf_llama(source: str | os.PathLike | torch.nn.Module, make_vocab_size
     cfg = model_config_from_hf(hf_model.config, make_vocab_size_divisible_by)
     padded = padded_vocab_size(cfg.vocab_size, cfg, 1)
     hf_state = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
-    if cfg.embedding == "tied":
+    tied = embedding_class(cfg.embedding).ties_output_head
+    if tied:
         hf_state.pop("lm_head.weight", None)
-    state = from_hf(hf_state, cfg, padded, tied=cfg.embedding == "tied")
+    state = from_hf(hf_state, cfg, padded, tied=tied)
     with torch.device("meta"):
         model = GPTModel(cfg, padded, true_vocab_size=cfg.vocab_size)  # padding rows stay out of the loss
     model.load_state_dict(state, strict=True, assign=True)

@@ -176,7 +176,7 @@ def _layer_params(src: SourceCheckpoint) -> dict[int, dict[int, list[tuple[str, 
     """{layer index: {TP rank: [(pipeline name, shape)]}} from the layer files (tied layers as DeepSpeed names them)."""
     from megatron_lev.model.pipeline import TIED_KEY
 
-    tied = src.cfg.model.embedding == "tied"
+    tied = src.embedding.ties_output_head
     out = {}
     for idx, by_rank in src.files.layer_files.items():
         prefix = f"tied_modules.{TIED_KEY}." if tied and idx == 0 else f"{idx}."

@@ -35,6 +35,7 @@ from megatron_lev.checkpoint.merge import merge_shards
 from megatron_lev.config import RunConfig
 from megatron_lev.model.build import padded_vocab_size
 from megatron_lev.model.canonical import ParamSpec, canonical_state_dict_spec
+from megatron_lev.model.embeddings import InputEmbedding, embedding_class
 from megatron_lev.model.pipeline import canonical_name
 
 COMPLETE_MARKER = "complete"  # written by the trainer once every rank has saved
@@ -53,6 +54,11 @@ class SourceCheckpoint:
     @property
     def num_layers(self) -> int:
         return self.cfg.model.num_layers
+
+    @property
+    def embedding(self) -> type[InputEmbedding]:
+        """The class of the checkpoint's input-embedding variant (what it ties, what it exports)."""
+        return embedding_class(self.cfg.model.embedding)
 
 
 def open_checkpoint(path: str | os.PathLike, tag: str | None = None, config: str | os.PathLike | None = None,
@@ -114,7 +120,7 @@ def iter_canonical(src: SourceCheckpoint, progress: bool = True) -> Iterator[tup
 
 def _pipeline(src: SourceCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
     last = src.num_layers + 2
-    tied = src.cfg.model.embedding == "tied"
+    tied = src.embedding.ties_output_head
     for idx, by_rank in sorted(src.files.layer_files.items()):
         if tied and idx == last:
             continue  # the last stage's copy of the tied table (kept identical by DeepSpeed)

@@ -61,8 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from megatron_lev.model.embeddings import embedding_class
+
     files, overrides = config_files_and_overrides(args)
     cfg = load_config(files, overrides, world_size=args.world_size)
+    embedding_class(cfg.model.embedding)  # the variants are listed by the model's registry, not the config
     save_dir = output_dir(args.save, "--save") if args.save else None
     print(cfg.to_yaml(), end="")
     if save_dir:

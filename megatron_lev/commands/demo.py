@@ -5,15 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_lev.config import EMBEDDINGS
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_lev.demo.pipeline import DEFAULT_CONFIG
+    from megatron_lev.model.embeddings import REGISTRY
 
     parser.add_argument("--out", default="demo_output", help="where every step writes its results")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the run config to train")
-    parser.add_argument("--embedding", default="lev", choices=EMBEDDINGS, help="input-embedding variant")
+    parser.add_argument("--embedding", default="lev", choices=list(REGISTRY), help="input-embedding variant")
     parser.add_argument("--iters", type=int, default=300, help="training steps")
     parser.add_argument("--nproc", type=int, default=None,
                         help="training processes (default: every GPU, else 2 CPU processes)")

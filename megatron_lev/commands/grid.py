@@ -11,12 +11,12 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from megatron_lev.config import EMBEDDINGS
     from megatron_lev.experiments.grid import PAPER_SIZES
     from megatron_lev.experiments.small import DEFAULT_TOKENIZER
+    from megatron_lev.model.embeddings import REGISTRY
 
     parser.add_argument("--grid", choices=("paper", "small"), required=True)
-    parser.add_argument("--variants", nargs="+", choices=EMBEDDINGS, default=list(EMBEDDINGS))
+    parser.add_argument("--variants", nargs="+", choices=list(REGISTRY), default=list(REGISTRY))
     paper = parser.add_argument_group("paper grid (Slurm)")
     paper.add_argument("--sizes", nargs="+", choices=list(PAPER_SIZES), default=list(PAPER_SIZES))
     paper.add_argument("--print-sbatch", action="store_true",

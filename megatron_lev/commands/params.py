@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_lev.config import EMBEDDINGS, ConfigError, load_config
+from megatron_lev.config import ConfigError, load_config
 from megatron_lev.resources import CONFIG_DIR, config_path, model_config_names
 
 MODELS_DIR = CONFIG_DIR / "models"  # the packaged copy of pretrain/configs/models
@@ -19,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=NEOX_VOCAB,
                         help="tokenizer vocabulary (padded to make_vocab_size_divisible_by x TP)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (changes the padding only)")
-    parser.add_argument("--variants", nargs="+", default=list(EMBEDDINGS), choices=EMBEDDINGS)
+    from megatron_lev.model.embeddings import REGISTRY
+
+    parser.add_argument("--variants", nargs="+", default=list(REGISTRY), choices=list(REGISTRY))
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="applied to every size")
 
 

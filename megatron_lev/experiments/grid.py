@@ -11,15 +11,14 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_lev.config import EMBEDDINGS
+from megatron_lev.model.embeddings import REGISTRY, embedding_class
 from megatron_lev.resources import config_path
 
-# model.embedding -> the paper's name for the variant (the compare tables use these)
-VARIANT_NAMES: dict[str, str] = {
-    "tied": "TIED", "untied": "UNTIED", "albert": "ALBERT", "flat_mlp": "FLAT-MLP",
-    "factorized_mlp": "FACT-MLP", "lev": "LEV",
-}
-assert tuple(VARIANT_NAMES) == EMBEDDINGS, "every embedding variant needs a display name"
+
+def variant_label(variant: str) -> str:
+    """model.embedding -> the paper's name for the variant (the compare tables use these)."""
+    return embedding_class(variant).label
+
 
 # As written in the commands, which run from the repository root; `resources.config_path` finds the
 # packaged copy when that path does not exist (an installed package, another directory).
@@ -85,7 +84,7 @@ class PaperRun:
     def convert_eval_command(self, save_root: str = "ckpt/paper") -> str:
         """The follow-up export + evaluation job (slurm/convert_eval.sbatch) for this run."""
         return (f'CHECKPOINT={save_root}/{self.name} EVAL_DATA="$PILE_VALID" '
-                f'EVAL_ARGS="--name {VARIANT_NAMES[self.variant]} --seq-len 2048'
+                f'EVAL_ARGS="--name {variant_label(self.variant)} --seq-len 2048'
                 f'${{{COUNTS_VARIABLE}:+ --counts ${COUNTS_VARIABLE}}}" '
                 f"sbatch --job-name=eval-{self.name} slurm/convert_eval.sbatch")
 
@@ -104,13 +103,13 @@ def chinchilla_tokens(size: str, vocab_size: int = NEOX_VOCAB, tokens_per_param:
 def paper_runs(sizes: list[str] | None = None, variants: list[str] | None = None) -> list[PaperRun]:
     """The 18 runs (or a subset), size-major in the paper's order."""
     sizes = list(sizes or PAPER_SIZES)
-    variants = list(variants or EMBEDDINGS)
+    variants = list(variants or REGISTRY)
     for s in sizes:
         if s not in PAPER_SIZES:
             raise ValueError(f"unknown size {s!r}; the paper grid has {', '.join(PAPER_SIZES)}")
     for v in variants:
-        if v not in EMBEDDINGS:
-            raise ValueError(f"unknown variant {v!r}; choose from {', '.join(EMBEDDINGS)}")
+        if v not in REGISTRY:
+            raise ValueError(f"unknown variant {v!r}; choose from {', '.join(REGISTRY)}")
     return [PaperRun(s, v) for s in sizes for v in variants]
 
 
@@ -138,8 +137,8 @@ def evaluation_script(runs: list[PaperRun]) -> str:
     lines.append("# when the jobs have finished, the paper's table per size:")
     for size in dict.fromkeys(r.size for r in runs):
         of_size = [r for r in runs if r.size == size]
-        results = " ".join(f"{VARIANT_NAMES[r.variant]}=ckpt/paper/{r.name}/hf/eval/eval.json" for r in of_size)
-        curves = " ".join(f"{VARIANT_NAMES[r.variant]}=runs/paper/{r.name}/tensorboard" for r in of_size)
+        results = " ".join(f"{variant_label(r.variant)}=ckpt/paper/{r.name}/hf/eval/eval.json" for r in of_size)
+        curves = " ".join(f"{variant_label(r.variant)}=runs/paper/{r.name}/tensorboard" for r in of_size)
         lines.append(f"# megatron-lev compare {results} --curves {curves} --tokens-per-step {TOKENS_PER_STEP} "
                      f"--out results/paper/{size}")
     return "\n".join(lines) + "\n"
@@ -148,6 +147,6 @@ def evaluation_script(runs: list[PaperRun]) -> str:
 def manifest_markdown(runs: list[PaperRun], tokens: dict[str, int]) -> str:
     """The table of runs (size, variant, nodes, token budget, checkpoint) for docs and review."""
     head = "| run | variant | config | nodes x GPUs | training tokens | checkpoint |\n|---|---|---|---|---|---|\n"
-    rows = [f"| {r.name} | {VARIANT_NAMES[r.variant]} | `{r.config}` | {r.nodes} x {GPUS_PER_NODE} | "
+    rows = [f"| {r.name} | {variant_label(r.variant)} | `{r.config}` | {r.nodes} x {GPUS_PER_NODE} | "
             f"{tokens[r.size]:,} | `ckpt/paper/{r.name}` |" for r in runs]
     return head + "\n".join(rows) + "\n"

@@ -13,9 +13,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_lev.config import EMBEDDINGS, ConfigError, atomic_write_text, load_config
+from megatron_lev.config import ConfigError, atomic_write_text, load_config
 from megatron_lev.demo.steps import Step, StepRunner, read_marker
-from megatron_lev.experiments.grid import SMALL_CONFIG, VARIANT_NAMES
+from megatron_lev.experiments.grid import SMALL_CONFIG, variant_label
+from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.resources import config_path
 
 DEFAULT_TOKENIZER = "../shared/data/tokenizers/gpt-neox-20b.json"
@@ -28,7 +29,7 @@ class SmallGrid:
     data_dir: Path
     out: Path
     tokenizer: Path = Path(DEFAULT_TOKENIZER)
-    variants: list[str] = field(default_factory=lambda: list(EMBEDDINGS))
+    variants: list[str] = field(default_factory=lambda: list(REGISTRY))
     config: Path = SMALL_CONFIG
     overrides: list[str] = field(default_factory=list)  # applied to every variant's training
     nproc: int = 1  # training processes (torchrun --standalone when > 1)
@@ -46,9 +47,9 @@ class SmallGrid:
         """Refuse a grid that cannot run, before any step starts; errors name the flag."""
         if "tied" not in self.variants:
             raise ConfigError("--variants must include tied: every variant is compared against TIED")
-        unknown = [v for v in self.variants if v not in EMBEDDINGS]
+        unknown = [v for v in self.variants if v not in REGISTRY]
         if unknown:
-            raise ConfigError(f"--variants: unknown {unknown}; choose from {', '.join(EMBEDDINGS)}")
+            raise ConfigError(f"--variants: unknown {unknown}; choose from {', '.join(REGISTRY)}")
         if not Path(self.data_dir).is_dir():
             raise ConfigError(f"--data-dir {self.data_dir}: not a directory of Pile-format *.jsonl[.zst] files")
         if not any(p.name.endswith((".jsonl", ".jsonl.zst")) for p in Path(self.data_dir).iterdir()):
@@ -140,19 +141,19 @@ class SmallGrid:
         for v in self.variants:
             run = self.run_dir(v)
             steps += [
-                Step(f"train-{v}", f"train {VARIANT_NAMES[v]} ({self.nproc} process(es))",
+                Step(f"train-{v}", f"train {variant_label(v)} ({self.nproc} process(es))",
                      lambda v=v: self._train_command(v), lambda run=run: [run / "checkpoints" / "latest",
                                                                           run / "metrics.jsonl"], env),
-                Step(f"convert-{v}", f"export {VARIANT_NAMES[v]} to a validated Hugging Face model",
+                Step(f"convert-{v}", f"export {variant_label(v)} to a validated Hugging Face model",
                      lambda run=run: self._python("megatron_lev", "convert", str(run / "checkpoints"),
                                                   str(run / "hf"), "--overwrite", "--no-progress"),
                      lambda run=run: [run / "hf" / "config.json"], env),
-                Step(f"evaluate-{v}", f"perplexity of {VARIANT_NAMES[v]}: validation (by frequency), zero-shot",
+                Step(f"evaluate-{v}", f"perplexity of {variant_label(v)}: validation (by frequency), zero-shot",
                      lambda v=v, run=run: self._python(
                          "megatron_lev", "evaluate", str(run / "hf"), "--data", str(self.prefix("valid")),
                          "--text", str(self.data / "zero_shot.jsonl"),
                          "--counts", f"{self.prefix('train')}.counts.npy", "--seq-len", str(seq),
-                         "--name", VARIANT_NAMES[v], "--out", str(run / "eval"),
+                         "--name", variant_label(v), "--out", str(run / "eval"),
                          *(["--max-docs", str(self.eval_max_docs)] if self.eval_max_docs else [])),
                      lambda v=v: [self.eval_json(v)], env),
             ]
@@ -178,11 +179,11 @@ class SmallGrid:
         tokens_per_step = (cfg.train.global_batch_size or cfg.train.micro_batch_size * self.nproc) \
             * cfg.model.seq_length
         cmd = self._python("megatron_lev", "compare",
-                           *(f"{VARIANT_NAMES[v]}={self.eval_json(v)}" for v in self.variants),
+                           *(f"{variant_label(v)}={self.eval_json(v)}" for v in self.variants),
                            "--corpus", corpus, "--out", str(out))
         if label in ("validation", "training"):  # loss curves and tokens-to-target from the trainer's log:
             # validation loss (every train.eval_interval steps) or training loss (every log_interval steps)
-            cmd += ["--curves", *(f"{VARIANT_NAMES[v]}={self.run_dir(v) / 'tensorboard'}" for v in self.variants),
+            cmd += ["--curves", *(f"{variant_label(v)}={self.run_dir(v) / 'tensorboard'}" for v in self.variants),
                     "--tokens-per-step", str(tokens_per_step),
                     "--tag", "valid/loss" if label == "validation" else "train/loss"]
         return cmd
@@ -218,7 +219,7 @@ def run_small_grid(grid: SmallGrid, force: bool = False, log=print) -> Path:
         runner.run(steps)
     finally:  # the commands that did run are worth keeping even when a later step failed
         atomic_write_text(grid.results / "COMMANDS.md", commands_markdown(runner.state_dir, steps))
-    summary = grid_summary({VARIANT_NAMES[v]: (grid.run_dir(v), grid.eval_json(v)) for v in grid.variants})
+    summary = grid_summary({variant_label(v): (grid.run_dir(v), grid.eval_json(v)) for v in grid.variants})
     table = summary_markdown(summary, grid.data / "split.json")
     atomic_write_text(grid.results / "README.md", table)
     log(table)

@@ -24,9 +24,9 @@ def block_parameter_count(cfg: ModelConfig) -> int:
 def parameter_count(cfg: ModelConfig, vocab_size: int, variant: str | None = None) -> dict[str, int]:
     """`{"input", "output", "blocks", "final_norm", "total"}` for `variant` (default `cfg.embedding`).
 
-    `vocab_size` is the padded vocabulary. `output` is 0 for `tied` (the head reuses the input table).
+    `vocab_size` is the padded vocabulary. `output` is 0 when the variant ties the head to its input table.
     """
-    from megatron_lev.model.embeddings.sizing import parameter_counts
+    from megatron_lev.model.embeddings import parameter_counts
 
     emb = parameter_counts(variant or cfg.embedding, vocab_size, cfg.hidden_size, cfg)
     counts = {"input": emb["input"], "output": emb["output"], "blocks": cfg.num_layers * block_parameter_count(cfg),

@@ -40,10 +40,13 @@ def build_embedding(model_cfg: ModelConfig, vocab_size: int, seed: int) -> Input
 
 def build_final_norm_and_head(model_cfg: ModelConfig, vocab_size: int, seed: int,
                               true_vocab_size: int | None = None) -> tuple[RMSNorm, VocabParallelHead]:
+    from megatron_lev.model.embeddings import embedding_class
+
+    tied = embedding_class(model_cfg.embedding).ties_output_head
     with seeded(layer_seed(seed, "head")):
         norm = RMSNorm(model_cfg.hidden_size, model_cfg.norm_eps)
         head = VocabParallelHead(model_cfg.hidden_size, vocab_size, model_cfg.init_std,
-                                 tied=model_cfg.embedding == "tied", true_vocab_size=true_vocab_size)
+                                 tied=tied, true_vocab_size=true_vocab_size)
     return norm, head
 
 

@@ -5,9 +5,10 @@ Layer specs, in order (the index is the DeepSpeed layer index, `layer_XX` in che
     1 .. L       TransformerBlock i = index - 1                       "layers.{i}."
     L + 1        FinalNormStage                                      "final_norm."
     L + 2        HeadStage (untied) / tied embedding copy              "output_head." / ""
-For `tied`, layers 0 and L + 2 are `TiedLayerSpec("embedding", ...)`: the first and the last
-stage each hold a copy of the table; DeepSpeed broadcasts it at start and all-reduces its
-gradient between the two stages, so the copies stay identical.
+When the variant's class `ties_output_head` (`tied`), layers 0 and L + 2 are
+`TiedLayerSpec("embedding", ...)`: the first and the last stage each hold a copy of the table;
+DeepSpeed broadcasts it at start and all-reduces its gradient between the two stages, so the
+copies stay identical.
 
 Batches are `((input_ids,), labels)`; `loss_fn` returns the mean per-token loss. Every TP rank
 of the first and last stage reads its own data iterator: feed them the same batches.
@@ -29,6 +30,7 @@ from torch import nn
 from megatron_lev.config import RunConfig
 from megatron_lev.model.block import TransformerBlock, checkpointed
 from megatron_lev.model.documents import documents_for, masked_mean
+from megatron_lev.model.embeddings import embedding_class
 from megatron_lev.model.gpt import build_embedding, layer_seed
 from megatron_lev.model.head import VocabParallelHead
 from megatron_lev.model.norm import RMSNorm
@@ -132,7 +134,7 @@ def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None, true_vocab_si
         dp = state.layout(dist.get_world_size(), p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
         topology = PipeModelDataParallelTopology(num_pp=p.pipeline_model_parallel_size,
                                                  num_mp=p.tensor_model_parallel_size, num_dp=dp)
-    tied = m.embedding == "tied"
+    tied = embedding_class(m.embedding).ties_output_head
     if tied:
         specs = [TiedLayerSpec(TIED_KEY, EmbeddingStage, m, vocab_size, seed, tied_weight_attr="tied_weight")]
     else:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lev.config import EMBEDDINGS, load_config
+from megatron_lev.config import load_config
 from megatron_lev.experiments.grid import (
     PAPER_DIR,
     PAPER_SIZES,
@@ -22,6 +22,7 @@ from megatron_lev.experiments.grid import (
     paper_runs,
     submission_script,
 )
+from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.training.ds_config import validate_training
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,7 +103,7 @@ def test_submission_script_submits_every_run_with_expanded_data(tmp_path):
     assert all("data.data_path=my data/train_text_document" in c for c in calls)
     assert {c[0] for c in calls} == {f"--nodes={n}" for n in PAPER_SIZES.values()}
     assert sorted(a.split("=", 1)[1] for c in calls for a in c if a.startswith("model.embedding=")) == \
-        sorted(list(EMBEDDINGS) * 3)
+        sorted(list(tuple(REGISTRY)) * 3)
     missing = {k: v for k, v in env.items() if k != "PILE_VALID"}
     proc = subprocess.run(["bash", str(script)], env=missing, cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode != 0 and "PILE_VALID" in proc.stderr

@@ -2,8 +2,14 @@ import pytest
 import torch
 
 from megatron_lev.config import ConfigError, LevConfig, ModelConfig
-from megatron_lev.model.embeddings import REGISTRY, build_input_embedding, parameter_counts
-from megatron_lev.model.embeddings.sizing import baseline_sizes, lev_parameter_count
+from megatron_lev.model.embeddings import (
+    REGISTRY,
+    baseline_sizes,
+    build_input_embedding,
+    embedding_class,
+    lev_parameter_count,
+    parameter_counts,
+)
 
 PILE_V, D = 50277, 1024
 
@@ -24,10 +30,10 @@ def test_every_variant_embeds_materializes_and_counts_its_parameters(variant):
     torch.testing.assert_close(out, emb.materialize(chunk_size=40)[ids], rtol=1e-6, atol=1e-6)
     counts = parameter_counts(variant, 96, 16, cfg)
     assert counts["input"] == sum(p.numel() for p in emb.parameters())
-    assert counts["output"] == (0 if variant == "tied" else 96 * 16)
+    assert counts["output"] == (0 if embedding_class(variant).ties_output_head else 96 * 16)
     assert counts["total_embedding"] == counts["input"] + counts["output"]
     tied = emb.tied_output_weight()
-    assert (tied is not None) == (variant == "tied")
+    assert (tied is not None) == embedding_class(variant).ties_output_head
     if tied is not None:
         assert tied is emb.table.weight and tied.shape == (96, 16)
 

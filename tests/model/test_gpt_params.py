@@ -5,12 +5,13 @@ import torch
 
 from megatron_lev.cli import main as cli_main
 from megatron_lev.commands.params import rows
-from megatron_lev.config import EMBEDDINGS, load_config
+from megatron_lev.config import load_config
 from megatron_lev.model.build import build_model, padded_vocab_size
+from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.model.flops import flops_per_token, parameter_count
 
 
-@pytest.mark.parametrize("embedding", EMBEDDINGS)
+@pytest.mark.parametrize("embedding", tuple(REGISTRY))
 def test_parameter_count_equals_the_built_model(embedding):
     cfg = load_config(None, [f"model.embedding={embedding}", "model.num_kv_heads=2", "model.lev.d_seed=16",
                              "model.lev.rank=8", "model.make_vocab_size_divisible_by=64"])
@@ -19,7 +20,7 @@ def test_parameter_count_equals_the_built_model(embedding):
 
 
 def test_paper_sizes_tied_within_five_percent():
-    table = {(r["size"], r["variant"]): r for r in rows(["200m", "400m", "1.2b"], 50277, 1, EMBEDDINGS)}
+    table = {(r["size"], r["variant"]): r for r in rows(["200m", "400m", "1.2b"], 50277, 1, tuple(REGISTRY))}
     for size, target in (("200m", 200e6), ("400m", 400e6), ("1.2b", 1.2e9)):
         assert abs(table[size, "tied"]["total"] / target - 1) < 0.05, size
         assert table[size, "tied"]["vocab"] == 50304
@@ -40,7 +41,7 @@ def test_padding_and_flops():
 def test_params_command_prints_every_variant(capsys):
     assert cli_main(["params", "--sizes", "tiny", "200m"]) == 0
     out = capsys.readouterr().out
-    for variant in EMBEDDINGS:
+    for variant in tuple(REGISTRY):
         assert f" {variant} " in out
     assert "205,038,464" in out  # 200m lev
     assert cli_main(["params", "--sizes", "nope"]) == 2

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_lev.config import EMBEDDINGS, load_config
+from megatron_lev.config import load_config
+from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.training.metrics import read_metrics
 from megatron_lev.training.signals import PreemptionWatcher
 from tests.training.conftest import TINY, tiny_overrides, train_losses
@@ -40,7 +41,7 @@ def _pretrain(overrides: list[str]):
 
 def single_rank_suite(prefix: str, tok: str, out: str, reference_overrides: list[str]) -> dict:
     variants = {}
-    for emb in EMBEDDINGS:
+    for emb in tuple(REGISTRY):
         res = _pretrain(tiny_overrides(prefix, tok, Path(out) / emb, **{
             "model.embedding": emb, "train.train_iters": 10, "train.lr": 1e-2, "train.lr_warmup_iters": 1}))
         variants[emb] = (res.exit_code, res.losses)

@@ -12,13 +12,13 @@ import math
 
 import pytest
 
-from megatron_lev.config import EMBEDDINGS
+from megatron_lev.model.embeddings import REGISTRY
 from tests.training.suites import LAYOUTS
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 
-@pytest.mark.parametrize("embedding", EMBEDDINGS)
+@pytest.mark.parametrize("embedding", tuple(REGISTRY))
 def test_every_embedding_variant_learns(single_rank_results, embedding):
     code, losses = single_rank_results["variants"][embedding]
     first, last = losses[1], sum(losses[i] for i in (8, 9, 10)) / 3

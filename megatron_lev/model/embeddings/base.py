@@ -2,8 +2,14 @@
 
 An `InputEmbedding` maps token ids `(B, S)` to hidden states `(B, S, D)` — the
 full width `D` on every tensor-parallel rank — and can `materialize()` its dense
-`(V, D)` table (for export, evaluation and the capacity analysis). Only `tied`
-shares its table with the output head (`tied_output_weight()`).
+`(V, D)` table (for export, evaluation and the capacity analysis).
+
+The class is the single description of a variant: its config name (`name`), the
+paper's name (`label`), whether the output head reuses its table
+(`ties_output_head`, then `tied_output_weight()` returns it), whether its input
+table is a dense `(V, D)` `table.weight` (`dense_table`), how to build it
+(`from_config`) and how many parameters it has (`parameter_count`). Everything
+else (the model, the pipeline, checkpoints, sizing, the grid) asks the class.
 
 Adding a variant: subclass `InputEmbedding` in one file of this package and add
 one line to `REGISTRY` in `megatron_lev/model/embeddings/__init__.py`.
@@ -16,12 +22,29 @@ import abc
 import torch
 from torch import nn
 
+from megatron_lev.config import ModelConfig
+
 
 class InputEmbedding(nn.Module, abc.ABC):
     """Token ids -> `(B, S, D)`; see the module docstring."""
 
+    name: str  # the value of `model.embedding`
+    label: str  # the paper's name of the variant (tables, plots, grid runs)
+    ties_output_head: bool = False  # the output head reuses this table (`tied_output_weight()`)
+    dense_table: bool = False  # the input table is a dense `(V, D)` `table.weight`, exported as is
+
     vocab_size: int
     hidden_size: int
+
+    @classmethod
+    @abc.abstractmethod
+    def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> InputEmbedding:
+        """Build the variant for the (padded) `vocab_size` from `model_cfg`."""
+
+    @classmethod
+    @abc.abstractmethod
+    def parameter_count(cls, model_cfg: ModelConfig, vocab_size: int) -> int:
+        """Parameters of this input embedding alone (the full model, summed over TP ranks)."""
 
     @abc.abstractmethod
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
@@ -41,7 +64,7 @@ class InputEmbedding(nn.Module, abc.ABC):
         return torch.cat(rows, dim=0)
 
     def tied_output_weight(self) -> nn.Parameter | None:
-        """The (vocab-parallel) table the output head reuses, for `tied`; else None."""
+        """The (vocab-parallel) table the output head reuses when `ties_output_head`; else None."""
         return None
 
 

@@ -4,7 +4,7 @@ tied / untied: a dense vocab-parallel `V x D` table (tied shares it with the hea
 albert: `V x e` table then a linear `e -> D`. flat_mlp: `V x e` table then an MLP
 `e -> hidden -> D`. factorized_mlp: LEV's codebook seed `z(i)` then an MLP
 `d_seed -> hidden -> D`. Widths not set in the config are matched to LEV's count
-(`sizing.baseline_sizes`). The compressed variants run their projection only on
+(each class's `widths`). The compressed variants run their projection only on
 the unique ids of the batch. Small projections/MLPs are replicated across TP ranks;
 the tables are vocab-parallel. No biases, like the transformer blocks.
 """
@@ -19,13 +19,15 @@ from torch import nn
 
 from megatron_lev.config import ModelConfig
 from megatron_lev.model.embeddings.base import InputEmbedding, check_token_ids
-from megatron_lev.model.embeddings.lev import Codebooks
-from megatron_lev.model.embeddings.sizing import baseline_sizes
+from megatron_lev.model.embeddings.lev import Codebooks, digit_base
+from megatron_lev.model.embeddings.sizing import albert_count, lev_parameter_count, mlp_count
 from megatron_lev.parallel.layers import VocabParallelEmbedding
 
 
 class DenseEmbedding(InputEmbedding):
     """A dense vocab-parallel `V x D` table; `tied=True` lets the output head reuse it."""
+
+    dense_table = True
 
     def __init__(self, vocab_size: int, hidden_size: int, init_std: float = 0.02, tied: bool = False):
         super().__init__()
@@ -39,21 +41,29 @@ class DenseEmbedding(InputEmbedding):
     def tied_output_weight(self) -> nn.Parameter | None:
         return self.table.weight if self.tied else None
 
+    @classmethod
+    def parameter_count(cls, model_cfg: ModelConfig, vocab_size: int) -> int:
+        return vocab_size * model_cfg.hidden_size
+
 
 class TiedEmbedding(DenseEmbedding):
     """`tied`: the dense table, shared with the output head."""
 
+    name, label, ties_output_head = "tied", "TIED", True
+
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> TiedEmbedding:
-        return cls(vocab_size, model_cfg.hidden_size, model_cfg.init_std, tied=True)
+        return cls(vocab_size, model_cfg.hidden_size, model_cfg.init_std, tied=cls.ties_output_head)
 
 
 class UntiedEmbedding(DenseEmbedding):
     """`untied`: the dense table; the head has its own."""
 
+    name, label = "untied", "UNTIED"
+
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> UntiedEmbedding:
-        return cls(vocab_size, model_cfg.hidden_size, model_cfg.init_std, tied=False)
+        return cls(vocab_size, model_cfg.hidden_size, model_cfg.init_std, tied=cls.ties_output_head)
 
 
 def _linear(fan_in: int, fan_out: int, init_std: float) -> nn.Linear:
@@ -64,6 +74,12 @@ def _linear(fan_in: int, fan_out: int, init_std: float) -> nn.Linear:
 
 class _CompressedEmbedding(InputEmbedding):
     """A small per-token code (table row or seed) then a projection, run once per unique id."""
+
+    @classmethod
+    @abc.abstractmethod
+    def widths(cls, model_cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:
+        """`(e, hidden)`: the code width and the MLP hidden width (0 without an MLP); the ones
+        not set in the config (`model.baseline_dim`, `model.baseline_hidden`) match LEV's count."""
 
     @abc.abstractmethod
     def code(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, e)
@@ -82,6 +98,8 @@ class _CompressedEmbedding(InputEmbedding):
 class AlbertEmbedding(_CompressedEmbedding):
     """`albert`: a vocab-parallel `V x e` table then a linear `e -> D` (linear compression)."""
 
+    name, label = "albert", "ALBERT"
+
     def __init__(self, vocab_size: int, hidden_size: int, dim: int, init_std: float = 0.02):
         super().__init__()
         self.vocab_size, self.hidden_size, self.dim = vocab_size, hidden_size, dim
@@ -90,8 +108,17 @@ class AlbertEmbedding(_CompressedEmbedding):
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> AlbertEmbedding:
-        dim, _ = baseline_sizes("albert", vocab_size, model_cfg.hidden_size, model_cfg)
+        dim, _ = cls.widths(model_cfg, vocab_size)
         return cls(vocab_size, model_cfg.hidden_size, dim, model_cfg.init_std)
+
+    @classmethod
+    def widths(cls, model_cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:
+        target = lev_parameter_count(vocab_size, model_cfg.hidden_size, model_cfg.lev)
+        return model_cfg.baseline_dim or max(1, round(target / (vocab_size + model_cfg.hidden_size))), 0
+
+    @classmethod
+    def parameter_count(cls, model_cfg: ModelConfig, vocab_size: int) -> int:
+        return albert_count(vocab_size, model_cfg.hidden_size, cls.widths(model_cfg, vocab_size)[0])
 
     def code(self, ids):
         return self.table(ids)
@@ -114,6 +141,8 @@ class _MlpHead(nn.Module):
 class FlatMlpEmbedding(_CompressedEmbedding):
     """`flat_mlp`: a vocab-parallel `V x e` table then an MLP (adds non-linearity)."""
 
+    name, label = "flat_mlp", "FLAT-MLP"
+
     def __init__(self, vocab_size: int, hidden_size: int, dim: int, hidden: int, init_std: float = 0.02):
         super().__init__()
         self.vocab_size, self.hidden_size, self.dim, self.hidden = vocab_size, hidden_size, dim, hidden
@@ -122,8 +151,20 @@ class FlatMlpEmbedding(_CompressedEmbedding):
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> FlatMlpEmbedding:
-        dim, hidden = baseline_sizes("flat_mlp", vocab_size, model_cfg.hidden_size, model_cfg)
+        dim, hidden = cls.widths(model_cfg, vocab_size)
         return cls(vocab_size, model_cfg.hidden_size, dim, hidden, model_cfg.init_std)
+
+    @classmethod
+    def widths(cls, model_cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:
+        """e defaults to the table taking about half of LEV's budget; hidden takes the rest."""
+        V, D = vocab_size, model_cfg.hidden_size
+        target = lev_parameter_count(V, D, model_cfg.lev)
+        dim = model_cfg.baseline_dim or max(1, target // (2 * V))
+        return dim, model_cfg.baseline_hidden or max(1, round((target - V * dim) / (dim + D)))
+
+    @classmethod
+    def parameter_count(cls, model_cfg: ModelConfig, vocab_size: int) -> int:
+        return mlp_count(vocab_size, *cls.widths(model_cfg, vocab_size), model_cfg.hidden_size)
 
     def code(self, ids):
         return self.table(ids)
@@ -135,6 +176,8 @@ class FlatMlpEmbedding(_CompressedEmbedding):
 class FactorizedMlpEmbedding(_CompressedEmbedding):
     """`factorized_mlp`: LEV's compositional codebook seed `z(i)` then an MLP `d_seed -> hidden -> D`."""
 
+    name, label = "factorized_mlp", "FACT-MLP"
+
     def __init__(self, vocab_size: int, hidden_size: int, k: int, d_seed: int, hidden: int,
                  init_std: float = 0.02):
         super().__init__()
@@ -144,9 +187,26 @@ class FactorizedMlpEmbedding(_CompressedEmbedding):
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> FactorizedMlpEmbedding:
-        _, hidden = baseline_sizes("factorized_mlp", vocab_size, model_cfg.hidden_size, model_cfg)
+        _, hidden = cls.widths(model_cfg, vocab_size)
         lev = model_cfg.lev
         return cls(vocab_size, model_cfg.hidden_size, lev.k, lev.d_seed, hidden, model_cfg.init_std)
+
+    @classmethod
+    def widths(cls, model_cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:
+        """e is LEV's seed width `lev.d_seed` (not configurable); hidden takes the rest of the budget."""
+        lev, D = model_cfg.lev, model_cfg.hidden_size
+        target = lev_parameter_count(vocab_size, D, lev)
+        rows = cls._codebook_rows(model_cfg, vocab_size)
+        return lev.d_seed, model_cfg.baseline_hidden or max(1, round((target - rows * lev.d_seed) / (lev.d_seed + D)))
+
+    @classmethod
+    def parameter_count(cls, model_cfg: ModelConfig, vocab_size: int) -> int:
+        rows = cls._codebook_rows(model_cfg, vocab_size)
+        return mlp_count(rows, *cls.widths(model_cfg, vocab_size), model_cfg.hidden_size)
+
+    @staticmethod
+    def _codebook_rows(model_cfg: ModelConfig, vocab_size: int) -> int:
+        return model_cfg.lev.k * digit_base(vocab_size, model_cfg.lev.k)
 
     def code(self, ids):
         return self.codebooks(ids)

@@ -61,6 +61,14 @@ def token_digits(ids: torch.Tensor, base: int, k: int) -> torch.Tensor:
     return (ids.long().unsqueeze(-1) // powers) % base
 
 
+def lev_parameter_count(vocab_size: int, hidden_size: int, lev: LevConfig) -> int:
+    """`k*b*d_seed + h*(d_seed^2 + 2*d_seed + d_seed*kappa*r + r*D)` (+ `d_seed*D` with the residual)."""
+    d = lev.d_seed
+    per_head = d * d + 2 * d + d * lev.kappa * lev.rank + lev.rank * hidden_size
+    count = lev.k * digit_base(vocab_size, lev.k) * d + lev.heads * per_head
+    return count + (d * hidden_size if lev.residual else 0)
+
+
 class Codebooks(nn.Module):
     """`k` shared codebooks `C_j (b x d_seed)`; the seed of token i is `z(i) = sum_j C_j[i_j]`."""
 
@@ -315,6 +323,8 @@ def spline_product(u: torch.Tensor, delta: torch.Tensor, kappa: int, mode: str |
 class LevEmbedding(InputEmbedding):
     """The LEV input layer (spec: LEV.md). Per-head parameters hold this TP rank's heads (dim 0)."""
 
+    name, label = "lev", "LEV"
+
     def __init__(self, vocab_size: int, hidden_size: int, lev: LevConfig, init_std: float = 0.02,
                  dedupe: bool = True):
         super().__init__()
@@ -355,6 +365,10 @@ class LevEmbedding(InputEmbedding):
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> LevEmbedding:
         return cls(vocab_size, model_cfg.hidden_size, model_cfg.lev, init_std=model_cfg.init_std)
+
+    @classmethod
+    def parameter_count(cls, model_cfg: ModelConfig, vocab_size: int) -> int:
+        return lev_parameter_count(vocab_size, model_cfg.hidden_size, model_cfg.lev)
 
     def _compute_dtype(self) -> torch.dtype:
         return torch.float64 if self.delta.dtype == torch.float64 else torch.float32
