@@ -20,8 +20,10 @@ demo: setup
 test: setup system-packages
 	$(PY) -m pytest tests
 
+LINT_PATHS := megatron_lev tests tools pretrain benchmarks
 lint: setup
-	$(PY) -m ruff check megatron_lev tests tools pretrain benchmarks
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
 
 bench: setup
 	$(PY) benchmarks/run_all.py

@@ -1,9 +1,9 @@
 """Exact eps speed: the O(V d^2) Gram identity (the default of `capacity`) and the all-pairs pass.
 
-    python benchmarks/bench_capacity.py                      # Gram: 200,019 x 4096; 50,277 x 1024 vs all pairs
-    python benchmarks/bench_capacity.py --no-agreement       # Gram: 200,019 x 4096 only
-    python benchmarks/bench_capacity.py --all-pairs          # the all-pairs pass alone (throughput vs matmul)
-    python benchmarks/bench_capacity.py --all-pairs --cap 0  # ... with the 200k case in full (2e10 pairs)
+    python benchmarks/bench_capacity.py                     # Gram: 200,019 x 4096; 50,277 x 1024 vs all pairs
+    python benchmarks/bench_capacity.py --no-agreement      # Gram: 200,019 x 4096 only
+    python benchmarks/bench_capacity.py --all-pairs         # the all-pairs pass alone (throughput vs matmul)
+    python benchmarks/bench_capacity.py --all-pairs --cap 0 # ... with the 200k case in full (2e10 pairs)
 
 Gram cases: wall and CPU time of exact eps as `capacity` computes it by default (Gram pass plus
 a 10,000-row histogram sample), and on 50,277 x 1024 the agreement of the Gram eps with the
@@ -70,17 +70,29 @@ def run_case(vocab: int, d: int, rows: int, block: int, hist_stride: int, thread
     pairs = rows * (rows - 1) // 2
     mu, sigma = _moments(s1, s2, pairs)
     gram_mu, gram_sigma = gram_moments(x)
-    useful = pairs * 2 * d / 1e9                                     # GFLOP, 2d flops per pair
+    useful = pairs * 2 * d / 1e9  # GFLOP, 2d flops per pair
     full_pairs = vocab * (vocab - 1) // 2
-    return {"vocab": vocab, "d": d, "rows": rows, "block": block, "hist_stride": hist_stride,
-            "threads": threads, "seconds": seconds, "pairs": pairs,
-            "full_seconds": seconds * full_pairs / pairs, "extrapolated": rows < vocab,
-            "cpu_seconds": cpu_seconds, "gflops": useful / seconds, "matmul_gflops": mm_wall,
-            "fraction": useful / seconds / mm_wall,
-            "cpu_fraction": useful / cpu_seconds / mm_cpu,
-            "eps": mu + 2 * sigma, "eps_gram_diff": abs(mu + 2 * sigma - gram_mu - 2 * gram_sigma),
-            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "matrix_gib": rows * d * 4 / 2**30}
+    return {
+        "vocab": vocab,
+        "d": d,
+        "rows": rows,
+        "block": block,
+        "hist_stride": hist_stride,
+        "threads": threads,
+        "seconds": seconds,
+        "pairs": pairs,
+        "full_seconds": seconds * full_pairs / pairs,
+        "extrapolated": rows < vocab,
+        "cpu_seconds": cpu_seconds,
+        "gflops": useful / seconds,
+        "matmul_gflops": mm_wall,
+        "fraction": useful / seconds / mm_wall,
+        "cpu_fraction": useful / cpu_seconds / mm_cpu,
+        "eps": mu + 2 * sigma,
+        "eps_gram_diff": abs(mu + 2 * sigma - gram_mu - 2 * gram_sigma),
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "matrix_gib": rows * d * 4 / 2**30,
+    }
 
 
 def run_gram_case(vocab: int, d: int, block: int, threads: int, all_pairs: bool) -> dict:
@@ -94,20 +106,37 @@ def run_gram_case(vocab: int, d: int, block: int, threads: int, all_pairs: bool)
     x = _matrix(vocab, d)
     load0 = os.getloadavg()[0]
     cpu0 = time.process_time()
-    stats = cosine_stats(x, block=block, progress=True)             # the default: Gram + histogram sample
+    stats = cosine_stats(x, block=block, progress=True)  # the default: Gram + histogram sample
     cpu_seconds = time.process_time() - cpu0
-    out = {"vocab": vocab, "d": d, "threads": threads, "seconds": stats.seconds, "cpu_seconds": cpu_seconds,
-           "gram_seconds": stats.gram_seconds, "hist_seconds": stats.hist_seconds, "hist_rows": stats.hist_rows,
-           "hist_seed": stats.hist_seed, "pairs": stats.pairs, "eps": stats.eps, "load_before": load0}
+    out = {
+        "vocab": vocab,
+        "d": d,
+        "threads": threads,
+        "seconds": stats.seconds,
+        "cpu_seconds": cpu_seconds,
+        "gram_seconds": stats.gram_seconds,
+        "hist_seconds": stats.hist_seconds,
+        "hist_rows": stats.hist_rows,
+        "hist_seed": stats.hist_seed,
+        "pairs": stats.pairs,
+        "eps": stats.eps,
+        "load_before": load0,
+    }
     if all_pairs:
         mu32, sd32 = gram_moments(x, rows_dtype=torch.float32)
         full = cosine_stats(x, block=block, histogram="full", progress=True)
-        out.update(eps_f32_rows_diff=abs(mu32 + 2 * sd32 - stats.eps), pairs_seconds=full.hist_seconds,
-                   eps_pairs=full.eps_pairs, eps_pairs_diff=abs(full.eps_pairs - stats.eps),
-                   eps_rerun_diff=abs(full.eps - stats.eps))
-    out.update(load_after=os.getloadavg()[0],
-               peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-               matrix_gib=vocab * d * 4 / 2**30)
+        out.update(
+            eps_f32_rows_diff=abs(mu32 + 2 * sd32 - stats.eps),
+            pairs_seconds=full.hist_seconds,
+            eps_pairs=full.eps_pairs,
+            eps_pairs_diff=abs(full.eps_pairs - stats.eps),
+            eps_rerun_diff=abs(full.eps - stats.eps),
+        )
+    out.update(
+        load_after=os.getloadavg()[0],
+        peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        matrix_gib=vocab * d * 4 / 2**30,
+    )
     return out
 
 
@@ -119,24 +148,35 @@ def _in_process(fn, *args) -> dict:
 def _header(args: argparse.Namespace, what: str) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-    return (f"\n## {what}: {when}, {platform.machine()}, {os.cpu_count()} cores, block {args.block}, "
-            f"load average {load}\n\n")
+    return (
+        f"\n## {what}: {when}, {platform.machine()}, {os.cpu_count()} cores, block {args.block}, "
+        f"load average {load}\n\n"
+    )
 
 
 def gram_cases(args: argparse.Namespace) -> str:
-    head = ("| matrix | threads | exact eps, wall s (Gram + histogram) | CPU s | Gram pass s | histogram s (sample rows, "
-            "seed) | eps (Gram) | all-pairs pass s | abs(eps - all-pairs eps) | abs(eps - Gram eps, float32 rows) "
-            "| peak RSS GiB (matrix) | load average (1 min) before, after |\n" + "|---" * 12 + "|")
+    head = (
+        "| matrix | threads | exact eps, wall s (Gram + histogram) | CPU s | Gram pass s "
+        "| histogram s (sample rows, seed) | eps (Gram) | all-pairs pass s | abs(eps - all-pairs eps) "
+        "| abs(eps - Gram eps, float32 rows) | peak RSS GiB (matrix) | load average (1 min) before, after |\n"
+        + "|---" * 12
+        + "|"
+    )
     lines = []
     cases = [(200_019, 4096, False)] + ([] if args.no_agreement else [(50_277, 1024, True)])
     for vocab, d, all_pairs in cases:
         r = _in_process(run_gram_case, vocab, d, args.block, args.threads, all_pairs)
-        pairs = (f"{r['pairs_seconds']:.1f} | {r['eps_pairs_diff']:.1e} | {r['eps_f32_rows_diff']:.1e}" if all_pairs
-                 else "- | - | -")
-        line = (f"| {vocab:,} x {d} | {r['threads']} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} "
-                f"| {r['gram_seconds']:.1f} | {r['hist_seconds']:.1f} ({r['hist_rows']:,}, {r['hist_seed']}) "
-                f"| {r['eps']:.8f} | {pairs} | {r['peak_rss_gib']:.2f} ({r['matrix_gib']:.2f}) "
-                f"| {r['load_before']:.1f}, {r['load_after']:.1f} |")
+        pairs = (
+            f"{r['pairs_seconds']:.1f} | {r['eps_pairs_diff']:.1e} | {r['eps_f32_rows_diff']:.1e}"
+            if all_pairs
+            else "- | - | -"
+        )
+        line = (
+            f"| {vocab:,} x {d} | {r['threads']} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} "
+            f"| {r['gram_seconds']:.1f} | {r['hist_seconds']:.1f} ({r['hist_rows']:,}, {r['hist_seed']}) "
+            f"| {r['eps']:.8f} | {pairs} | {r['peak_rss_gib']:.2f} ({r['matrix_gib']:.2f}) "
+            f"| {r['load_before']:.1f}, {r['load_after']:.1f} |"
+        )
         print(line, flush=True)
         lines.append(line)
     return _header(args, "exact eps from the Gram matrix") + head + "\n" + "\n".join(lines) + "\n"
@@ -149,26 +189,42 @@ def all_pairs_cases(args: argparse.Namespace) -> str:
     for vocab, d, rows, stride in cases:
         r = _in_process(run_case, vocab, d, rows, args.block, stride, args.threads)
         full = f"{r['full_seconds']:.0f} s" + (" (extrapolated)" if r["extrapolated"] else "")
-        line = (f"| {vocab:,} x {d} | {rows:,} | {r['hist_stride']} | {r['threads']} | {r['seconds']:.1f} | {full} "
-                f"| {r['gflops']:.1f} | {r['matmul_gflops']:.1f} | {r['fraction']:.0%} | {r['cpu_fraction']:.0%} "
-                f"| {r['eps']:.5f} "
-                f"| {r['eps_gram_diff']:.1e} | {r['peak_rss_gib']:.2f} ({r['matrix_gib']:.2f}) |")
+        line = (
+            f"| {vocab:,} x {d} | {rows:,} | {r['hist_stride']} | {r['threads']} | {r['seconds']:.1f} "
+            f"| {full} "
+            f"| {r['gflops']:.1f} | {r['matmul_gflops']:.1f} | {r['fraction']:.0%} | {r['cpu_fraction']:.0%} "
+            f"| {r['eps']:.5f} "
+            f"| {r['eps_gram_diff']:.1e} | {r['peak_rss_gib']:.2f} ({r['matrix_gib']:.2f}) |"
+        )
         print(line, flush=True)
         lines.append(line)
-    head = ("| matrix | rows run | hist stride | threads | seconds | full matrix | GFLOP/s (2d per pair) "
-            "| float32 matmul GFLOP/s | fraction (wall) | fraction (CPU time) | eps | abs(eps - Gram eps) "
-            "| peak RSS GiB (matrix) |\n" + "|---" * 13 + "|")
+    head = (
+        "| matrix | rows run | hist stride | threads | seconds | full matrix | GFLOP/s (2d per pair) "
+        "| float32 matmul GFLOP/s | fraction (wall) | fraction (CPU time) | eps | abs(eps - Gram eps) "
+        "| peak RSS GiB (matrix) |\n" + "|---" * 13 + "|"
+    )
     return _header(args, "all-pairs pass") + head + "\n" + "\n".join(lines) + "\n"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--all-pairs", action="store_true", help="time the all-pairs pass instead of the Gram path")
-    p.add_argument("--no-agreement", action="store_true", help="Gram: skip the 50,277 x 1024 all-pairs agreement case")
-    p.add_argument("--cap", type=int, default=40_000, help="all-pairs: row cap of the 200,019 x 4096 case (0: none)")
+    p.add_argument(
+        "--all-pairs", action="store_true", help="time the all-pairs pass instead of the Gram path"
+    )
+    p.add_argument(
+        "--no-agreement", action="store_true", help="Gram: skip the 50,277 x 1024 all-pairs agreement case"
+    )
+    p.add_argument(
+        "--cap", type=int, default=40_000, help="all-pairs: row cap of the 200,019 x 4096 case (0: none)"
+    )
     p.add_argument("--block", type=int, default=4096)
-    p.add_argument("--hist-stride", type=int, nargs="+", default=[1, 4],
-                   help="all-pairs: histogram strides of the 50k case (the 200k case uses the first)")
+    p.add_argument(
+        "--hist-stride",
+        type=int,
+        nargs="+",
+        default=[1, 4],
+        help="all-pairs: histogram strides of the 50k case (the 200k case uses the first)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()

@@ -75,7 +75,8 @@ def _naive_lev(emb, ids):
 
 
 def _lev_module(ref: str | None):
-    """The LEV module of this tree, or of git revision `ref` (its lev.py and spline.py), for A/B in one run."""
+    """The LEV module of this tree, or of git revision `ref` (its lev.py and spline.py), for A/B in one
+    run."""
     if not ref:
         from megatron_lev.model.embeddings import lev
 
@@ -136,7 +137,9 @@ def run_case(args) -> dict:
         return info
 
     if args.case in ("lev", "lev_norecompute", "naive"):
-        model = lev_module.LevEmbedding(V_PILE, D, LevConfig(recompute=args.case != "lev_norecompute")).to(dev)
+        model = lev_module.LevEmbedding(V_PILE, D, LevConfig(recompute=args.case != "lev_norecompute")).to(
+            dev
+        )
         forward = (lambda x: _naive_lev(model, x)) if args.case == "naive" else model
         inputs = ids
     elif args.case == "dense":
@@ -174,14 +177,30 @@ def run_case(args) -> dict:
         step()
         sync()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if cuda
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     info.update(seconds=min(times), peak_mb=max(0, peak - base) / 2**20)
     return info
 
 
 def _spawn(args, case: str, tokens: int, repeats: int) -> dict:
-    cmd = [sys.executable, __file__, "--case", case, "--tokens", str(tokens), "--repeats", str(repeats),
-           "--device", args.device, "--data", args.data] + (["--text"] if args.text else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--case",
+        case,
+        "--tokens",
+        str(tokens),
+        "--repeats",
+        str(repeats),
+        "--device",
+        args.device,
+        "--data",
+        args.data,
+    ] + (["--text"] if args.text else [])
     cmd += ["--ref", args.ref] if args.ref else []
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)))
     if case == "lev_torch":
@@ -191,25 +210,38 @@ def _spawn(args, case: str, tokens: int, repeats: int) -> dict:
     if res.returncode:
         raise SystemExit(f"case {case} failed:\n{res.stderr[-3000:]}")
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    print(f"  {case:12s} tokens={tokens:6d} unique={out['unique']:6d} {out['seconds']:8.3f} s"
-          + (f"  peak +{out['peak_mb']:.0f} MB" if "peak_mb" in out else "")
-          + f"   (case wall {time.perf_counter() - t0:.0f} s)", flush=True)
+    print(
+        f"  {case:12s} tokens={tokens:6d} unique={out['unique']:6d} {out['seconds']:8.3f} s"
+        + (f"  peak +{out['peak_mb']:.0f} MB" if "peak_mb" in out else "")
+        + f"   (case wall {time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
     return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="2 x 2048 tokens, one repeat, extrapolated materialize")
+    p.add_argument(
+        "--quick", action="store_true", help="2 x 2048 tokens, one repeat, extrapolated materialize"
+    )
     p.add_argument("--text", action="store_true", help="tokenise minipile text instead of drawing Zipf ids")
-    p.add_argument("--data", default=str(Path("..") / "shared" / "data"),
-                   help="shared data folder (tokenizer + minipile), relative to the repository root")
+    p.add_argument(
+        "--data",
+        default=str(Path("..") / "shared" / "data"),
+        help="shared data folder (tokenizer + minipile), relative to the repository root",
+    )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--naive-tokens", type=int, default=None, help="tokens for the naive LEV (memory-bound)")
-    p.add_argument("--materialize-rows", type=int, default=None,
-                   help=f"rows timed for materialize (default: all {V_O200K:,}; --quick on CPU: 8192, extrapolated)")
+    p.add_argument(
+        "--materialize-rows",
+        type=int,
+        default=None,
+        help=f"rows timed for materialize (default: all {V_O200K:,}; --quick on CPU: 8192, extrapolated)",
+    )
     p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "lev.md"))
-    p.add_argument("--ref", default=None,
-                   help="git revision whose LEV code is timed in the same run (A/B), e.g. HEAD~3")
+    p.add_argument(
+        "--ref", default=None, help="git revision whose LEV code is timed in the same run (A/B), e.g. HEAD~3"
+    )
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=1, help=argparse.SUPPRESS)
@@ -230,8 +262,11 @@ def main() -> int:
     # naive LEV holds several [tokens, h, d_seed, r] fp32 tensors (256 KB per token each)
     naive_tokens = args.naive_tokens or (tokens if cuda else (512 if args.quick else 1024))
     mat_rows = min(V_O200K, args.materialize_rows or (V_O200K if (cuda or not args.quick) else 8192))
-    print(f"LEV benchmark on {args.device}: {tokens} tokens, D={D}, V={V_PILE}, "
-          f"{'minipile text' if args.text else 'Zipf ids'}", flush=True)
+    print(
+        f"LEV benchmark on {args.device}: {tokens} tokens, D={D}, V={V_PILE}, "
+        f"{'minipile text' if args.text else 'Zipf ids'}",
+        flush=True,
+    )
     names = ("lev", "lev_norecompute", "dense", "block") + (("lev_torch",) if args.device == "cpu" else ())
     r = {name: _spawn(args, name, tokens, repeats) for name in names}
     r["lev_small"] = _spawn(args, "lev", naive_tokens, repeats)
@@ -249,15 +284,24 @@ def main() -> int:
     print(f"LEV peak memory       {r['lev']['peak_mb']:7.0f} MB (target <= 1024)")
     norec = r["lev_norecompute"]
     print(f"recompute off         {norec['seconds'] / lev:7.3f}x the time, peak {norec['peak_mb']:.0f} MB")
-    print(f"speed-up over naive   {speedup:7.1f}x at {naive_tokens} tokens "
-          f"(naive peak {r['naive']['peak_mb']:.0f} MB vs LEV {r['lev_small']['peak_mb']:.0f} MB)")
-    print(f"materialize V={V_O200K}  {mat:7.1f} s" + ("" if mat_rows == V_O200K else f" (extrapolated from {mat_rows} rows)"))
+    print(
+        f"speed-up over naive   {speedup:7.1f}x at {naive_tokens} tokens "
+        f"(naive peak {r['naive']['peak_mb']:.0f} MB vs LEV {r['lev_small']['peak_mb']:.0f} MB)"
+    )
+    print(
+        f"materialize V={V_O200K}  {mat:7.1f} s"
+        + ("" if mat_rows == V_O200K else f" (extrapolated from {mat_rows} rows)")
+    )
     if "lev_torch" in r:
-        print(f"CPU kernel speed-up   {r['lev_torch']['seconds'] / lev:7.2f}x over the PyTorch path "
-              f"({r['lev_torch']['seconds']:.3f} s, LEV/block {r['lev_torch']['seconds'] / block:.3f})")
+        print(
+            f"CPU kernel speed-up   {r['lev_torch']['seconds'] / lev:7.2f}x over the PyTorch path "
+            f"({r['lev_torch']['seconds']:.3f} s, LEV/block {r['lev_torch']['seconds'] / block:.3f})"
+        )
     if args.ref:
-        print(f"vs --ref {args.ref}: LEV fwd+bwd {r['lev_ref']['seconds'] / lev:.2f}x faster, materialize "
-              f"{r['materialize_ref']['full_seconds'] / mat:.2f}x faster")
+        print(
+            f"vs --ref {args.ref}: LEV fwd+bwd {r['lev_ref']['seconds'] / lev:.2f}x faster, materialize "
+            f"{r['materialize_ref']['full_seconds'] / mat:.2f}x faster"
+        )
     _record(args, r, tokens, naive_tokens, mat_rows)
     return 0
 
@@ -269,27 +313,35 @@ def _record(args, r, tokens, naive_tokens, mat_rows) -> None:
     from megatron_lev.model.embeddings.lev import default_phi_mode
 
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    machine = (torch.cuda.get_device_name() if args.device == "cuda"
-               else f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-                    f"load average {os.getloadavg()[0]:.1f} at the end")
+    machine = (
+        torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f} at the end"
+    )
     lev, block = r["lev"], r["block"]
     rows = [
         f"\n## {when} — {machine}{' (--quick)' if args.quick else ''}\n",
         f"{tokens} tokens ({'minipile text' if args.text else 'Zipf(1.0) ids'}, {lev['unique']} unique), "
         f"V={V_PILE}, D={D}, LEV defaults (k=3, d_seed=128, h=8, kappa=16, r=64, "
-        f"recompute {'on' if LevConfig().recompute else 'off'}), phi built by {default_phi_mode(torch.device(args.device))}, "
+        f"recompute {'on' if LevConfig().recompute else 'off'}), "
+        f"phi built by {default_phi_mode(torch.device(args.device))}, "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', os.cpu_count())}.\n",
         "| case | tokens | fwd+bwd s | peak MB above set-up | ratio |",
         "|---|---|---|---|---|",
-        f"| LEV | {tokens} | {lev['seconds']:.3f} | {lev['peak_mb']:.0f} | LEV/block {lev['seconds'] / block['seconds']:.3f} |",
+        f"| LEV | {tokens} | {lev['seconds']:.3f} | {lev['peak_mb']:.0f} | "
+        f"LEV/block {lev['seconds'] / block['seconds']:.3f} |",
         f"| LEV, recompute off | {tokens} | {r['lev_norecompute']['seconds']:.3f} | "
-        f"{r['lev_norecompute']['peak_mb']:.0f} | LEV/block {r['lev_norecompute']['seconds'] / block['seconds']:.3f} |",
+        f"{r['lev_norecompute']['peak_mb']:.0f} | "
+        f"LEV/block {r['lev_norecompute']['seconds'] / block['seconds']:.3f} |",
     ]
     if "lev_torch" in r:
         torch_path = r["lev_torch"]
-        rows.append(f"| LEV, PyTorch path (CPU kernel off) | {tokens} | {torch_path['seconds']:.3f} | "
-                    f"{torch_path['peak_mb']:.0f} | LEV/block {torch_path['seconds'] / block['seconds']:.3f}; kernel "
-                    f"{torch_path['seconds'] / lev['seconds']:.2f}x faster |")
+        rows.append(
+            f"| LEV, PyTorch path (CPU kernel off) | {tokens} | {torch_path['seconds']:.3f} | "
+            f"{torch_path['peak_mb']:.0f} | LEV/block {torch_path['seconds'] / block['seconds']:.3f}; kernel "
+            f"{torch_path['seconds'] / lev['seconds']:.2f}x faster |"
+        )
     rows += [
         f"| dense nn.Embedding | {tokens} | {r['dense']['seconds']:.3f} | {r['dense']['peak_mb']:.0f} | "
         f"LEV/dense {lev['seconds'] / r['dense']['seconds']:.1f} |",
@@ -303,9 +355,11 @@ def _record(args, r, tokens, naive_tokens, mat_rows) -> None:
     if args.ref:
         ref_lev, ref_mat = r["lev_ref"], r["materialize_ref"]
         rows += [
-            f"| LEV at `--ref {args.ref}` (same run) | {tokens} | {ref_lev['seconds']:.3f} | {ref_lev['peak_mb']:.0f} | "
+            f"| LEV at `--ref {args.ref}` (same run) | {tokens} | {ref_lev['seconds']:.3f} | "
+            f"{ref_lev['peak_mb']:.0f} | "
             f"now {ref_lev['seconds'] / lev['seconds']:.2f}x faster |",
-            f"| materialize at `--ref {args.ref}` | {ref_mat['rows']} rows | {ref_mat['full_seconds']:.1f} (extrapolated) | | "
+            f"| materialize at `--ref {args.ref}` | {ref_mat['rows']} rows | "
+            f"{ref_mat['full_seconds']:.1f} (extrapolated) | | "
             f"now {ref_mat['full_seconds'] / r['materialize']['full_seconds']:.2f}x faster |",
         ]
     rows.append("")

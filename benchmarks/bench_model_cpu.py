@@ -32,7 +32,9 @@ RESULTS = ROOT / "benchmarks" / "results" / "model_cpu.md"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default=str(ROOT / "pretrain" / "configs" / "tiny.yaml"))
     parser.add_argument("--vocab-size", type=int, default=50277, help="tokenizer vocabulary (NeoX-20B)")
     parser.add_argument("--batch", type=int, default=8)
@@ -51,7 +53,9 @@ def main() -> None:
         opts[variant] = torch.optim.AdamW(models[variant].parameters(), lr=1e-4)
     seq = next(iter(cfgs.values())).seq_length
     vocab = padded_vocab_size(args.vocab_size, next(iter(cfgs.values())), 1)
-    tokens = torch.randint(0, args.vocab_size, (args.batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, args.vocab_size, (args.batch, seq + 1), generator=torch.Generator().manual_seed(0)
+    )
     times = {v: [] for v in args.variants}
     cpu_times = {v: [] for v in args.variants}
 
@@ -74,31 +78,45 @@ def main() -> None:
 
     # CPU time of this process is the load-robust measure on a shared machine; wall time is what a user sees
     tied = statistics.median(cpu_times["tied"]) if "tied" in times else None
-    lines = [f"\n## {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
-             f"{args.threads} thread(s), torch {torch.__version__}\n",
-             f"Config `{Path(args.config).relative_to(ROOT) if Path(args.config).is_relative_to(ROOT) else args.config}`, "
-             f"vocabulary {args.vocab_size} -> {vocab}, batch {args.batch} x {seq}, median of {args.steps} steps "
-             "(forward + backward + AdamW), fp32.\n",
-             f"Load average at start: {os.getloadavg()[0]:.1f}. Ratios and tokens/s use the process's CPU time "
-             "(robust to other load); wall time is shown beside it.\n",
-             "| variant | params | step ms (CPU) | step ms (wall) | tokens/s (CPU) | step time / TIED | "
-             "model GFLOP/s (MFU numerator) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    config = Path(args.config).relative_to(ROOT) if Path(args.config).is_relative_to(ROOT) else args.config
+    lines = [
+        f"\n## {now:%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
+        f"{args.threads} thread(s), torch {torch.__version__}\n",
+        f"Config `{config}`, "
+        f"vocabulary {args.vocab_size} -> {vocab}, batch {args.batch} x {seq}, median of {args.steps} steps "
+        "(forward + backward + AdamW), fp32.\n",
+        f"Load average at start: {os.getloadavg()[0]:.1f}. Ratios and tokens/s use the process's CPU time "
+        "(robust to other load); wall time is shown beside it.\n",
+        "| variant | params | step ms (CPU) | step ms (wall) | tokens/s (CPU) | step time / TIED | "
+        "model GFLOP/s (MFU numerator) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for variant in args.variants:
         med, wall = statistics.median(cpu_times[variant]), statistics.median(times[variant])
         tps = args.batch * seq / med
         gflops = tps * flops_per_token(cfgs[variant], vocab) / 1e9
         ratio = f"{med / tied:.3f}" if tied else "n/a"
         params = parameter_count(cfgs[variant], vocab)["total"]
-        lines.append(f"| {variant} | {params:,} | {med * 1e3:.1f} | {wall * 1e3:.1f} | {tps:,.0f} | {ratio} | {gflops:.2f} |")
-    lines.append("\nOn GPUs: MFU = tokens/s x flops_per_token / (devices x peak FLOP/s), "
-                 f"flops_per_token = {flops_per_token(next(iter(cfgs.values())), vocab) / 1e6:.1f} MFLOP here.")
+        lines.append(
+            f"| {variant} | {params:,} | {med * 1e3:.1f} | {wall * 1e3:.1f} | {tps:,.0f} | {ratio} "
+            f"| {gflops:.2f} |"
+        )
+    lines.append(
+        "\nOn GPUs: MFU = tokens/s x flops_per_token / (devices x peak FLOP/s), "
+        f"flops_per_token = {flops_per_token(next(iter(cfgs.values())), vocab) / 1e6:.1f} MFLOP here."
+    )
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_record:
-        head = RESULTS.read_text() if RESULTS.exists() else (
-            "# Tiny model on CPU: training throughput per embedding variant\n\n"
-            "`python benchmarks/bench_model_cpu.py` appends a section per run.\n")
+        head = (
+            RESULTS.read_text()
+            if RESULTS.exists()
+            else (
+                "# Tiny model on CPU: training throughput per embedding variant\n\n"
+                "`python benchmarks/bench_model_cpu.py` appends a section per run.\n"
+            )
+        )
         atomic_write_text(RESULTS, head + text)
         print(f"appended to {RESULTS.relative_to(ROOT)}")
 

@@ -26,11 +26,20 @@ RESULTS = Path(__file__).resolve().parent / "results" / "train.md"
 def _config(args, embedding: str):
     from megatron_lev.config import load_config
 
-    over = [f"model.embedding={embedding}", f"model.hidden_size={args.hidden}", f"model.num_layers={args.layers}",
-            f"model.num_attention_heads={args.heads}", f"model.seq_length={args.seq}",
-            f"train.micro_batch_size={args.micro_batch}", f"train.train_iters={args.steps + args.warmup}",
-            f"parallel.zero_stage={args.zero}", "logging.progress_bar=false", "logging.tensorboard=false",
-            "logging.log_interval=1", f"train.precision={args.precision}"]
+    over = [
+        f"model.embedding={embedding}",
+        f"model.hidden_size={args.hidden}",
+        f"model.num_layers={args.layers}",
+        f"model.num_attention_heads={args.heads}",
+        f"model.seq_length={args.seq}",
+        f"train.micro_batch_size={args.micro_batch}",
+        f"train.train_iters={args.steps + args.warmup}",
+        f"parallel.zero_stage={args.zero}",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.log_interval=1",
+        f"train.precision={args.precision}",
+    ]
     return load_config([Path(__file__).resolve().parents[1] / "pretrain" / "configs" / "tiny.yaml"], over)
 
 
@@ -83,24 +92,40 @@ def trainer_loop(args, cfg, vocab: int, device, out: str) -> tuple[float, float]
 
     engine, optimizer = build_engine(cfg, build_model(cfg, vocab), build_ds_config(cfg, 1), pipeline=False)
     tokens = args.micro_batch * args.seq
-    trainer = Trainer(cfg, engine, optimizer, Budget(args.steps + args.warmup, tokens, "bench"), pipeline=False,
-                      world_size=1, device=device, train_batches=None, valid_batches=None, flops_per_token=None,
-                      writer=MetricsWriter(out, True, False), gas=1, global_batch=args.micro_batch, save_dir=None,
-                      load_dir=None)
+    trainer = Trainer(
+        cfg,
+        engine,
+        optimizer,
+        Budget(args.steps + args.warmup, tokens, "bench"),
+        pipeline=False,
+        world_size=1,
+        device=device,
+        train_batches=None,
+        valid_batches=None,
+        flops_per_token=None,
+        writer=MetricsWriter(out, True, False),
+        gas=1,
+        global_batch=args.micro_batch,
+        save_dir=None,
+        load_dir=None,
+    )
     batches = _batches(args, vocab, device)
 
     def step():
         loss, norm, skipped = trainer.train_step(batches)
         trainer.state.iteration += 1
-        trainer.writer.record("train", trainer.state.iteration, {"loss": loss, "grad_norm": norm, "skipped": skipped})
+        trainer.writer.record(
+            "train", trainer.state.iteration, {"loss": loss, "grad_norm": norm, "skipped": skipped}
+        )
 
     return _timed(step, args.steps, args.warmup)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--embeddings", nargs="+", default=["tied", "untied", "albert", "flat_mlp",
-                                                              "factorized_mlp", "lev"])
+    parser.add_argument(
+        "--embeddings", nargs="+", default=["tied", "untied", "albert", "flat_mlp", "factorized_mlp", "lev"]
+    )
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
@@ -133,23 +158,35 @@ def main() -> None:
             bare_wall, bare_cpu = bare_loop(args, cfg, args.vocab, device)
             tr_wall, tr_cpu = trainer_loop(args, cfg, args.vocab, device, out)
             rows.append((emb, bare_wall, tr_wall, bare_cpu, tr_cpu))
-            print(f"{emb:15s} bare {1e3 * bare_wall:8.1f} ms/step (cpu {1e3 * bare_cpu:8.1f})  trainer "
-                  f"{1e3 * tr_wall:8.1f} ms/step (cpu {1e3 * tr_cpu:8.1f})  ratio wall {tr_wall / bare_wall:.2f} "
-                  f"cpu {tr_cpu / bare_cpu:.2f}", flush=True)
+            print(
+                f"{emb:15s} bare {1e3 * bare_wall:8.1f} ms/step (cpu {1e3 * bare_cpu:8.1f})  trainer "
+                f"{1e3 * tr_wall:8.1f} ms/step (cpu {1e3 * tr_cpu:8.1f})  "
+                f"ratio wall {tr_wall / bare_wall:.2f} "
+                f"cpu {tr_cpu / bare_cpu:.2f}",
+                flush=True,
+            )
     tokens = args.micro_batch * args.seq
-    head = (f"\n## {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
-            f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
-            f"hidden {args.hidden}, layers {args.layers}, seq {args.seq}, micro-batch {args.micro_batch} "
-            f"({tokens} tokens/step), vocab {args.vocab}, ZeRO-{args.zero}, {args.precision}, "
-            f"{args.steps} timed steps after {args.warmup}\n\n"
-            "| embedding | bare ms/step | trainer ms/step | bare CPU ms | trainer CPU ms | ratio (wall) | ratio (CPU) |\n"
-            "|---|---|---|---|---|---|---|\n")
-    lines = "".join(f"| {e} | {1e3 * bw:.1f} | {1e3 * tw:.1f} | {1e3 * bc:.1f} | {1e3 * tc:.1f} | {tw / bw:.2f} | "
-                    f"{tc / bc:.2f} |\n" for e, bw, tw, bc, tc in rows)
+    head = (
+        f"\n## {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
+        f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
+        f"hidden {args.hidden}, layers {args.layers}, seq {args.seq}, micro-batch {args.micro_batch} "
+        f"({tokens} tokens/step), vocab {args.vocab}, ZeRO-{args.zero}, {args.precision}, "
+        f"{args.steps} timed steps after {args.warmup}\n\n"
+        "| embedding | bare ms/step | trainer ms/step | bare CPU ms | trainer CPU ms "
+        "| ratio (wall) | ratio (CPU) |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
+    lines = "".join(
+        f"| {e} | {1e3 * bw:.1f} | {1e3 * tw:.1f} | {1e3 * bc:.1f} | {1e3 * tc:.1f} | {tw / bw:.2f} | "
+        f"{tc / bc:.2f} |\n"
+        for e, bw, tw, bc, tc in rows
+    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     if not RESULTS.exists():
-        RESULTS.write_text("# Trainer overhead (benchmarks/bench_train.py)\n\nTrainer on a DeepSpeed engine vs a "
-                           "bare PyTorch loop, same model and batches. Ratio > 1: the machinery costs that factor.\n")
+        RESULTS.write_text(
+            "# Trainer overhead (benchmarks/bench_train.py)\n\nTrainer on a DeepSpeed engine vs a "
+            "bare PyTorch loop, same model and batches. Ratio > 1: the machinery costs that factor.\n"
+        )
     with open(RESULTS, "a") as f:
         f.write(head + lines)
     print(f"appended to {RESULTS}")

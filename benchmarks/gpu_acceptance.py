@@ -36,8 +36,19 @@ RESULTS = ROOT / "benchmarks" / "results" / "gpu.md"
 MODELS = ROOT / "pretrain" / "configs" / "models"
 VOCAB = 50277  # GPT-NeoX-20B tokenizer
 # dense bf16 tensor-core peak per device, TFLOP/s (vendor datasheets, without sparsity)
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0,
-               "A800": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
+PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10": 125.0,
+    "V100": 125.0,
+}
 TARGET_MFU_1B, TARGET_LEV_RATIO = 0.45, 1.03
 LEV_TOL = {"values": 1e-4, "grads": 1e-3}  # max |x - ref| / max |ref|, fp32 against fp64
 BF16_LOSS_TOL = 0.1  # max |loss_bf16 - loss_fp32| over the 30 steps, nats
@@ -46,7 +57,11 @@ ATTN_TOL_FACTOR = 2.0  # flash-attn's error vs fp32 at most this times SDPA's ow
 
 def _early_args(argv):
     """Triton's interpreter must be chosen before triton is first imported (CPU tiny mode)."""
-    if "--device" in argv and argv[argv.index("--device") + 1:][:1] == ["cpu"] and "triton" not in sys.modules:
+    if (
+        "--device" in argv
+        and argv[argv.index("--device") + 1 :][:1] == ["cpu"]
+        and "triton" not in sys.modules
+    ):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -79,8 +94,13 @@ class Report:
             status, lines = fn(*args)
         except Exception as exc:  # noqa: BLE001 - recorded in the report, the run goes on
             status = "FAILED"
-            lines = [f"error: `{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}`", "",
-                     "```", *traceback.format_exc().rstrip().splitlines()[-12:], "```"]
+            lines = [
+                f"error: `{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}`",
+                "",
+                "```",
+                *traceback.format_exc().rstrip().splitlines()[-12:],
+                "```",
+            ]
         if status == "FAILED" and correctness:
             self.correctness_failed = True
         lines = [*lines, "", f"({time.perf_counter() - start:.1f} s)"]
@@ -112,8 +132,13 @@ def _ctx(args) -> dict:
         state.initialize_model_parallel(1, 1)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu"
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name.upper()), None)
-    return {"device": torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else dev,
-            "name": name, "peak": peak, "tiny": args.tiny, "args": args}
+    return {
+        "device": torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else dev,
+        "name": name,
+        "peak": peak,
+        "tiny": args.tiny,
+        "args": args,
+    }
 
 
 def _zipf_batches(vocab: int, micro: int, seq: int, device, seed: int = 0):
@@ -129,8 +154,12 @@ def _zipf_batches(vocab: int, micro: int, seq: int, device, seed: int = 0):
 def _config(model_file: Path, overrides: list[str]):
     from megatron_lev.config import load_config
 
-    base = ["logging.progress_bar=false", "logging.tensorboard=false", "logging.log_interval=1000000",
-            "parallel.zero_stage=1"]
+    base = [
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.log_interval=1000000",
+        "parallel.zero_stage=1",
+    ]
     return load_config([model_file], base + overrides)
 
 
@@ -142,11 +171,26 @@ def _trainer(cfg, vocab: int, device, micro: int, steps: int, world: int = 1):
     from megatron_lev.training.schedule import Budget as StepBudget
     from megatron_lev.training.trainer import Trainer
 
-    engine, optimizer = build_engine(cfg, build_model(cfg, vocab), build_ds_config(cfg, world), pipeline=False)
-    return Trainer(cfg, engine, optimizer, StepBudget(steps, micro * world * cfg.model.seq_length, "acceptance"),
-                   pipeline=False, world_size=world, device=device, train_batches=None, valid_batches=None,
-                   flops_per_token=None, writer=MetricsWriter(tempfile.gettempdir(), False, False), gas=1,
-                   global_batch=micro * world, save_dir=None, load_dir=None)
+    engine, optimizer = build_engine(
+        cfg, build_model(cfg, vocab), build_ds_config(cfg, world), pipeline=False
+    )
+    return Trainer(
+        cfg,
+        engine,
+        optimizer,
+        StepBudget(steps, micro * world * cfg.model.seq_length, "acceptance"),
+        pipeline=False,
+        world_size=world,
+        device=device,
+        train_batches=None,
+        valid_batches=None,
+        flops_per_token=None,
+        writer=MetricsWriter(tempfile.gettempdir(), False, False),
+        gas=1,
+        global_batch=micro * world,
+        save_dir=None,
+        load_dir=None,
+    )
 
 
 def _free(*objs) -> None:
@@ -200,10 +244,14 @@ def check_lev(ctx):
         notes.append("triton kernel skipped on CPU: triton was imported without TRITON_INTERPRET=1")
     else:
         modes.append("triton")
-    lines = [f"N={n} ids, h={h}, d_seed={d}, kappa={kappa}, r={r}; fp32 on {dev.type} against the fp64 spec "
-             f"formula; error = max|x - ref| / max|ref|, tolerance {LEV_TOL['values']:g} (values), "
-             f"{LEV_TOL['grads']:g} (gradients)", "", "| mode | delta std | values | grad u | grad delta |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"N={n} ids, h={h}, d_seed={d}, kappa={kappa}, r={r}; fp32 on {dev.type} against the fp64 spec "
+        f"formula; error = max|x - ref| / max|ref|, tolerance {LEV_TOL['values']:g} (values), "
+        f"{LEV_TOL['grads']:g} (gradients)",
+        "",
+        "| mode | delta std | values | grad u | grad delta |",
+        "|---|---|---|---|---|",
+    ]
     ok = True
     for spread in (0.1, 1.5):  # the init scale, and factors of both signs
         gen = torch.Generator().manual_seed(7)
@@ -212,13 +260,19 @@ def check_lev(ctx):
         probe = torch.randn(n, h, r, generator=gen, dtype=torch.float64)
         ref = _value_and_grads(_spec, u, delta, probe)
         for mode in modes:
-            got = _value_and_grads(lambda a, b, m=mode: spline_product(a, b, kappa, m), u.float().to(dev),
-                                   delta.float().to(dev), probe.to(dev))
+            got = _value_and_grads(
+                lambda a, b, m=mode: spline_product(a, b, kappa, m),
+                u.float().to(dev),
+                delta.float().to(dev),
+                probe.to(dev),
+            )
             errs = [_rel(g, rf) for g, rf in zip(got, ref)]
             good = errs[0] <= LEV_TOL["values"] and max(errs[1:]) <= LEV_TOL["grads"]
             ok &= good
-            lines.append(f"| {mode} | {spread} | {errs[0]:.2e} | {errs[1]:.2e} | {errs[2]:.2e} |"
-                         + ("" if good else " **over tolerance**"))
+            lines.append(
+                f"| {mode} | {spread} | {errs[0]:.2e} | {errs[1]:.2e} | {errs[2]:.2e} |"
+                + ("" if good else " **over tolerance**")
+            )
     lines += [f"- {x}" for x in notes]
     return ("PASSED" if ok else "FAILED"), lines
 
@@ -245,15 +299,20 @@ def check_attention(ctx):
         return [out.float()] + [x.grad.float() for x in xs]
 
     def sdpa(q_, k_, v_):
-        return F.scaled_dot_product_attention(q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2),
-                                              is_causal=True).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2), is_causal=True
+        ).transpose(1, 2)
 
     ref = run(sdpa, torch.float32)
     flash = run(lambda *x: attention.flash_attn_func(*x, causal=True), torch.bfloat16)
     low = run(sdpa, torch.bfloat16)
-    lines = [f"B={b}, S={s}, heads={nh}, head dim {hd}, causal, bf16; max abs error against fp32 SDPA; "
-             f"flash-attn must stay within {ATTN_TOL_FACTOR}x SDPA's own bf16 error + 1e-3", "",
-             "| tensor | flash-attn | SDPA bf16 |", "|---|---|---|"]
+    lines = [
+        f"B={b}, S={s}, heads={nh}, head dim {hd}, causal, bf16; max abs error against fp32 SDPA; "
+        f"flash-attn must stay within {ATTN_TOL_FACTOR}x SDPA's own bf16 error + 1e-3",
+        "",
+        "| tensor | flash-attn | SDPA bf16 |",
+        "|---|---|---|",
+    ]
     ok = True
     for name, f, lo, rf in zip(("output", "grad q", "grad k", "grad v"), flash, low, ref):
         ef, el = float((f - rf).abs().max()), float((lo - rf).abs().max())
@@ -280,28 +339,60 @@ def _losses(cfg, vocab, device, micro, steps, seed=0) -> list[float]:
 
 def check_bf16(ctx):
     dev, steps = ctx["device"], 30
-    size = (["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=2", "model.seq_length=16",
-             "model.lev.d_seed=8", "model.lev.heads=2", "model.lev.rank=4", "model.lev.kappa=4"]
-            if ctx["tiny"] else ["model.num_layers=4", "model.hidden_size=512", "model.num_attention_heads=8",
-                                 "model.seq_length=512"])
+    size = (
+        [
+            "model.num_layers=2",
+            "model.hidden_size=32",
+            "model.num_attention_heads=2",
+            "model.seq_length=16",
+            "model.lev.d_seed=8",
+            "model.lev.heads=2",
+            "model.lev.rank=4",
+            "model.lev.kappa=4",
+        ]
+        if ctx["tiny"]
+        else [
+            "model.num_layers=4",
+            "model.hidden_size=512",
+            "model.num_attention_heads=8",
+            "model.seq_length=512",
+        ]
+    )
     micro, vocab = (2, 512) if ctx["tiny"] else (4, VOCAB)
-    common = [*size, "model.embedding=lev", "train.lr=1e-3", "train.min_lr=1e-4", "train.lr_warmup_iters=5",
-              f"train.train_iters={steps}"]
+    common = [
+        *size,
+        "model.embedding=lev",
+        "train.lr=1e-3",
+        "train.min_lr=1e-4",
+        "train.lr_warmup_iters=5",
+        f"train.train_iters={steps}",
+    ]
     fp32 = _losses(_config(MODELS / "tiny.yaml", [*common, "train.precision=fp32"]), vocab, dev, micro, steps)
     bf16 = _losses(_config(MODELS / "tiny.yaml", [*common, "train.precision=bf16"]), vocab, dev, micro, steps)
     diffs = [abs(a - b) for a, b in zip(bf16, fp32)]
     ok = len(diffs) == steps and max(diffs) <= BF16_LOSS_TOL and all(map(lambda x: x == x, bf16))
-    lines = [f"LEV model ({', '.join(x.split('.')[-1] for x in size[:4])}), micro-batch {micro}, {steps} steps "
-             f"from the same weights and batches; tolerance: max |loss_bf16 - loss_fp32| <= {BF16_LOSS_TOL}",
-             "", f"- fp32 loss: first {fp32[0]:.4f}, last {fp32[-1]:.4f}",
-             f"- bf16 loss: first {bf16[0]:.4f}, last {bf16[-1]:.4f}",
-             f"- max |difference| {max(diffs):.4f} (step {diffs.index(max(diffs)) + 1}), mean {sum(diffs) / steps:.4f}"]
+    lines = [
+        f"LEV model ({', '.join(x.split('.')[-1] for x in size[:4])}), micro-batch {micro}, {steps} steps "
+        f"from the same weights and batches; tolerance: max |loss_bf16 - loss_fp32| <= {BF16_LOSS_TOL}",
+        "",
+        f"- fp32 loss: first {fp32[0]:.4f}, last {fp32[-1]:.4f}",
+        f"- bf16 loss: first {bf16[0]:.4f}, last {bf16[-1]:.4f}",
+        f"- max |difference| {max(diffs):.4f} (step {diffs.index(max(diffs)) + 1}), "
+        f"mean {sum(diffs) / steps:.4f}",
+    ]
     return ("PASSED" if ok else "FAILED"), lines
 
 
 def _dp_worker(rank: int, world: int, backend: str, port: int, tiny: bool, out: str) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     if backend == "gloo":
         os.environ.update({"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
     from megatron_lev.parallel import state
@@ -314,13 +405,37 @@ def _dp_worker(rank: int, world: int, backend: str, port: int, tiny: bool, out: 
     init_distributed(backend)
     state.initialize_model_parallel(1, 1)
     dev = current_device()
-    size = (["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=2", "model.seq_length=16",
-             "model.lev.d_seed=8", "model.lev.heads=2", "model.lev.rank=4", "model.lev.kappa=4"] if tiny else
-            ["model.num_layers=4", "model.hidden_size=512", "model.num_attention_heads=8", "model.seq_length=512"])
+    size = (
+        [
+            "model.num_layers=2",
+            "model.hidden_size=32",
+            "model.num_attention_heads=2",
+            "model.seq_length=16",
+            "model.lev.d_seed=8",
+            "model.lev.heads=2",
+            "model.lev.rank=4",
+            "model.lev.kappa=4",
+        ]
+        if tiny
+        else [
+            "model.num_layers=4",
+            "model.hidden_size=512",
+            "model.num_attention_heads=8",
+            "model.seq_length=512",
+        ]
+    )
     steps, micro, vocab = 5, 2, (512 if tiny else VOCAB)
-    cfg = _config(MODELS / "tiny.yaml", [*size, "model.embedding=lev", f"train.train_iters={steps}",
-                                         f"train.micro_batch_size={micro}", f"train.global_batch_size={2 * micro}",
-                                         "train.precision=bf16"])
+    cfg = _config(
+        MODELS / "tiny.yaml",
+        [
+            *size,
+            "model.embedding=lev",
+            f"train.train_iters={steps}",
+            f"train.micro_batch_size={micro}",
+            f"train.global_batch_size={2 * micro}",
+            "train.precision=bf16",
+        ],
+    )
     torch.manual_seed(1234)
     tr = _trainer(cfg, vocab, dev, micro, steps, world=world)
     batches = _zipf_batches(vocab, micro, cfg.model.seq_length, dev, seed=rank)
@@ -329,8 +444,11 @@ def _dp_worker(rank: int, world: int, backend: str, port: int, tiny: bool, out: 
         pending.append(tr.device_step(batches))
         tr.state.iteration += 1
     weights = torch.cat([p.detach().float().reshape(-1)[:64] for p in tr.engine.module.parameters()])
-    Path(out, f"rank{rank}.json").write_text(json.dumps({
-        "losses": [loss for loss, _, _ in _read(pending)], "checksum": float(weights.double().sum())}))
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps(
+            {"losses": [loss for loss, _, _ in _read(pending)], "checksum": float(weights.double().sum())}
+        )
+    )
 
 
 def check_data_parallel(ctx):
@@ -343,15 +461,23 @@ def check_data_parallel(ctx):
         return "SKIPPED", [f"one GPU visible ({ctx['name']}): the 2-process NCCL run needs 2"]
     backend = "nccl" if dev.type == "cuda" else "gloo"
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_dp_worker, args=(2, backend, find_free_port(), ctx["tiny"], out), nprocs=2,
-                           start_method="spawn", join=True)
+        mp.start_processes(
+            _dp_worker,
+            args=(2, backend, find_free_port(), ctx["tiny"], out),
+            nprocs=2,
+            start_method="spawn",
+            join=True,
+        )
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
     same_loss = ranks[0]["losses"] == ranks[1]["losses"]
     same_weights = ranks[0]["checksum"] == ranks[1]["checksum"]
     finite = all(x == x and abs(x) != float("inf") for x in ranks[0]["losses"])
-    lines = [f"2 processes, {backend}, data parallel, ZeRO-1, bf16, 5 steps, each rank its own batches",
-             "", f"- losses (the mean over ranks) on rank 0: {', '.join(f'{x:.4f}' for x in ranks[0]['losses'])}",
-             f"- the same on both ranks: {same_loss}; weight checksums equal after the updates: {same_weights}"]
+    lines = [
+        f"2 processes, {backend}, data parallel, ZeRO-1, bf16, 5 steps, each rank its own batches",
+        "",
+        f"- losses (the mean over ranks) on rank 0: {', '.join(f'{x:.4f}' for x in ranks[0]['losses'])}",
+        f"- the same on both ranks: {same_loss}; weight checksums equal after the updates: {same_weights}",
+    ]
     return ("PASSED" if same_loss and same_weights and finite else "FAILED"), lines
 
 
@@ -384,16 +510,32 @@ def measure(ctx, size: str, embedding: str, checkpointing: bool) -> dict:
     dev, args = ctx["device"], ctx["args"]
     if ctx["tiny"]:
         model_file, micro, vocab = MODELS / "tiny.yaml", 2, 512
-        over = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=2", "model.seq_length=64",
-                "model.lev.d_seed=8", "model.lev.heads=2", "model.lev.rank=4", "model.lev.kappa=4"]
+        over = [
+            "model.num_layers=2",
+            "model.hidden_size=64",
+            "model.num_attention_heads=2",
+            "model.seq_length=64",
+            "model.lev.d_seed=8",
+            "model.lev.heads=2",
+            "model.lev.rank=4",
+            "model.lev.kappa=4",
+        ]
         warm, steps = 1, 2
     else:
         model_file, micro, vocab = MODELS / f"{size}.yaml", args.micro_batch[size], VOCAB
         over, warm, steps = ["model.seq_length=2048"], args.warmup, args.steps
-    cfg = _config(model_file, [*over, f"model.embedding={embedding}", "train.precision=bf16",
-                               f"model.activation_checkpointing={str(checkpointing).lower()}",
-                               f"train.micro_batch_size={micro}", f"train.global_batch_size={micro}",
-                               f"train.train_iters={warm + steps + 1}"])
+    cfg = _config(
+        model_file,
+        [
+            *over,
+            f"model.embedding={embedding}",
+            "train.precision=bf16",
+            f"model.activation_checkpointing={str(checkpointing).lower()}",
+            f"train.micro_batch_size={micro}",
+            f"train.global_batch_size={micro}",
+            f"train.train_iters={warm + steps + 1}",
+        ],
+    )
     _free()  # the previous case's engine
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -416,10 +558,21 @@ def measure(ctx, size: str, embedding: str, checkpointing: bool) -> dict:
         _free(tr)
     tokens = micro * cfg.model.seq_length
     tflops = tokens / seconds * flops_per_token(cfg.model, padded_vocab_size(vocab, cfg.model, 1)) / 1e12
-    return {"size": size, "embedding": embedding, "ckpt": checkpointing, "micro": micro, "seq": cfg.model.seq_length,
-            "step_s": seconds, "tokens_per_s": tokens / seconds, "tflops": tflops,
-            "mfu": tflops / ctx["peak"] if ctx["peak"] else None, "peak_gib": peak_mem, "cuda_syncs": cuda_syncs,
-            "reads": reads, "sites": sites}
+    return {
+        "size": size,
+        "embedding": embedding,
+        "ckpt": checkpointing,
+        "micro": micro,
+        "seq": cfg.model.seq_length,
+        "step_s": seconds,
+        "tokens_per_s": tokens / seconds,
+        "tflops": tflops,
+        "mfu": tflops / ctx["peak"] if ctx["peak"] else None,
+        "peak_gib": peak_mem,
+        "cuda_syncs": cuda_syncs,
+        "reads": reads,
+        "sites": sites,
+    }
 
 
 def throughput(ctx, budget: Budget, rows: list, skipped: list):
@@ -430,37 +583,54 @@ def throughput(ctx, budget: Budget, rows: list, skipped: list):
             for emb in ("tied", "lev"):
                 need = estimate.get(size, 90.0)
                 if budget.left() < need:
-                    skipped.append(f"{size} {emb} checkpointing {'on' if ckpt else 'off'}: time budget "
-                                   f"({budget.left():.0f} s left, the case needs about {need:.0f} s)")
+                    skipped.append(
+                        f"{size} {emb} checkpointing {'on' if ckpt else 'off'}: time budget "
+                        f"({budget.left():.0f} s left, the case needs about {need:.0f} s)"
+                    )
                     continue
                 start = time.perf_counter()
                 try:
                     rows.append(measure(ctx, size, emb, ckpt))
                 except Exception as exc:  # noqa: BLE001 - one case (often out of memory) must not stop the rest
-                    rows.append({"size": size, "embedding": emb, "ckpt": ckpt,
-                                 "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
+                    rows.append(
+                        {
+                            "size": size,
+                            "embedding": emb,
+                            "ckpt": ckpt,
+                            "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                        }
+                    )
                     _free()
                 estimate[size] = max(estimate.get(size, 0.0) * 0.5, time.perf_counter() - start)
                 print(f"  {size} {emb} ckpt={ckpt}: {time.perf_counter() - start:.1f} s", flush=True)
     failed = [r for r in rows if "error" in r]
     ok_rows = [r for r in rows if "error" not in r]
     peak = ctx["peak"]
-    lines = [f"bf16, ZeRO-1, one process, micro-batch = global batch, sequence {ok_rows[0]['seq'] if ok_rows else '-'}; "
-             f"model FLOPs per token from `megatron_lev.model.flops` (recomputation not counted); MFU against "
-             + (f"**{peak:g} TFLOP/s** dense bf16 per device" if peak else "no known peak (pass --peak-tflops)"),
-             "", "| size | embedding | act. ckpt | micro | ms/step | tokens/s | TFLOP/s | MFU | peak GiB | "
-             "CUDA syncs/step | Python reads/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"bf16, ZeRO-1, one process, micro-batch = global batch, "
+        f"sequence {ok_rows[0]['seq'] if ok_rows else '-'}; "
+        f"model FLOPs per token from `megatron_lev.model.flops` (recomputation not counted); MFU against "
+        + (f"**{peak:g} TFLOP/s** dense bf16 per device" if peak else "no known peak (pass --peak-tflops)"),
+        "",
+        "| size | embedding | act. ckpt | micro | ms/step | tokens/s | TFLOP/s | MFU | peak GiB | "
+        "CUDA syncs/step | Python reads/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['size']} | {r['embedding']} | {'on' if r['ckpt'] else 'off'} | FAILED: "
-                         f"`{r['error']}` |||||||")
+            lines.append(
+                f"| {r['size']} | {r['embedding']} | {'on' if r['ckpt'] else 'off'} | FAILED: "
+                f"`{r['error']}` |||||||"
+            )
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         syncs = r["cuda_syncs"] if r["cuda_syncs"] is not None else "- (CPU)"
-        lines.append(f"| {r['size']} | {r['embedding']} | {'on' if r['ckpt'] else 'off'} | {r['micro']} | "
-                     f"{1e3 * r['step_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | {mem} | "
-                     f"{syncs} | {r['reads']} |")
+        lines.append(
+            f"| {r['size']} | {r['embedding']} | {'on' if r['ckpt'] else 'off'} | {r['micro']} | "
+            f"{1e3 * r['step_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | {mem} | "
+            f"{syncs} | {r['reads']} |"
+        )
     lines += ["", "LEV/TIED step time (target <= 1.03):", ""]
     for size in sizes:
         for ckpt in (False, True):
@@ -468,17 +638,24 @@ def throughput(ctx, budget: Budget, rows: list, skipped: list):
             if {"lev", "tied"} <= pair.keys():
                 ratio = pair["lev"]["step_s"] / pair["tied"]["step_s"]
                 verdict = "met" if ratio <= TARGET_LEV_RATIO else "not met"
-                lines.append(f"- {size}, checkpointing {'on' if ckpt else 'off'}: **{ratio:.3f}** ({verdict})")
+                lines.append(
+                    f"- {size}, checkpointing {'on' if ckpt else 'off'}: **{ratio:.3f}** ({verdict})"
+                )
     best = [r for r in ok_rows if r["size"] == "1.2b" and r["mfu"] is not None]
     if best:
         top = max(best, key=lambda r: r["mfu"])
-        lines.append(f"- best MFU at 1.2B: **{100 * top['mfu']:.1f}%** ({top['embedding']}, checkpointing "
-                     f"{'on' if top['ckpt'] else 'off'}; target >= {100 * TARGET_MFU_1B:.0f}%: "
-                     f"{'met' if top['mfu'] >= TARGET_MFU_1B else 'not met'})")
+        lines.append(
+            f"- best MFU at 1.2B: **{100 * top['mfu']:.1f}%** ({top['embedding']}, checkpointing "
+            f"{'on' if top['ckpt'] else 'off'}; target >= {100 * TARGET_MFU_1B:.0f}%: "
+            f"{'met' if top['mfu'] >= TARGET_MFU_1B else 'not met'})"
+        )
     sites = next((r["sites"] for r in ok_rows if r["embedding"] == "lev"), None)
     if sites:
-        lines += ["", f"Python-side reads in one LEV step, by site: {sites}. `torch.unique` (LEV's unique ids) "
-                  "syncs inside C++: it is in the CUDA count, not in the Python one."]
+        lines += [
+            "",
+            f"Python-side reads in one LEV step, by site: {sites}. `torch.unique` (LEV's unique ids) "
+            "syncs inside C++: it is in the CUDA count, not in the Python one.",
+        ]
     lines += [f"- skipped: {s}" for s in skipped]
     return ("FAILED" if failed else "PASSED" if ok_rows else "SKIPPED"), lines
 
@@ -497,24 +674,43 @@ def _versions() -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
-    parser.add_argument("--tiny", action="store_true", help="tiny models and few steps: the code paths in seconds")
-    parser.add_argument("--out", default=None, help=f"report path (default {RESULTS.relative_to(ROOT)}; "
-                        "with --tiny a file in the temporary directory)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu")
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny models and few steps: the code paths in seconds"
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help=f"report path (default {RESULTS.relative_to(ROOT)}; "
+        "with --tiny a file in the temporary directory)",
+    )
     parser.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget for the whole run")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: by name)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: by name)"
+    )
     parser.add_argument("--sizes", nargs="+", default=["200m", "1.2b"])
     parser.add_argument("--steps", type=int, default=4, help="timed steps per throughput case")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro-batch-200m", type=int, default=8)
     parser.add_argument("--micro-batch-1.2b", dest="micro_batch_12b", type=int, default=4)
     args = parser.parse_args(argv)
-    args.micro_batch = {"200m": args.micro_batch_200m, "400m": args.micro_batch_200m, "1.2b": args.micro_batch_12b}
+    args.micro_batch = {
+        "200m": args.micro_batch_200m,
+        "400m": args.micro_batch_200m,
+        "1.2b": args.micro_batch_12b,
+    }
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible (use --device cpu --tiny)")
-    out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "gpu_acceptance_tiny.md" if args.tiny
-                                           else RESULTS)
+    out = (
+        Path(args.out)
+        if args.out
+        else (Path(tempfile.gettempdir()) / "gpu_acceptance_tiny.md" if args.tiny else RESULTS)
+    )
     budget = Budget(args.budget_s)
     started = time.perf_counter()
     report = Report()
@@ -525,18 +721,23 @@ def main(argv=None) -> int:
     if budget.left() > (10 if args.tiny else 120):
         report.run("2-process data-parallel run", check_data_parallel, ctx, correctness=True)
     else:
-        report.sections.append(("2-process data-parallel run", "SKIPPED",
-                                [f"time budget: {budget.left():.0f} s left"]))
+        report.sections.append(
+            ("2-process data-parallel run", "SKIPPED", [f"time budget: {budget.left():.0f} s left"])
+        )
     rows, skipped = [], []
     report.run("Throughput, MFU, peak memory and syncs per step", throughput, ctx, budget, rows, skipped)
     command = "python benchmarks/gpu_acceptance.py " + " ".join(argv if argv is not None else sys.argv[1:])
     peak = f"{ctx['peak']:g} TFLOP/s" if ctx["peak"] else "unknown"
-    header = [f"# GPU acceptance ({'tiny CPU mode' if args.tiny else ctx['name']})", "",
-              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
-              f"device {ctx['name']}, {_versions()}; peak for MFU: {peak}",
-              "", f"Command: `{command.strip()}`; total {time.perf_counter() - started:.0f} s "
-              f"(budget {args.budget_s:.0f} s). Correctness: "
-              f"{'FAILED' if report.correctness_failed else 'no failure'}."]
+    header = [
+        f"# GPU acceptance ({'tiny CPU mode' if args.tiny else ctx['name']})",
+        "",
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
+        f"device {ctx['name']}, {_versions()}; peak for MFU: {peak}",
+        "",
+        f"Command: `{command.strip()}`; total {time.perf_counter() - started:.0f} s "
+        f"(budget {args.budget_s:.0f} s). Correctness: "
+        f"{'FAILED' if report.correctness_failed else 'no failure'}.",
+    ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report.markdown(header) + "\n")
     print(f"wrote {out}", flush=True)

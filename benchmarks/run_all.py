@@ -1,8 +1,8 @@
 """Rerun every benchmark one after another; each appends its figures to benchmarks/results/<name>.md.
 
-    python benchmarks/run_all.py            # quick settings (minutes each on 2 cores)
-    python benchmarks/run_all.py --full     # the issue-sized settings (long on a laptop)
-    python benchmarks/run_all.py --only lev capacity
+python benchmarks/run_all.py            # quick settings (minutes each on 2 cores)
+python benchmarks/run_all.py --full     # the issue-sized settings (long on a laptop)
+python benchmarks/run_all.py --only lev capacity
 """
 
 from __future__ import annotations
@@ -22,12 +22,17 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "index": (["--scale", "0.05"], []),
     "model_cpu": (["--steps", "4"], []),
     "train": (["--steps", "5"], []),
-    "capacity": (["--no-agreement"], []),  # exact eps from the Gram matrix (the all-pairs timing: --all-pairs)
+    "capacity": (
+        ["--no-agreement"],
+        [],
+    ),  # exact eps from the Gram matrix (the all-pairs timing: --all-pairs)
 }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--full", action="store_true", help="issue-sized settings instead of quick ones")
     parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), default=list(BENCHMARKS))
     args = parser.parse_args()
@@ -38,8 +43,10 @@ def main() -> int:
         print(f"==> {name}: {' '.join(cmd[1:])}", flush=True)
         start = time.time()
         rc = subprocess.call(cmd)
-        print(f"<== {name}: exit {rc} after {time.time() - start:.0f}s (results: benchmarks/results/{name}.md)",
-              flush=True)
+        print(
+            f"<== {name}: exit {rc} after {time.time() - start:.0f}s (results: benchmarks/results/{name}.md)",
+            flush=True,
+        )
         if rc:
             failed.append(name)
     if failed:

@@ -17,20 +17,59 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("megatron_lev.commands.config_cmd", "print the resolved, validated run config"),
-    "demo": ("megatron_lev.commands.demo", "the main job end to end on a sample corpus built here (resumable)"),
-    "params": ("megatron_lev.commands.params", "parameter count of every embedding variant at every model size, and FLOPs per token"),
-    "train": ("megatron_lev.commands.train", "pretrain or resume a model with DeepSpeed (exit 75 when preempted)"),
-    "capacity": ("megatron_lev.commands.capacity", "representational capacity of embedding matrices; packing sweep and refit"),
-    "evaluate": ("megatron_lev.commands.evaluate", "perplexity overall, by token frequency and in bits per byte"),
-    "compare": ("megatron_lev.commands.compare", "compare runs against TIED: perplexity changes and tokens-to-target"),
-    "lm-eval-tasks": ("megatron_lev.commands.lm_eval_tasks", "write offline lm-eval task YAMLs for local downstream data"),
-    "convert": ("megatron_lev.commands.convert", "convert a training checkpoint to a validated Hugging Face model"),
+    "demo": (
+        "megatron_lev.commands.demo",
+        "the main job end to end on a sample corpus built here (resumable)",
+    ),
+    "params": (
+        "megatron_lev.commands.params",
+        "parameter count of every embedding variant at every model size, and FLOPs per token",
+    ),
+    "train": (
+        "megatron_lev.commands.train",
+        "pretrain or resume a model with DeepSpeed (exit 75 when preempted)",
+    ),
+    "capacity": (
+        "megatron_lev.commands.capacity",
+        "representational capacity of embedding matrices; packing sweep and refit",
+    ),
+    "evaluate": (
+        "megatron_lev.commands.evaluate",
+        "perplexity overall, by token frequency and in bits per byte",
+    ),
+    "compare": (
+        "megatron_lev.commands.compare",
+        "compare runs against TIED: perplexity changes and tokens-to-target",
+    ),
+    "lm-eval-tasks": (
+        "megatron_lev.commands.lm_eval_tasks",
+        "write offline lm-eval task YAMLs for local downstream data",
+    ),
+    "convert": (
+        "megatron_lev.commands.convert",
+        "convert a training checkpoint to a validated Hugging Face model",
+    ),
     "reshard": ("megatron_lev.commands.reshard", "rewrite a training checkpoint for another TP/PP/DP layout"),
-    "preprocess": ("megatron_lev.commands.preprocess", "tokenise Pile-format text into memory-mapped .bin/.idx shards"),
-    "train-tokenizer": ("megatron_lev.commands.train_tokenizer", "train a SentencePiece BPE tokenizer (byte fallback) on Pile-format text"),
-    "sample-corpus": ("megatron_lev.commands.sample_corpus", "build a Pile-format sample corpus from sources on this machine"),
-    "build-indices": ("megatron_lev.commands.build_indices", "prebuild the cached GPT sample indices of a run offline"),
-    "grid": ("megatron_lev.commands.grid", "the paper's experiment grid: sbatch commands, or the small grid run here"),
+    "preprocess": (
+        "megatron_lev.commands.preprocess",
+        "tokenise Pile-format text into memory-mapped .bin/.idx shards",
+    ),
+    "train-tokenizer": (
+        "megatron_lev.commands.train_tokenizer",
+        "train a SentencePiece BPE tokenizer (byte fallback) on Pile-format text",
+    ),
+    "sample-corpus": (
+        "megatron_lev.commands.sample_corpus",
+        "build a Pile-format sample corpus from sources on this machine",
+    ),
+    "build-indices": (
+        "megatron_lev.commands.build_indices",
+        "prebuild the cached GPT sample indices of a run offline",
+    ),
+    "grid": (
+        "megatron_lev.commands.grid",
+        "the paper's experiment grid: sbatch commands, or the small grid run here",
+    ),
 }
 
 
@@ -44,12 +83,17 @@ def main(argv: list[str] | None = None) -> int:
     full = argparse.ArgumentParser(
         prog="megatron-lev",
         description="Pretraining with the Leviathan (LEV) input layer on DeepSpeed. "
-        "Errors print one line; --debug (or MEGATRON_LEV_DEBUG=1) shows the traceback.")
+        "Errors print one line; --debug (or MEGATRON_LEV_DEBUG=1) shows the traceback.",
+    )
     full.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     sub = full.add_subparsers(dest="command", metavar="<command>")
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
         p.set_defaults(_module=module)
         if known.command == name:
             importlib.import_module(module).add_arguments(p)
@@ -58,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         full.print_help()
         return 2
     args.debug = debug
-    return run_guarded(f"megatron-lev {args.command}",
-                       lambda: importlib.import_module(args._module).main(args), debug)
+    return run_guarded(
+        f"megatron-lev {args.command}", lambda: importlib.import_module(args._module).main(args), debug
+    )
 
 
 def run_guarded(prog: str, fn, debug: bool = False) -> int:
@@ -88,29 +133,47 @@ def run_guarded(prog: str, fn, debug: bool = False) -> int:
             raise
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
-    except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+    except (
+        FileNotFoundError,
+        FileExistsError,
+        IsADirectoryError,
+        NotADirectoryError,
+        PermissionError,
+    ) as exc:
         if debug:
             raise
         # raised by our own code as well as by a user's path: always name the file(s), point at --debug
-        kinds = ((FileNotFoundError, "not found"), (IsADirectoryError, "is a directory, expected a file"),
-                 (NotADirectoryError, "is not a directory"), (PermissionError, "permission denied"),
-                 (FileExistsError, "already exists (a file where a directory is needed?)"))
+        kinds = (
+            (FileNotFoundError, "not found"),
+            (IsADirectoryError, "is a directory, expected a file"),
+            (NotADirectoryError, "is not a directory"),
+            (PermissionError, "permission denied"),
+            (FileExistsError, "already exists (a file where a directory is needed?)"),
+        )
         what = next((w for cls, w in kinds if isinstance(exc, cls)), exc.strerror or str(exc))
         if exc.filename is None:
-            print(f"{prog}: error: {type(exc).__name__}: {exc} (no file named; --debug shows the traceback)",
-                  file=sys.stderr)
+            print(
+                f"{prog}: error: {type(exc).__name__}: {exc} (no file named; --debug shows the traceback)",
+                file=sys.stderr,
+            )
             return 1
         name = f"{exc.filename} -> {exc.filename2}" if exc.filename2 is not None else f"{exc.filename}"
-        print(f"{prog}: error: {name}: {what}; check the path and its permissions (--debug shows the traceback)",
-              file=sys.stderr)
+        print(
+            f"{prog}: error: {name}: {what}; check the path and its permissions "
+            "(--debug shows the traceback)",
+            file=sys.stderr,
+        )
         return 1
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             if debug:
                 raise
             where = f" writing {exc.filename}" if exc.filename else ""
-            print(f"{prog}: error: no space left on the device{where}; free space or choose another "
-                  "directory, then rerun", file=sys.stderr)
+            print(
+                f"{prog}: error: no space left on the device{where}; free space or choose another "
+                "directory, then rerun",
+                file=sys.stderr,
+            )
             return 1
         raise
 

@@ -80,41 +80,67 @@ _SEED = Range(0, 2**32 - 1, why="seeds of numpy and torch")
 # Every int/float key of every section, with the values it may take. A key missing here is a
 # bug (tests check the table covers every numeric field). None (where a key allows it) is not checked.
 RANGES: dict[str, Range] = {
-    "model.num_layers": _count(), "model.hidden_size": _count(), "model.num_attention_heads": _count(),
+    "model.num_layers": _count(),
+    "model.hidden_size": _count(),
+    "model.num_attention_heads": _count(),
     "model.num_kv_heads": _count("or null for multi-head attention"),
     "model.ffn_hidden_size": _count("or null for the SwiGLU default"),
-    "model.seq_length": _count(), "model.vocab_size": _count("or null to take it from the tokenizer"),
+    "model.seq_length": _count(),
+    "model.vocab_size": _count("or null to take it from the tokenizer"),
     "model.make_vocab_size_divisible_by": _count(),
     "model.baseline_dim": _count("or null to size it like LEV"),
     "model.baseline_hidden": _count("or null to size it like LEV"),
     "model.rope_theta": Range(0, lo_open=True, why="the RoPE base, e.g. 10000"),
     "model.norm_eps": Range(0, lo_open=True, why="added to the RMS before dividing, e.g. 1e-5"),
     "model.init_std": Range(0, lo_open=True, why="standard deviation of the initial weights, e.g. 0.02"),
-    "model.hidden_dropout": _FRACTION, "model.attention_dropout": _FRACTION,
+    "model.hidden_dropout": _FRACTION,
+    "model.attention_dropout": _FRACTION,
     "model.checkpoint_num_layers": _count(),
-    "model.lev.k": _count(), "model.lev.d_seed": _count(), "model.lev.heads": _count(),
+    "model.lev.k": _count(),
+    "model.lev.d_seed": _count(),
+    "model.lev.heads": _count(),
     "model.lev.kappa": _count("a quadratic B-spline needs at least 3 knots", lo=3),
-    "model.lev.rank": _count(), "model.lev.chunk_size": _count(),
+    "model.lev.rank": _count(),
+    "model.lev.chunk_size": _count(),
     "model.lev.w_out_init_scale": Range(0, why="multiplies the init std of W_out"),
-    "parallel.tensor_model_parallel_size": _count(), "parallel.pipeline_model_parallel_size": _count(),
+    "parallel.tensor_model_parallel_size": _count(),
+    "parallel.pipeline_model_parallel_size": _count(),
     "parallel.zero_stage": Range(0, 3, why="the ZeRO stage 0, 1, 2 or 3"),
-    "data.seed": _SEED, "data.num_workers": _count("0 loads batches in the training process", lo=0),
-    "train.micro_batch_size": _count(), "train.global_batch_size": _count("or null for micro x DP"),
+    "data.seed": _SEED,
+    "data.num_workers": _count("0 loads batches in the training process", lo=0),
+    "train.micro_batch_size": _count(),
+    "train.global_batch_size": _count("or null for micro x DP"),
     "train.train_iters": _count("or null with train.train_tokens or train.chinchilla"),
-    "train.train_tokens": _count(), "train.lr": Range(0, lo_open=True, why="the peak learning rate"),
-    "train.min_lr": Range(0), "train.lr_warmup_iters": _count(lo=0), "train.lr_warmup_fraction": _FRACTION,
-    "train.weight_decay": Range(0), "train.adam_beta1": _FRACTION, "train.adam_beta2": _FRACTION,
+    "train.train_tokens": _count(),
+    "train.lr": Range(0, lo_open=True, why="the peak learning rate"),
+    "train.min_lr": Range(0),
+    "train.lr_warmup_iters": _count(lo=0),
+    "train.lr_warmup_fraction": _FRACTION,
+    "train.weight_decay": Range(0),
+    "train.adam_beta1": _FRACTION,
+    "train.adam_beta2": _FRACTION,
     "train.adam_eps": Range(0, lo_open=True, why="0 divides by zero for rows without gradient"),
-    "train.clip_grad": Range(0, why="0 turns clipping off"), "train.seed": _SEED,
-    "train.save_interval": _count("0 saves only at the end", lo=0), "train.keep_last": _count(),
-    "train.eval_interval": _count("0 turns evaluation off", lo=0), "train.eval_iters": _count(),
+    "train.clip_grad": Range(0, why="0 turns clipping off"),
+    "train.seed": _SEED,
+    "train.save_interval": _count("0 saves only at the end", lo=0),
+    "train.keep_last": _count(),
+    "train.eval_interval": _count("0 turns evaluation off", lo=0),
+    "train.eval_iters": _count(),
     "train.max_consecutive_skips": _count(),
-    "logging.log_interval": _count(), "logging.peak_tflops": Range(0, lo_open=True, why="per device, for MFU"),
+    "logging.log_interval": _count(),
+    "logging.peak_tflops": Range(0, lo_open=True, why="per device, for MFU"),
 }
 
 # String keys that name a file, directory or run: when given, they must not be empty.
-NONEMPTY_STRINGS = ("model.name", "data.tokenizer_path", "data.cache_dir", "train.ds_config", "train.save",
-                    "train.load", "logging.output_dir")
+NONEMPTY_STRINGS = (
+    "model.name",
+    "data.tokenizer_path",
+    "data.cache_dir",
+    "train.ds_config",
+    "train.save",
+    "train.load",
+    "logging.output_dir",
+)
 
 
 def check_ranges(section: Any, prefix: str) -> None:
@@ -123,7 +149,7 @@ def check_ranges(section: Any, prefix: str) -> None:
         if not key.startswith(prefix + "."):
             continue
         value: Any = section
-        for part in key[len(prefix) + 1:].split("."):
+        for part in key[len(prefix) + 1 :].split("."):
             value = getattr(value, part)
         if value is None or rule.contains(value):
             continue
@@ -197,16 +223,20 @@ class ModelConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} must be divisible by "
-                f"model.num_attention_heads={self.num_attention_heads}")
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
         if (self.hidden_size // self.num_attention_heads) % 2:
             raise ConfigError(
-                f"model.hidden_size / model.num_attention_heads = {self.hidden_size // self.num_attention_heads} "
-                "is odd: rotary position embeddings need an even head width; change either key")
+                "model.hidden_size / model.num_attention_heads = "
+                f"{self.hidden_size // self.num_attention_heads} "
+                "is odd: rotary position embeddings need an even head width; change either key"
+            )
         kv = self.kv_heads
         if self.num_attention_heads % kv:
             raise ConfigError(
                 f"model.num_kv_heads={self.num_kv_heads} must divide "
-                f"model.num_attention_heads={self.num_attention_heads}")
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
 
     @property
     def ffn_size(self) -> int:
@@ -236,11 +266,14 @@ class ParallelConfig:
                 f"parallel.zero_stage={self.zero_stage} cannot be combined with pipeline parallelism "
                 f"(parallel.pipeline_model_parallel_size={self.pipeline_model_parallel_size}): DeepSpeed "
                 "shards gradients across micro-batches only with ZeRO 0/1 under a pipeline. "
-                "Use parallel.zero_stage=1, or parallel.pipeline_model_parallel_size=1 for ZeRO-2/3.")
+                "Use parallel.zero_stage=1, or parallel.pipeline_model_parallel_size=1 for ZeRO-2/3."
+            )
         if self.cpu_offload and self.zero_stage != 3:
             raise ConfigError("parallel.cpu_offload=true needs parallel.zero_stage=3")
         if self.distributed_backend not in (None, "nccl", "gloo"):
-            raise ConfigError(f"parallel.distributed_backend must be nccl or gloo, got {self.distributed_backend}")
+            raise ConfigError(
+                f"parallel.distributed_backend must be nccl or gloo, got {self.distributed_backend}"
+            )
 
 
 @dataclass
@@ -257,7 +290,9 @@ class DataConfig:
     # packed documents, split at the tokenizer's EOD id (Megatron-LM / GPT-NeoX semantics; docs/training.md)
     reset_position_ids: bool = False  # positions restart at 0 after every EOD
     reset_attention_mask: bool = False  # attention does not cross documents
-    eod_mask_loss: bool = False  # no loss where the input is EOD (the target is the next document's first token)
+    eod_mask_loss: bool = (
+        False  # no loss where the input is EOD (the target is the next document's first token)
+    )
 
     def validate(self) -> None:
         check_ranges(self, "data")
@@ -265,10 +300,14 @@ class DataConfig:
         try:
             weights = [float(p) for p in self.split.split(",")]
         except ValueError:
-            raise ConfigError(f"data.split={self.split!r} must be comma-separated numbers, e.g. '969,30,1'") from None
+            raise ConfigError(
+                f"data.split={self.split!r} must be comma-separated numbers, e.g. '969,30,1'"
+            ) from None
         if len(weights) != 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
-            raise ConfigError(f"data.split={self.split!r} must be three finite non-negative numbers "
-                              "train,valid,test with a positive sum, e.g. '969,30,1'")
+            raise ConfigError(
+                f"data.split={self.split!r} must be three finite non-negative numbers "
+                "train,valid,test with a positive sum, e.g. '969,30,1'"
+            )
         _check_blend("data.data_path", self.data_path)
         _check_blend("data.valid_data_path", self.valid_data_path)
 
@@ -278,18 +317,23 @@ def _check_blend(key: str, paths: list[str]) -> None:
     example = "e.g. ['0.7', 'a_text_document', '0.3', 'b_text_document']"
     for i, item in enumerate(paths):
         if not str(item).strip():
-            raise ConfigError(f"{key}[{i}] is an empty string: give a shard prefix such as data/pile_text_document")
+            raise ConfigError(
+                f"{key}[{i}] is an empty string: give a shard prefix such as data/pile_text_document"
+            )
     if len(paths) <= 1:
         return
     if len(paths) % 2:
-        raise ConfigError(f"{key} with several entries must alternate weight and prefix, {example}; got {paths}")
+        raise ConfigError(
+            f"{key} with several entries must alternate weight and prefix, {example}; got {paths}"
+        )
     weights = []
     for i in range(0, len(paths), 2):
         try:
             weight = float(paths[i])
         except ValueError:
-            raise ConfigError(f"{key}[{i}]={paths[i]!r} is not a weight: a blend alternates weight and prefix, "
-                              f"{example}") from None
+            raise ConfigError(
+                f"{key}[{i}]={paths[i]!r} is not a weight: a blend alternates weight and prefix, {example}"
+            ) from None
         if not math.isfinite(weight) or weight < 0:
             raise ConfigError(f"{key}[{i}]={paths[i]!r}: a blend weight must be a finite number >= 0")
         weights.append(weight)
@@ -332,8 +376,10 @@ class TrainConfig:
         if self.train_iters is None and self.train_tokens is None and not self.chinchilla:
             raise ConfigError("set one of train.train_iters, train.train_tokens or train.chinchilla=true")
         if self.min_lr > self.lr:
-            raise ConfigError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the schedule decays "
-                              "from lr to min_lr, so min_lr must be <= lr")
+            raise ConfigError(
+                f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the schedule decays "
+                "from lr to min_lr, so min_lr must be <= lr"
+            )
 
 
 @dataclass
@@ -359,10 +405,13 @@ class RunConfig:
 
     def validate(self, world_size: int | None = None) -> RunConfig:
         """Check every section and the combinations; `world_size` adds the layout checks."""
-        if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
-                                       or world_size < 1):
-            raise ConfigError(f"world size {world_size!r} is out of range: must be an integer >= 1 "
-                              "(the number of processes)")
+        if world_size is not None and (
+            isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
+        ):
+            raise ConfigError(
+                f"world size {world_size!r} is out of range: must be an integer >= 1 "
+                "(the number of processes)"
+            )
         for section in (self.model, self.parallel, self.data, self.train, self.logging):
             section.validate()
         m, p, t = self.model, self.parallel, self.train
@@ -370,40 +419,53 @@ class RunConfig:
         if m.num_attention_heads % tp:
             raise ConfigError(
                 f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
-                f"parallel.tensor_model_parallel_size={tp}: choose a TP size that divides the heads")
+                f"parallel.tensor_model_parallel_size={tp}: choose a TP size that divides the heads"
+            )
         if m.kv_heads % tp:
             raise ConfigError(
-                f"model.num_kv_heads={m.kv_heads} is not divisible by parallel.tensor_model_parallel_size={tp}")
+                f"model.num_kv_heads={m.kv_heads} is not divisible by "
+                f"parallel.tensor_model_parallel_size={tp}"
+            )
         if m.ffn_size % tp:
-            raise ConfigError(f"model ffn size {m.ffn_size} is not divisible by parallel.tensor_model_parallel_size={tp}")
+            raise ConfigError(
+                f"model ffn size {m.ffn_size} is not divisible by parallel.tensor_model_parallel_size={tp}"
+            )
         if m.embedding in ("lev", "factorized_mlp") and m.lev.heads % tp:
             raise ConfigError(
-                f"model.lev.heads={m.lev.heads} is not divisible by parallel.tensor_model_parallel_size={tp}: "
-                "LEV heads are split across tensor-parallel ranks; set model.lev.heads to a multiple of TP")
+                f"model.lev.heads={m.lev.heads} is not divisible by "
+                f"parallel.tensor_model_parallel_size={tp}: "
+                "LEV heads are split across tensor-parallel ranks; set model.lev.heads to a multiple of TP"
+            )
         if p.pipeline_model_parallel_size > m.num_layers:
             raise ConfigError(
                 f"parallel.pipeline_model_parallel_size={p.pipeline_model_parallel_size} exceeds "
-                f"model.num_layers={m.num_layers}: every pipeline stage needs at least one block")
+                f"model.num_layers={m.num_layers}: every pipeline stage needs at least one block"
+            )
         if t.precision == "bf16" and p.pipeline_model_parallel_size > 1 and p.zero_stage == 0:
             raise ConfigError(
                 "train.precision=bf16 with pipeline parallelism needs parallel.zero_stage=1 "
-                "(DeepSpeed cannot reload bf16 + pipeline + ZeRO-0 optimizer state)")
+                "(DeepSpeed cannot reload bf16 + pipeline + ZeRO-0 optimizer state)"
+            )
         if world_size is not None:
             mp = tp * p.pipeline_model_parallel_size
             if world_size % mp:
                 raise ConfigError(
                     f"world size {world_size} is not divisible by tensor x pipeline = {tp} x "
-                    f"{p.pipeline_model_parallel_size} = {mp}: world = TP x PP x DP")
+                    f"{p.pipeline_model_parallel_size} = {mp}: world = TP x PP x DP"
+                )
             dp = world_size // mp
             if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
                 raise ConfigError(
                     f"train.global_batch_size={t.global_batch_size} is not divisible by "
                     f"train.micro_batch_size x DP = {t.micro_batch_size} x {dp}: change the global "
-                    "batch or the micro-batch so that gradient accumulation is a whole number")
+                    "batch or the micro-batch so that gradient accumulation is a whole number"
+                )
         return self
 
     def data_parallel_size(self, world_size: int) -> int:
-        return world_size // (self.parallel.tensor_model_parallel_size * self.parallel.pipeline_model_parallel_size)
+        return world_size // (
+            self.parallel.tensor_model_parallel_size * self.parallel.pipeline_model_parallel_size
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -421,8 +483,12 @@ class RunConfig:
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(paths: str | os.PathLike | list | None = None, overrides: list[str] | None = None,
-                world_size: int | None = None, validate: bool = True) -> RunConfig:
+def load_config(
+    paths: str | os.PathLike | list | None = None,
+    overrides: list[str] | None = None,
+    world_size: int | None = None,
+    validate: bool = True,
+) -> RunConfig:
     """Merge YAML files (later wins), apply dotted overrides, type-check, validate.
 
     A path that does not exist is looked up among the packaged configs (`tiny.yaml`,
@@ -445,7 +511,8 @@ def load_config(paths: str | os.PathLike | list | None = None, overrides: list[s
 
 
 class _ConfigLoader(yaml.SafeLoader):
-    """YAML's safe loader that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+    """YAML's safe loader that refuses a key given twice in one mapping (YAML would keep the last
+    silently)."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -455,7 +522,11 @@ class _ConfigLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             if isinstance(key, typing.Hashable) and key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice in the same mapping; keep one", key_node.start_mark)
+                    None,
+                    None,
+                    f"key {key!r} appears twice in the same mapping; keep one",
+                    key_node.start_mark,
+                )
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -469,17 +540,22 @@ def _read_yaml(path: Path, included_by: Path | None = None) -> dict:
         raw = path.read_bytes()
     except FileNotFoundError:
         if included_by:
-            raise ConfigError(f"{included_by}: included file not found: {path}; fix the 'include' entry "
-                              "(relative paths are relative to the including file)") from None
+            raise ConfigError(
+                f"{included_by}: included file not found: {path}; fix the 'include' entry "
+                "(relative paths are relative to the including file)"
+            ) from None
         raise ConfigError(f"config file not found: {path}") from None
     except OSError as exc:
-        raise ConfigError(f"{where}: cannot read the config file ({exc.strerror}); check the path and its "
-                          "permissions") from None
+        raise ConfigError(
+            f"{where}: cannot read the config file ({exc.strerror}); check the path and its permissions"
+        ) from None
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{where} is not a UTF-8 text file (byte 0x{raw[exc.start]:02x} at offset {exc.start}): "
-                          "give a YAML config file") from None
+        raise ConfigError(
+            f"{where} is not a UTF-8 text file (byte 0x{raw[exc.start]:02x} at offset {exc.start}): "
+            "give a YAML config file"
+        ) from None
     if "\0" in text:
         raise ConfigError(f"{where} is binary (it contains NUL bytes): give a YAML config file")
     try:
@@ -492,8 +568,9 @@ def _read_yaml(path: Path, included_by: Path | None = None) -> dict:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{where}: invalid YAML: {' '.join(str(exc).split())}") from None
     if data is None:
-        raise ConfigError(f"{where} is empty: give config sections such as 'model:' and 'train:', "
-                          "or leave the file out")
+        raise ConfigError(
+            f"{where} is empty: give config sections such as 'model:' and 'train:', or leave the file out"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: the top level must be a mapping of sections, got {type(data).__name__}")
     return data
@@ -556,8 +633,9 @@ def from_dict(cls, data: Any, prefix: str):
         key = unknown[0]
         close = difflib.get_close_matches(str(key), list(fields), n=1)
         hint = f"; did you mean '{_join(prefix, close[0])}'?" if close else ""
-        raise ConfigError(f"unknown config key '{_join(prefix, key)}'{hint} "
-                          f"(allowed: {', '.join(sorted(fields))})")
+        raise ConfigError(
+            f"unknown config key '{_join(prefix, key)}'{hint} (allowed: {', '.join(sorted(fields))})"
+        )
     kwargs = {}
     for name, value in data.items():
         kwargs[name] = _coerce(hints[name], value, _join(prefix, name))
@@ -591,7 +669,9 @@ def _coerce(tp, value, key):
             return value
         raise ConfigError(f"{key} must be true or false, got {value!r}")
     if tp is int:
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        if isinstance(value, bool) or not (
+            isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        ):
             raise ConfigError(f"{key} must be an integer, got {value!r}")
         return int(value)
     if tp is float:

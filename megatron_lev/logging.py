@@ -26,8 +26,9 @@ class _RankFilter(logging.Filter):
         return True
 
 
-def setup_logging(level: str | int = "INFO", log_dir: str | os.PathLike | None = None,
-                  all_ranks_to_console: bool = False) -> logging.Logger:
+def setup_logging(
+    level: str | int = "INFO", log_dir: str | os.PathLike | None = None, all_ranks_to_console: bool = False
+) -> logging.Logger:
     """Configure the `megatron_lev` logger.
 
     Rank 0 (or every rank with `all_ranks_to_console`) logs to stderr; with `log_dir`

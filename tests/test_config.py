@@ -20,8 +20,10 @@ def test_defaults_validate():
 
 def test_yaml_and_dotted_overrides(tmp_path):
     base = write(tmp_path, "model:\n  hidden_size: 64\n  lev:\n    rank: 8\ntrain:\n  lr: 1.0e-3\n")
-    cfg = load_config([base], ["model.embedding=tied", "train.lr=3e-4", "model.lev.heads=2",
-                               "data.data_path=[0.5, b, 0.5, d]"])
+    cfg = load_config(
+        [base],
+        ["model.embedding=tied", "train.lr=3e-4", "model.lev.heads=2", "data.data_path=[0.5, b, 0.5, d]"],
+    )
     assert cfg.model.hidden_size == 64 and cfg.model.lev.rank == 8
     assert cfg.model.embedding == "tied" and cfg.model.lev.heads == 2
     assert cfg.train.lr == pytest.approx(3e-4)
@@ -36,7 +38,9 @@ def test_later_files_override_and_include(tmp_path):
 
 
 def test_unknown_key_is_an_error_with_suggestion(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown config key 'model.embeding'.*did you mean 'model.embedding'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'model.embeding'.*did you mean 'model.embedding'"
+    ):
         load_config([], ["model.embeding=lev"])
     bad = write(tmp_path, "trian:\n  lr: 1\n")
     with pytest.raises(ConfigError, match=r"unknown config key 'trian'; did you mean 'train'"):
@@ -57,21 +61,34 @@ def test_choice_errors_list_allowed_values(capsys):
     from megatron_lev.cli import main
 
     assert main(["config", "model.embedding=levv"]) == 2
-    assert re.search(r"model.embedding='levv' is not one of tied, .*lev.*did you mean 'lev'", capsys.readouterr().err)
+    assert re.search(
+        r"model.embedding='levv' is not one of tied, .*lev.*did you mean 'lev'", capsys.readouterr().err
+    )
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["model.num_attention_heads=3", "model.hidden_size=96", "parallel.tensor_model_parallel_size=2"],
-     r"num_attention_heads=3 is not divisible by parallel.tensor_model_parallel_size=2"),
-    (["model.lev.heads=6", "model.num_attention_heads=4", "parallel.tensor_model_parallel_size=4"],
-     r"model.lev.heads=6 is not divisible by parallel.tensor_model_parallel_size=4"),
-    (["parallel.pipeline_model_parallel_size=2", "parallel.zero_stage=2"],
-     r"zero_stage=2 cannot be combined with pipeline parallelism.*Use parallel.zero_stage=1"),
-    (["parallel.pipeline_model_parallel_size=2", "parallel.zero_stage=0", "train.precision=bf16"],
-     r"bf16 with pipeline parallelism needs parallel.zero_stage=1"),
-    (["parallel.pipeline_model_parallel_size=3"], r"exceeds model.num_layers=2"),
-    (["train.train_iters=null"], r"set one of train.train_iters, train.train_tokens"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["model.num_attention_heads=3", "model.hidden_size=96", "parallel.tensor_model_parallel_size=2"],
+            r"num_attention_heads=3 is not divisible by parallel.tensor_model_parallel_size=2",
+        ),
+        (
+            ["model.lev.heads=6", "model.num_attention_heads=4", "parallel.tensor_model_parallel_size=4"],
+            r"model.lev.heads=6 is not divisible by parallel.tensor_model_parallel_size=4",
+        ),
+        (
+            ["parallel.pipeline_model_parallel_size=2", "parallel.zero_stage=2"],
+            r"zero_stage=2 cannot be combined with pipeline parallelism.*Use parallel.zero_stage=1",
+        ),
+        (
+            ["parallel.pipeline_model_parallel_size=2", "parallel.zero_stage=0", "train.precision=bf16"],
+            r"bf16 with pipeline parallelism needs parallel.zero_stage=1",
+        ),
+        (["parallel.pipeline_model_parallel_size=3"], r"exceeds model.num_layers=2"),
+        (["train.train_iters=null"], r"set one of train.train_iters, train.train_tokens"),
+    ],
+)
 def test_refused_combinations(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config([], overrides)
@@ -79,11 +96,18 @@ def test_refused_combinations(overrides, message):
 
 def test_world_size_layout_checks():
     with pytest.raises(ConfigError, match=r"world size 6 is not divisible by tensor x pipeline = 2 x 2"):
-        load_config([], ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"],
-                    world_size=6)
-    with pytest.raises(ConfigError, match=r"global_batch_size=6 is not divisible by train.micro_batch_size x DP = 4 x 1"):
+        load_config(
+            [],
+            ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"],
+            world_size=6,
+        )
+    with pytest.raises(
+        ConfigError, match=r"global_batch_size=6 is not divisible by train.micro_batch_size x DP = 4 x 1"
+    ):
         load_config([], ["train.global_batch_size=6"], world_size=1)
-    cfg = load_config([], ["parallel.tensor_model_parallel_size=2", "train.global_batch_size=16"], world_size=8)
+    cfg = load_config(
+        [], ["parallel.tensor_model_parallel_size=2", "train.global_batch_size=16"], world_size=8
+    )
     assert cfg.data_parallel_size(8) == 4
 
 
@@ -115,6 +139,17 @@ def test_cli_config_command(tmp_path, capsys):
 def test_cli_config_file_followed_by_overrides(capsys):
     from megatron_lev.cli import main
 
-    assert main(["config", "--config", str(ROOT / "pretrain/configs/tiny.yaml"), "model.embedding=tied", "train.lr=5e-4"]) == 0
+    assert (
+        main(
+            [
+                "config",
+                "--config",
+                str(ROOT / "pretrain/configs/tiny.yaml"),
+                "model.embedding=tied",
+                "train.lr=5e-4",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "embedding: tied" in out and "lr: 0.0005" in out and "name: tiny" in out

@@ -6,6 +6,8 @@ import sys
 from megatron_lev.commands.capacity import add_arguments, main
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

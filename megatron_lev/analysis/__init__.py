@@ -17,6 +17,14 @@ from megatron_lev.analysis.perplexity import (
 )
 
 __all__ = [
-    "CosineStats", "TokenLosses", "capacity_report", "capacity_table", "cosine_stats",
-    "eps_class", "evaluation_result", "frequency_buckets", "per_token_losses", "write_report",
+    "CosineStats",
+    "TokenLosses",
+    "capacity_report",
+    "capacity_table",
+    "cosine_stats",
+    "eps_class",
+    "evaluation_result",
+    "frequency_buckets",
+    "per_token_losses",
+    "write_report",
 ]

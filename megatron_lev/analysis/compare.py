@@ -17,23 +17,31 @@ def load_result(path: str | Path, corpus: str | None = None) -> dict:
     if path.is_dir():
         raise DataError(f"{path} is a directory: give the eval.json that `megatron-lev evaluate` wrote")
     if not path.is_file():
-        raise DataError(f"{path}: evaluation result not found; run `megatron-lev evaluate ... --out DIR` "
-                        "and pass DIR/eval.json")
+        raise DataError(
+            f"{path}: evaluation result not found; run `megatron-lev evaluate ... --out DIR` "
+            "and pass DIR/eval.json"
+        )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: not a readable evaluation result ({' '.join(str(exc).split())}); "
-                        "rerun `megatron-lev evaluate` to rewrite it") from None
+        raise DataError(
+            f"{path}: not a readable evaluation result ({' '.join(str(exc).split())}); "
+            "rerun `megatron-lev evaluate` to rewrite it"
+        ) from None
     results = data.get("results", [data]) if isinstance(data, dict) else None
     if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
-        raise DataError(f"{path}: not an evaluate result (expected {{'results': [{{'perplexity': ...}}, ...]}})")
+        raise DataError(
+            f"{path}: not an evaluate result (expected {{'results': [{{'perplexity': ...}}, ...]}})"
+        )
     for r in results:
         ppl = r.get("perplexity")
         if isinstance(ppl, bool) or not isinstance(ppl, (int, float)):
             raise DataError(f"{path}: not an evaluate result (a result without a numeric 'perplexity')")
         if not math.isfinite(ppl) or ppl <= 0:
-            raise DataError(f"{path}: perplexity {ppl} of {r.get('corpus', 'a corpus')} is not a finite positive "
-                            "number: the evaluated model diverged or the file is damaged; evaluate again")
+            raise DataError(
+                f"{path}: perplexity {ppl} of {r.get('corpus', 'a corpus')} is not a finite positive "
+                "number: the evaluated model diverged or the file is damaged; evaluate again"
+            )
     if corpus is not None:
         results = [r for r in results if corpus in str(r.get("corpus", ""))]
         if not results:
@@ -47,40 +55,63 @@ def _rel(value: float | None, base: float | None) -> float | None:
     return (value / base - 1.0) * 100.0
 
 
-def compare_results(results: dict[str, dict], curves: dict[str, Curve] | None = None,
-                    baseline: str = "TIED") -> dict:
+def compare_results(
+    results: dict[str, dict], curves: dict[str, Curve] | None = None, baseline: str = "TIED"
+) -> dict:
     """Rows per run: perplexity and % change vs the baseline, per bucket, and tokens-to-target."""
     if baseline not in results:
-        raise DataError(f"--baseline {baseline!r} is not among the runs {sorted(results)}: name one run "
-                        f"{baseline}=EVAL_JSON, or pass --baseline NAME")
+        raise DataError(
+            f"--baseline {baseline!r} is not among the runs {sorted(results)}: name one run "
+            f"{baseline}=EVAL_JSON, or pass --baseline NAME"
+        )
     base = results[baseline]
     curves = curves or {}
     target = None
     if curves:
         if baseline not in curves:
-            raise DataError(f"--curves: tokens-to-target needs the baseline's loss curve ({baseline}=PATH in --curves)")
+            raise DataError(
+                f"--curves: tokens-to-target needs the baseline's loss curve ({baseline}=PATH in --curves)"
+            )
         target = float(curves[baseline].loss[-1])
     base_tokens = tokens_to_target(curves[baseline], target) if target is not None else None
     labels = [b["bucket"] for b in base.get("buckets", [])]
     rows = []
     for name, r in results.items():
         buckets = {b["bucket"]: b for b in r.get("buckets", [])}
-        per_bucket = [{"bucket": b["bucket"], "tokens": buckets[lab]["tokens"] if lab in buckets else None,
-                       "perplexity": buckets[lab]["perplexity"] if lab in buckets else None,
-                       "rel_change_pct": _rel(buckets[lab]["perplexity"] if lab in buckets else None,
-                                              b["perplexity"])}
-                      for lab, b in zip(labels, base.get("buckets", []))]
-        row = {"name": name, "perplexity": r["perplexity"], "rel_change_pct": _rel(r["perplexity"],
-                                                                                   base["perplexity"]),
-               "buckets": per_bucket}
+        per_bucket = [
+            {
+                "bucket": b["bucket"],
+                "tokens": buckets[lab]["tokens"] if lab in buckets else None,
+                "perplexity": buckets[lab]["perplexity"] if lab in buckets else None,
+                "rel_change_pct": _rel(
+                    buckets[lab]["perplexity"] if lab in buckets else None, b["perplexity"]
+                ),
+            }
+            for lab, b in zip(labels, base.get("buckets", []))
+        ]
+        row = {
+            "name": name,
+            "perplexity": r["perplexity"],
+            "rel_change_pct": _rel(r["perplexity"], base["perplexity"]),
+            "buckets": per_bucket,
+        }
         if name in curves:
             t = tokens_to_target(curves[name], target)
-            row.update(tokens_to_target=t, x_label=curves[name].x_label, final_loss=float(curves[name].loss[-1]),
-                       tokens_ratio=(t / base_tokens) if t is not None and base_tokens else None)
+            row.update(
+                tokens_to_target=t,
+                x_label=curves[name].x_label,
+                final_loss=float(curves[name].loss[-1]),
+                tokens_ratio=(t / base_tokens) if t is not None and base_tokens else None,
+            )
         rows.append(row)
-    return {"baseline": baseline, "target_loss": target, "bucket_labels": labels, "rows": rows,
-            "note": "rel. change = perplexity / baseline perplexity - 1; tokens-to-target = first point "
-                    "(linearly interpolated) where a run's loss reaches the baseline's final loss"}
+    return {
+        "baseline": baseline,
+        "target_loss": target,
+        "bucket_labels": labels,
+        "rows": rows,
+        "note": "rel. change = perplexity / baseline perplexity - 1; tokens-to-target = first point "
+        "(linearly interpolated) where a run's loss reaches the baseline's final loss",
+    }
 
 
 def _pct(v: float | None) -> str:
@@ -94,12 +125,18 @@ def compare_markdown(cmp: dict) -> str:
         head += [f"tokens to {cmp['baseline']} final loss ({cmp['target_loss']:.4f})", "ratio"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in cmp["rows"]:
-        cells = [r["name"], f"{r['perplexity']:.3f}", _pct(r["rel_change_pct"]),
-                 *(_pct(b["rel_change_pct"]) for b in r["buckets"])]
+        cells = [
+            r["name"],
+            f"{r['perplexity']:.3f}",
+            _pct(r["rel_change_pct"]),
+            *(_pct(b["rel_change_pct"]) for b in r["buckets"]),
+        ]
         if has_curves:
             t = r.get("tokens_to_target")
-            cells += ["not reached" if t is None and "final_loss" in r else ("-" if t is None else f"{t:.4g}"),
-                      "-" if r.get("tokens_ratio") is None else f"{r['tokens_ratio']:.3f}"]
+            cells += [
+                "not reached" if t is None and "final_loss" in r else ("-" if t is None else f"{t:.4g}"),
+                "-" if r.get("tokens_ratio") is None else f"{r['tokens_ratio']:.3f}",
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines + ["", cmp["note"]]) + "\n"
 

@@ -14,7 +14,9 @@ import torch
 from megatron_lev.errors import DataError
 
 
-def sequence_batches(documents: Iterable[np.ndarray], seq_len: int, batch_size: int) -> Iterator[torch.Tensor]:
+def sequence_batches(
+    documents: Iterable[np.ndarray], seq_len: int, batch_size: int
+) -> Iterator[torch.Tensor]:
     """Concatenate documents and cut windows of S+1 tokens with stride S (B, S+1).
 
     Consecutive windows share one token, so every token but the first is predicted once; the
@@ -27,7 +29,7 @@ def sequence_batches(documents: Iterable[np.ndarray], seq_len: int, batch_size: 
     for doc in documents:
         buf = np.concatenate([buf, np.asarray(doc, dtype=np.int64)])
         while len(buf) >= seq_len + 1:
-            rows.append(buf[:seq_len + 1])
+            rows.append(buf[: seq_len + 1])
             buf = buf[seq_len:]
             if len(rows) == batch_size:
                 yield torch.from_numpy(np.stack(rows))
@@ -38,8 +40,9 @@ def sequence_batches(documents: Iterable[np.ndarray], seq_len: int, batch_size: 
         yield torch.from_numpy(buf[None, :])
 
 
-def indexed_documents(prefix: str | Path, max_docs: int | None = None,
-                      split: tuple[str, str] | None = None) -> Iterator[np.ndarray]:
+def indexed_documents(
+    prefix: str | Path, max_docs: int | None = None, split: tuple[str, str] | None = None
+) -> Iterator[np.ndarray]:
     """Documents of a Megatron MMIDIDX shard `<prefix>.bin/.idx`, in order.
 
     `split=("valid", "969,30,1")` keeps only the documents the trainer's `data.split` assigns
@@ -78,8 +81,9 @@ def text_documents(path: str | Path) -> Iterator[str]:
         try:
             yield path.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
-            raise DataError(f"{path}: not UTF-8 text (byte {exc.start}); convert it to UTF-8 or pass a .jsonl "
-                            "corpus") from None
+            raise DataError(
+                f"{path}: not UTF-8 text (byte {exc.start}); convert it to UTF-8 or pass a .jsonl corpus"
+            ) from None
         return
     lineno = 0
     try:
@@ -97,8 +101,10 @@ def text_documents(path: str | Path) -> Iterator[str]:
                 try:
                     text = json.loads(line)["text"]
                 except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise DataError(f"{path}:{lineno}: not a JSON object with a 'text' field ({exc}); one "
-                                    '{"text": ...} object per line') from None
+                    raise DataError(
+                        f"{path}:{lineno}: not a JSON object with a 'text' field ({exc}); one "
+                        '{"text": ...} object per line'
+                    ) from None
                 if not isinstance(text, str):
                     raise DataError(f"{path}:{lineno}: 'text' is a {type(text).__name__}, not a string")
                 yield text
@@ -108,8 +114,9 @@ def text_documents(path: str | Path) -> Iterator[str]:
         raise
     except Exception as exc:  # zstandard.ZstdError and friends: a damaged compressed file
         if type(exc).__module__.startswith("zstandard"):
-            raise DataError(f"{path}: damaged zstd stream after line {lineno} ({exc}); recompress the "
-                            "corpus") from None
+            raise DataError(
+                f"{path}: damaged zstd stream after line {lineno} ({exc}); recompress the corpus"
+            ) from None
         raise
 
 
@@ -134,10 +141,17 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
             tok = Tokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers library raises its own exception type
             raise DataError(f"{path}: not a Hugging Face tokenizer.json ({str(exc)[:200]})") from None
-        eos = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
-                    if tok.token_to_id(t) is not None), None)
-        return TextTokenizer(path.name, lambda s: tok.encode(s, add_special_tokens=False).ids, eos,
-                             tok.get_vocab_size(), path)
+        eos = next(
+            (
+                tok.token_to_id(t)
+                for t in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+                if tok.token_to_id(t) is not None
+            ),
+            None,
+        )
+        return TextTokenizer(
+            path.name, lambda s: tok.encode(s, add_special_tokens=False).ids, eos, tok.get_vocab_size(), path
+        )
     if not path.exists():
         raise FileNotFoundError(f"{path}: tokenizer not found (a tokenizer.json or a model directory)")
     if path.is_file():
@@ -147,11 +161,18 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, KeyError) as exc:
-        raise DataError(f"{path}: no tokenizer in this directory ({str(exc).strip()[:200]}); pass --tokenizer "
-                        "with a tokenizer.json") from None
+        raise DataError(
+            f"{path}: no tokenizer in this directory ({str(exc).strip()[:200]}); pass --tokenizer "
+            "with a tokenizer.json"
+        ) from None
     file = path / "tokenizer.json"
-    return TextTokenizer(path.name, lambda s: tok.encode(s, add_special_tokens=False), tok.eos_token_id,
-                         len(tok), file if file.is_file() else None)
+    return TextTokenizer(
+        path.name,
+        lambda s: tok.encode(s, add_special_tokens=False),
+        tok.eos_token_id,
+        len(tok),
+        file if file.is_file() else None,
+    )
 
 
 class TokenizedCorpus:

@@ -31,20 +31,20 @@ HISTOGRAM_MODES = ("sample", "full", "off")
 class CosineStats:
     """Mean, std and accepted deviation `eps = mu + 2 sigma` over the pairs, with a histogram."""
 
-    rows: int               # rows kept (non-zero norm)
+    rows: int  # rows kept (non-zero norm)
     dropped_zero_rows: int
     dim: int
-    pairs: int              # pairs the mean/std are over
+    pairs: int  # pairs the mean/std are over
     mean: float
     std: float
-    eps: float              # exact over `pairs`, from the Gram matrix
-    hist_mode: str          # "full": every row; "sample": `hist_rows` seeded random rows; "off"
-    hist_rows: int          # rows whose pairs the histogram is over (0 when off)
-    hist_seed: int | None   # seed of the histogram's row sample (None unless "sample")
-    hist_stride: int        # every k-th row of a pair block histogrammed
+    eps: float  # exact over `pairs`, from the Gram matrix
+    hist_mode: str  # "full": every row; "sample": `hist_rows` seeded random rows; "off"
+    hist_rows: int  # rows whose pairs the histogram is over (0 when off)
+    hist_seed: int | None  # seed of the histogram's row sample (None unless "sample")
+    hist_stride: int  # every k-th row of a pair block histogrammed
     hist_edges: np.ndarray  # (bins + 1,) over [-1, 1]
     hist_counts: np.ndarray  # (bins,) int64
-    hist_pairs: int         # pairs in the histogram
+    hist_pairs: int  # pairs in the histogram
     eps_pairs: float | None  # eps from the all-pairs pass (float32 products) when it ran in full
     sampled_rows: int | None  # None: eps over all rows; else over this many seeded random rows
     seed: int
@@ -53,13 +53,28 @@ class CosineStats:
     hist_seconds: float
 
     def to_dict(self) -> dict:
-        return {"rows": self.rows, "dropped_zero_rows": self.dropped_zero_rows, "dim": self.dim,
-                "pairs": self.pairs, "mean": self.mean, "std": self.std, "eps": self.eps,
-                "eps_method": "gram", "exact": self.sampled_rows is None, "sampled_rows": self.sampled_rows,
-                "seed": self.seed, "hist_mode": self.hist_mode, "hist_rows": self.hist_rows,
-                "hist_seed": self.hist_seed, "hist_stride": self.hist_stride, "hist_pairs": self.hist_pairs,
-                "eps_pairs": self.eps_pairs, "seconds": self.seconds, "gram_seconds": self.gram_seconds,
-                "hist_seconds": self.hist_seconds}
+        return {
+            "rows": self.rows,
+            "dropped_zero_rows": self.dropped_zero_rows,
+            "dim": self.dim,
+            "pairs": self.pairs,
+            "mean": self.mean,
+            "std": self.std,
+            "eps": self.eps,
+            "eps_method": "gram",
+            "exact": self.sampled_rows is None,
+            "sampled_rows": self.sampled_rows,
+            "seed": self.seed,
+            "hist_mode": self.hist_mode,
+            "hist_rows": self.hist_rows,
+            "hist_seed": self.hist_seed,
+            "hist_stride": self.hist_stride,
+            "hist_pairs": self.hist_pairs,
+            "eps_pairs": self.eps_pairs,
+            "seconds": self.seconds,
+            "gram_seconds": self.gram_seconds,
+            "hist_seconds": self.hist_seconds,
+        }
 
 
 class MatrixError(DataError):
@@ -68,8 +83,9 @@ class MatrixError(DataError):
 
 def _as_matrix(matrix: torch.Tensor | np.ndarray) -> torch.Tensor:
     """A (V, d) real CPU tensor view of `matrix`, or MatrixError."""
-    if isinstance(matrix, np.ndarray) and not (np.issubdtype(matrix.dtype, np.floating)
-                                               or np.issubdtype(matrix.dtype, np.integer)):
+    if isinstance(matrix, np.ndarray) and not (
+        np.issubdtype(matrix.dtype, np.floating) or np.issubdtype(matrix.dtype, np.integer)
+    ):
         raise MatrixError(f"embedding matrix must hold real numbers, got dtype {matrix.dtype}")
     x = matrix if isinstance(matrix, torch.Tensor) else torch.from_numpy(np.asarray(matrix))
     if x.ndim != 2:
@@ -79,20 +95,23 @@ def _as_matrix(matrix: torch.Tensor | np.ndarray) -> torch.Tensor:
     return x.detach().cpu()
 
 
-def _unit_blocks(x: torch.Tensor, chunk: int, device: torch.device | None = None
-                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _unit_blocks(
+    x: torch.Tensor, chunk: int, device: torch.device | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Per chunk of rows of (V, d) x: (keep mask (c,), float64 unit rows (c', d) of the kept rows).
 
     Norms are taken in float64; a row with nan/inf is refused (it is neither a zero row nor a direction).
     """
     for s in range(0, x.shape[0], chunk):
-        rows = x[s:s + chunk].to(device=device, dtype=torch.float64)    # (c, d)
+        rows = x[s : s + chunk].to(device=device, dtype=torch.float64)  # (c, d)
         bad = (~torch.isfinite(rows)).any(dim=1).nonzero().flatten()
         if len(bad):
-            raise MatrixError(f"row {s + int(bad[0])} holds non-finite values (nan/inf), and "
-                              f"{len(bad) - 1} more row(s) among rows {s}..{s + len(rows) - 1}: the weights are "
-                              "damaged; measure an earlier checkpoint")
-        norms = rows.norm(dim=1)                                       # (c,)
+            raise MatrixError(
+                f"row {s + int(bad[0])} holds non-finite values (nan/inf), and "
+                f"{len(bad) - 1} more row(s) among rows {s}..{s + len(rows) - 1}: the weights are "
+                "damaged; measure an earlier checkpoint"
+            )
+        norms = rows.norm(dim=1)  # (c,)
         keep = norms > 0
         yield keep, rows[keep] / norms[keep, None]
 
@@ -116,15 +135,20 @@ def nonzero_rows(matrix: torch.Tensor | np.ndarray, chunk: int = 16384) -> torch
 
 
 class GramSums(NamedTuple):
-    rows: int               # rows kept (non-zero norm)
+    rows: int  # rows kept (non-zero norm)
     dropped: int
-    s1: float               # sum_{i<j} c_ij
-    s2: float               # sum_{i<j} c_ij^2
-    kept: torch.Tensor      # (rows,) indices of the kept rows
+    s1: float  # sum_{i<j} c_ij
+    s2: float  # sum_{i<j} c_ij^2
+    kept: torch.Tensor  # (rows,) indices of the kept rows
 
 
-def gram_sums(matrix: torch.Tensor | np.ndarray, block: int = 4096, rows_dtype: torch.dtype = torch.float64,
-              device: str | torch.device | None = None, progress: bool = False) -> GramSums:
+def gram_sums(
+    matrix: torch.Tensor | np.ndarray,
+    block: int = 4096,
+    rows_dtype: torch.dtype = torch.float64,
+    device: str | torch.device | None = None,
+    progress: bool = False,
+) -> GramSums:
     """Exact sums of c_ij and c_ij^2 over the pairs i < j of non-zero rows, in O(V d^2) float64.
 
     The rows are normalised in float64 a block at a time and, with `rows_dtype=torch.float32`, rounded
@@ -136,28 +160,32 @@ def gram_sums(matrix: torch.Tensor | np.ndarray, block: int = 4096, rows_dtype: 
     x = _as_matrix(matrix)
     d = x.shape[1]
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    width = max(256, -(-d // 16))                                      # panel width
-    panels = [(p, torch.zeros(min(width, d - p), d - p, dtype=torch.float64, device=dev))
-              for p in range(0, d, width)]                             # rows p..p+w of X^T X, columns p..d
-    total = torch.zeros(d, dtype=torch.float64, device=dev)            # sum_i x_i
-    sq = torch.zeros((), dtype=torch.float64, device=dev)              # sum_i |x_i|^2
-    quad = torch.zeros((), dtype=torch.float64, device=dev)            # sum_i |x_i|^4
+    width = max(256, -(-d // 16))  # panel width
+    panels = [
+        (p, torch.zeros(min(width, d - p), d - p, dtype=torch.float64, device=dev))
+        for p in range(0, d, width)
+    ]  # rows p..p+w of X^T X, columns p..d
+    total = torch.zeros(d, dtype=torch.float64, device=dev)  # sum_i x_i
+    sq = torch.zeros((), dtype=torch.float64, device=dev)  # sum_i |x_i|^2
+    quad = torch.zeros((), dtype=torch.float64, device=dev)  # sum_i |x_i|^4
     n, masks = 0, []
     with tqdm(total=x.shape[0], desc="Gram rows", unit="row", unit_scale=True, disable=not progress) as bar:
-        for keep, u in _unit_blocks(x, block, dev):                    # u: (b, d) float64
+        for keep, u in _unit_blocks(x, block, dev):  # u: (b, d) float64
             if rows_dtype != torch.float64:
                 u = u.to(rows_dtype).to(torch.float64)
             n += u.shape[0]
             masks.append(keep.cpu())
             total += u.sum(dim=0)
-            norms2 = (u * u).sum(dim=1)                                # (b,)
+            norms2 = (u * u).sum(dim=1)  # (b,)
             sq += norms2.sum()
             quad += (norms2 * norms2).sum()
             for p, acc in panels:
-                acc.addmm_(u[:, p:p + acc.shape[0]].T, u[:, p:])      # (w, d - p) += (w, b) @ (b, d - p)
+                acc.addmm_(u[:, p : p + acc.shape[0]].T, u[:, p:])  # (w, d - p) += (w, b) @ (b, d - p)
             bar.update(len(keep))
-    frob = sum(float(acc[:, :acc.shape[0]].square().sum()) + 2 * float(acc[:, acc.shape[0]:].square().sum())
-               for _, acc in panels)                                   # |X^T X|_F^2
+    frob = sum(
+        float(acc[:, : acc.shape[0]].square().sum()) + 2 * float(acc[:, acc.shape[0] :].square().sum())
+        for _, acc in panels
+    )  # |X^T X|_F^2
     s1 = (float(total @ total) - float(sq)) / 2
     s2 = (frob - float(quad)) / 2
     kept = torch.cat(masks).nonzero().flatten() if masks else torch.zeros(0, dtype=torch.long)
@@ -173,7 +201,9 @@ def _moments(s1: float, s2: float, pairs: int) -> tuple[float, float]:
     return mean, math.sqrt(max(s2 / pairs - mean * mean, 0.0))
 
 
-def gram_moments(matrix: torch.Tensor | np.ndarray, rows_dtype: torch.dtype = torch.float64) -> tuple[float, float]:
+def gram_moments(
+    matrix: torch.Tensor | np.ndarray, rows_dtype: torch.dtype = torch.float64
+) -> tuple[float, float]:
     """Exact mu, sigma over all pairs of non-zero rows, from the Gram matrix (see `gram_sums`)."""
     n, _, s1, s2, _ = gram_sums(matrix, rows_dtype=rows_dtype)
     if n < 2:
@@ -181,32 +211,38 @@ def gram_moments(matrix: torch.Tensor | np.ndarray, rows_dtype: torch.dtype = to
     return _moments(s1, s2, n * (n - 1) // 2)
 
 
-def _accumulate(x: torch.Tensor, block: int, bins: int, hist_stride: int,
-                progress: bool) -> tuple[float, float, torch.Tensor, int]:
+def _accumulate(
+    x: torch.Tensor, block: int, bins: int, hist_stride: int, progress: bool
+) -> tuple[float, float, torch.Tensor, int]:
     """One pass over the pair blocks of unit rows x (n, d): sum c, sum c^2, histogram, its pairs."""
     n, dev = x.shape[0], x.device
-    s1 = s2 = 0.0                                  # float64 running sums of c and c^2
+    s1 = s2 = 0.0  # float64 running sums of c and c^2
     counts = torch.zeros(bins, dtype=torch.float64, device=dev)
     zero_bin = int(torch.histc(torch.zeros(1, device=dev), bins=bins, min=-1.0, max=1.0).argmax())
     hist_pairs = 0
     starts = range(0, n, block)
-    bar = tqdm(total=n * (n - 1) // 2, desc="cosine pairs (histogram)", unit="pair", unit_scale=True,
-               disable=not progress)
+    bar = tqdm(
+        total=n * (n - 1) // 2,
+        desc="cosine pairs (histogram)",
+        unit="pair",
+        unit_scale=True,
+        disable=not progress,
+    )
     for i in starts:
-        xi = x[i:i + block]                                    # (b, d)
-        for j in starts[i // block:]:
-            g = xi @ x[j:j + block].T                          # (b, b') cosines
+        xi = x[i : i + block]  # (b, d)
+        for j in starts[i // block :]:
+            g = xi @ x[j : j + block].T  # (b, b') cosines
             if j == i:
-                g.triu_(1)                                     # keep pairs i < j; the rest become 0.0
-            s1 += float(g.sum(dim=1).double().sum())           # row sums in float32, total in float64
+                g.triu_(1)  # keep pairs i < j; the rest become 0.0
+            s1 += float(g.sum(dim=1).double().sum())  # row sums in float32, total in float64
             s2 += float(torch.linalg.vector_norm(g, dim=1).double().square().sum())
-            g.clamp_(-1.0, 1.0)                                # rounding can exceed 1 by an ulp
+            g.clamp_(-1.0, 1.0)  # rounding can exceed 1 by an ulp
             src = g if hist_stride == 1 else g[::hist_stride]
             counts += torch.histc(src, bins=bins, min=-1.0, max=1.0).to(torch.float64)
             n_src = src.numel()
-            if j == i:                                         # remove the zeros triu_ put below the diagonal
+            if j == i:  # remove the zeros triu_ put below the diagonal
                 rows = torch.arange(0, g.shape[0], hist_stride)
-                zeros = int((rows + 1).sum())                  # row r holds r + 1 of them
+                zeros = int((rows + 1).sum())  # row r holds r + 1 of them
                 counts[zero_bin] -= zeros
                 n_src -= zeros
             hist_pairs += n_src
@@ -215,8 +251,9 @@ def _accumulate(x: torch.Tensor, block: int, bins: int, hist_stride: int,
     return s1, s2, counts, hist_pairs
 
 
-def _pair_pass(x: torch.Tensor, block: int, bins: int, hist_stride: int, dev: torch.device,
-               progress: bool) -> tuple[float, float, torch.Tensor, int]:
+def _pair_pass(
+    x: torch.Tensor, block: int, bins: int, hist_stride: int, dev: torch.device, progress: bool
+) -> tuple[float, float, torch.Tensor, int]:
     """The all-pairs pass over float32 unit rows x on `dev`, with TF32 off (it rounds cosines to ~1e-3)."""
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -226,10 +263,18 @@ def _pair_pass(x: torch.Tensor, block: int, bins: int, hist_stride: int, dev: to
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
-def cosine_stats(matrix: torch.Tensor | np.ndarray, block: int = 4096, bins: int = 2000,
-                 histogram: str = "sample", hist_rows: int = 10_000, sample: int | None = None, seed: int = 0,
-                 hist_stride: int | None = None, device: str | torch.device | None = None,
-                 progress: bool = False) -> CosineStats:
+def cosine_stats(
+    matrix: torch.Tensor | np.ndarray,
+    block: int = 4096,
+    bins: int = 2000,
+    histogram: str = "sample",
+    hist_rows: int = 10_000,
+    sample: int | None = None,
+    seed: int = 0,
+    hist_stride: int | None = None,
+    device: str | torch.device | None = None,
+    progress: bool = False,
+) -> CosineStats:
     """Exact mu, sigma, eps of cos(row_i, row_j) over all i < j (or over `sample` seeded random rows).
 
     mu, sigma and eps always come from the Gram matrix (`gram_sums`). The histogram visits pairs:
@@ -258,8 +303,10 @@ def cosine_stats(matrix: torch.Tensor | np.ndarray, block: int = 4096, bins: int
     dropped = dropped_here if dropped is None else dropped
     d = x.shape[1]
     if n < 2:
-        raise MatrixError(f"need at least 2 non-zero rows to measure pairwise cosines, got {n} "
-                          f"(of {n + dropped} rows, {dropped} zero)")
+        raise MatrixError(
+            f"need at least 2 non-zero rows to measure pairwise cosines, got {n} "
+            f"(of {n + dropped} rows, {dropped} zero)"
+        )
     pairs = n * (n - 1) // 2
     mean, std = _moments(s1, s2, pairs)
     gram_seconds = time.perf_counter() - start
@@ -271,10 +318,10 @@ def cosine_stats(matrix: torch.Tensor | np.ndarray, block: int = 4096, bins: int
                 raise MatrixError(f"--hist-rows must be >= 2, got {hist_rows}")
             hist_seed = seed
             pick = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:hist_rows]
-            u, _ = normalized_rows(x[kept[pick.sort().values]])   # (hist_rows, d) float32
+            u, _ = normalized_rows(x[kept[pick.sort().values]])  # (hist_rows, d) float32
         else:
             histogram = "full"
-            u, _ = normalized_rows(x)                                        # (n, d) float32
+            u, _ = normalized_rows(x)  # (n, d) float32
         m = u.shape[0]
         stride = hist_stride or auto_hist_stride(m, d)
         p1, p2, counts, hist_pairs = _pair_pass(u, block, bins, stride, dev, progress)
@@ -282,12 +329,28 @@ def cosine_stats(matrix: torch.Tensor | np.ndarray, block: int = 4096, bins: int
             mu_p, sigma_p = _moments(p1, p2, pairs)
             eps_pairs = mu_p + 2 * sigma_p
     seconds = time.perf_counter() - start
-    return CosineStats(rows=n, dropped_zero_rows=dropped, dim=d, pairs=pairs, mean=mean, std=std,
-                       eps=mean + 2 * std, hist_mode=histogram, hist_rows=m, hist_seed=hist_seed,
-                       hist_stride=stride, hist_edges=np.linspace(-1.0, 1.0, bins + 1),
-                       hist_counts=counts.cpu().numpy().round().astype(np.int64), hist_pairs=hist_pairs,
-                       eps_pairs=eps_pairs, sampled_rows=sample, seed=seed, seconds=seconds,
-                       gram_seconds=gram_seconds, hist_seconds=seconds - gram_seconds)
+    return CosineStats(
+        rows=n,
+        dropped_zero_rows=dropped,
+        dim=d,
+        pairs=pairs,
+        mean=mean,
+        std=std,
+        eps=mean + 2 * std,
+        hist_mode=histogram,
+        hist_rows=m,
+        hist_seed=hist_seed,
+        hist_stride=stride,
+        hist_edges=np.linspace(-1.0, 1.0, bins + 1),
+        hist_counts=counts.cpu().numpy().round().astype(np.int64),
+        hist_pairs=hist_pairs,
+        eps_pairs=eps_pairs,
+        sampled_rows=sample,
+        seed=seed,
+        seconds=seconds,
+        gram_seconds=gram_seconds,
+        hist_seconds=seconds - gram_seconds,
+    )
 
 
 def auto_hist_stride(rows: int, dim: int) -> int:

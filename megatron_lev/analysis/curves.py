@@ -18,7 +18,7 @@ DEFAULT_TAGS = ("valid/loss", "train/loss")
 
 @dataclass
 class Curve:
-    x: np.ndarray     # (n,) tokens (or steps, see x_label), increasing
+    x: np.ndarray  # (n,) tokens (or steps, see x_label), increasing
     loss: np.ndarray  # (n,)
     x_label: str
     source: str
@@ -32,8 +32,11 @@ def _from_tensorboard(path: Path, tag: str | None, tokens_tag: str, tokens_per_s
     tags = acc.Tags().get("scalars", [])
     tag = tag or next((t for t in DEFAULT_TAGS if t in tags), None)
     if tag not in tags:
-        have = f"it has {sorted(tags)}" if tags else "it holds no TensorBoard scalars (no event files, or a run " \
-                                                      "that logged nothing yet)"
+        have = (
+            f"it has {sorted(tags)}"
+            if tags
+            else "it holds no TensorBoard scalars (no event files, or a run that logged nothing yet)"
+        )
         raise DataError(f"{path}: no scalar tag {tag or ' or '.join(DEFAULT_TAGS)}; {have}")
     events = acc.Scalars(tag)
     steps = np.array([e.step for e in events], dtype=np.float64)
@@ -66,13 +69,17 @@ def _from_table(path: Path) -> Curve:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{path}: not valid JSON ({exc}); expected {{'tokens': [...], 'loss': [...]}}") from None
+            raise DataError(
+                f"{path}: not valid JSON ({exc}); expected {{'tokens': [...], 'loss': [...]}}"
+            ) from None
         if isinstance(data, dict):
             if not isinstance(data.get("tokens"), list) or not isinstance(data.get("loss"), list):
                 raise DataError(f"{path}: expected lists 'tokens' and 'loss', got keys {sorted(data)}")
             if len(data["tokens"]) != len(data["loss"]):
-                raise DataError(f"{path}: 'tokens' has {len(data['tokens'])} values but 'loss' has "
-                                f"{len(data['loss'])}; they must pair up")
+                raise DataError(
+                    f"{path}: 'tokens' has {len(data['tokens'])} values but 'loss' has "
+                    f"{len(data['loss'])}; they must pair up"
+                )
             pairs = list(zip(data["tokens"], data["loss"]))
         else:
             pairs = data
@@ -91,19 +98,27 @@ def _from_table(path: Path) -> Curve:
     try:
         arr = np.asarray(pairs, dtype=np.float64)
     except (TypeError, ValueError):
-        raise DataError(f"{path}: expected (tokens, loss) pairs of numbers, every row with two values") from None
+        raise DataError(
+            f"{path}: expected (tokens, loss) pairs of numbers, every row with two values"
+        ) from None
     if arr.ndim != 2 or arr.shape[1] != 2 or len(arr) == 0:
         raise DataError(f"{path}: expected (tokens, loss) pairs, got shape {arr.shape}")
     return Curve(arr[:, 0], arr[:, 1], "tokens", str(path))
 
 
-def read_curve(path: str | Path, tag: str | None = None, tokens_tag: str = "train/tokens",
-               tokens_per_step: float | None = None) -> Curve:
+def read_curve(
+    path: str | Path,
+    tag: str | None = None,
+    tokens_tag: str = "train/tokens",
+    tokens_per_step: float | None = None,
+) -> Curve:
     """A loss curve from a TensorBoard log dir / event file, or a JSON / CSV of (tokens, loss)."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"{path}: loss curve not found (give a TensorBoard log directory, or a JSON/CSV of "
-                        "(tokens, loss))")
+        raise DataError(
+            f"{path}: loss curve not found (give a TensorBoard log directory, or a JSON/CSV of "
+            "(tokens, loss))"
+        )
     if tokens_per_step is not None and not (math.isfinite(tokens_per_step) and tokens_per_step > 0):
         raise DataError(f"--tokens-per-step {tokens_per_step}: must be a finite number > 0")
     if path.suffix in (".json", ".csv"):
@@ -111,13 +126,19 @@ def read_curve(path: str | Path, tag: str | None = None, tokens_tag: str = "trai
     else:
         curve = _from_tensorboard(path, tag, tokens_tag, tokens_per_step)
     if not len(curve.loss):
-        raise DataError(f"{curve.source}: the loss curve is empty; the run logged no {tag or 'loss'} values yet")
+        raise DataError(
+            f"{curve.source}: the loss curve is empty; the run logged no {tag or 'loss'} values yet"
+        )
     bad = ~(np.isfinite(curve.x) & np.isfinite(curve.loss))
     if bad.all():
-        raise DataError(f"{curve.source}: no finite (tokens, loss) point; the run diverged or the file is damaged")
+        raise DataError(
+            f"{curve.source}: no finite (tokens, loss) point; the run diverged or the file is damaged"
+        )
     if bad.any():  # e.g. a logging window whose steps were all skipped
-        print(f"warning: {curve.source}: dropped {int(bad.sum())} of {len(bad)} points that are not finite",
-              file=sys.stderr)
+        print(
+            f"warning: {curve.source}: dropped {int(bad.sum())} of {len(bad)} points that are not finite",
+            file=sys.stderr,
+        )
         curve.x, curve.loss = curve.x[~bad], curve.loss[~bad]
     order = np.argsort(curve.x, kind="stable")
     curve.x, curve.loss = curve.x[order], curve.loss[order]

@@ -20,8 +20,10 @@ def read_hf_config(model_dir: str | Path) -> dict:
 
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise DataError(f"{model_dir}: not a Hugging Face model directory (no config.json) and not a training "
-                        "checkpoint; pass an exported model directory or a checkpoint save directory")
+        raise DataError(
+            f"{model_dir}: not a Hugging Face model directory (no config.json) and not a training "
+            "checkpoint; pass an exported model directory or a checkpoint save directory"
+        )
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -31,8 +33,9 @@ def read_hf_config(model_dir: str | Path) -> dict:
     return config
 
 
-def hf_model_fn(model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
-                trust_remote_code: bool = False) -> Callable:
+def hf_model_fn(
+    model_dir: str | Path, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False
+) -> Callable:
     """`input_ids (B, S) -> logits (B, S, V)` for an exported Hugging Face causal LM.
 
     A model that ships its own code (`auto_map` in config.json, e.g. a `--keep-lev` export) is
@@ -43,20 +46,26 @@ def hf_model_fn(model_dir: str | Path, device: str = "cpu", dtype: str = "float3
     config = read_hf_config(model_dir)
     if config.get("auto_map") and not trust_remote_code:
         code = sorted(p.name for p in Path(model_dir).glob("*.py")) or ["its auto_map classes"]
-        raise UserError(f"{model_dir} ships its own model code ({', '.join(code)}; e.g. a --keep-lev export): "
-                        "pass --trust-remote-code to run it, only if you trust that code")
+        raise UserError(
+            f"{model_dir} ships its own model code ({', '.join(code)}; e.g. a --keep-lev export): "
+            "pass --trust-remote-code to run it, only if you trust that code"
+        )
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype),
-                                                     trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
-        raise DataError(f"{model_dir}: transformers cannot load this model: {type(exc).__name__}: "
-                        f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}") from None
+        raise DataError(
+            f"{model_dir}: transformers cannot load this model: {type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+        ) from None
     model.to(device).eval()
     return lambda ids: model(input_ids=ids).logits
 
 
-def checkpoint_model_fn(checkpoint: str | Path, tag: str | None = None,
-                        device: str = "cpu") -> tuple[Callable, int, int]:
+def checkpoint_model_fn(
+    checkpoint: str | Path, tag: str | None = None, device: str = "cpu"
+) -> tuple[Callable, int, int]:
     """`input_ids -> logits` of a training checkpoint of any TP x PP x ZeRO layout, its sequence length
     and vocabulary size.
 
@@ -93,11 +102,15 @@ def _checked(batches: Iterator[torch.Tensor], source: str, vocab_size: int | Non
         n += 1
         top = int(batch.max())
         if vocab_size is not None and top >= vocab_size:
-            raise DataError(f"{source}: token id {top} >= the model's vocabulary of {vocab_size}: the corpus was "
-                            "tokenized with another tokenizer than the model's; use the model's tokenizer")
+            raise DataError(
+                f"{source}: token id {top} >= the model's vocabulary of {vocab_size}: the corpus was "
+                "tokenized with another tokenizer than the model's; use the model's tokenizer"
+            )
         yield batch
     if n == 0:
-        raise DataError(f"{source}: no tokens to evaluate (empty, or fewer than 2 tokens); give a corpus with text")
+        raise DataError(
+            f"{source}: no tokens to evaluate (empty, or fewer than 2 tokens); give a corpus with text"
+        )
 
 
 def _losses(batches, model_fn, **kwargs):
@@ -114,17 +127,30 @@ def _losses(batches, model_fn, **kwargs):
 
 def _finite(result: dict, source: str) -> dict:
     if not math.isfinite(result["mean_nll"]):
-        raise DataError(f"{source}: the evaluation gave a non-finite perplexity ({result['mean_nll']} mean NLL): "
-                        "the model's weights or logits are not finite; evaluate an earlier checkpoint")
+        raise DataError(
+            f"{source}: the evaluation gave a non-finite perplexity ({result['mean_nll']} mean NLL): "
+            "the model's weights or logits are not finite; evaluate an earlier checkpoint"
+        )
     return result
 
 
-def evaluate_model(model_fn: Callable, name: str, data_prefixes: list[str] = (), text_paths: list[str] = (),
-                   tokenizer: TextTokenizer | None = None, counts: np.ndarray | None = None,
-                   edges: tuple[float, ...] = DEFAULT_EDGES, seq_len: int = 1024, batch_size: int = 4,
-                   max_docs: int | None = None, device: str = "cpu", returns_loss: bool = False,
-                   progress: bool = True, split: tuple[str, str] | None = None,
-                   vocab_size: int | None = None) -> list[dict]:
+def evaluate_model(
+    model_fn: Callable,
+    name: str,
+    data_prefixes: list[str] = (),
+    text_paths: list[str] = (),
+    tokenizer: TextTokenizer | None = None,
+    counts: np.ndarray | None = None,
+    edges: tuple[float, ...] = DEFAULT_EDGES,
+    seq_len: int = 1024,
+    batch_size: int = 4,
+    max_docs: int | None = None,
+    device: str = "cpu",
+    returns_loss: bool = False,
+    progress: bool = True,
+    split: tuple[str, str] | None = None,
+    vocab_size: int | None = None,
+) -> list[dict]:
     """One result per held-out shard and per text corpus (frequency buckets when `counts` is given).
 
     `split=(part, spec)` evaluates only that part of each shard's documents, as the trainer splits them.
@@ -133,11 +159,20 @@ def evaluate_model(model_fn: Callable, name: str, data_prefixes: list[str] = (),
     """
     results = []
     for prefix in data_prefixes:
-        batches = _checked(sequence_batches(indexed_documents(prefix, max_docs, split), seq_len, batch_size),
-                           str(prefix), vocab_size)
+        batches = _checked(
+            sequence_batches(indexed_documents(prefix, max_docs, split), seq_len, batch_size),
+            str(prefix),
+            vocab_size,
+        )
         losses = _losses(batches, model_fn, returns_loss=returns_loss, device=device, progress=progress)
-        results.append(_finite(evaluation_result(losses, name, counts, edges, corpus=str(prefix),
-                                                 corpus_kind="mmidx", seq_len=seq_len), str(prefix)))
+        results.append(
+            _finite(
+                evaluation_result(
+                    losses, name, counts, edges, corpus=str(prefix), corpus_kind="mmidx", seq_len=seq_len
+                ),
+                str(prefix),
+            )
+        )
         if split is not None:
             results[-1]["split"] = {"part": split[0], "spec": split[1]}
     for path in text_paths:
@@ -146,7 +181,21 @@ def evaluate_model(model_fn: Callable, name: str, data_prefixes: list[str] = (),
         corpus = TokenizedCorpus([path], tokenizer, max_docs)
         batches = _checked(sequence_batches(corpus, seq_len, batch_size), str(path), vocab_size)
         losses = _losses(batches, model_fn, returns_loss=returns_loss, device=device, progress=progress)
-        results.append(_finite(evaluation_result(losses, name, counts, edges, n_bytes=corpus.n_bytes,
-                                                 tokenizer=tokenizer.name, corpus=str(path), corpus_kind="text",
-                                                 documents=corpus.n_docs, seq_len=seq_len), str(path)))
+        results.append(
+            _finite(
+                evaluation_result(
+                    losses,
+                    name,
+                    counts,
+                    edges,
+                    n_bytes=corpus.n_bytes,
+                    tokenizer=tokenizer.name,
+                    corpus=str(path),
+                    corpus_kind="text",
+                    documents=corpus.n_docs,
+                    seq_len=seq_len,
+                ),
+                str(path),
+            )
+        )
     return results

@@ -59,14 +59,19 @@ def load_packing(path: str | Path) -> np.ndarray:
     if not isinstance(data, list) or not data:
         raise PackingError(f"{path}: expected a non-empty list of [k, d, eps*] rows")
     for i, row in enumerate(data):
-        if (not isinstance(row, list) or len(row) != 3
-                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row)):
+        if (
+            not isinstance(row, list)
+            or len(row) != 3
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row)
+        ):
             raise PackingError(f"{path}: row {i} is {row!r}, expected [k, d, eps*] (three numbers)")
     arr = np.asarray(data, dtype=np.float64)
     bad = np.nonzero(~np.isfinite(arr).all(axis=1) | (arr[:, 0] <= 0) | (arr[:, 1] <= 0) | (arr[:, 2] < 0))[0]
     if len(bad):
-        raise PackingError(f"{path}: row {int(bad[0])} is {data[int(bad[0])]!r}: k and d must be positive and "
-                           f"eps* finite and >= 0 ({len(bad)} bad row(s)); rerun the sweep or drop the row")
+        raise PackingError(
+            f"{path}: row {int(bad[0])} is {data[int(bad[0])]!r}: k and d must be positive and "
+            f"eps* finite and >= 0 ({len(bad)} bad row(s)); rerun the sweep or drop the row"
+        )
     return arr
 
 
@@ -79,18 +84,30 @@ def refit(rows: np.ndarray, source: str = "packing rows") -> dict[str, dict]:
         need = len(names)  # at least one row per constant
         if mask.sum() < need:
             where = "rows" if key == "jl" else "rows with k > d"
-            raise PackingError(f"{source}: too few {where} to fit the {key} form: {int(mask.sum())}, need at "
-                               f"least {need}; add packing results (e.g. --sweep small)")
+            raise PackingError(
+                f"{source}: too few {where} to fit the {key} form: {int(mask.sum())}, need at "
+                f"least {need}; add packing results (e.g. --sweep small)"
+            )
         km, dm, em = k[mask], d[mask], eps[mask]
-        with np.errstate(invalid="ignore"):    # trial points may leave the domain; lm backs off
-            sol = least_squares(lambda p, km=km, dm=dm, em=em, f=predict: f(p, km, dm) - em,
-                                np.asarray(start), method="lm", xtol=1e-14, ftol=1e-14)
+        with np.errstate(invalid="ignore"):  # trial points may leave the domain; lm backs off
+            sol = least_squares(
+                lambda p, km=km, dm=dm, em=em, f=predict: f(p, km, dm) - em,
+                np.asarray(start),
+                method="lm",
+                xtol=1e-14,
+                ftol=1e-14,
+            )
         pred = predict(sol.x, k, d)
         r2 = 1.0 - float(((pred - eps) ** 2).sum() / ((eps - eps.mean()) ** 2).sum())
         rel = k > d
         mape = float(np.mean(np.abs(pred[rel] - eps[rel]) / eps[rel]) * 100)
-        out[key] = {"params": dict(zip(names, map(float, sol.x))), "r2": r2,
-                    "mape_percent": mape, "n_fit": int(mask.sum()), "n": len(k)}
+        out[key] = {
+            "params": dict(zip(names, map(float, sol.x))),
+            "r2": r2,
+            "mape_percent": mape,
+            "n_fit": int(mask.sum()),
+            "n": len(k),
+        }
     return out
 
 
@@ -98,5 +115,7 @@ def fit_markdown(fits: dict[str, dict]) -> str:
     lines = ["| form | constants | R^2 | MAPE % | rows fitted |", "|---|---|---|---|---|"]
     for key, f in fits.items():
         consts = ", ".join(f"{n} = {v:.5g}" for n, v in f["params"].items())
-        lines.append(f"| {key} | {consts} | {f['r2']:.4f} | {f['mape_percent']:.2f} | {f['n_fit']}/{f['n']} |")
+        lines.append(
+            f"| {key} | {consts} | {f['r2']:.4f} | {f['mape_percent']:.2f} | {f['n_fit']}/{f['n']} |"
+        )
     return "\n".join(lines) + "\n"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-LOW_EPS = 0.1    # below: strict near-orthogonality, capacity is meaningful
-HIGH_EPS = 0.2   # above: no near-orthogonal structure, capacity indeterminate
+LOW_EPS = 0.1  # below: strict near-orthogonality, capacity is meaningful
+HIGH_EPS = 0.2  # above: no near-orthogonal structure, capacity indeterminate
 
 CAVEATS = (
     "Caveats: eps is a heuristic threshold and capacity is exponential in eps^2, so absolute "
@@ -32,9 +32,9 @@ class Formula:
 
     def ln_capacity(self, d: float, eps: float) -> float:
         c = self.constants
-        if self.key in ("jl_proven", "jl_tight"):          # k <= exp(d eps^2 / C)
+        if self.key in ("jl_proven", "jl_tight"):  # k <= exp(d eps^2 / C)
             return d * eps**2 / c["C"]
-        if self.key == "adjusted":                           # k <= d exp(d eps^2 / C)
+        if self.key == "adjusted":  # k <= d exp(d eps^2 / C)
             return math.log(d) + d * eps**2 / c["C"]
         # fitted: k <= (d exp((d^c eps^2 / C)^(1/b)))^(1/a)
         inner = (d ** c["c"] * eps**2 / c["C"]) ** (1.0 / c["b"])
@@ -50,8 +50,12 @@ FORMULAS: tuple[Formula, ...] = (
     Formula("adjusted", "adjusted (one constant)", "k <= d exp(d eps^2 / C)", {"C": 1.2934}),
     # the paper prints C = 0.45809, a = 1.0668, b = 1.4474, c = 0.9720; these are the unrounded
     # values of refitting its sweep (fit.py), which reproduce its table to 3 significant digits
-    Formula("fitted", "fitted (four constants)", "k <= (d exp((d^c eps^2 / C)^(1/b)))^(1/a)",
-            {"C": 0.458093, "a": 1.066800, "b": 1.447386, "c": 0.971972}),
+    Formula(
+        "fitted",
+        "fitted (four constants)",
+        "k <= (d exp((d^c eps^2 / C)^(1/b)))^(1/a)",
+        {"C": 0.458093, "a": 1.066800, "b": 1.447386, "c": 0.971972},
+    ),
 )
 
 
@@ -85,7 +89,15 @@ def capacity_table(d: int, eps: float) -> list[dict]:
     rows = []
     for f in FORMULAS:
         log10_k = f.log10_capacity(d, eps)
-        rows.append({"key": f.key, "name": f.name, "formula": f.text, "constants": dict(f.constants),
-                     "log10_capacity": log10_k, "capacity": format_log10(log10_k),
-                     "reproduces_paper_table": f.key == "fitted"})
+        rows.append(
+            {
+                "key": f.key,
+                "name": f.name,
+                "formula": f.text,
+                "constants": dict(f.constants),
+                "log10_capacity": log10_k,
+                "capacity": format_log10(log10_k),
+                "reproduces_paper_table": f.key == "fitted",
+            }
+        )
     return rows

@@ -12,11 +12,20 @@ from megatron_lev.analysis.cosine import MatrixError
 
 # the usual names of the input-embedding table, most specific first
 INPUT_NAMES = (
-    "model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight", "wte.weight",
-    "gpt_neox.embed_in.weight", "embed_in.weight", "embeddings.word_embeddings.weight",
-    "word_embeddings.weight", "model.decoder.embed_tokens.weight", "transformer.word_embeddings.weight",
-    "language_model.model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
-    "backbone.embeddings.weight", "tok_embeddings.weight",
+    "model.embed_tokens.weight",
+    "embed_tokens.weight",
+    "transformer.wte.weight",
+    "wte.weight",
+    "gpt_neox.embed_in.weight",
+    "embed_in.weight",
+    "embeddings.word_embeddings.weight",
+    "word_embeddings.weight",
+    "model.decoder.embed_tokens.weight",
+    "transformer.word_embeddings.weight",
+    "language_model.model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "backbone.embeddings.weight",
+    "tok_embeddings.weight",
 )
 OUTPUT_NAMES = ("lm_head.weight", "embed_out.weight", "output.weight", "model.lm_head.weight")
 
@@ -75,7 +84,9 @@ def _tied(path: Path) -> bool:
     if not cfg.exists():
         return False
     data = json.loads(cfg.read_text())
-    return bool(data.get("tie_word_embeddings", data.get("text_config", {}).get("tie_word_embeddings", False)))
+    return bool(
+        data.get("tie_word_embeddings", data.get("text_config", {}).get("tie_word_embeddings", False))
+    )
 
 
 def load_matrices(path: str | Path, tensor: str | None = None) -> dict[str, torch.Tensor]:
@@ -96,8 +107,10 @@ def load_matrices(path: str | Path, tensor: str | None = None) -> dict[str, torc
             try:  # tensors only: a pickled object in a downloaded model never runs
                 state.update(torch.load(b, map_location="cpu", weights_only=True))
             except Exception as exc:
-                raise MatrixError(f"{b}: not a plain PyTorch state dict of tensors "
-                                  f"({str(exc).strip().splitlines()[0][:200]})") from None
+                raise MatrixError(
+                    f"{b}: not a plain PyTorch state dict of tensors "
+                    f"({str(exc).strip().splitlines()[0][:200]})"
+                ) from None
         locations = {name: None for name in state}
         read = lambda name: state[name]  # noqa: E731
     elif path.suffix == ".safetensors" or path.is_dir():
@@ -108,7 +121,9 @@ def load_matrices(path: str | Path, tensor: str | None = None) -> dict[str, torc
     label = path.name
     if tensor is not None:
         if tensor not in locations:
-            raise MatrixError(f"{path}: no tensor named {tensor!r} (--tensor); it has {sorted(locations)[:20]}...")
+            raise MatrixError(
+                f"{path}: no tensor named {tensor!r} (--tensor); it has {sorted(locations)[:20]}..."
+            )
         return {f"{label}:{tensor}": read(tensor)}
     found = {}
     for role, names in (("input", INPUT_NAMES), ("output", OUTPUT_NAMES)):
@@ -116,8 +131,10 @@ def load_matrices(path: str | Path, tensor: str | None = None) -> dict[str, torc
         if name is not None:
             found[f"{label}:{role} ({name})"] = read(name)
     if not found:
-        raise MatrixError(f"{path}: no input-embedding or output-head tensor under the usual names; "
-                       f"pass --tensor NAME (it has {sorted(locations)[:20]}...)")
+        raise MatrixError(
+            f"{path}: no input-embedding or output-head tensor under the usual names; "
+            f"pass --tensor NAME (it has {sorted(locations)[:20]}...)"
+        )
     if path.is_dir() and _tied(path) and len(found) == 1:
         key = next(iter(found))
         found[key.replace(":input", ":input = output (tied)")] = found.pop(key)

@@ -15,8 +15,10 @@ from tqdm import tqdm
 # (d values, k values) per named sweep; "full" is the paper's grid and wants a GPU.
 SWEEPS = {
     "small": ((16, 32, 64, 128), (128, 256)),
-    "full": ((32, 64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096),
-             (2000, 4000, 8000, 16000, 24000, 32000)),
+    "full": (
+        (32, 64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096),
+        (2000, 4000, 8000, 16000, 24000, 32000),
+    ),
 }
 
 
@@ -27,7 +29,7 @@ def packing_exponent(d: int, k: int) -> int:
 
 
 def _max_offdiag(gram: torch.Tensor) -> float:
-    off = gram - torch.diag_embed(torch.diagonal(gram))        # (k, k), zero diagonal
+    off = gram - torch.diag_embed(torch.diagonal(gram))  # (k, k), zero diagonal
     return float(off.abs().max())
 
 
@@ -37,13 +39,14 @@ def random_packing(d: int, k: int, trials: int = 5, seed: int = 0, device: str =
     best = math.inf
     for _ in range(trials):
         v = torch.randn(d, k, generator=gen, device=device)
-        v = v / v.norm(dim=0, keepdim=True)                    # (d, k) unit columns
+        v = v / v.norm(dim=0, keepdim=True)  # (d, k) unit columns
         best = min(best, _max_offdiag(v.T @ v))
     return best
 
 
-def optimized_packing(d: int, k: int, steps: int = 5000, lr: float | None = None, seed: int = 0,
-                      device: str = "cpu") -> float:
+def optimized_packing(
+    d: int, k: int, steps: int = 5000, lr: float | None = None, seed: int = 0, device: str = "cpu"
+) -> float:
     """eps* = max |G_ij|, i != j, after Adam on sum |G - I|^p with columns kept unit-norm."""
     gen = torch.Generator(device=device).manual_seed(seed)
     v = torch.randn(d, k, generator=gen, device=device)
@@ -71,5 +74,11 @@ def run_sweep(ds, ks, steps: int = 5000, trials: int = 5, device: str = "cpu", s
     for d, k in tqdm(grid, desc="packing (d, k)", unit="pt"):
         rand_rows.append([k, d, random_packing(d, k, trials, seed, device)])
         opt_rows.append([k, d, optimized_packing(d, k, steps, seed=seed, device=device)])
-    return {"random": rand_rows, "optimized": opt_rows, "steps": steps, "trials": trials,
-            "device": str(device), "seconds": time.perf_counter() - start}
+    return {
+        "random": rand_rows,
+        "optimized": opt_rows,
+        "steps": steps,
+        "trials": trials,
+        "device": str(device),
+        "seconds": time.perf_counter() - start,
+    }

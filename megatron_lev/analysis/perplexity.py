@@ -23,7 +23,7 @@ DEFAULT_EDGES = (1e-7, 1e-6, 1e-5, 1e-4)  # relative-frequency decade edges
 class TokenLosses:
     """NLL (nats) of every predicted token and the token id it predicted."""
 
-    nll: np.ndarray      # (N,) float64
+    nll: np.ndarray  # (N,) float64
     targets: np.ndarray  # (N,) int64
 
     @property
@@ -35,9 +35,13 @@ class TokenLosses:
         return math.exp(self.mean_nll)
 
 
-def per_token_losses(batches: Iterable[torch.Tensor], model_fn: Callable[..., torch.Tensor],
-                     returns_loss: bool = False, device: str | torch.device = "cpu",
-                     progress: bool = True) -> TokenLosses:
+def per_token_losses(
+    batches: Iterable[torch.Tensor],
+    model_fn: Callable[..., torch.Tensor],
+    returns_loss: bool = False,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> TokenLosses:
     """Run `model_fn` over batches of token ids (B, S+1): inputs [:, :-1] predict targets [:, 1:].
 
     `model_fn(inputs) -> logits (B, S, V)`, or with `returns_loss`, `model_fn(inputs, targets)
@@ -51,16 +55,19 @@ def per_token_losses(batches: Iterable[torch.Tensor], model_fn: Callable[..., to
             batch = torch.as_tensor(batch, dtype=torch.long)
             if batch.ndim != 2 or batch.shape[1] < 2:
                 raise ValueError(f"a batch must be (B, S+1) token ids with S >= 1, got {tuple(batch.shape)}")
-            inputs, targets = batch[:, :-1].to(device), batch[:, 1:].to(device)   # (B, S) each
+            inputs, targets = batch[:, :-1].to(device), batch[:, 1:].to(device)  # (B, S) each
             if returns_loss:
-                nll = model_fn(inputs, targets).float()                           # (B, S)
+                nll = model_fn(inputs, targets).float()  # (B, S)
             else:
-                logits = model_fn(inputs)                                         # (B, S, V)
+                logits = model_fn(inputs)  # (B, S, V)
                 if logits.shape[:2] != targets.shape:
-                    raise ValueError(f"model_fn returned logits {tuple(logits.shape)} for inputs "
-                                     f"{tuple(inputs.shape)}; expected (B, S, V)")
-                nll = torch.stack([F.cross_entropy(lg.float(), tg, reduction="none")
-                                   for lg, tg in zip(logits, targets)])           # (B, S)
+                    raise ValueError(
+                        f"model_fn returned logits {tuple(logits.shape)} for inputs "
+                        f"{tuple(inputs.shape)}; expected (B, S, V)"
+                    )
+                nll = torch.stack(
+                    [F.cross_entropy(lg.float(), tg, reduction="none") for lg, tg in zip(logits, targets)]
+                )  # (B, S)
             nll_parts.append(nll.reshape(-1).double().cpu().numpy())
             tgt_parts.append(targets.reshape(-1).cpu().numpy())
             n_tokens += targets.numel()
@@ -80,8 +87,10 @@ def load_counts(path: str | Path) -> np.ndarray:
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: cannot read token counts ({exc})") from exc
     if counts.ndim != 1 or not np.issubdtype(counts.dtype, np.integer) or (counts < 0).any():
-        raise ValueError(f"{path}: token counts must be a 1-D non-negative integer array, "
-                         f"got {counts.dtype} {counts.shape}")
+        raise ValueError(
+            f"{path}: token counts must be a 1-D non-negative integer array, "
+            f"got {counts.dtype} {counts.shape}"
+        )
     if counts.sum() == 0:
         raise ValueError(f"{path}: token counts are all zero")
     return counts.astype(np.int64)
@@ -92,8 +101,9 @@ def bucket_labels(edges: tuple[float, ...]) -> list[str]:
     return [f"< {edges[0]:.0e}", *inner, f">= {edges[-1]:.0e}"]
 
 
-def frequency_buckets(losses: TokenLosses, counts: np.ndarray,
-                      edges: tuple[float, ...] = DEFAULT_EDGES) -> list[dict]:
+def frequency_buckets(
+    losses: TokenLosses, counts: np.ndarray, edges: tuple[float, ...] = DEFAULT_EDGES
+) -> list[dict]:
     """Perplexity of target tokens grouped by their relative training frequency.
 
     Ids beyond `counts` (a padded vocabulary) have frequency 0. Every bucket is listed, with
@@ -102,38 +112,59 @@ def frequency_buckets(losses: TokenLosses, counts: np.ndarray,
     edges = tuple(float(e) for e in edges)
     if not edges or any(a >= b for a, b in zip(edges[:-1], edges[1:])) or edges[0] <= 0:
         raise ValueError(f"bucket edges must be positive and increasing, got {edges}")
-    freq = counts / counts.sum()                                  # (V,)
-    vocab_bucket = np.searchsorted(edges, freq, side="right")     # 0: below edges[0]
+    freq = counts / counts.sum()  # (V,)
+    vocab_bucket = np.searchsorted(edges, freq, side="right")  # 0: below edges[0]
     tgt_freq = np.zeros(len(losses.targets))
     inside = losses.targets < len(counts)
     tgt_freq[inside] = freq[losses.targets[inside]]
-    tgt_bucket = np.searchsorted(edges, tgt_freq, side="right")   # (N,)
+    tgt_bucket = np.searchsorted(edges, tgt_freq, side="right")  # (N,)
     bounds = (0.0, *edges, math.inf)
     out = []
     for b, label in enumerate(bucket_labels(edges)):
         sel = losses.nll[tgt_bucket == b]
         mean = float(sel.mean()) if len(sel) else None
-        out.append({"bucket": label, "lo": bounds[b], "hi": bounds[b + 1] if b < len(edges) else None,
-                    "tokens": int(len(sel)), "share": len(sel) / max(len(losses.nll), 1),
-                    "vocab_ids": int((vocab_bucket == b).sum()), "mean_nll": mean,
-                    "perplexity": math.exp(mean) if mean is not None else None})
+        out.append(
+            {
+                "bucket": label,
+                "lo": bounds[b],
+                "hi": bounds[b + 1] if b < len(edges) else None,
+                "tokens": int(len(sel)),
+                "share": len(sel) / max(len(losses.nll), 1),
+                "vocab_ids": int((vocab_bucket == b).sum()),
+                "mean_nll": mean,
+                "perplexity": math.exp(mean) if mean is not None else None,
+            }
+        )
     return out
 
 
-def evaluation_result(losses: TokenLosses, name: str, counts: np.ndarray | None = None,
-                      edges: tuple[float, ...] = DEFAULT_EDGES, n_bytes: int | None = None,
-                      tokenizer: str | None = None, **extra) -> dict:
+def evaluation_result(
+    losses: TokenLosses,
+    name: str,
+    counts: np.ndarray | None = None,
+    edges: tuple[float, ...] = DEFAULT_EDGES,
+    n_bytes: int | None = None,
+    tokenizer: str | None = None,
+    **extra,
+) -> dict:
     """The JSON-ready result `compare` reads: overall perplexity, buckets, normalisation stated."""
     total_nats = float(losses.nll.sum())
-    res = {"name": name, "tokens": int(len(losses.nll)), "mean_nll": losses.mean_nll,
-           "perplexity": losses.perplexity, "bits_per_token": losses.mean_nll / math.log(2),
-           "normalisation": f"per token of the tokenizer {tokenizer or '(the model vocabulary)'}; "
-                            "exp of the mean NLL over every predicted token", **extra}
+    res = {
+        "name": name,
+        "tokens": int(len(losses.nll)),
+        "mean_nll": losses.mean_nll,
+        "perplexity": losses.perplexity,
+        "bits_per_token": losses.mean_nll / math.log(2),
+        "normalisation": f"per token of the tokenizer {tokenizer or '(the model vocabulary)'}; "
+        "exp of the mean NLL over every predicted token",
+        **extra,
+    }
     if n_bytes is not None:
         res["bytes"] = int(n_bytes)
         res["bits_per_byte"] = total_nats / math.log(2) / n_bytes
-        res["normalisation"] += ("; bits_per_byte = total NLL in bits / UTF-8 bytes of the text, "
-                                 "comparable across tokenizers")
+        res["normalisation"] += (
+            "; bits_per_byte = total NLL in bits / UTF-8 bytes of the text, comparable across tokenizers"
+        )
     if counts is not None:
         res["bucket_edges"] = list(edges)
         res["buckets"] = frequency_buckets(losses, counts, edges)
@@ -144,13 +175,22 @@ def result_markdown(results: list[dict]) -> str:
     lines = ["| result | tokens | perplexity | bits/token | bits/byte |", "|---|---|---|---|---|"]
     for r in results:
         bpb = f"{r['bits_per_byte']:.4f}" if "bits_per_byte" in r else "-"
-        lines.append(f"| {r['name']} | {r['tokens']} | {r['perplexity']:.3f} | {r['bits_per_token']:.4f} | {bpb} |")
+        lines.append(
+            f"| {r['name']} | {r['tokens']} | {r['perplexity']:.3f} | {r['bits_per_token']:.4f} | {bpb} |"
+        )
     for r in results:
         if "buckets" in r:
-            lines += ["", f"Perplexity by training-token frequency, {r['name']}:", "",
-                      "| relative frequency | vocab ids | tokens | share | perplexity |", "|---|---|---|---|---|"]
+            lines += [
+                "",
+                f"Perplexity by training-token frequency, {r['name']}:",
+                "",
+                "| relative frequency | vocab ids | tokens | share | perplexity |",
+                "|---|---|---|---|---|",
+            ]
             for b in r["buckets"]:
                 ppl = f"{b['perplexity']:.3f}" if b["perplexity"] is not None else "(empty)"
-                lines.append(f"| {b['bucket']} | {b['vocab_ids']} | {b['tokens']} | {b['share']:.2%} | {ppl} |")
+                lines.append(
+                    f"| {b['bucket']} | {b['vocab_ids']} | {b['tokens']} | {b['share']:.2%} | {ppl} |"
+                )
     lines += ["", *(f"- {r['name']}: {r['normalisation']}" for r in results)]
     return "\n".join(lines) + "\n"

@@ -53,14 +53,18 @@ def resolve_tag_dir(path: str | os.PathLike, tag: str | None = None) -> Path:
     """The directory holding the shard files: `path/tag`, `path/<latest>`, or `path` itself."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist (or is not a directory); pass the "
-                              "run's save directory or one checkpoint tag directory")
+        raise CheckpointError(
+            f"checkpoint directory {path} does not exist (or is not a directory); pass the "
+            "run's save directory or one checkpoint tag directory"
+        )
     if tag is not None:
         tag_dir = path / tag
         if not tag_dir.is_dir():
             tags = sorted(p.name for p in path.iterdir() if p.is_dir())
-            raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist (--tag {tag}); tags there: "
-                                  f"{', '.join(tags[:8]) or 'none'}")
+            raise CheckpointError(
+                f"checkpoint tag directory {tag_dir} does not exist (--tag {tag}); tags there: "
+                f"{', '.join(tags[:8]) or 'none'}"
+            )
         return tag_dir
     if any(path.glob("*model_states.pt")):
         return path
@@ -68,14 +72,18 @@ def resolve_tag_dir(path: str | os.PathLike, tag: str | None = None) -> Path:
     if latest.is_file():
         name = latest.read_text(errors="replace").strip()
         if not name or name in (".", "..") or "/" in name or "\\" in name:
-            raise CheckpointError(f"{latest} does not name a checkpoint tag (got {name!r}); write the tag "
-                                  "(e.g. iter_0001000) into it or pass --tag")
+            raise CheckpointError(
+                f"{latest} does not name a checkpoint tag (got {name!r}); write the tag "
+                "(e.g. iter_0001000) into it or pass --tag"
+            )
         tag_dir = path / name
         if not tag_dir.is_dir():
             raise CheckpointError(f"{latest} names tag {tag_dir.name!r} but {tag_dir} does not exist")
         return tag_dir
-    raise CheckpointError(f"{path} holds no *model_states.pt files and no 'latest' file: not a DeepSpeed "
-                          "checkpoint (pass the save directory or one tag directory)")
+    raise CheckpointError(
+        f"{path} holds no *model_states.pt files and no 'latest' file: not a DeepSpeed "
+        "checkpoint (pass the save directory or one tag directory)"
+    )
 
 
 def verify_tag(tag_dir: Path) -> None:
@@ -87,8 +95,10 @@ def verify_tag(tag_dir: Path) -> None:
     problems = verify_checkpoint(tag_dir)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointError(f"{problems[0]}{more}: this checkpoint is damaged; convert an earlier tag "
-                              f"(--tag) or restore it from a copy")
+        raise CheckpointError(
+            f"{problems[0]}{more}: this checkpoint is damaged; convert an earlier tag "
+            f"(--tag) or restore it from a copy"
+        )
 
 
 def find_files(tag_dir: Path) -> CheckpointFiles:
@@ -105,8 +115,10 @@ def find_files(tag_dir: Path) -> CheckpointFiles:
         tp = max(tps)
         for idx, ranks in sorted(layers.items()):
             if sorted(ranks) != list(range(tp)):
-                raise CheckpointError(f"{tag_dir}: layer {idx} has files for TP ranks {sorted(ranks)}, expected "
-                                      f"0..{tp - 1}: the checkpoint is incomplete")
+                raise CheckpointError(
+                    f"{tag_dir}: layer {idx} has files for TP ranks {sorted(ranks)}, expected "
+                    f"0..{tp - 1}: the checkpoint is incomplete"
+                )
         return CheckpointFiles(tag_dir, "pipeline", tp, layer_files=layers)
     zero3 = [(int(m.group(1)), int(m.group(2))) for n in names if (m := _ZERO3.match(n))]
     if zero3:
@@ -115,17 +127,23 @@ def find_files(tag_dir: Path) -> CheckpointFiles:
         optim = {(int(m.group(1)), int(m.group(2))) for n in names if (m := _OPTIM.match(n))}
         missing = [(d, mp) for d in range(dp) for mp in range(tp) if (d, mp) not in optim]
         if missing:
-            raise CheckpointError(f"{tag_dir}: ZeRO-3 optimizer partition(s) (dp, tp) {missing} are missing: "
-                                  "the checkpoint is incomplete")
+            raise CheckpointError(
+                f"{tag_dir}: ZeRO-3 optimizer partition(s) (dp, tp) {missing} are missing: "
+                "the checkpoint is incomplete"
+            )
         return CheckpointFiles(tag_dir, "zero3", tp, zero_dp=dp)
     mp = {int(m.group(1)): tag_dir / n for n in names if (m := _MP.match(n))}
     if not mp:
-        raise CheckpointError(f"{tag_dir}: no *model_states.pt shard files found: not a DeepSpeed checkpoint "
-                              "tag, or its save was interrupted; pass a complete tag (--tag)")
+        raise CheckpointError(
+            f"{tag_dir}: no *model_states.pt shard files found: not a DeepSpeed checkpoint "
+            "tag, or its save was interrupted; pass a complete tag (--tag)"
+        )
     tp = 1 + max(mp)
     if sorted(mp) != list(range(tp)):
-        raise CheckpointError(f"{tag_dir}: mp_rank files for TP ranks {sorted(mp)}, expected 0..{tp - 1}: "
-                              "the checkpoint is incomplete")
+        raise CheckpointError(
+            f"{tag_dir}: mp_rank files for TP ranks {sorted(mp)}, expected 0..{tp - 1}: "
+            "the checkpoint is incomplete"
+        )
     return CheckpointFiles(tag_dir, "plain", tp, mp_files=mp)
 
 
@@ -168,8 +186,9 @@ def safe_torch_load(path, **kwargs):
         with serialization.safe_globals(safe_globals()):
             return torch.load(path, **kwargs)
     if hasattr(serialization, "add_safe_globals"):
-        listed = getattr(serialization, "get_safe_globals", None) or getattr(serialization, "_get_safe_globals",
-                                                                            lambda: [])
+        listed = getattr(serialization, "get_safe_globals", None) or getattr(
+            serialization, "_get_safe_globals", lambda: []
+        )
         have = list(listed())
         missing = [g for g in safe_globals() if g not in have]
         if missing:
@@ -182,9 +201,11 @@ def safe_torch_load(path, **kwargs):
         needed = [name for name in names if re.search(rf"\b{re.escape(name)}\b", str(exc))]
         if not needed:
             raise
-        raise CheckpointError(f"cannot read {path} safely with torch {torch.__version__}: it pickles DeepSpeed's "
-                              f"{needed[0]}, and torch < 2.4 cannot allow a class in a weights-only load; "
-                              "install torch >= 2.4 to read this checkpoint") from None
+        raise CheckpointError(
+            f"cannot read {path} safely with torch {torch.__version__}: it pickles DeepSpeed's "
+            f"{needed[0]}, and torch < 2.4 cannot allow a class in a weights-only load; "
+            "install torch >= 2.4 to read this checkpoint"
+        ) from None
 
 
 def load_file(path: Path) -> dict:
@@ -197,11 +218,15 @@ def load_file(path: Path) -> dict:
     except pickle.UnpicklingError as exc:
         if "weights only" in str(exc).lower():
             raise CheckpointError(_refused(path, exc)) from None
-        raise CheckpointError(f"cannot read checkpoint file {path}: {_first_line(exc)} (truncated or corrupted; "
-                              "was the save interrupted?)") from None
+        raise CheckpointError(
+            f"cannot read checkpoint file {path}: {_first_line(exc)} (truncated or corrupted; "
+            "was the save interrupted?)"
+        ) from None
     except Exception as exc:  # torch raises several types for damaged zip archives
-        raise CheckpointError(f"cannot read checkpoint file {path}: {type(exc).__name__}: {_first_line(exc)} "
-                              "(truncated or corrupted; was the save interrupted?)") from None
+        raise CheckpointError(
+            f"cannot read checkpoint file {path}: {type(exc).__name__}: {_first_line(exc)} "
+            "(truncated or corrupted; was the save interrupted?)"
+        ) from None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -210,13 +235,16 @@ def _first_line(exc: BaseException) -> str:
 
 def _refused(path, exc: BaseException) -> str:
     what = re.search(r"(?:Unsupported global|Unsupported class|Unsupported operand)[^\n]*", str(exc))
-    return (f"refusing to load {path}: it holds pickled objects other than tensors and DeepSpeed's own "
-            f"state ({what.group(0).strip() if what else _first_line(exc)}); a checkpoint is never unpickled "
-            "beyond that, since it could run code: use a checkpoint written by the trainer")
+    return (
+        f"refusing to load {path}: it holds pickled objects other than tensors and DeepSpeed's own "
+        f"state ({what.group(0).strip() if what else _first_line(exc)}); a checkpoint is never unpickled "
+        "beyond that, since it could run code: use a checkpoint written by the trainer"
+    )
 
 
 class _WeightsOnlyTorch:
-    """`torch` as DeepSpeed's zero_to_fp32 sees it, with `load` restricted to weights and allow-listed classes."""
+    """`torch` as DeepSpeed's zero_to_fp32 sees it, with `load` restricted to weights and allow-listed
+    classes."""
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -229,7 +257,8 @@ class _WeightsOnlyTorch:
 
 @contextlib.contextmanager
 def _weights_only_zero_to_fp32():
-    """zero_to_fp32 calls `torch.load(..., weights_only=False)`; route those calls through `safe_torch_load`."""
+    """zero_to_fp32 calls `torch.load(..., weights_only=False)`; route those calls through
+    `safe_torch_load`."""
     from deepspeed.utils import zero_to_fp32
 
     real = zero_to_fp32.torch
@@ -261,25 +290,42 @@ def zero3_module_state(files: CheckpointFiles, tp_rank: int) -> dict[str, torch.
             if tag in p.name and (_ZERO3.match(p.name) or _OPTIM.match(p.name)):
                 os.symlink(p.resolve(), Path(tmp) / p.name)
         try:
-            with contextlib.redirect_stdout(sys.stderr), _weights_only_zero_to_fp32():  # progress goes to stdout
+            with (
+                contextlib.redirect_stdout(sys.stderr),
+                _weights_only_zero_to_fp32(),
+            ):  # progress goes to stdout
                 state = _get_fp32_state_dict_from_zero_checkpoint(tmp, exclude_frozen_parameters=False)
         except pickle.UnpicklingError as exc:
             if "weights only" not in str(exc).lower():
-                raise CheckpointError(f"{files.tag_dir}: cannot read the ZeRO-3 files of TP rank {tp_rank}: "
-                                      f"{_first_line(exc)} (truncated or corrupted?)") from None
-            raise CheckpointError(_refused(f"a ZeRO-3 file of TP rank {tp_rank} in {files.tag_dir}", exc)) from None
+                raise CheckpointError(
+                    f"{files.tag_dir}: cannot read the ZeRO-3 files of TP rank {tp_rank}: "
+                    f"{_first_line(exc)} (truncated or corrupted?)"
+                ) from None
+            raise CheckpointError(
+                _refused(f"a ZeRO-3 file of TP rank {tp_rank} in {files.tag_dir}", exc)
+            ) from None
         except CheckpointError:
             raise
         except Exception as exc:
-            raise CheckpointError(f"{files.tag_dir}: cannot gather the ZeRO-3 partitions of TP rank {tp_rank}: "
-                                  f"{type(exc).__name__}: {_first_line(exc)}") from None
+            raise CheckpointError(
+                f"{files.tag_dir}: cannot gather the ZeRO-3 partitions of TP rank {tp_rank}: "
+                f"{type(exc).__name__}: {_first_line(exc)}"
+            ) from None
     return dict(to_torch_tensor(state))  # lazy views over the flat partitions -> real tensors
 
 
 # model keys that change training only (memory, regularisation, init), not the function a checkpoint computes
-TRAINING_ONLY_MODEL_KEYS = {"name", "activation_checkpointing", "checkpoint_num_layers", "hidden_dropout",
-                            "attention_dropout", "init_std", "lev.chunk_size", "lev.recompute",
-                            "lev.w_out_init_scale"}
+TRAINING_ONLY_MODEL_KEYS = {
+    "name",
+    "activation_checkpointing",
+    "checkpoint_num_layers",
+    "hidden_dropout",
+    "attention_dropout",
+    "init_std",
+    "lev.chunk_size",
+    "lev.recompute",
+    "lev.w_out_init_scale",
+}
 
 
 def stored_config_path(tag_dir: Path) -> Path | None:
@@ -289,6 +335,7 @@ def stored_config_path(tag_dir: Path) -> Path | None:
 
 def model_differences(stored: RunConfig, given: RunConfig) -> list[str]:
     """`model.<key>: <stored> (checkpoint) != <given>` for every key that changes what the model computes."""
+
     def flat(d: dict, prefix: str = "") -> dict:
         out = {}
         for k, v in d.items():
@@ -296,8 +343,11 @@ def model_differences(stored: RunConfig, given: RunConfig) -> list[str]:
         return out
 
     a, b = flat(stored.to_dict()["model"]), flat(given.to_dict()["model"])
-    return [f"model.{k}: {a.get(k)!r} in the checkpoint != {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if k not in TRAINING_ONLY_MODEL_KEYS and a.get(k) != b.get(k)]
+    return [
+        f"model.{k}: {a.get(k)!r} in the checkpoint != {b.get(k)!r}"
+        for k in sorted(set(a) | set(b))
+        if k not in TRAINING_ONLY_MODEL_KEYS and a.get(k) != b.get(k)
+    ]
 
 
 def find_run_config(tag_dir: Path, config: str | os.PathLike | None = None) -> RunConfig:
@@ -312,10 +362,14 @@ def find_run_config(tag_dir: Path, config: str | os.PathLike | None = None) -> R
         if stored is not None and Path(config).resolve() != stored.resolve():
             diffs = model_differences(load_config([stored]), given)
             if diffs:
-                raise CheckpointError(f"--config {config} describes another model than the checkpoint's "
-                                      f"{stored}: {'; '.join(diffs)}; drop --config to use the checkpoint's own")
+                raise CheckpointError(
+                    f"--config {config} describes another model than the checkpoint's "
+                    f"{stored}: {'; '.join(diffs)}; drop --config to use the checkpoint's own"
+                )
         return given
     if stored is not None:
         return load_config([stored])
-    raise CheckpointError(f"no config.yaml beside the checkpoint (looked in {tag_dir} and {tag_dir.parent}); "
-                          "pass --config with the run's resolved config")
+    raise CheckpointError(
+        f"no config.yaml beside the checkpoint (looked in {tag_dir} and {tag_dir.parent}); "
+        "pass --config with the run's resolved config"
+    )

@@ -5,7 +5,8 @@
 The input embedding becomes a dense table: variants whose class has a `dense_table`
 (`tied`/`untied`) copy theirs; LEV and the compressed baselines are rebuilt at TP = 1 from
 their merged parameters and `materialize()`d. A variant whose class `ties_output_head`
-(`tied`) exports with `tie_word_embeddings=True`, every other variant untied. Vocabulary rows added for TP padding are dropped (export vocab = tokenizer vocab).
+(`tied`) exports with `tie_word_embeddings=True`, every other variant untied. Vocabulary rows
+added for TP padding are dropped (export vocab = tokenizer vocab).
 
 The directory is written as `<out>.partial` and renamed to `<out>` only after the
 exported model reproduces the source model's logits (see `validate`), and a probe model
@@ -57,7 +58,9 @@ log = get_logger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REMOTE_CODE = "modeling_lev_llama.py"  # shipped beside this file, copied into --keep-lev exports
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # atol = rtol of validation
-PROBE_TOLERANCE = 1e-4  # the probe runs in fp32 whatever the export dtype; atol relative to each stage's scale
+PROBE_TOLERANCE = (
+    1e-4  # the probe runs in fp32 whatever the export dtype; atol relative to each stage's scale
+)
 PROBE_GAIN = 2.0  # probe matrices ~ N(0, (gain / sqrt(fan_in))^2): sharp attention, where rope_theta shows
 
 
@@ -75,10 +78,19 @@ class ExportResult:
     report: ValidationReport | None
 
 
-def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tag: str | None = None,
-                 config: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
-                 dtype: str = "fp32", validate: bool = True, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 overwrite: bool = False, progress: bool = True, keep_lev: bool = False) -> ExportResult:
+def export_to_hf(
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    tag: str | None = None,
+    config: str | os.PathLike | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    dtype: str = "fp32",
+    validate: bool = True,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+    progress: bool = True,
+    keep_lev: bool = False,
+) -> ExportResult:
     """Convert, write, validate, then move the result into place (see the module docstring).
 
     `keep_lev`: keep the LEV layer (its parameters plus `modeling_lev_llama.py`, loaded with
@@ -94,15 +106,17 @@ def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tag:
     # the rows the run trained: model.vocab_size when set (>= the tokenizer's, as training requires)
     src = open_checkpoint(checkpoint, tag, config, vocab_size=run_cfg.model.vocab_size or tok.vocab_size)
     if keep_lev and src.cfg.model.embedding != "lev":
-        raise ExportError(f"--keep-lev needs a LEV model; this checkpoint has model.embedding="
-                          f"{src.cfg.model.embedding!r}")
+        raise ExportError(
+            f"--keep-lev needs a LEV model; this checkpoint has model.embedding={src.cfg.model.embedding!r}"
+        )
     tied = src.embedding.ties_output_head
     work = out.with_name(out.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)  # a dead earlier run's
     work.mkdir(parents=True)
     try:
-        hf_config = llama_config(src.cfg.model, src.vocab_size, tied, DTYPES[dtype],
-                                 bos_token_id=tok.eod, eos_token_id=tok.eod)
+        hf_config = llama_config(
+            src.cfg.model, src.vocab_size, tied, DTYPES[dtype], bos_token_id=tok.eod, eos_token_id=tok.eod
+        )
         files = write_weights(src, work, DTYPES[dtype], max_shard_bytes, progress, keep_lev)
         write_config(work, hf_config, extra=lev_config(src) if keep_lev else None)
         if keep_lev:
@@ -126,7 +140,8 @@ def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tag:
 
 
 def check_out_dir(out: Path, overwrite: bool, protect: list[Path] = ()) -> None:
-    """Refuse an output path that is a file, a non-empty directory (without `overwrite`), or holds the input."""
+    """Refuse an output path that is a file, a non-empty directory (without `overwrite`), or holds the
+    input."""
     if not out.exists() and not out.is_symlink():
         return
     if not out.is_dir():
@@ -135,10 +150,13 @@ def check_out_dir(out: Path, overwrite: bool, protect: list[Path] = ()) -> None:
     for p in protect:
         p = Path(p).resolve()
         if resolved == p or resolved in p.parents:
-            raise ExportError(f"output {out} holds the checkpoint being converted ({p}); choose another directory")
+            raise ExportError(
+                f"output {out} holds the checkpoint being converted ({p}); choose another directory"
+            )
     if any(out.iterdir()) and not overwrite:
-        raise ExportError(f"output {out} exists and is not empty; pass --overwrite to replace it or choose a "
-                          "new directory")
+        raise ExportError(
+            f"output {out} exists and is not empty; pass --overwrite to replace it or choose a new directory"
+        )
 
 
 def _move_into_place(work: Path, out: Path) -> None:
@@ -186,9 +204,11 @@ def run_tokenizer(tag_dir: Path, cfg, tokenizer: str | os.PathLike | None = None
     kind, recorded_path = stored.data.tokenizer_type, stored.data.tokenizer_path
     path = tokenizer or recorded_path
     if not path or not Path(path).is_file():
-        raise CheckpointError(f"tokenizer not found (data.tokenizer_path={recorded_path!r} in the run's config"
-                              f"{'' if not tokenizer else f', --tokenizer {tokenizer}'}); pass --tokenizer PATH "
-                              "with the run's tokenizer file")
+        raise CheckpointError(
+            f"tokenizer not found (data.tokenizer_path={recorded_path!r} in the run's config"
+            f"{'' if not tokenizer else f', --tokenizer {tokenizer}'}); pass --tokenizer PATH "
+            "with the run's tokenizer file"
+        )
     tok = build_tokenizer(kind, path)
     given = tokenizer_fingerprint(kind, path, tok)
     expected = recorded_tokenizer(stored_path)
@@ -198,20 +218,34 @@ def run_tokenizer(tag_dir: Path, cfg, tokenizer: str | os.PathLike | None = None
     if expected is not None:
         diff = fingerprint_mismatch(expected, given)
         if diff:
-            raise CheckpointError(f"tokenizer {path} is not the one the run was trained with ({where}: "
-                                  f"{recorded_path}): {diff}; pass the run's tokenizer with --tokenizer")
+            raise CheckpointError(
+                f"tokenizer {path} is not the one the run was trained with ({where}: "
+                f"{recorded_path}): {diff}; pass the run's tokenizer with --tokenizer"
+            )
     elif tokenizer and recorded_path != str(tokenizer):
-        log.warning("cannot check --tokenizer %s against the run's (%s=%r is not on this machine)", tokenizer,
-                    where, recorded_path)
+        log.warning(
+            "cannot check --tokenizer %s against the run's (%s=%r is not on this machine)",
+            tokenizer,
+            where,
+            recorded_path,
+        )
     if stored.model.vocab_size and stored.model.vocab_size < tok.vocab_size:
-        raise CheckpointError(f"tokenizer {path} has {tok.vocab_size} tokens but the run's model.vocab_size is "
-                              f"only {stored.model.vocab_size} (smaller: ids up to {tok.vocab_size - 1} have no "
-                              "row); pass the run's tokenizer with --tokenizer")
+        raise CheckpointError(
+            f"tokenizer {path} has {tok.vocab_size} tokens but the run's model.vocab_size is "
+            f"only {stored.model.vocab_size} (smaller: ids up to {tok.vocab_size - 1} have no "
+            "row); pass the run's tokenizer with --tokenizer"
+        )
     return tok
 
 
-def write_weights(src: SourceCheckpoint, out: Path, dtype: torch.dtype, max_shard_bytes: int,
-                  progress: bool = True, keep_lev: bool = False) -> list[Path]:
+def write_weights(
+    src: SourceCheckpoint,
+    out: Path,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+    progress: bool = True,
+    keep_lev: bool = False,
+) -> list[Path]:
     """Stream the merged checkpoint into safetensors shards under Llama names."""
     writer = SafetensorsShardWriter(out, max_shard_bytes)
     for hf_name, tensor in hf_tensors(src, iter_canonical(src, progress), dtype, keep_lev):
@@ -266,16 +300,31 @@ def lev_config(src: SourceCheckpoint) -> dict:
 
     lev = src.cfg.model.lev
     module = REMOTE_CODE.removesuffix(".py")
-    return {"model_type": "lev_llama", "architectures": ["LevLlamaForCausalLM"],
-            "auto_map": {"AutoConfig": f"{module}.LevLlamaConfig",
-                         "AutoModelForCausalLM": f"{module}.LevLlamaForCausalLM"},
-            "lev_k": lev.k, "lev_base": digit_base(src.padded_vocab, lev.k), "lev_d_seed": lev.d_seed,
-            "lev_heads": lev.heads, "lev_kappa": lev.kappa, "lev_rank": lev.rank, "lev_residual": lev.residual,
-            "lev_chunk_size": 256}
+    return {
+        "model_type": "lev_llama",
+        "architectures": ["LevLlamaForCausalLM"],
+        "auto_map": {
+            "AutoConfig": f"{module}.LevLlamaConfig",
+            "AutoModelForCausalLM": f"{module}.LevLlamaForCausalLM",
+        },
+        "lev_k": lev.k,
+        "lev_base": digit_base(src.padded_vocab, lev.k),
+        "lev_d_seed": lev.d_seed,
+        "lev_heads": lev.heads,
+        "lev_kappa": lev.kappa,
+        "lev_rank": lev.rank,
+        "lev_residual": lev.residual,
+        "lev_chunk_size": 256,
+    }
 
 
-def validate_export(src: SourceCheckpoint, hf_dir: Path, dtype: torch.dtype = torch.float32,
-                    progress: bool = True, remote_code: bool = False) -> ValidationReport:
+def validate_export(
+    src: SourceCheckpoint,
+    hf_dir: Path,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    remote_code: bool = False,
+) -> ValidationReport:
     """Run the source and the exported model on the same ids, then the probe (`probe_export`);
     raise ValidationError naming the first bad stage."""
     from transformers import AutoModelForCausalLM
@@ -285,10 +334,14 @@ def validate_export(src: SourceCheckpoint, hf_dir: Path, dtype: torch.dtype = to
     reference = source_stages(model, ids, src.vocab_size)
     del model  # one model in memory at a time
     try:
-        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=remote_code).eval()
+        hf = AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=torch.float32, trust_remote_code=remote_code
+        ).eval()
     except (RuntimeError, ValueError, OSError, KeyError) as exc:
-        raise ValidationError(f"transformers cannot load the export with its config.json: "
-                              f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}") from None
+        raise ValidationError(
+            f"transformers cannot load the export with its config.json: "
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        ) from None
     exported = hf_stages(hf, ids)
     del hf
     tol = TOLERANCE[dtype]
@@ -298,8 +351,12 @@ def validate_export(src: SourceCheckpoint, hf_dir: Path, dtype: torch.dtype = to
 
 
 # the embedding's output is linear in these (first match wins): the probe scales them
-_EMBEDDING_OUTPUT = (("embedding.out_proj", "embedding.residual.weight"), ("embedding.proj.weight",),
-                     ("embedding.mlp.down.weight",), ("embedding.table.weight",))
+_EMBEDDING_OUTPUT = (
+    ("embedding.out_proj", "embedding.residual.weight"),
+    ("embedding.proj.weight",),
+    ("embedding.mlp.down.weight",),
+    ("embedding.table.weight",),
+)
 
 
 def probe_model(src: SourceCheckpoint, ids: torch.Tensor, seed: int = 0) -> torch.nn.Module:
@@ -326,7 +383,7 @@ def probe_model(src: SourceCheckpoint, ids: torch.Tensor, seed: int = 0) -> torc
         if names and 0 < rms < float("inf"):
             for n in names:
                 if n in params:
-                    params[n].mul_(src.cfg.model.norm_eps ** 0.5 / rms)
+                    params[n].mul_(src.cfg.model.norm_eps**0.5 / rms)
     return model
 
 
@@ -344,27 +401,42 @@ def probe_export(src: SourceCheckpoint, hf_dir: Path, remote_code: bool = False)
         config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=remote_code)
         hf = AutoModelForCausalLM.from_config(config, trust_remote_code=remote_code).float().eval()
     except (RuntimeError, ValueError, OSError, KeyError) as exc:
-        raise ValidationError(f"probe: transformers cannot build the model {hf_dir / 'config.json'} describes: "
-                              f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}") from None
+        raise ValidationError(
+            f"probe: transformers cannot build the model {hf_dir / 'config.json'} describes: "
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        ) from None
     try:
         missing, unexpected = hf.load_state_dict(state, strict=False)
     except RuntimeError as exc:
-        raise ValidationError(f"probe: the weights do not fit the model {hf_dir / 'config.json'} describes: "
-                              f"{str(exc).splitlines()[-1].strip()}") from None
+        raise ValidationError(
+            f"probe: the weights do not fit the model {hf_dir / 'config.json'} describes: "
+            f"{str(exc).splitlines()[-1].strip()}"
+        ) from None
     tied = getattr(config, "tie_word_embeddings", False)
     missing = [k for k in missing if not (tied and k == "lm_head.weight")]
     if missing or unexpected:
-        raise ValidationError(f"probe: {hf_dir / 'config.json'} describes a model with other weights than "
-                              f"the export: missing {missing[:3]}, unexpected {unexpected[:3]} "
-                              "(tie_word_embeddings or the layer names are wrong)")
+        raise ValidationError(
+            f"probe: {hf_dir / 'config.json'} describes a model with other weights than "
+            f"the export: missing {missing[:3]}, unexpected {unexpected[:3]} "
+            "(tie_word_embeddings or the layer names are wrong)"
+        )
     exported = hf_stages(hf, ids)
     try:
         return compare_stages(reference, exported, atol=PROBE_TOLERANCE, rtol=PROBE_TOLERANCE, relative=True)
     except ValidationError as exc:
-        raise ValidationError(f"probe with large random weights: {exc}; a setting of {hf_dir / 'config.json'} "
-                              "(rope_theta, rms_norm_eps, heads, tie_word_embeddings) or the weight mapping "
-                              "does not match the training model") from None
+        raise ValidationError(
+            f"probe with large random weights: {exc}; a setting of {hf_dir / 'config.json'} "
+            "(rope_theta, rms_norm_eps, heads, tie_word_embeddings) or the weight mapping "
+            "does not match the training model"
+        ) from None
 
 
-__all__ = ["export_to_hf", "ExportResult", "ExportError", "validate_export", "probe_export", "source_model",
-           "materialized_table"]
+__all__ = [
+    "export_to_hf",
+    "ExportResult",
+    "ExportError",
+    "validate_export",
+    "probe_export",
+    "source_model",
+    "materialized_table",
+]

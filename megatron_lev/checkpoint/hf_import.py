@@ -17,8 +17,10 @@ from megatron_lev.model.build import padded_vocab_size
 
 def model_config_from_hf(config, make_vocab_size_divisible_by: int = 128) -> ModelConfig:
     """The `ModelConfig` of a Llama config, refusing features the project's blocks do not have."""
-    rope = getattr(config, "rope_parameters", None) or {"rope_type": "default",
-                                                        "rope_theta": getattr(config, "rope_theta", 10000.0)}
+    rope = getattr(config, "rope_parameters", None) or {
+        "rope_type": "default",
+        "rope_theta": getattr(config, "rope_theta", 10000.0),
+    }
     problems = []
     if config.hidden_act != "silu":
         problems.append(f"hidden_act={config.hidden_act!r} (SwiGLU needs silu)")
@@ -32,12 +34,20 @@ def model_config_from_hf(config, make_vocab_size_divisible_by: int = 128) -> Mod
     if problems:
         raise ConfigError("cannot import this Llama model: " + "; ".join(problems))
     cfg = ModelConfig(
-        name="hf-import", num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-        ffn_hidden_size=config.intermediate_size, seq_length=config.max_position_embeddings,
-        vocab_size=config.vocab_size, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-        embedding="tied" if config.tie_word_embeddings else "untied", rope_theta=float(rope["rope_theta"]),
-        norm_eps=config.rms_norm_eps, init_std=config.initializer_range)
+        name="hf-import",
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        ffn_hidden_size=config.intermediate_size,
+        seq_length=config.max_position_embeddings,
+        vocab_size=config.vocab_size,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        embedding="tied" if config.tie_word_embeddings else "untied",
+        rope_theta=float(rope["rope_theta"]),
+        norm_eps=config.rms_norm_eps,
+        init_std=config.initializer_range,
+    )
     cfg.validate()
     return cfg
 

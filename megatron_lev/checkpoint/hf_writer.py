@@ -18,8 +18,14 @@ from megatron_lev.config import ModelConfig, atomic_write_json
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' own default shard size
 
 
-def llama_config(model: ModelConfig, vocab_size: int, tie_word_embeddings: bool, dtype: torch.dtype,
-                 bos_token_id: int | None = None, eos_token_id: int | None = None):
+def llama_config(
+    model: ModelConfig,
+    vocab_size: int,
+    tie_word_embeddings: bool,
+    dtype: torch.dtype,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+):
     """A `LlamaConfig` describing the project's blocks (RMSNorm, rotary, SwiGLU, no biases)."""
     from transformers import LlamaConfig
 
@@ -56,8 +62,13 @@ def write_config(out_dir: Path, config, max_new_tokens: int = 64, extra: dict | 
     cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta"))
     cfg.update(extra or {})
     atomic_write_json(out_dir / "config.json", cfg)
-    gen = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                           pad_token_id=config.eos_token_id, max_new_tokens=max_new_tokens, do_sample=False)
+    gen = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.eos_token_id,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+    )
     atomic_write_json(out_dir / "generation_config.json", gen.to_dict())
 
 
@@ -111,6 +122,8 @@ class SafetensorsShardWriter:
             os.replace(tmp, path)
             weight_map.update({name: path.name for name in names})
         if n > 1:
-            atomic_write_json(self.out_dir / "model.safetensors.index.json",
-                              {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map})
+            atomic_write_json(
+                self.out_dir / "model.safetensors.index.json",
+                {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map},
+            )
         return final

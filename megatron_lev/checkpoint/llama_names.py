@@ -29,8 +29,11 @@ def qkv_sizes(cfg: ModelConfig) -> list[int]:
     return [cfg.num_attention_heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd]
 
 
-def to_hf(name: str, tensor: torch.Tensor, cfg: ModelConfig, vocab_size: int) -> list[tuple[str, torch.Tensor]]:
-    """HF tensors for one canonical tensor (input-embedding parameters other than the dense table excluded)."""
+def to_hf(
+    name: str, tensor: torch.Tensor, cfg: ModelConfig, vocab_size: int
+) -> list[tuple[str, torch.Tensor]]:
+    """HF tensors for one canonical tensor (input-embedding parameters other than the dense table
+    excluded)."""
     if m := _BLOCK.match(name):
         i, rest = m.groups()
         p = f"model.layers.{i}."
@@ -38,8 +41,11 @@ def to_hf(name: str, tensor: torch.Tensor, cfg: ModelConfig, vocab_size: int) ->
             return [(p + _RENAME[rest], tensor)]
         if rest == "attention.qkv.weight":
             q, k, v = tensor.split(qkv_sizes(cfg), dim=0)
-            return [(p + "self_attn.q_proj.weight", q), (p + "self_attn.k_proj.weight", k),
-                    (p + "self_attn.v_proj.weight", v)]
+            return [
+                (p + "self_attn.q_proj.weight", q),
+                (p + "self_attn.k_proj.weight", k),
+                (p + "self_attn.v_proj.weight", v),
+            ]
         if rest == "mlp.gate_up.weight":
             gate, up = tensor.chunk(2, dim=0)
             return [(p + "mlp.gate_proj.weight", gate), (p + "mlp.up_proj.weight", up)]
@@ -52,8 +58,9 @@ def to_hf(name: str, tensor: torch.Tensor, cfg: ModelConfig, vocab_size: int) ->
     raise KeyError(f"no Hugging Face Llama name for parameter {name!r}")
 
 
-def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, padded_vocab: int,
-            tied: bool) -> dict[str, torch.Tensor]:
+def from_hf(
+    hf: dict[str, torch.Tensor], cfg: ModelConfig, padded_vocab: int, tied: bool
+) -> dict[str, torch.Tensor]:
     """The canonical state dict of a `tied`/`untied` GPTModel from a Llama state dict."""
     out: dict[str, torch.Tensor] = {}
     inverse = {v: k for k, v in _RENAME.items()}
@@ -61,9 +68,12 @@ def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, padded_vocab: int,
         p, c = f"model.layers.{i}.", f"layers.{i}."
         for hf_name, name in inverse.items():
             out[c + name] = hf[p + hf_name]
-        out[c + "attention.qkv.weight"] = torch.cat([hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv"], dim=0)
-        out[c + "mlp.gate_up.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]],
-                                                  dim=0)
+        out[c + "attention.qkv.weight"] = torch.cat(
+            [hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv"], dim=0
+        )
+        out[c + "mlp.gate_up.weight"] = torch.cat(
+            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
+        )
     out["final_norm.weight"] = hf["model.norm.weight"]
     out[DENSE_TABLE] = pad_rows(hf["model.embed_tokens.weight"], padded_vocab)
     if not tied:
@@ -76,4 +86,3 @@ def pad_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
     if table.shape[0] > rows:
         raise ValueError(f"table has {table.shape[0]} rows, more than the padded vocabulary {rows}")
     return torch.cat([table, table.new_zeros(rows - table.shape[0], *table.shape[1:])], dim=0)
-

@@ -32,42 +32,63 @@ _ACC_NORM = _ACC + [{"metric": "acc_norm", "aggregation": "mean", "higher_is_bet
 
 # HellaSwag's clean-up of WikiHow artefacts (lm-eval's `preprocess`), as Jinja filters.
 _HS_CLEAN = "| trim | replace(' [title]', '. ') | regex_replace('\\\\[.*?\\\\]', '') | replace('  ', ' ')"
-_HS_CLEAN_MAP = ("| map('trim') | map('replace', ' [title]', '. ') "
-                 "| map('regex_replace', '\\\\[.*?\\\\]', '') | map('replace', '  ', ' ') | list")
+_HS_CLEAN_MAP = (
+    "| map('trim') | map('replace', ' [title]', '. ') "
+    "| map('regex_replace', '\\\\[.*?\\\\]', '') | map('replace', '  ', ' ') | list"
+)
 
 # task name -> (arrow directory relative to data_dir, fields of the YAML beyond the common ones)
 TASKS: dict[str, tuple[str, dict]] = {
-    "local_arc_easy": ("ai2_arc/ARC-Easy/validation", {
-        "doc_to_text": "Question: {{question}}\nAnswer:",
-        "doc_to_target": "{{choices.label.index(answerKey)}}",
-        "doc_to_choice": "{{choices.text}}",
-        "metric_list": _ACC_NORM,
-    }),
-    "local_arc_challenge": ("ai2_arc/ARC-Challenge/validation", {
-        "doc_to_text": "Question: {{question}}\nAnswer:",
-        "doc_to_target": "{{choices.label.index(answerKey)}}",
-        "doc_to_choice": "{{choices.text}}",
-        "metric_list": _ACC_NORM,
-    }),
-    "local_piqa": ("piqa/plain_text/validation", {
-        "doc_to_text": "Question: {{goal}}\nAnswer:",
-        "doc_to_target": "label",
-        "doc_to_choice": "{{[sol1, sol2]}}",
-        "metric_list": _ACC_NORM,
-    }),
-    "local_hellaswag": ("hellaswag/none/validation", {
-        "doc_to_text": "{{ (activity_label ~ ': ' ~ ctx_a ~ ' ' ~ (ctx_b | capitalize)) " + _HS_CLEAN + " }}",
-        "doc_to_target": "{{label}}",
-        "doc_to_choice": "{{ endings " + _HS_CLEAN_MAP + " }}",
-        "metric_list": _ACC_NORM,
-    }),
+    "local_arc_easy": (
+        "ai2_arc/ARC-Easy/validation",
+        {
+            "doc_to_text": "Question: {{question}}\nAnswer:",
+            "doc_to_target": "{{choices.label.index(answerKey)}}",
+            "doc_to_choice": "{{choices.text}}",
+            "metric_list": _ACC_NORM,
+        },
+    ),
+    "local_arc_challenge": (
+        "ai2_arc/ARC-Challenge/validation",
+        {
+            "doc_to_text": "Question: {{question}}\nAnswer:",
+            "doc_to_target": "{{choices.label.index(answerKey)}}",
+            "doc_to_choice": "{{choices.text}}",
+            "metric_list": _ACC_NORM,
+        },
+    ),
+    "local_piqa": (
+        "piqa/plain_text/validation",
+        {
+            "doc_to_text": "Question: {{goal}}\nAnswer:",
+            "doc_to_target": "label",
+            "doc_to_choice": "{{[sol1, sol2]}}",
+            "metric_list": _ACC_NORM,
+        },
+    ),
+    "local_hellaswag": (
+        "hellaswag/none/validation",
+        {
+            "doc_to_text": "{{ (activity_label ~ ': ' ~ ctx_a ~ ' ' ~ (ctx_b | capitalize)) "
+            + _HS_CLEAN
+            + " }}",
+            "doc_to_target": "{{label}}",
+            "doc_to_choice": "{{ endings " + _HS_CLEAN_MAP + " }}",
+            "metric_list": _ACC_NORM,
+        },
+    ),
     # WinoGrande scores the shared continuation after each filled-in prefix ("partial evaluation").
-    "local_winogrande": ("winogrande/winogrande_xl/validation", {
-        "doc_to_text": "{{ {'1': 0, '2': 1}[answer] }}",
-        "doc_to_target": "{{ sentence[sentence.index('_') + 1:] | trim }}",
-        "doc_to_choice": "{{ [sentence[:sentence.index('_')] ~ option1, sentence[:sentence.index('_')] ~ option2] }}",
-        "metric_list": _ACC,
-    }),
+    "local_winogrande": (
+        "winogrande/winogrande_xl/validation",
+        {
+            "doc_to_text": "{{ {'1': 0, '2': 1}[answer] }}",
+            "doc_to_target": "{{ sentence[sentence.index('_') + 1:] | trim }}",
+            "doc_to_choice": (
+                "{{ [sentence[:sentence.index('_')] ~ option1, sentence[:sentence.index('_')] ~ option2] }}"
+            ),
+            "metric_list": _ACC,
+        },
+    ),
 }
 
 
@@ -80,8 +101,10 @@ def arrow_file(data_dir: str | os.PathLike, rel: str) -> Path:
     split_dir = Path(data_dir) / rel
     files = sorted(split_dir.glob("data-*.arrow"))
     if not files:
-        raise TaskDataError(f"no data-*.arrow file in {split_dir} (expected the datasets.save_to_disk layout "
-                            f"under --data-dir {data_dir})")
+        raise TaskDataError(
+            f"no data-*.arrow file in {split_dir} (expected the datasets.save_to_disk layout "
+            f"under --data-dir {data_dir})"
+        )
     if len(files) > 1:
         raise TaskDataError(f"{split_dir} holds {len(files)} arrow shards; local tasks expect one")
     return files[0]
@@ -105,8 +128,9 @@ def task_config(name: str, data_file: Path) -> dict:
     return cfg
 
 
-def write_lm_eval_tasks(data_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                        tasks: list[str] | None = None) -> list[Path]:
+def write_lm_eval_tasks(
+    data_dir: str | os.PathLike, out_dir: str | os.PathLike, tasks: list[str] | None = None
+) -> list[Path]:
     """Write one YAML per task plus the group file into `out_dir`; returns the written paths."""
     names = list(TASKS) if tasks is None else tasks
     unknown = [n for n in names if n not in TASKS]

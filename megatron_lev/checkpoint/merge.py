@@ -23,26 +23,34 @@ def merge_shards(shards: list[torch.Tensor], spec: ParamSpec, check_replicas: bo
     if spec.partition_dim is None and check_replicas:
         for r, s in enumerate(shards[1:], 1):
             if s.shape != shards[0].shape or not torch.equal(s, shards[0]):
-                raise ShardMismatchError(f"{spec.name}: replicated parameter differs between TP rank 0 and {r}")
+                raise ShardMismatchError(
+                    f"{spec.name}: replicated parameter differs between TP rank 0 and {r}"
+                )
     try:
         full = merge_tp_shards(spec, shards)
     except RuntimeError as exc:  # torch.cat/split on mismatched shapes
-        raise ShardMismatchError(f"{spec.name}: cannot merge shards of shapes {[tuple(s.shape) for s in shards]}: "
-                                 f"{exc}") from None
+        raise ShardMismatchError(
+            f"{spec.name}: cannot merge shards of shapes {[tuple(s.shape) for s in shards]}: {exc}"
+        ) from None
     if tuple(full.shape) != spec.shape:
-        raise ShardMismatchError(f"{spec.name}: merged shape {tuple(full.shape)} from {len(shards)} shard(s) of "
-                                 f"{[tuple(s.shape) for s in shards]} does not match the model's {spec.shape} "
-                                 "(is the checkpoint's config.yaml the one it was trained with?)")
+        raise ShardMismatchError(
+            f"{spec.name}: merged shape {tuple(full.shape)} from {len(shards)} shard(s) of "
+            f"{[tuple(s.shape) for s in shards]} does not match the model's {spec.shape} "
+            "(is the checkpoint's config.yaml the one it was trained with?)"
+        )
     return full
 
 
 def split_full(full: torch.Tensor, spec: ParamSpec, tp: int) -> list[torch.Tensor]:
     """The per-rank shards of a full tensor for tensor-parallel size `tp` (inverse of `merge_shards`)."""
     if tuple(full.shape) != spec.shape:
-        raise ShardMismatchError(f"{spec.name}: shape {tuple(full.shape)} does not match the model's {spec.shape}")
+        raise ShardMismatchError(
+            f"{spec.name}: shape {tuple(full.shape)} does not match the model's {spec.shape}"
+        )
     if spec.partition_dim is not None:
         sizes = spec.parts or (spec.shape[spec.partition_dim],)
         if any(p % tp for p in sizes):
-            raise ShardMismatchError(f"{spec.name}: sizes {sizes} along dim {spec.partition_dim} are not "
-                                     f"divisible by TP={tp}")
+            raise ShardMismatchError(
+                f"{spec.name}: sizes {sizes} along dim {spec.partition_dim} are not divisible by TP={tp}"
+            )
     return [split_tp_shard(spec, full, tp, r).clone() for r in range(tp)]

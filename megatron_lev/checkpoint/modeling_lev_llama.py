@@ -22,12 +22,25 @@ LN_EPS = 1e-5
 class LevLlamaConfig(LlamaConfig):
     model_type = "lev_llama"
 
-    def __init__(self, lev_k: int = 3, lev_base: int = 37, lev_d_seed: int = 128, lev_heads: int = 8,
-                 lev_kappa: int = 16, lev_rank: int = 64, lev_residual: bool = False, lev_chunk_size: int = 256,
-                 **kwargs):
+    def __init__(
+        self,
+        lev_k: int = 3,
+        lev_base: int = 37,
+        lev_d_seed: int = 128,
+        lev_heads: int = 8,
+        lev_kappa: int = 16,
+        lev_rank: int = 64,
+        lev_residual: bool = False,
+        lev_chunk_size: int = 256,
+        **kwargs,
+    ):
         self.lev_k, self.lev_base, self.lev_d_seed, self.lev_heads = lev_k, lev_base, lev_d_seed, lev_heads
-        self.lev_kappa, self.lev_rank, self.lev_residual, self.lev_chunk_size = (lev_kappa, lev_rank, lev_residual,
-                                                                              lev_chunk_size)
+        self.lev_kappa, self.lev_rank, self.lev_residual, self.lev_chunk_size = (
+            lev_kappa,
+            lev_rank,
+            lev_residual,
+            lev_chunk_size,
+        )
         super().__init__(**kwargs)
 
 
@@ -39,7 +52,9 @@ class _Codebooks(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, d_seed)
         powers = self.base ** torch.arange(self.k, device=ids.device)
-        digits = (ids.unsqueeze(-1) // powers) % self.base + torch.arange(self.k, device=ids.device) * self.base
+        digits = (ids.unsqueeze(-1) // powers) % self.base + torch.arange(
+            self.k, device=ids.device
+        ) * self.base
         return F.embedding(digits, self.weight).sum(dim=-2)
 
 

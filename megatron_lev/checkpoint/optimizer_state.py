@@ -45,10 +45,15 @@ class OptimizerState:
 def read_optimizer_state(src: SourceCheckpoint) -> OptimizerState:
     """The source's Adam state, merged over DP partitions, pipeline stages and TP ranks."""
     if src.files.kind == "zero3":
-        raise CheckpointError(f"{src.tag_dir}: resharding a ZeRO-3 checkpoint cannot carry Adam's moments (only "
-                              "ZeRO-0/1/2 are supported); pass --drop-optimizer to restart them from zero")
-    optim = {(int(m.group(1)), int(m.group(2))): src.tag_dir / p.name
-             for p in src.tag_dir.iterdir() if (m := _OPTIM.match(p.name))}
+        raise CheckpointError(
+            f"{src.tag_dir}: resharding a ZeRO-3 checkpoint cannot carry Adam's moments (only "
+            "ZeRO-0/1/2 are supported); pass --drop-optimizer to restart them from zero"
+        )
+    optim = {
+        (int(m.group(1)), int(m.group(2))): src.tag_dir / p.name
+        for p in src.tag_dir.iterdir()
+        if (m := _OPTIM.match(p.name))
+    }
     local = _zero12_local(src, optim) if optim else _zero0_local(src)
     by_name: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     steps = set()
@@ -59,17 +64,25 @@ def read_optimizer_state(src: SourceCheckpoint) -> OptimizerState:
         key = canonical_name(name, src.num_layers) if src.files.kind == "pipeline" else name
         by_name.setdefault(key, {}).setdefault(mp % src.files.tp, entry)  # tied copies: the first stage's
     if len(steps) != 1:
-        raise CheckpointError(f"{src.tag_dir}: the optimizer's step differs between parameters ({sorted(steps)})")
+        raise CheckpointError(
+            f"{src.tag_dir}: the optimizer's step differs between parameters ({sorted(steps)})"
+        )
     missing = sorted(set(src.specs) - set(by_name))
     if missing:
-        raise CheckpointError(f"{src.tag_dir}: no optimizer state for {len(missing)} parameter(s), e.g. {missing[:3]}")
+        raise CheckpointError(
+            f"{src.tag_dir}: no optimizer state for {len(missing)} parameter(s), e.g. {missing[:3]}"
+        )
     out = OptimizerState(step=torch.tensor(steps.pop(), dtype=torch.float32))
     for name, ranks in by_name.items():
         spec = src.specs[name]
         if sorted(ranks) != list(range(src.files.tp)):
-            raise CheckpointError(f"{src.tag_dir}: optimizer state of {name} for TP ranks {sorted(ranks)} only")
+            raise CheckpointError(
+                f"{src.tag_dir}: optimizer state of {name} for TP ranks {sorted(ranks)} only"
+            )
         parts = [ranks[r] for r in range(src.files.tp)]
-        out.moments[name] = {k: merge_shards([p[k] for p in parts], spec, check_replicas=False) for k in MOMENTS}
+        out.moments[name] = {
+            k: merge_shards([p[k] for p in parts], spec, check_replicas=False) for k in MOMENTS
+        }
         if all("master" in p for p in parts):
             out.master[name] = merge_shards([p["master"] for p in parts], spec, check_replicas=False)
     return out
@@ -93,13 +106,17 @@ def _zero12_local(src: SourceCheckpoint, optim: dict) -> dict[tuple[int, str], d
             base, maps = sd.get("base_optimizer_state"), sd.get("param_slice_mappings")
             masters = sd.get("single_partition_of_fp32_groups") or sd.get("fp32_groups_flat_partition")
             if not isinstance(base, dict) or not maps or masters is None:
-                raise CheckpointError(f"{path}: not a ZeRO-1/2 optimizer partition (no base_optimizer_state / "
-                                      "param_slice_mappings): cannot carry Adam's moments")
+                raise CheckpointError(
+                    f"{path}: not a ZeRO-1/2 optimizer partition (no base_optimizer_state / "
+                    "param_slice_mappings): cannot carry Adam's moments"
+                )
             for g, mapping in enumerate(maps):
                 state = base["state"].get(base["param_groups"][g]["params"][0], {})
                 if not all(k in state for k in MOMENTS):
-                    raise CheckpointError(f"{path}: parameter group {g} has no Adam moments (was it saved "
-                                          "before the first step?)")
+                    raise CheckpointError(
+                        f"{path}: parameter group {g} has no Adam moments (was it saved "
+                        "before the first step?)"
+                    )
                 step = state["step"]
                 flats = {**{k: state[k] for k in MOMENTS}, "master": masters[g]}
                 for name, frag in mapping.items():
@@ -109,8 +126,12 @@ def _zero12_local(src: SourceCheckpoint, optim: dict) -> dict[tuple[int, str], d
         sizes = {n: s for group in shapes or [] for n, s in group.items()}
         for name, got in pieces.items():
             if name not in sizes:
-                raise CheckpointError(f"{src.tag_dir}: mp_rank_{mp:02d}_model_states.pt has no shape for {name}")
-            out[(mp, name)] = {k: torch.cat(v).detach().view(sizes[name]).float() for k, v in got.items()} | {"step": step}
+                raise CheckpointError(
+                    f"{src.tag_dir}: mp_rank_{mp:02d}_model_states.pt has no shape for {name}"
+                )
+            out[(mp, name)] = {k: torch.cat(v).detach().view(sizes[name]).float() for k, v in got.items()} | {
+                "step": step
+            }
     return out
 
 
@@ -122,8 +143,10 @@ def _zero0_local(src: SourceCheckpoint) -> dict[tuple[int, str], dict[str, torch
     """{(mp rank, module name): {step, exp_avg, exp_avg_sq}} from the `optimizer` of each mp_rank file."""
     files = sorted(src.tag_dir.glob("mp_rank_*_model_states.pt"))
     if not files:
-        raise CheckpointError(f"{src.tag_dir}: no optimizer state found (no *_optim_states.pt and no "
-                              "mp_rank_*_model_states.pt): cannot carry Adam's moments")
+        raise CheckpointError(
+            f"{src.tag_dir}: no optimizer state found (no *_optim_states.pt and no "
+            "mp_rank_*_model_states.pt): cannot carry Adam's moments"
+        )
     tp = src.files.tp
     layers = _layer_params(src) if src.files.kind == "pipeline" else None
     next_layer = first_of_stage = 0  # files come in (stage, tp rank) order: TP rank 0 opens each stage
@@ -133,10 +156,14 @@ def _zero0_local(src: SourceCheckpoint) -> dict[tuple[int, str], dict[str, torch
         state = load_file(path)
         opt = state.get("optimizer")
         if not isinstance(opt, dict) or "state" not in opt or "param_groups" not in opt:
-            raise CheckpointError(f"{path}: no torch optimizer state dict under 'optimizer' (an offloaded or "
-                                  "foreign optimizer?): cannot carry Adam's moments")
-        shapes = [[tuple(opt["state"][i]["exp_avg"].shape) if i in opt["state"] else None for i in g["params"]]
-                  for g in opt["param_groups"]]
+            raise CheckpointError(
+                f"{path}: no torch optimizer state dict under 'optimizer' (an offloaded or "
+                "foreign optimizer?): cannot carry Adam's moments"
+            )
+        shapes = [
+            [tuple(opt["state"][i]["exp_avg"].shape) if i in opt["state"] else None for i in g["params"]]
+            for g in opt["param_groups"]
+        ]
         if layers is None:
             buffers = set(state.get("buffer_names") or [])
             names = [(n, t.ndim) for n, t in state["module"].items() if n not in buffers]
@@ -150,15 +177,19 @@ def _zero0_local(src: SourceCheckpoint) -> dict[tuple[int, str], dict[str, torch
             for index, name in zip(group["params"], groups[g], strict=True):
                 entry = opt["state"].get(index)
                 if entry is None or not all(k in entry for k in MOMENTS):
-                    raise CheckpointError(f"{path}: {name} has no Adam moments (saved before the first step?)")
+                    raise CheckpointError(
+                        f"{path}: {name} has no Adam moments (saved before the first step?)"
+                    )
                 out[(mp, name)] = {"step": entry["step"], **{k: entry[k].detach().float() for k in MOMENTS}}
     return out
 
 
 def _group_names(names: list[tuple[str, int]], param_groups: list[dict], path) -> list[list[str]]:
     """The module names of each optimizer group, in the order `training.optim.param_groups` put them."""
-    by_kind = {"decay": [n for n, d in names if not _no_decay(n, d)],
-               "no_decay": [n for n, d in names if _no_decay(n, d)]}
+    by_kind = {
+        "decay": [n for n, d in names if not _no_decay(n, d)],
+        "no_decay": [n for n, d in names if _no_decay(n, d)],
+    }
     for members in by_kind.values():
         if not members:
             members.append(FILLER)
@@ -166,27 +197,34 @@ def _group_names(names: list[tuple[str, int]], param_groups: list[dict], path) -
     for group in param_groups:
         members = by_kind.get(group.get("name"))
         if members is None or len(members) != len(group["params"]):
-            raise CheckpointError(f"{path}: optimizer group {group.get('name')!r} holds {len(group['params'])} "
-                                  "parameters, not those of the model: cannot carry Adam's moments")
+            raise CheckpointError(
+                f"{path}: optimizer group {group.get('name')!r} holds {len(group['params'])} "
+                "parameters, not those of the model: cannot carry Adam's moments"
+            )
         out.append(members)
     return out
 
 
 def _layer_params(src: SourceCheckpoint) -> dict[int, dict[int, list[tuple[str, tuple[int, ...]]]]]:
-    """{layer index: {TP rank: [(pipeline name, shape)]}} from the layer files (tied layers as DeepSpeed names them)."""
+    """{layer index: {TP rank: [(pipeline name, shape)]}} from the layer files (tied layers as DeepSpeed
+    names them)."""
     from megatron_lev.model.pipeline import TIED_KEY
 
     tied = src.embedding.ties_output_head
     out = {}
     for idx, by_rank in src.files.layer_files.items():
         prefix = f"tied_modules.{TIED_KEY}." if tied and idx == 0 else f"{idx}."
-        out[idx] = {r: [(prefix + k, tuple(v.shape)) for k, v in load_file(p).items()] for r, p in by_rank.items()}
+        out[idx] = {
+            r: [(prefix + k, tuple(v.shape)) for k, v in load_file(p).items()] for r, p in by_rank.items()
+        }
     if tied:
         out[src.num_layers + 2] = out[0]  # the last stage's copy of the tied table
     return out
 
 
-def _stage_names(layers, first: int, rank: int, shapes, param_groups, path) -> tuple[list[tuple[str, int]], int]:
+def _stage_names(
+    layers, first: int, rank: int, shapes, param_groups, path
+) -> tuple[list[tuple[str, int]], int]:
     """The parameter names of the stage starting at layer `first` whose optimizer holds `shapes`, and its last
     layer: the layer range is grown until the groups' shapes match (DeepSpeed saves no stage boundaries)."""
     tied_first = [n for n, _ in layers[0][rank] if n.startswith("tied_modules.")]
@@ -203,22 +241,30 @@ def _stage_names(layers, first: int, rank: int, shapes, param_groups, path) -> t
         want = [[shape_of.get(n, (1,)) for n in g] for g in groups]
         if want == shapes:
             return names, last
-    raise CheckpointError(f"{path}: cannot match the optimizer's parameters to layers from {first} on "
-                          f"(tied: {tied_first[:1]}): cannot carry Adam's moments")
+    raise CheckpointError(
+        f"{path}: cannot match the optimizer's parameters to layers from {first} on "
+        f"(tied: {tied_first[:1]}): cannot carry Adam's moments"
+    )
 
 
-def load_into_engine(engine, shards: dict[torch.nn.Parameter, dict[str, torch.Tensor]], step: torch.Tensor) -> None:
+def load_into_engine(
+    engine, shards: dict[torch.nn.Parameter, dict[str, torch.Tensor]], step: torch.Tensor
+) -> None:
     """Give the target engine's optimizer this rank's moments (and fp32 masters where it keeps its own).
 
     `shards[param]` holds `exp_avg`, `exp_avg_sq` (and optionally `master`) in the parameter's shape;
     a parameter not in `shards` (the group filler) starts from zero.
     """
     opt = engine.optimizer
-    flats = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_groups_flat_partition", None)
+    flats = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(
+        opt, "fp32_groups_flat_partition", None
+    )
     if flats is not None:  # ZeRO-1/2 or DeepSpeed's bf16 optimizer: flat fp32 partitions per group
         if getattr(opt, "cpu_offload", False):
-            raise CheckpointError("the target layout offloads the optimizer to the CPU: resharding cannot carry "
-                                  "Adam's moments there; pass --drop-optimizer to restart them from zero")
+            raise CheckpointError(
+                "the target layout offloads the optimizer to the CPU: resharding cannot carry "
+                "Adam's moments there; pass --drop-optimizer to restart them from zero"
+            )
         base = opt.optimizer
         for flat in flats:
             base.state[flat] = {"step": step.clone(), **{k: torch.zeros_like(flat) for k in MOMENTS}}
@@ -229,16 +275,24 @@ def load_into_engine(engine, shards: dict[torch.nn.Parameter, dict[str, torch.Te
             hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
             state = base.state[flats[mapping.param_group_index]]
             for k in MOMENTS:
-                state[k].narrow(0, hp.start, hp.numel).copy_(values[k].reshape(-1).narrow(0, lp.start, lp.numel))
+                state[k].narrow(0, hp.start, hp.numel).copy_(
+                    values[k].reshape(-1).narrow(0, lp.start, lp.numel)
+                )
             if "master" in values:
                 mapping.hp_fragment.data.copy_(values["master"].reshape(-1).narrow(0, lp.start, lp.numel))
         return
     if type(opt).__module__.startswith("deepspeed"):
-        raise CheckpointError(f"the target layout's optimizer ({type(opt).__name__}) is not one whose moments "
-                              "resharding can set (ZeRO-0/1/2); pass --drop-optimizer to restart them from zero")
+        raise CheckpointError(
+            f"the target layout's optimizer ({type(opt).__name__}) is not one whose moments "
+            "resharding can set (ZeRO-0/1/2); pass --drop-optimizer to restart them from zero"
+        )
     for group in opt.param_groups:  # ZeRO-0: the torch optimizer steps the model's parameters themselves
         for param in group["params"]:
             values = shards.get(param)
-            opt.state[param] = {"step": step.clone(),
-                                **{k: (values[k].to(param.dtype).clone() if values else torch.zeros_like(param))
-                                   for k in MOMENTS}}
+            opt.state[param] = {
+                "step": step.clone(),
+                **{
+                    k: (values[k].to(param.dtype).clone() if values else torch.zeros_like(param))
+                    for k in MOMENTS
+                },
+            }

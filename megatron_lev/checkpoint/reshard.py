@@ -40,11 +40,29 @@ from megatron_lev.config import RunConfig, from_dict
 from megatron_lev.model.build import padded_vocab_size
 from megatron_lev.model.canonical import canonical_state_dict_spec
 
-_DS_KEYS = {"module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "sparse_tensor_module_names",
-            "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-            "ds_version", "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params",
-            "frozen_param_fragments", "data_sampler", "random_ltd", "checkpoint_parallel_dimensions",
-            "universal_checkpoint_info"}  # what DeepSpeed writes itself; the rest is the trainer's client state
+_DS_KEYS = {
+    "module",
+    "optimizer",
+    "lr_scheduler",
+    "csr_tensor_module_names",
+    "sparse_tensor_module_names",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "ds_config",
+    "ds_version",
+    "buffer_names",
+    "param_shapes",
+    "frozen_param_shapes",
+    "shared_params",
+    "frozen_param_fragments",
+    "data_sampler",
+    "random_ltd",
+    "checkpoint_parallel_dimensions",
+    "universal_checkpoint_info",
+}  # what DeepSpeed writes itself; the rest is the trainer's client state
 
 
 def target_config(cfg: RunConfig, tp: int, pp: int, dp: int) -> RunConfig:
@@ -63,15 +81,18 @@ def adapt_rows(name: str, tensor: torch.Tensor, want: tuple[int, ...], vocab: in
         return tensor
     if tensor.shape[1:] == torch.Size(want[1:]) and tensor.shape[0] >= vocab and want[0] >= vocab:
         return pad_rows(tensor[:vocab], want[0])
-    raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} cannot be resharded to {want}; the vocabulary "
-                          "padding changed something other than padding rows (e.g. LEV's digit base): keep "
-                          "model.make_vocab_size_divisible_by x TP the same")
+    raise CheckpointError(
+        f"{name}: shape {tuple(tensor.shape)} cannot be resharded to {want}; the vocabulary "
+        "padding changed something other than padding rows (e.g. LEV's digit base): keep "
+        "model.make_vocab_size_divisible_by x TP the same"
+    )
 
 
 def _client_state(src: SourceCheckpoint) -> tuple[dict, int]:
     """The trainer's client state and the iteration, from the source's first mp_rank file."""
     files = sorted(src.tag_dir.glob("mp_rank_*_model_states.pt")) or sorted(
-        src.tag_dir.glob("zero_pp_rank_0_mp_rank_*_model_states.pt"))
+        src.tag_dir.glob("zero_pp_rank_0_mp_rank_*_model_states.pt")
+    )
     if not files:
         raise CheckpointError(f"{src.tag_dir}: no mp_rank model-states file with the engine state")
     state = load_file(files[0])
@@ -79,8 +100,15 @@ def _client_state(src: SourceCheckpoint) -> tuple[dict, int]:
     return client, int(state.get("global_steps", 0))
 
 
-def reshard_worker(src_path: str, tag: str | None, config: str | None, out_root: str, cfg_yaml: str,
-                   check_ids: torch.Tensor | None, optim: OptimizerState | None = None) -> float | None:
+def reshard_worker(
+    src_path: str,
+    tag: str | None,
+    config: str | None,
+    out_root: str,
+    cfg_yaml: str,
+    check_ids: torch.Tensor | None,
+    optim: OptimizerState | None = None,
+) -> float | None:
     """Collective on the target layout: build, fill, save, and (optionally) reload and measure the loss."""
     import yaml
 
@@ -117,8 +145,9 @@ def reshard_worker(src_path: str, tag: str | None, config: str | None, out_root:
         state.destroy_model_parallel()
 
 
-def fill_from_source(model: torch.nn.Module, src: SourceCheckpoint,
-                     cfg: RunConfig) -> dict[str, list[torch.nn.Parameter]]:
+def fill_from_source(
+    model: torch.nn.Module, src: SourceCheckpoint, cfg: RunConfig
+) -> dict[str, list[torch.nn.Parameter]]:
     """Copy this rank's TP shard of every merged source tensor into the (plain or pipeline) model;
     returns the model's parameters by canonical name (a tied table's copies under one name)."""
     from megatron_lev.model.pipeline import canonical_name
@@ -148,8 +177,9 @@ def fill_from_source(model: torch.nn.Module, src: SourceCheckpoint,
     return local
 
 
-def optimizer_shards(local: dict[str, list[torch.nn.Parameter]], optim: OptimizerState, src: SourceCheckpoint,
-                     cfg: RunConfig) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+def optimizer_shards(
+    local: dict[str, list[torch.nn.Parameter]], optim: OptimizerState, src: SourceCheckpoint, cfg: RunConfig
+) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
     """This rank's TP shard of every parameter's moments (and fp32 master weight), by target parameter."""
     from megatron_lev.parallel import state
 
@@ -160,8 +190,10 @@ def optimizer_shards(local: dict[str, list[torch.nn.Parameter]], optim: Optimize
         full = dict(optim.moments[name])
         if name in optim.master:
             full["master"] = optim.master[name]
-        shard = {k: split_full(adapt_rows(name, t, specs[name].shape, src.vocab_size), specs[name], tp)[rank]
-                 for k, t in full.items()}
+        shard = {
+            k: split_full(adapt_rows(name, t, specs[name].shape, src.vocab_size), specs[name], tp)[rank]
+            for k, t in full.items()
+        }
         out.update({p: shard for p in params if isinstance(p, torch.nn.Parameter)})
     return out
 
@@ -184,15 +216,26 @@ def reference_loss(src: SourceCheckpoint, cfg: RunConfig, ids: torch.Tensor) -> 
     specs = canonical_state_dict_spec(cfg.model, padded)
     with torch.device("meta"):
         model = GPTModel(cfg.model, padded, seed=cfg.train.seed, true_vocab_size=src.vocab_size)
-    state = {n: adapt_rows(n, t.float(), specs[n].shape, src.vocab_size) for n, t in iter_canonical(src, False)}
+    state = {
+        n: adapt_rows(n, t.float(), specs[n].shape, src.vocab_size) for n, t in iter_canonical(src, False)
+    }
     model.load_state_dict(state, strict=True, assign=True)
     with torch.no_grad():
         return float(model.eval()(ids[:, :-1], ids[:, 1:]).mean())
 
 
-def reshard(checkpoint: str | os.PathLike, out_root: str | os.PathLike, tp: int, pp: int, dp: int = 1,
-            tag: str | None = None, config: str | os.PathLike | None = None, validate: bool = True,
-            timeout: float = 3600.0, optimizer: bool = True) -> tuple[Path, float | None, float | None]:
+def reshard(
+    checkpoint: str | os.PathLike,
+    out_root: str | os.PathLike,
+    tp: int,
+    pp: int,
+    dp: int = 1,
+    tag: str | None = None,
+    config: str | os.PathLike | None = None,
+    validate: bool = True,
+    timeout: float = 3600.0,
+    optimizer: bool = True,
+) -> tuple[Path, float | None, float | None]:
     """Write the resharded checkpoint under `out_root`; returns (tag dir, reference loss, resharded loss).
 
     `optimizer`: carry Adam's moments and step (refused where they cannot be carried); False
@@ -218,26 +261,44 @@ def reshard(checkpoint: str | os.PathLike, out_root: str | os.PathLike, tp: int,
     try:
         check_out_dir(out, overwrite=False, protect=[Path(checkpoint), src.tag_dir])
     except ExportError as exc:
-        raise CheckpointError(str(exc).replace("pass --overwrite to replace it or choose", "choose")) from None
+        raise CheckpointError(
+            str(exc).replace("pass --overwrite to replace it or choose", "choose")
+        ) from None
     ids = None
     ref = None
     if validate:
         s = cfg.model.seq_length
-        ids = torch.randint(0, src.vocab_size, (cfg.train.micro_batch_size, s + 1),
-                            generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(
+            0, src.vocab_size, (cfg.train.micro_batch_size, s + 1), generator=torch.Generator().manual_seed(0)
+        )
         ref = reference_loss(src, cfg, ids)
-    optim = read_optimizer_state(src) if optimizer else None  # after the weights: a damaged file is named first
+    optim = (
+        read_optimizer_state(src) if optimizer else None
+    )  # after the weights: a damaged file is named first
     work = out.with_name(f".{out.name}.partial")
     shutil.rmtree(work, ignore_errors=True)  # a dead earlier run's
     world = tp * pp * dp
     try:
-        losses = run_distributed(reshard_worker, world_size=world, timeout=timeout,
-                                 args=(str(checkpoint), tag, str(config) if config else None, str(work),
-                                       cfg.to_yaml(), ids, optim))
+        losses = run_distributed(
+            reshard_worker,
+            world_size=world,
+            timeout=timeout,
+            args=(
+                str(checkpoint),
+                tag,
+                str(config) if config else None,
+                str(work),
+                cfg.to_yaml(),
+                ids,
+                optim,
+            ),
+        )
         got = losses[0]
         if validate and abs(got - ref) > 1e-4 * max(1.0, abs(ref)):
-            raise CheckpointError(f"resharded checkpoint loads with loss {got:.6f} but the source gives {ref:.6f}; "
-                                  "nothing was written")
+            raise CheckpointError(
+                f"resharded checkpoint loads with loss {got:.6f} but the source gives {ref:.6f}; "
+                "nothing was written"
+            )
         latest = (work / "latest").read_text().strip()
         if out.is_dir():
             out.rmdir()  # empty (checked above)

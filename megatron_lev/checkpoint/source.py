@@ -61,23 +61,32 @@ class SourceCheckpoint:
         return embedding_class(self.cfg.model.embedding)
 
 
-def open_checkpoint(path: str | os.PathLike, tag: str | None = None, config: str | os.PathLike | None = None,
-                    vocab_size: int | None = None) -> SourceCheckpoint:
+def open_checkpoint(
+    path: str | os.PathLike,
+    tag: str | None = None,
+    config: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
+) -> SourceCheckpoint:
     """Locate the shard files, the run config and the vocabulary; check the checkpoint is complete."""
     tag_dir = resolve_tag_dir(path, tag)
     trainer_layout = bool(TRAINER_TAG.match(tag_dir.name)) or any(tag_dir.parent.glob(f"*/{COMPLETE_MARKER}"))
     if trainer_layout and not (tag_dir / COMPLETE_MARKER).is_file():
-        raise CheckpointError(f"{tag_dir} has no '{COMPLETE_MARKER}' marker: the save was interrupted; convert an "
-                              "earlier complete tag (--tag)")
+        raise CheckpointError(
+            f"{tag_dir} has no '{COMPLETE_MARKER}' marker: the save was interrupted; convert an "
+            "earlier complete tag (--tag)"
+        )
     files = find_files(tag_dir)
     cfg = find_run_config(tag_dir, config)
     cfg_tp = cfg.parallel.tensor_model_parallel_size
     if files.tp != cfg_tp:
-        raise CheckpointError(f"{tag_dir} holds {files.tp} tensor-parallel shard(s) but its config says "
-                              f"parallel.tensor_model_parallel_size={cfg_tp}")
+        raise CheckpointError(
+            f"{tag_dir} holds {files.tp} tensor-parallel shard(s) but its config says "
+            f"parallel.tensor_model_parallel_size={cfg_tp}"
+        )
     if files.kind == "pipeline" and cfg.parallel.pipeline_model_parallel_size == 1:
-        raise CheckpointError(f"{tag_dir} is a pipeline checkpoint but its config says "
-                              "parallel.pipeline_model_parallel_size=1")
+        raise CheckpointError(
+            f"{tag_dir} is a pipeline checkpoint but its config says parallel.pipeline_model_parallel_size=1"
+        )
     vocab = vocab_size or _vocab_size(cfg)
     padded = padded_vocab_size(vocab, cfg.model, cfg_tp)
     specs = canonical_state_dict_spec(cfg.model, padded)
@@ -89,8 +98,10 @@ def _vocab_size(cfg: RunConfig) -> int:
         return cfg.model.vocab_size
     path = cfg.data.tokenizer_path
     if not path or not Path(path).is_file():
-        raise CheckpointError(f"cannot tell the vocabulary size: model.vocab_size is unset and the tokenizer "
-                              f"(data.tokenizer_path={path!r}) is not found; pass --vocab-size or --tokenizer")
+        raise CheckpointError(
+            f"cannot tell the vocabulary size: model.vocab_size is unset and the tokenizer "
+            f"(data.tokenizer_path={path!r}) is not found; pass --vocab-size or --tokenizer"
+        )
     from megatron_lev.data.tokenizers import build_tokenizer
 
     return build_tokenizer(cfg.data.tokenizer_type, path).vocab_size
@@ -99,13 +110,19 @@ def _vocab_size(cfg: RunConfig) -> int:
 def iter_canonical(src: SourceCheckpoint, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(canonical name, full tensor)` for every parameter, in model order; checks none is missing."""
     seen: set[str] = set()
-    bar = tqdm(total=len(src.specs), desc=f"merging {src.files.kind} TP={src.files.tp}", unit="tensor",
-               disable=not progress)
+    bar = tqdm(
+        total=len(src.specs),
+        desc=f"merging {src.files.kind} TP={src.files.tp}",
+        unit="tensor",
+        disable=not progress,
+    )
     stream = _pipeline(src) if src.files.kind == "pipeline" else _per_rank(src)
     for name, tensor in stream:
         if name not in src.specs:
-            raise CheckpointError(f"{src.tag_dir}: parameter {name!r} is not in the model built from config.yaml "
-                                  f"(model.embedding={src.cfg.model.embedding!r}); wrong config?")
+            raise CheckpointError(
+                f"{src.tag_dir}: parameter {name!r} is not in the model built from config.yaml "
+                f"(model.embedding={src.cfg.model.embedding!r}); wrong config?"
+            )
         if name in seen:
             continue
         seen.add(name)
@@ -114,8 +131,10 @@ def iter_canonical(src: SourceCheckpoint, progress: bool = True) -> Iterator[tup
     bar.close()
     missing = [n for n in src.specs if n not in seen]
     if missing:
-        raise CheckpointError(f"{src.tag_dir}: {len(missing)} parameter(s) missing from the checkpoint, e.g. "
-                              f"{missing[:3]}: the checkpoint is incomplete or from another model")
+        raise CheckpointError(
+            f"{src.tag_dir}: {len(missing)} parameter(s) missing from the checkpoint, e.g. "
+            f"{missing[:3]}: the checkpoint is incomplete or from another model"
+        )
 
 
 def _pipeline(src: SourceCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:

@@ -28,10 +28,15 @@ class ValidationReport:
     probe_max_abs_diff: float | None = None  # the large-random-weights probe's (see hf_export.probe_export)
 
     def summary(self) -> str:
-        probe = ("" if self.probe_max_abs_diff is None else
-                 f"; probe with large random weights: max |logit difference| = {self.probe_max_abs_diff:.3e}")
-        return (f"validation passed: max |logit difference| = {self.max_abs_diff:.3e} "
-                f"(atol={self.atol:g}, rtol={self.rtol:g}) over {len(self.stage_diffs)} stages{probe}")
+        probe = (
+            ""
+            if self.probe_max_abs_diff is None
+            else f"; probe with large random weights: max |logit difference| = {self.probe_max_abs_diff:.3e}"
+        )
+        return (
+            f"validation passed: max |logit difference| = {self.max_abs_diff:.3e} "
+            f"(atol={self.atol:g}, rtol={self.rtol:g}) over {len(self.stage_diffs)} stages{probe}"
+        )
 
 
 def validation_ids(vocab_size: int, seq_length: int, batch: int = 3, seed: int = 0) -> torch.Tensor:
@@ -39,7 +44,7 @@ def validation_ids(vocab_size: int, seq_length: int, batch: int = 3, seed: int =
     s = min(seq_length, 32)
     ids = torch.randint(0, vocab_size, (batch, s), generator=torch.Generator().manual_seed(seed))
     rare = torch.arange(max(vocab_size - 8, 0), vocab_size)[:s]
-    ids[0, -len(rare):] = rare
+    ids[0, -len(rare) :] = rare
     return ids
 
 
@@ -47,8 +52,10 @@ def _record(modules: list[tuple[str, nn.Module]]) -> tuple[dict[str, torch.Tenso
     outputs: dict[str, torch.Tensor] = {}
     handles = []
     for name, module in modules:
+
         def hook(mod, args, out, name=name):
             outputs[name] = (out[0] if isinstance(out, tuple) else out).detach().float()
+
         handles.append(module.register_forward_hook(hook))
     return outputs, handles
 
@@ -82,8 +89,13 @@ def hf_stages(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return outputs
 
 
-def compare_stages(source: dict[str, torch.Tensor], exported: dict[str, torch.Tensor],
-                   atol: float = 1e-4, rtol: float = 1e-4, relative: bool = False) -> ValidationReport:
+def compare_stages(
+    source: dict[str, torch.Tensor],
+    exported: dict[str, torch.Tensor],
+    atol: float = 1e-4,
+    rtol: float = 1e-4,
+    relative: bool = False,
+) -> ValidationReport:
     """Raise ValidationError at the first stage whose outputs differ beyond the tolerance.
 
     `relative`: atol is multiplied by the stage's largest |value| (for the probe's large activations).
@@ -92,11 +104,15 @@ def compare_stages(source: dict[str, torch.Tensor], exported: dict[str, torch.Te
     for stage, ref in source.items():
         got = exported.get(stage)
         if got is None or got.shape != ref.shape:
-            raise ValidationError(f"stage '{stage}': exported output shape "
-                                  f"{None if got is None else tuple(got.shape)} != source {tuple(ref.shape)}")
+            raise ValidationError(
+                f"stage '{stage}': exported output shape "
+                f"{None if got is None else tuple(got.shape)} != source {tuple(ref.shape)}"
+            )
         if not torch.isfinite(ref).all():
-            raise ValidationError(f"stage '{stage}' of the source model is not finite (nan/inf): the checkpoint's "
-                                  "weights are damaged; convert an earlier checkpoint (--tag)")
+            raise ValidationError(
+                f"stage '{stage}' of the source model is not finite (nan/inf): the checkpoint's "
+                "weights are damaged; convert an earlier checkpoint (--tag)"
+            )
         diffs[stage] = (got - ref).abs().max().item()
         tol = atol * max(1.0, ref.abs().max().item()) if relative else atol
         try:
@@ -105,5 +121,7 @@ def compare_stages(source: dict[str, torch.Tensor], exported: dict[str, torch.Te
             raise ValidationError(
                 f"the exported model first diverges from the source at stage '{stage}': max |difference| "
                 f"{diffs[stage]:.3e} > atol={tol:g} (earlier stages: "
-                + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items() if k != stage) + ")") from None
+                + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items() if k != stage)
+                + ")"
+            ) from None
     return ValidationReport(diffs["logits"], diffs, atol, rtol)

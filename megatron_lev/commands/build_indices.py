@@ -16,11 +16,20 @@ class FlagError(UserError):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
-    parser.add_argument("--num-samples", type=int, nargs=3, default=None, metavar=("TRAIN", "VALID", "TEST"),
-                        help="samples per split (default: from train_iters, eval_interval, eval_iters "
-                             "and the global batch)")
-    parser.add_argument("--world-size", type=int, default=1,
-                        help="processes of the run (sets the global batch when train.global_batch_size is unset)")
+    parser.add_argument(
+        "--num-samples",
+        type=int,
+        nargs=3,
+        default=None,
+        metavar=("TRAIN", "VALID", "TEST"),
+        help="samples per split (default: from train_iters, eval_interval, eval_iters and the global batch)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="processes of the run (sets the global batch when train.global_batch_size is unset)",
+    )
 
 
 def samples_from_config(cfg, world_size: int) -> tuple[int, int, int]:
@@ -46,7 +55,9 @@ def main(args: argparse.Namespace) -> int:
     start = time.monotonic()
     splits = build_train_valid_test_datasets(cfg.data, cfg.model.seq_length, num)
     for name, ds, n in zip(("train", "valid", "test"), splits, num):
-        print(f"{name:>5}: {'empty' if ds is None else f'{len(ds):,} samples'} (asked {n:,}) of "
-              f"{cfg.model.seq_length}+1 tokens")
+        print(
+            f"{name:>5}: {'empty' if ds is None else f'{len(ds):,} samples'} (asked {n:,}) of "
+            f"{cfg.model.seq_length}+1 tokens"
+        )
     print(f"indices ready in {time.monotonic() - start:.1f} s")
     return 0

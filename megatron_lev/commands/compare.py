@@ -24,16 +24,28 @@ def _named(items: list[str], what: str) -> dict[str, str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("results", nargs="+", metavar="[NAME=]EVAL_JSON",
-                        help="evaluate results (eval.json); NAME defaults to the name inside")
-    parser.add_argument("--curves", nargs="*", default=[], metavar="NAME=PATH",
-                        help="loss curves: TensorBoard log dir/event file, or JSON/CSV of (tokens, loss)")
+    parser.add_argument(
+        "results",
+        nargs="+",
+        metavar="[NAME=]EVAL_JSON",
+        help="evaluate results (eval.json); NAME defaults to the name inside",
+    )
+    parser.add_argument(
+        "--curves",
+        nargs="*",
+        default=[],
+        metavar="NAME=PATH",
+        help="loss curves: TensorBoard log dir/event file, or JSON/CSV of (tokens, loss)",
+    )
     parser.add_argument("--baseline", default="TIED", help="run the others are compared against")
     parser.add_argument("--corpus", default=None, help="pick the result whose corpus contains this")
-    parser.add_argument("--tag", default=None, help="scalar tag of the loss (default valid/loss, else train/loss)")
+    parser.add_argument(
+        "--tag", default=None, help="scalar tag of the loss (default valid/loss, else train/loss)"
+    )
     parser.add_argument("--tokens-tag", default="train/tokens", help="scalar tag giving tokens per step")
-    parser.add_argument("--tokens-per-step", type=float, default=None,
-                        help="tokens per step when the log has no tokens tag")
+    parser.add_argument(
+        "--tokens-per-step", type=float, default=None, help="tokens per step when the log has no tokens tag"
+    )
     parser.add_argument("--out", default="compare_results", help="output directory")
 
 
@@ -54,12 +66,16 @@ def main(args: argparse.Namespace) -> int:
         if run in results:
             raise UserError(f"results: two results are named {run!r} ({path}); name them NAME=PATH")
         results[run] = r
-    curves = {name: read_curve(path, args.tag, args.tokens_tag, args.tokens_per_step)
-              for name, path in _named(args.curves, "--curves").items()}
+    curves = {
+        name: read_curve(path, args.tag, args.tokens_tag, args.tokens_per_step)
+        for name, path in _named(args.curves, "--curves").items()
+    }
     unknown = sorted(set(curves) - set(results))
     if unknown:
-        raise UserError(f"--curves: {', '.join(unknown)} has a curve but no evaluation result; use the names "
-                        f"of the results ({', '.join(results)})")
+        raise UserError(
+            f"--curves: {', '.join(unknown)} has a curve but no evaluation result; use the names "
+            f"of the results ({', '.join(results)})"
+        )
     cmp = compare_results(results, curves, args.baseline)
     out = output_dir(args.out, "--out")
     table = compare_markdown(cmp)

@@ -13,10 +13,20 @@ from megatron_lev.errors import UserError
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The `--config FILE [FILE ...]` and `key=value` overrides every run command takes."""
-    parser.add_argument("--config", "-c", nargs="+", default=[], metavar="YAML",
-                        help="run config file(s); later files override earlier ones")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="dotted overrides, e.g. model.embedding=lev train.lr=3e-4")
+    parser.add_argument(
+        "--config",
+        "-c",
+        nargs="+",
+        default=[],
+        metavar="YAML",
+        help="run config file(s); later files override earlier ones",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="dotted overrides, e.g. model.embedding=lev train.lr=3e-4",
+    )
 
 
 def config_files_and_overrides(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -34,11 +44,17 @@ def output_dir(path: str | os.PathLike, flag: str) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        raise UserError(f"{flag} {path}: a parent of it is a file, not a directory; choose another path") from None
+        raise UserError(
+            f"{flag} {path}: a parent of it is a file, not a directory; choose another path"
+        ) from None
     except PermissionError:
-        raise UserError(f"{flag} {path}: permission denied creating it; choose a writable directory") from None
+        raise UserError(
+            f"{flag} {path}: permission denied creating it; choose a writable directory"
+        ) from None
     except OSError as exc:
-        raise UserError(f"{flag} {path}: cannot create the directory ({exc.strerror}); choose another path") from None
+        raise UserError(
+            f"{flag} {path}: cannot create the directory ({exc.strerror}); choose another path"
+        ) from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {path}: the directory is not writable; choose a writable directory")
     return path
@@ -55,8 +71,9 @@ def check_number(value, flag: str, lo: float, *, above: bool = False, integer: b
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="also check the parallel layout for this many processes")
+    parser.add_argument(
+        "--world-size", type=int, default=None, help="also check the parallel layout for this many processes"
+    )
     parser.add_argument("--save", default=None, metavar="DIR", help="write the resolved config.yaml here")
 
 

@@ -10,21 +10,44 @@ from megatron_lev.checkpoint.validate import ValidationError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="the run's save directory (uses 'latest') or one checkpoint tag directory")
+    parser.add_argument(
+        "checkpoint", help="the run's save directory (uses 'latest') or one checkpoint tag directory"
+    )
     parser.add_argument("out", help="the Hugging Face model directory to write")
-    parser.add_argument("--tag", default=None, help="checkpoint tag under the save directory (default: latest)")
-    parser.add_argument("--config", default=None, metavar="YAML",
-                        help="the run's resolved config (default: config.yaml beside the checkpoint)")
-    parser.add_argument("--tokenizer", default=None, metavar="PATH",
-                        help="tokenizer file (default: data.tokenizer_path of the config)")
+    parser.add_argument(
+        "--tag", default=None, help="checkpoint tag under the save directory (default: latest)"
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="YAML",
+        help="the run's resolved config (default: config.yaml beside the checkpoint)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="tokenizer file (default: data.tokenizer_path of the config)",
+    )
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="dtype of the exported weights")
-    parser.add_argument("--max-shard-size", type=float, default=5.0, metavar="GB",
-                        help="largest safetensors shard; bigger models get an index")
-    parser.add_argument("--skip-validation", action="store_true",
-                        help="do not compare the exported model's logits with the source model's")
+    parser.add_argument(
+        "--max-shard-size",
+        type=float,
+        default=5.0,
+        metavar="GB",
+        help="largest safetensors shard; bigger models get an index",
+    )
+    parser.add_argument(
+        "--skip-validation",
+        action="store_true",
+        help="do not compare the exported model's logits with the source model's",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    parser.add_argument("--keep-lev", action="store_true",
-                        help="keep the LEV input layer (loaded with trust_remote_code=True) instead of a dense table")
+    parser.add_argument(
+        "--keep-lev",
+        action="store_true",
+        help="keep the LEV input layer (loaded with trust_remote_code=True) instead of a dense table",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -35,10 +58,19 @@ def main(args: argparse.Namespace) -> int:
     if args.max_shard_size <= 0 or args.max_shard_size != args.max_shard_size:
         raise ExportError(f"--max-shard-size must be a positive number of GB, got {args.max_shard_size}")
     try:
-        result = export_to_hf(args.checkpoint, args.out, tag=args.tag, config=args.config, tokenizer=args.tokenizer,
-                              dtype=args.dtype, validate=not args.skip_validation,
-                              max_shard_bytes=int(args.max_shard_size * 1024**3), overwrite=args.overwrite,
-                              progress=not args.no_progress, keep_lev=args.keep_lev)
+        result = export_to_hf(
+            args.checkpoint,
+            args.out,
+            tag=args.tag,
+            config=args.config,
+            tokenizer=args.tokenizer,
+            dtype=args.dtype,
+            validate=not args.skip_validation,
+            max_shard_bytes=int(args.max_shard_size * 1024**3),
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            keep_lev=args.keep_lev,
+        )
     except ValidationError as exc:
         if getattr(args, "debug", False):
             raise

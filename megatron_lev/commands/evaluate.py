@@ -10,24 +10,53 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="exported Hugging Face model directory, or a training checkpoint "
-                                      "(the run's save directory or one tag directory)")
+    parser.add_argument(
+        "model",
+        help="exported Hugging Face model directory, or a training checkpoint "
+        "(the run's save directory or one tag directory)",
+    )
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: latest); checkpoints only")
-    parser.add_argument("--data", nargs="*", default=[], metavar="PREFIX",
-                        help="held-out MMIDIDX shards (<prefix>.bin/.idx)")
-    parser.add_argument("--text", nargs="*", default=[], metavar="FILE",
-                        help="zero-shot corpora: .jsonl / .jsonl.zst (Pile format) or plain text")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer.json or directory for --text (default: the model directory)")
-    parser.add_argument("--counts", default=None, metavar="NPY",
-                        help="training token counts <prefix>.counts.npy: adds perplexity by frequency")
-    parser.add_argument("--edges", type=float, nargs="+", default=None,
-                        help="relative-frequency bucket edges (default 1e-7 1e-6 1e-5 1e-4)")
-    parser.add_argument("--split", choices=("train", "valid", "test"), default=None,
-                        help="evaluate only this part of each --data shard, split by document as the trainer does")
+    parser.add_argument(
+        "--data", nargs="*", default=[], metavar="PREFIX", help="held-out MMIDIDX shards (<prefix>.bin/.idx)"
+    )
+    parser.add_argument(
+        "--text",
+        nargs="*",
+        default=[],
+        metavar="FILE",
+        help="zero-shot corpora: .jsonl / .jsonl.zst (Pile format) or plain text",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json or directory for --text (default: the model directory)",
+    )
+    parser.add_argument(
+        "--counts",
+        default=None,
+        metavar="NPY",
+        help="training token counts <prefix>.counts.npy: adds perplexity by frequency",
+    )
+    parser.add_argument(
+        "--edges",
+        type=float,
+        nargs="+",
+        default=None,
+        help="relative-frequency bucket edges (default 1e-7 1e-6 1e-5 1e-4)",
+    )
+    parser.add_argument(
+        "--split",
+        choices=("train", "valid", "test"),
+        default=None,
+        help="evaluate only this part of each --data shard, split by document as the trainer does",
+    )
     parser.add_argument("--split-spec", default="969,30,1", help="the run's data.split (with --split)")
-    parser.add_argument("--seq-len", type=int, default=None,
-                        help="tokens per window (default: the model's training sequence length)")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per window (default: the model's training sequence length)",
+    )
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-docs", type=int, default=None, help="evaluate only the first N documents")
     parser.add_argument("--name", default=None, help="run name in the results (default: model dir name)")
@@ -35,15 +64,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--out", default="eval_results", help="output directory (JSON + markdown)")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="run the model code a model directory ships (needed for --keep-lev exports)")
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the model code a model directory ships (needed for --keep-lev exports)",
+    )
 
 
 def _check_flags(args: argparse.Namespace) -> None:
     from megatron_lev.errors import UserError
 
-    for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size),
-                        ("--max-docs", args.max_docs), ("--threads", args.threads)):
+    for flag, value in (
+        ("--seq-len", args.seq_len),
+        ("--batch-size", args.batch_size),
+        ("--max-docs", args.max_docs),
+        ("--threads", args.threads),
+    ):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
 
@@ -54,16 +90,20 @@ def _check_tokenizer(tokenizer, model: str, is_hf: bool, vocab: int | None, tag:
     from megatron_lev.utils.io import sha256_file
 
     if vocab is not None and tokenizer.vocab_size is not None and tokenizer.vocab_size > vocab:
-        raise DataError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but the model {model} only "
-                        f"{vocab}: it is not the model's tokenizer; pass the one the model was trained with")
+        raise DataError(
+            f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but the model {model} only "
+            f"{vocab}: it is not the model's tokenizer; pass the one the model was trained with"
+        )
     if tokenizer.file is None:
         return
     reference = _model_tokenizer_file(model, is_hf, tag)
     if reference is None or not reference.is_file() or reference.resolve() == Path(tokenizer.file).resolve():
         return
     if sha256_file(reference) != sha256_file(tokenizer.file):
-        raise DataError(f"--tokenizer {tokenizer.file} is not the model's tokenizer ({reference} differs, sha256); "
-                        f"drop --tokenizer to use the model's, or pass {reference}")
+        raise DataError(
+            f"--tokenizer {tokenizer.file} is not the model's tokenizer ({reference} differs, sha256); "
+            f"drop --tokenizer to use the model's, or pass {reference}"
+        )
 
 
 def _model_tokenizer(model: str, is_hf: bool, tag: str | None) -> tuple[str, Path | None]:
@@ -105,15 +145,19 @@ def _check_shard_tokenizers(prefixes: list[str], reference: Path | None, tokeniz
             raise DataError(f"{prefix}: cannot tell which tokenizer made it: {exc}") from None
         recorded = (manifest or {}).get("tokenizer") or {}
         if not isinstance(recorded, dict):
-            raise DataError(f"{prefix}: {path} records no readable tokenizer fingerprint (got "
-                            f"{type(recorded).__name__}); rerun `megatron-lev preprocess` to rewrite it")
+            raise DataError(
+                f"{prefix}: {path} records no readable tokenizer fingerprint (got "
+                f"{type(recorded).__name__}); rerun `megatron-lev preprocess` to rewrite it"
+            )
         if not recorded.get("sha256") or recorded["sha256"] == sha:
             continue
         mine = mine or tokenizer_fingerprint(tokenizer_type, reference)
         diff = encoding_mismatch(recorded, mine)
         if diff:
-            raise DataError(f"{prefix}: made with tokenizer {recorded.get('file', '?')} ({path}), not the model's "
-                            f"{reference} ({diff}); evaluate shards made with the model's tokenizer")
+            raise DataError(
+                f"{prefix}: made with tokenizer {recorded.get('file', '?')} ({path}), not the model's "
+                f"{reference} ({diff}); evaluate shards made with the model's tokenizer"
+            )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -146,8 +190,10 @@ def main(args: argparse.Namespace) -> int:
     else:
         model = Path(args.model)
         if model.is_dir() and (any(model.glob("*.safetensors")) or any(model.glob("pytorch_model*.bin"))):
-            raise DataError(f"{model} holds model weights but no config.json: not a complete Hugging Face model "
-                            "directory; export it again (megatron-lev convert) or add its config.json")
+            raise DataError(
+                f"{model} holds model weights but no config.json: not a complete Hugging Face model "
+                "directory; export it again (megatron-lev convert) or add its config.json"
+            )
         model_fn, seq_len, vocab = checkpoint_model_fn(args.model, args.tag, args.device)
     tokenizer_type, reference = _model_tokenizer(args.model, hf, args.tag)
     _check_shard_tokenizers(args.data, reference, tokenizer_type)
@@ -159,9 +205,21 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise DataError(f"--counts: {exc}") from None
     split = (args.split, args.split_spec) if args.split else None
-    results = evaluate_model(model_fn, name, args.data, args.text, tokenizer, counts,
-                             tuple(args.edges or DEFAULT_EDGES), args.seq_len or seq_len,
-                             args.batch_size, args.max_docs, args.device, split=split, vocab_size=vocab)
+    results = evaluate_model(
+        model_fn,
+        name,
+        args.data,
+        args.text,
+        tokenizer,
+        counts,
+        tuple(args.edges or DEFAULT_EDGES),
+        args.seq_len or seq_len,
+        args.batch_size,
+        args.max_docs,
+        args.device,
+        split=split,
+        vocab_size=vocab,
+    )
     out = Path(args.out)
     table = result_markdown(results)
     atomic_write_json(out / "eval.json", {"name": name, "model": str(args.model), "results": results})

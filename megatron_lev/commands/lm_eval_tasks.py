@@ -10,20 +10,26 @@ from megatron_lev.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-dir", required=True, metavar="DIR",
-                        help="downstream data in the datasets.save_to_disk layout (ai2_arc/, piqa/, hellaswag/, "
-                             "winogrande/)")
+    parser.add_argument(
+        "--data-dir",
+        required=True,
+        metavar="DIR",
+        help="downstream data in the datasets.save_to_disk layout (ai2_arc/, piqa/, hellaswag/, winogrande/)",
+    )
     parser.add_argument("--out", required=True, metavar="DIR", help="where the task YAMLs are written")
-    parser.add_argument("--tasks", nargs="+", default=None, choices=list(TASKS),
-                        help="a subset of the tasks (default: all)")
+    parser.add_argument(
+        "--tasks", nargs="+", default=None, choices=list(TASKS), help="a subset of the tasks (default: all)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     from megatron_lev.commands.config_cmd import output_dir
 
     if not Path(args.data_dir).is_dir():
-        raise UserError(f"--data-dir {args.data_dir}: not a directory; give the downstream data saved with "
-                        "datasets.save_to_disk (ai2_arc/, piqa/, hellaswag/, winogrande/)")
+        raise UserError(
+            f"--data-dir {args.data_dir}: not a directory; give the downstream data saved with "
+            "datasets.save_to_disk (ai2_arc/, piqa/, hellaswag/, winogrande/)"
+        )
     for name in args.tasks or TASKS:  # every input first, so a refused run writes nothing
         arrow_file(args.data_dir, TASKS[name][0])
     paths = write_lm_eval_tasks(args.data_dir, output_dir(args.out, "--out"), args.tasks)

@@ -19,29 +19,58 @@ class Terminated(UserError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", nargs="+", metavar="PATH",
-                        help="*.jsonl, *.jsonl.zst, *.jsonl.gz files, directories or globs of them, "
-                             "*.arrow/*.parquet files or a datasets.save_to_disk directory (required)")
-    parser.add_argument("--output-prefix",
-                        help="writes PREFIX.bin/.idx/.stats.json/.counts.npy and, last, PREFIX.manifest.json "
-                             "(required)")
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        metavar="PATH",
+        help="*.jsonl, *.jsonl.zst, *.jsonl.gz files, directories or globs of them, "
+        "*.arrow/*.parquet files or a datasets.save_to_disk directory (required)",
+    )
+    parser.add_argument(
+        "--output-prefix",
+        help="writes PREFIX.bin/.idx/.stats.json/.counts.npy and, last, PREFIX.manifest.json (required)",
+    )
     parser.add_argument("--tokenizer-type", default="hf", choices=TOKENIZER_TYPES)
-    parser.add_argument("--tokenizer", required=True, metavar="FILE",
-                        help="tokenizer.json (hf), .model (sentencepiece) or BPE ranks file (tiktoken)")
+    parser.add_argument(
+        "--tokenizer",
+        required=True,
+        metavar="FILE",
+        help="tokenizer.json (hf), .model (sentencepiece) or BPE ranks file (tiktoken)",
+    )
     parser.add_argument("--json-key", default="text", help="the JSON field holding the document text")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="tokenising processes (the output is the same for any number)")
-    parser.add_argument("--split-by-subset", action="store_true",
-                        help="one output per meta.pile_set_name: PREFIX_<subset>.bin/.idx")
-    parser.add_argument("--shard-size-mb", type=float, default=None,
-                        help="split each output into shards PREFIX[_subset]_00000 ... of about this size")
-    parser.add_argument("--chunk-mb", type=float, default=1.0, help="input per work item (memory ~ workers x this)")
-    parser.add_argument("--max-bad-fraction", type=float, default=1.0,
-                        help="fail when more than this fraction of the lines is bad (a run with no documents "
-                             "always fails)")
-    parser.add_argument("--write-manifest-for", metavar="PREFIX", default=None,
-                        help="instead of preprocessing: check the shards at PREFIX (PREFIX.bin or PREFIX_*.bin) "
-                             "made without a manifest, and write PREFIX.manifest.json for them with --tokenizer")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="tokenising processes (the output is the same for any number)",
+    )
+    parser.add_argument(
+        "--split-by-subset",
+        action="store_true",
+        help="one output per meta.pile_set_name: PREFIX_<subset>.bin/.idx",
+    )
+    parser.add_argument(
+        "--shard-size-mb",
+        type=float,
+        default=None,
+        help="split each output into shards PREFIX[_subset]_00000 ... of about this size",
+    )
+    parser.add_argument(
+        "--chunk-mb", type=float, default=1.0, help="input per work item (memory ~ workers x this)"
+    )
+    parser.add_argument(
+        "--max-bad-fraction",
+        type=float,
+        default=1.0,
+        help="fail when more than this fraction of the lines is bad (a run with no documents always fails)",
+    )
+    parser.add_argument(
+        "--write-manifest-for",
+        metavar="PREFIX",
+        default=None,
+        help="instead of preprocessing: check the shards at PREFIX (PREFIX.bin or PREFIX_*.bin) "
+        "made without a manifest, and write PREFIX.manifest.json for them with --tokenizer",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -55,15 +84,24 @@ def main(args: argparse.Namespace) -> int:
     if not args.chunk_mb > 0 or args.chunk_mb == float("inf"):
         raise FlagError(f"--chunk-mb must be a positive number, got {args.chunk_mb}")
     opts = PreprocessOptions(
-        inputs=args.input, output_prefix=args.output_prefix, tokenizer_type=args.tokenizer_type,
-        tokenizer_path=args.tokenizer, json_key=args.json_key, workers=args.workers,
-        split_by_subset=args.split_by_subset, shard_size_mb=args.shard_size_mb,
-        chunk_bytes=max(1, int(args.chunk_mb * (1 << 20))), progress=not args.no_progress,
-        max_bad_fraction=args.max_bad_fraction)
+        inputs=args.input,
+        output_prefix=args.output_prefix,
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_path=args.tokenizer,
+        json_key=args.json_key,
+        workers=args.workers,
+        split_by_subset=args.split_by_subset,
+        shard_size_mb=args.shard_size_mb,
+        chunk_bytes=max(1, int(args.chunk_mb * (1 << 20))),
+        progress=not args.no_progress,
+        max_bad_fraction=args.max_bad_fraction,
+    )
 
     def terminated(signum, frame):
-        raise Terminated(f"terminated (signal {signum}); nothing of this run was kept and an earlier output at "
-                         f"{args.output_prefix} is intact; rerun to start over")
+        raise Terminated(
+            f"terminated (signal {signum}); nothing of this run was kept and an earlier output at "
+            f"{args.output_prefix} is intact; rerun to start over"
+        )
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, terminated) if main_thread else None
@@ -72,13 +110,17 @@ def main(args: argparse.Namespace) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-    print(f"{stats['documents']:,} documents, {stats['tokens']:,} tokens ({stats['dtype']}) in "
-          f"{stats['seconds']:.1f} s ({stats['tokens_per_second'] / 1e3:.0f}k tokens/s) -> "
-          f"{len(stats['outputs'])} output(s): {', '.join(stats['outputs'][:4])}"
-          f"{' ...' if len(stats['outputs']) > 4 else ''}")
+    print(
+        f"{stats['documents']:,} documents, {stats['tokens']:,} tokens ({stats['dtype']}) in "
+        f"{stats['seconds']:.1f} s ({stats['tokens_per_second'] / 1e3:.0f}k tokens/s) -> "
+        f"{len(stats['outputs'])} output(s): {', '.join(stats['outputs'][:4])}"
+        f"{' ...' if len(stats['outputs']) > 4 else ''}"
+    )
     if stats["error_count"]:
-        print(f"skipped {stats['error_count']} bad input(s): {json.dumps(stats['errors'])}; "
-              f"see {args.output_prefix}.stats.json for file and line")
+        print(
+            f"skipped {stats['error_count']} bad input(s): {json.dumps(stats['errors'])}; "
+            f"see {args.output_prefix}.stats.json for file and line"
+        )
         for p in stats["problems"][:10]:
             print(f"  {p['file']}:{p['line']}: {p['kind']}: {p['message']}")
     return 0
@@ -88,6 +130,8 @@ def _write_manifest_for(args: argparse.Namespace) -> int:
     from megatron_lev.data.manifest import write_manifest_for
 
     path, shards = write_manifest_for(args.write_manifest_for, args.tokenizer_type, args.tokenizer)
-    print(f"checked {len(shards)} shard(s) ({', '.join(os.path.basename(s) for s in shards[:4])}"
-          f"{' ...' if len(shards) > 4 else ''}) and wrote {path}")
+    print(
+        f"checked {len(shards)} shard(s) ({', '.join(os.path.basename(s) for s in shards[:4])}"
+        f"{' ...' if len(shards) > 4 else ''}) and wrote {path}"
+    )
     return 0

@@ -6,19 +6,37 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="the run's save directory (uses 'latest') or one checkpoint tag directory")
+    parser.add_argument(
+        "checkpoint", help="the run's save directory (uses 'latest') or one checkpoint tag directory"
+    )
     parser.add_argument("out", help="a new save directory for the resharded checkpoint")
     parser.add_argument("--tp", type=int, required=True, help="target tensor-parallel size")
     parser.add_argument("--pp", type=int, required=True, help="target pipeline-parallel size")
-    parser.add_argument("--dp", type=int, default=1,
-                        help="target data-parallel size (DeepSpeed checks it when ZeRO state is loaded)")
-    parser.add_argument("--tag", default=None, help="checkpoint tag under the save directory (default: latest)")
-    parser.add_argument("--config", default=None, metavar="YAML",
-                        help="the run's resolved config (default: config.yaml beside the checkpoint)")
-    parser.add_argument("--skip-validation", action="store_true",
-                        help="do not reload the result and compare its loss with the source model's")
-    parser.add_argument("--drop-optimizer", action="store_true",
-                        help="restart Adam's moments from zero instead of carrying them (needed for ZeRO-3 sources)")
+    parser.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="target data-parallel size (DeepSpeed checks it when ZeRO state is loaded)",
+    )
+    parser.add_argument(
+        "--tag", default=None, help="checkpoint tag under the save directory (default: latest)"
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="YAML",
+        help="the run's resolved config (default: config.yaml beside the checkpoint)",
+    )
+    parser.add_argument(
+        "--skip-validation",
+        action="store_true",
+        help="do not reload the result and compare its loss with the source model's",
+    )
+    parser.add_argument(
+        "--drop-optimizer",
+        action="store_true",
+        help="restart Adam's moments from zero instead of carrying them (needed for ZeRO-3 sources)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -26,12 +44,22 @@ def main(args: argparse.Namespace) -> int:
     from megatron_lev.logging import setup_logging
 
     setup_logging()
-    tag_dir, ref, got = reshard(args.checkpoint, args.out, args.tp, args.pp, args.dp, tag=args.tag,
-                                config=args.config, validate=not args.skip_validation,
-                                optimizer=not args.drop_optimizer)
+    tag_dir, ref, got = reshard(
+        args.checkpoint,
+        args.out,
+        args.tp,
+        args.pp,
+        args.dp,
+        tag=args.tag,
+        config=args.config,
+        validate=not args.skip_validation,
+        optimizer=not args.drop_optimizer,
+    )
     if ref is not None:
-        print(f"validation passed: loss {got:.6f} after reloading at TP={args.tp} PP={args.pp} DP={args.dp} "
-              f"(source {ref:.6f})")
+        print(
+            f"validation passed: loss {got:.6f} after reloading at TP={args.tp} PP={args.pp} DP={args.dp} "
+            f"(source {ref:.6f})"
+        )
     moments = "Adam moments restart from zero" if args.drop_optimizer else "Adam moments and step carried"
     print(f"wrote {tag_dir} (model weights, iteration and client state; {moments})")
     return 0

@@ -8,10 +8,17 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_lev.data.sample_corpus import SOURCES
 
-    parser.add_argument("--output-dir", required=True, help="writes <subset>.jsonl.zst files and manifest.json")
+    parser.add_argument(
+        "--output-dir", required=True, help="writes <subset>.jsonl.zst files and manifest.json"
+    )
     parser.add_argument("--max-mb", type=float, default=20.0, help="stop after this much text")
-    parser.add_argument("--sources", nargs="+", default=None, choices=list(SOURCES),
-                        help="subsets to draw from (default: all that exist here)")
+    parser.add_argument(
+        "--sources",
+        nargs="+",
+        default=None,
+        choices=list(SOURCES),
+        help="subsets to draw from (default: all that exist here)",
+    )
     parser.add_argument("--no-progress", action="store_true")
 
 

@@ -17,9 +17,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_lev.commands.config_cmd import add_config_arguments
 
     add_config_arguments(parser)
-    parser.add_argument("--allow-change", action="append", default=[], metavar="KEY",
-                        help="resume although config KEY (e.g. train.lr) differs from the checkpoint's; "
-                             "repeatable; model keys can never change")
+    parser.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="resume although config KEY (e.g. train.lr) differs from the checkpoint's; "
+        "repeatable; model keys can never change",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -31,7 +31,9 @@ class DocumentLayout:
     @classmethod
     def from_config(cls, data_cfg, eod: int) -> DocumentLayout | None:
         """The layout of `data_cfg` (a `DataConfig`), or None when every option is off."""
-        layout = cls(int(eod), data_cfg.reset_position_ids, data_cfg.reset_attention_mask, data_cfg.eod_mask_loss)
+        layout = cls(
+            int(eod), data_cfg.reset_position_ids, data_cfg.reset_attention_mask, data_cfg.eod_mask_loss
+        )
         return layout if layout.active else None
 
     @property
@@ -39,11 +41,14 @@ class DocumentLayout:
         return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
 
     def __call__(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
-        """`position_ids`, `document_ids` (int64) and `loss_mask` (float32), each `(B, S)` or None when off."""
+        """`position_ids`, `document_ids` (int64) and `loss_mask` (float32), each `(B, S)` or None when
+        off."""
         position_ids, document_ids = document_positions(input_ids, self.eod)
-        return {"position_ids": position_ids if self.reset_position_ids else None,
-                "document_ids": document_ids if self.reset_attention_mask else None,
-                "loss_mask": (input_ids != self.eod).float() if self.eod_mask_loss else None}
+        return {
+            "position_ids": position_ids if self.reset_position_ids else None,
+            "document_ids": document_ids if self.reset_attention_mask else None,
+            "loss_mask": (input_ids != self.eod).float() if self.eod_mask_loss else None,
+        }
 
 
 def document_positions(input_ids: torch.Tensor, eod: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,5 +62,7 @@ def document_positions(input_ids: torch.Tensor, eod: int) -> tuple[torch.Tensor,
     starts[:, 1:] = is_eod[:, :-1]  # a document starts at the row's first token and after every EOD
     document_ids = starts.long().cumsum(dim=1) - 1  # (B, S): 0, 0, 0, 1, 1, ...
     index = torch.arange(s, device=input_ids.device).expand(b, s)
-    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # start of each token's document
+    first = (
+        torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    )  # start of each token's document
     return index - first, document_ids

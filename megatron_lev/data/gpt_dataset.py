@@ -25,7 +25,9 @@ from megatron_lev.data.manifest import cached_sha256, verify_shard_set
 from megatron_lev.errors import DataError
 from megatron_lev.utils.io import atomic_open, atomic_write_json
 
-INDEX_VERSION = 3  # bump when the index scheme changes, so old caches are not reused (3: sample_idx[0] = (0, 0))
+INDEX_VERSION = (
+    3  # bump when the index scheme changes, so old caches are not reused (3: sample_idx[0] = (0, 0))
+)
 log = logging.getLogger(__name__)
 
 
@@ -97,8 +99,16 @@ def cached_arrays(cache_dir: Path, name: str, description: dict, build) -> dict[
 class GPTDataset(torch.utils.data.Dataset):
     """`num_samples` samples of S + 1 tokens from documents `[doc_start, doc_end)` of one shard."""
 
-    def __init__(self, name: str, indexed: IndexedDataset, doc_range: tuple[int, int], num_samples: int,
-                 seq_length: int, seed: int, cache_dir: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        name: str,
+        indexed: IndexedDataset,
+        doc_range: tuple[int, int],
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+        cache_dir: str | os.PathLike | None = None,
+    ):
         self.name, self.indexed, self.seq_length = name, indexed, seq_length
         self.num_samples = num_samples
         start, end = doc_range
@@ -106,12 +116,22 @@ class GPTDataset(torch.utils.data.Dataset):
         documents = np.arange(first_seq, last_seq, dtype=np.int32)
         tokens = int(indexed.sizes[first_seq:last_seq].sum(dtype=np.int64))
         if tokens == 0:
-            raise DataError(f"{indexed.prefix}: split {name!r} (documents {start}-{end}) has no tokens; "
-                            "change data.split or use a larger shard set")
+            raise DataError(
+                f"{indexed.prefix}: split {name!r} (documents {start}-{end}) has no tokens; "
+                "change data.split or use a larger shard set"
+            )
         self.epochs = ix.num_epochs(tokens, seq_length, num_samples)
-        description = {"class": "GPTDataset", "prefix": Path(indexed.prefix).name, "sequences": len(indexed),
-                       "tokens": indexed.num_tokens, "documents": [start, end], "num_samples": num_samples,
-                       "seq_length": seq_length, "seed": seed, "rng": "pcg64"}
+        description = {
+            "class": "GPTDataset",
+            "prefix": Path(indexed.prefix).name,
+            "sequences": len(indexed),
+            "tokens": indexed.num_tokens,
+            "documents": [start, end],
+            "num_samples": num_samples,
+            "seq_length": seq_length,
+            "seed": seed,
+            "rng": "pcg64",
+        }
 
         def build() -> dict[str, np.ndarray]:
             # numpy's Generator (PCG64) shuffles large arrays ~30% faster than the legacy RandomState
@@ -122,7 +142,11 @@ class GPTDataset(torch.utils.data.Dataset):
 
         cache = Path(cache_dir) if cache_dir else Path(indexed.prefix).parent / "index-cache"
         arrays = cached_arrays(cache, f"{Path(indexed.prefix).name}_{name}", description, build)
-        self.doc_idx, self.sample_idx, self.shuffle_idx = arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
+        self.doc_idx, self.sample_idx, self.shuffle_idx = (
+            arrays["doc_idx"],
+            arrays["sample_idx"],
+            arrays["shuffle_idx"],
+        )
 
     def __len__(self) -> int:
         return self.num_samples
@@ -145,7 +169,11 @@ class BlendedDataset(torch.utils.data.Dataset):
     """Several datasets mixed by weight with Megatron's greedy rule (see `indices.build_blending_indices`)."""
 
     def __init__(self, datasets: list, dataset_index: np.ndarray, dataset_sample_index: np.ndarray):
-        self.datasets, self.dataset_index, self.dataset_sample_index = datasets, dataset_index, dataset_sample_index
+        self.datasets, self.dataset_index, self.dataset_sample_index = (
+            datasets,
+            dataset_index,
+            dataset_sample_index,
+        )
 
     def __len__(self) -> int:
         return len(self.dataset_index)
@@ -159,18 +187,30 @@ def parse_blend(paths: list[str]) -> list[tuple[float, str]]:
     if len(paths) == 1:
         return [(1.0, paths[0])]
     if len(paths) % 2:
-        raise DataError(f"data.data_path {paths}: a blend alternates weight and prefix, e.g. ['0.7', 'a', '0.3', 'b']")
+        raise DataError(
+            f"data.data_path {paths}: a blend alternates weight and prefix, e.g. ['0.7', 'a', '0.3', 'b']"
+        )
     try:
         blend = [(float(paths[i]), paths[i + 1]) for i in range(0, len(paths), 2)]
     except ValueError:
-        raise DataError(f"data.data_path {paths}: weights must be numbers (e.g. ['0.7', 'a', '0.3', 'b'])") from None
+        raise DataError(
+            f"data.data_path {paths}: weights must be numbers (e.g. ['0.7', 'a', '0.3', 'b'])"
+        ) from None
     if any(not np.isfinite(w) or w < 0 for w, _ in blend) or sum(w for w, _ in blend) <= 0:
-        raise DataError(f"data.data_path {paths}: blend weights must be finite, non-negative and not all zero")
+        raise DataError(
+            f"data.data_path {paths}: blend weights must be finite, non-negative and not all zero"
+        )
     return blend
 
 
-def _blend(name: str, sources: list[tuple[float, IndexedDataset, tuple[int, int]]], num_samples: int,
-           seq_length: int, seed: int, cache_dir):
+def _blend(
+    name: str,
+    sources: list[tuple[float, IndexedDataset, tuple[int, int]]],
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+    cache_dir,
+):
     """One dataset (single source) or a BlendedDataset whose children hold exactly what is drawn."""
     if num_samples <= 0 or all(r[1] <= r[0] for _, _, r in sources):
         return None
@@ -178,23 +218,36 @@ def _blend(name: str, sources: list[tuple[float, IndexedDataset, tuple[int, int]
         _, ds, rng = sources[0]
         return GPTDataset(name, ds, rng, num_samples, seq_length, seed, cache_dir)
     weights = [w for w, _, _ in sources]
-    description = {"class": "BlendedDataset", "weights": weights, "num_samples": num_samples,
-                   "prefixes": [Path(ds.prefix).name for _, ds, _ in sources]}
+    description = {
+        "class": "BlendedDataset",
+        "weights": weights,
+        "num_samples": num_samples,
+        "prefixes": [Path(ds.prefix).name for _, ds, _ in sources],
+    }
     cache = Path(cache_dir) if cache_dir else Path(sources[0][1].prefix).parent / "index-cache"
-    arrays = cached_arrays(cache, f"blend_{name}", description,
-                           lambda: dict(zip(("dataset_index", "dataset_sample_index"),
-                                            ix.build_blending_indices(weights, num_samples))))
+    arrays = cached_arrays(
+        cache,
+        f"blend_{name}",
+        description,
+        lambda: dict(
+            zip(("dataset_index", "dataset_sample_index"), ix.build_blending_indices(weights, num_samples))
+        ),
+    )
     counts = np.bincount(arrays["dataset_index"], minlength=len(sources))
     children = []
     for (_, ds, rng), count in zip(sources, counts):
         if count and rng[1] <= rng[0]:
-            raise DataError(f"{ds.prefix}: split {name!r} has no documents but the blend draws {count} samples; "
-                            "change data.split or the blend weights")
+            raise DataError(
+                f"{ds.prefix}: split {name!r} has no documents but the blend draws {count} samples; "
+                "change data.split or the blend weights"
+            )
         children.append(GPTDataset(name, ds, rng, int(count), seq_length, seed, cache_dir) if count else None)
     return BlendedDataset(children, arrays["dataset_index"], arrays["dataset_sample_index"])
 
 
-def open_shards(data_cfg, paths: list[str], vocab_size: int | None = None) -> list[tuple[float, IndexedDataset]]:
+def open_shards(
+    data_cfg, paths: list[str], vocab_size: int | None = None
+) -> list[tuple[float, IndexedDataset]]:
     """(weight, shard) of a blend, each checked against its set's manifest and, when
     `data.tokenizer_path` is set, against the run's tokenizer and vocabulary."""
     blend = parse_blend(list(paths))
@@ -209,8 +262,13 @@ def open_shards(data_cfg, paths: list[str], vocab_size: int | None = None) -> li
     return [(w, IndexedDataset(p)) for w, p in blend]
 
 
-def build_train_valid_test_datasets(data_cfg, seq_length: int, num_samples: tuple[int, int, int],
-                                    cache_dir: str | os.PathLike | None = None, vocab_size: int | None = None):
+def build_train_valid_test_datasets(
+    data_cfg,
+    seq_length: int,
+    num_samples: tuple[int, int, int],
+    cache_dir: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
+):
     """(train, valid, test) from `data.data_path` split by `data.split`, or valid from `data.valid_data_path`.
 
     Refuses shard sets without a matching manifest, made with another tokenizer than
@@ -225,10 +283,22 @@ def build_train_valid_test_datasets(data_cfg, seq_length: int, num_samples: tupl
     seed = data_cfg.seed
     if data_cfg.valid_data_path:
         valid_blend = open_shards(data_cfg, data_cfg.valid_data_path, vocab_size)
-        train = _blend("train", [(w, ds, (0, ds.num_documents)) for w, ds in train_blend],
-                       n_train, seq_length, seed, cache_dir)
-        valid = _blend("valid", [(w, ds, (0, ds.num_documents)) for w, ds in valid_blend],
-                       n_valid, seq_length, seed, cache_dir)
+        train = _blend(
+            "train",
+            [(w, ds, (0, ds.num_documents)) for w, ds in train_blend],
+            n_train,
+            seq_length,
+            seed,
+            cache_dir,
+        )
+        valid = _blend(
+            "valid",
+            [(w, ds, (0, ds.num_documents)) for w, ds in valid_blend],
+            n_valid,
+            seq_length,
+            seed,
+            cache_dir,
+        )
         return train, valid, None
     ranges = [ix.split_documents(ds.num_documents, data_cfg.split) for _, ds in train_blend]
     out = []

@@ -26,8 +26,16 @@ from megatron_lev.utils.io import temp_path
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 34  # magic 9 + version 8 + dtype 1 + sequences 8 + documents 8
-DTYPES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
-                           6: np.float64, 7: np.float32, 8: np.uint16}
+DTYPES: dict[int, type] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 CHECK_BLOCK = 1 << 24  # sequences per block when checking pointers (bounds temporary memory)
 REBUILD = "rebuild it with `megatron-lev preprocess`"
@@ -67,10 +75,16 @@ def write_index(path: Path, dtype: np.dtype, sizes: np.ndarray, doc_idx: np.ndar
     digest = hashlib.sha256()
     try:
         with open(tmp, "wb") as f:
-            for part in (MAGIC, struct.pack("<Q", VERSION), struct.pack("<B", CODES[dtype]),
-                         struct.pack("<Q", len(sizes)), struct.pack("<Q", len(doc_idx)),
-                         sizes.astype("<i4").tobytes(), pointers.astype("<i8").tobytes(),
-                         doc_idx.astype("<i8").tobytes()):
+            for part in (
+                MAGIC,
+                struct.pack("<Q", VERSION),
+                struct.pack("<B", CODES[dtype]),
+                struct.pack("<Q", len(sizes)),
+                struct.pack("<Q", len(doc_idx)),
+                sizes.astype("<i4").tobytes(),
+                pointers.astype("<i8").tobytes(),
+                doc_idx.astype("<i8").tobytes(),
+            ):
                 f.write(part)
                 digest.update(part)
             f.flush()
@@ -90,28 +104,37 @@ class IndexedDataset:
         idx_path, bin_path = index_file(prefix), data_file(prefix)
         for p in (idx_path, bin_path):
             if not p.is_file():
-                raise IndexedDatasetError(f"{p}: file not found (expected a .bin/.idx pair at prefix {prefix}); "
-                                          "check data.data_path or the --output-prefix preprocess wrote")
+                raise IndexedDatasetError(
+                    f"{p}: file not found (expected a .bin/.idx pair at prefix {prefix}); "
+                    "check data.data_path or the --output-prefix preprocess wrote"
+                )
         idx_bytes = idx_path.stat().st_size
         if idx_bytes < HEADER_SIZE:
-            raise IndexedDatasetError(f"{idx_path}: truncated header ({idx_bytes} bytes < {HEADER_SIZE}); {REBUILD}")
+            raise IndexedDatasetError(
+                f"{idx_path}: truncated header ({idx_bytes} bytes < {HEADER_SIZE}); {REBUILD}"
+            )
         with open(idx_path, "rb") as f:
             header = f.read(HEADER_SIZE)
         if header[:9] != MAGIC:
             raise IndexedDatasetError(f"{idx_path}: not an MMIDIDX index (magic {header[:9]!r}); {REBUILD}")
         (version,) = struct.unpack("<Q", header[9:17])
         if version != VERSION:
-            raise IndexedDatasetError(f"{idx_path}: unsupported version {version} (expected {VERSION}); {REBUILD}")
+            raise IndexedDatasetError(
+                f"{idx_path}: unsupported version {version} (expected {VERSION}); {REBUILD}"
+            )
         code = header[17]
         if code not in DTYPES:
-            raise IndexedDatasetError(f"{idx_path}: unknown dtype code {code} (known: {sorted(DTYPES)}); {REBUILD}")
+            raise IndexedDatasetError(
+                f"{idx_path}: unknown dtype code {code} (known: {sorted(DTYPES)}); {REBUILD}"
+            )
         self.dtype = np.dtype(DTYPES[code])
         n, n_doc = struct.unpack("<QQ", header[18:34])
         expected = HEADER_SIZE + n * 4 + n * 8 + n_doc * 8
         if idx_bytes != expected:
             raise IndexedDatasetError(
                 f"{idx_path}: size {idx_bytes} bytes does not match its header ({n} sequences, "
-                f"{n_doc} document entries -> {expected} bytes); the file is truncated or corrupt: {REBUILD}")
+                f"{n_doc} document entries -> {expected} bytes); the file is truncated or corrupt: {REBUILD}"
+            )
         self._idx = np.memmap(idx_path, mode="r", dtype=np.uint8)
         self.sizes = np.frombuffer(self._idx, dtype="<i4", count=n, offset=HEADER_SIZE)
         self.pointers = np.frombuffer(self._idx, dtype="<i8", count=n, offset=HEADER_SIZE + 4 * n)
@@ -121,12 +144,17 @@ class IndexedDataset:
         if bin_bytes != need:
             raise IndexedDatasetError(
                 f"{bin_path}: {bin_bytes} bytes, but {idx_path} describes {need} bytes of "
-                f"{self.dtype.name} tokens; the pair is truncated or mismatched: {REBUILD}")
+                f"{self.dtype.name} tokens; the pair is truncated or mismatched: {REBUILD}"
+            )
         if n_doc == 0 or self.doc_idx[0] != 0 or self.doc_idx[-1] != n:
-            raise IndexedDatasetError(f"{idx_path}: document index must run from 0 to {n} sequences "
-                                      f"(it has {n_doc} entries); the index is corrupt: {REBUILD}")
+            raise IndexedDatasetError(
+                f"{idx_path}: document index must run from 0 to {n} sequences "
+                f"(it has {n_doc} entries); the index is corrupt: {REBUILD}"
+            )
         if n_doc > 1 and (np.diff(self.doc_idx) < 0).any():
-            raise IndexedDatasetError(f"{idx_path}: document index is not in order; the index is corrupt: {REBUILD}")
+            raise IndexedDatasetError(
+                f"{idx_path}: document index is not in order; the index is corrupt: {REBUILD}"
+            )
         self._bin = np.memmap(bin_path, mode="r", dtype=self.dtype) if bin_bytes else np.zeros(0, self.dtype)
 
     def _check_pointers(self, idx_path: Path) -> int:
@@ -134,20 +162,23 @@ class IndexedDataset:
         layout MMIDIDX writers produce); returns the `.bin` size they describe."""
         item, end = self.dtype.itemsize, 0
         for start in range(0, len(self.sizes), CHECK_BLOCK):
-            sizes = self.sizes[start:start + CHECK_BLOCK].astype(np.int64)
+            sizes = self.sizes[start : start + CHECK_BLOCK].astype(np.int64)
             if sizes.min() < 0:
                 i = start + int(np.argmin(sizes))
-                raise IndexedDatasetError(f"{idx_path}: sequence {i} has a negative size {int(sizes.min())}; "
-                                          f"the index is corrupt: {REBUILD}")
+                raise IndexedDatasetError(
+                    f"{idx_path}: sequence {i} has a negative size {int(sizes.min())}; "
+                    f"the index is corrupt: {REBUILD}"
+                )
             ends = end + np.cumsum(sizes) * item
             starts = np.concatenate(([end], ends[:-1]))
-            bad = np.flatnonzero(self.pointers[start:start + CHECK_BLOCK] != starts)
+            bad = np.flatnonzero(self.pointers[start : start + CHECK_BLOCK] != starts)
             if bad.size:
                 i = start + int(bad[0])
                 raise IndexedDatasetError(
-                    f"{idx_path}: sequence {i} points to byte {int(self.pointers[i])} but the sizes before it "
-                    f"end at byte {int(starts[bad[0]])} for {self.dtype.name} tokens; sizes, pointers and dtype code "
-                    f"disagree (the index is corrupt): {REBUILD}")
+                    f"{idx_path}: sequence {i} points to byte {int(self.pointers[i])} "
+                    f"but the sizes before it end at byte {int(starts[bad[0]])} for {self.dtype.name} "
+                    f"tokens; sizes, pointers and dtype code disagree (the index is corrupt): {REBUILD}"
+                )
             end = int(ends[-1])
         return end
 
@@ -159,7 +190,7 @@ class IndexedDataset:
             raise IndexError(f"sequence {i} out of range for {self.prefix} ({len(self)} sequences)")
         i = int(i) % len(self)
         start = int(self.pointers[i]) // self.dtype.itemsize
-        return self._bin[start:start + int(self.sizes[i])]
+        return self._bin[start : start + int(self.sizes[i])]
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens `[offset, offset + length)` of sequence i (to its end when length is None)."""
@@ -223,7 +254,7 @@ class IndexedDatasetBuilder:
         if ds.dtype != self.dtype:
             raise IndexedDatasetError(f"{ds.prefix}: dtype {ds.dtype} differs from the output's {self.dtype}")
         start = int(ds.pointers[first])
-        sizes = ds.sizes[first:first + count]
+        sizes = ds.sizes[first : first + count]
         nbytes = int(sizes.sum(dtype=np.int64)) * self.dtype.itemsize
         self._out.flush()
         with open(data_file(ds.prefix), "rb") as src:
@@ -237,7 +268,9 @@ class IndexedDatasetBuilder:
         """Append a whole finalized shard, keeping its document boundaries."""
         other = IndexedDataset(other_prefix)
         if other.dtype != self.dtype:
-            raise IndexedDatasetError(f"{other_prefix}: dtype {other.dtype} differs from the output's {self.dtype}")
+            raise IndexedDatasetError(
+                f"{other_prefix}: dtype {other.dtype} differs from the output's {self.dtype}"
+            )
         base = len(self._sizes)
         self._out.flush()
         with open(data_file(other_prefix), "rb") as src:
@@ -268,8 +301,12 @@ class IndexedDatasetBuilder:
             idx_path.unlink()
         os.replace(self._tmp_bin, self._bin_path)
         self.sha256[self._bin_path.name] = self._hash.hexdigest()
-        self.sha256[idx_path.name] = write_index(idx_path, self.dtype, np.frombuffer(self._sizes, dtype=np.int32),
-                                                 np.frombuffer(self._doc_idx, dtype=np.int64))
+        self.sha256[idx_path.name] = write_index(
+            idx_path,
+            self.dtype,
+            np.frombuffer(self._sizes, dtype=np.int32),
+            np.frombuffer(self._doc_idx, dtype=np.int64),
+        )
 
     def abort(self) -> None:
         """Drop the partial output (used when a run fails)."""

@@ -31,8 +31,9 @@ def build_doc_idx(documents: np.ndarray, epochs: int, rng: np.random.Generator) 
     return doc_idx
 
 
-def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_samples: int,
-                     chunk: int = 1 << 16) -> np.ndarray:
+def build_sample_idx(
+    sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_samples: int, chunk: int = 1 << 16
+) -> np.ndarray:
     """(num_samples + 1, 2) (position in doc_idx, offset) of each sample's first token: int32, or int64
     when doc_idx has 2**31 positions or more.
 
@@ -54,8 +55,8 @@ def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, nu
     before, done = 0, 0  # tokens before the chunk, samples placed so far
     for c0 in range(0, len(doc_idx), chunk):
         n = min(chunk, len(doc_idx) - c0)
-        np.take(sizes, doc_idx[c0:c0 + n], out=lengths[:n], mode="clip")  # ids checked above
-        e, st = ends[:n + 1], started[:n + 1]
+        np.take(sizes, doc_idx[c0 : c0 + n], out=lengths[:n], mode="clip")  # ids checked above
+        e, st = ends[: n + 1], started[: n + 1]
         e[0] = before
         np.cumsum(lengths[:n], out=e[1:])
         e[1:] += before
@@ -77,8 +78,10 @@ def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, nu
         if done > num_samples:
             break
     if done <= num_samples:
-        raise DataError(f"{num_samples} samples of {seq_length}+1 tokens need more than {before} tokens; "
-                        "use more data or fewer samples")
+        raise DataError(
+            f"{num_samples} samples of {seq_length}+1 tokens need more than {before} tokens; "
+            "use more data or fewer samples"
+        )
     out[0] = 0
     return out
 

@@ -41,14 +41,23 @@ def manifest_path(prefix: str | os.PathLike) -> Path:
 
 
 def how_to_fix(prefix) -> str:
-    return (f"rerun `megatron-lev preprocess` into {prefix}; for shards you trust that were made without a "
-            f"manifest, run `megatron-lev preprocess --write-manifest-for {prefix} --tokenizer FILE`")
+    return (
+        f"rerun `megatron-lev preprocess` into {prefix}; for shards you trust that were made without a "
+        f"manifest, run `megatron-lev preprocess --write-manifest-for {prefix} --tokenizer FILE`"
+    )
 
 
 # --------------------------------------------------------------------------- writing
 
-def write_manifest(prefix: str | os.PathLike, shards: list[str], tokenizer_fp: dict, max_token_id: int,
-                   known_sha256: dict[str, str] | None = None, **summary) -> Path:
+
+def write_manifest(
+    prefix: str | os.PathLike,
+    shards: list[str],
+    tokenizer_fp: dict,
+    max_token_id: int,
+    known_sha256: dict[str, str] | None = None,
+    **summary,
+) -> Path:
     """Write `<prefix>.manifest.json` for `shards` (prefixes in the manifest's directory) and the
     set files beside `prefix` that exist. `known_sha256` maps file names to sums computed while
     writing (saves reading a large shard back)."""
@@ -62,9 +71,16 @@ def write_manifest(prefix: str | os.PathLike, shards: list[str], tokenizer_fp: d
         path = directory / name
         files[name] = {"size": path.stat().st_size, "sha256": known.get(name) or sha256_file(path)}
         _remember(path, files[name]["sha256"])
-    manifest = {"format": FORMAT, "version": VERSION, "prefix": prefix.name,
-                "shards": [Path(s).name for s in shards], "files": files, "tokenizer": tokenizer_fp,
-                "max_token_id": int(max_token_id), **summary}
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "prefix": prefix.name,
+        "shards": [Path(s).name for s in shards],
+        "files": files,
+        "tokenizer": tokenizer_fp,
+        "max_token_id": int(max_token_id),
+        **summary,
+    }
     path = manifest_path(prefix)
     atomic_write_json(path, manifest)
     return path
@@ -75,16 +91,26 @@ def read_manifest(path: str | os.PathLike) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ShardSetError(f"{path}: unreadable shard-set manifest ({exc}); "
-                            f"{how_to_fix(str(path)[:-len(SUFFIX)])}") from None
-    ok = (isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("files"), dict)
-          and isinstance(data.get("shards"), list) and isinstance(data.get("max_token_id"), int))
+        raise ShardSetError(
+            f"{path}: unreadable shard-set manifest ({exc}); {how_to_fix(str(path)[: -len(SUFFIX)])}"
+        ) from None
+    ok = (
+        isinstance(data, dict)
+        and data.get("format") == FORMAT
+        and isinstance(data.get("files"), dict)
+        and isinstance(data.get("shards"), list)
+        and isinstance(data.get("max_token_id"), int)
+    )
     if not ok:
-        raise ShardSetError(f"{path}: not a megatron-lev shard-set manifest (format, files, shards or "
-                            f"max_token_id missing); {how_to_fix(str(path)[:-len(SUFFIX)])}")
+        raise ShardSetError(
+            f"{path}: not a megatron-lev shard-set manifest (format, files, shards or "
+            f"max_token_id missing); {how_to_fix(str(path)[: -len(SUFFIX)])}"
+        )
     if data.get("version") != VERSION:
-        raise ShardSetError(f"{path}: manifest version {data.get('version')!r}, this code reads {VERSION}; "
-                            "rerun preprocess with this version")
+        raise ShardSetError(
+            f"{path}: manifest version {data.get('version')!r}, this code reads {VERSION}; "
+            "rerun preprocess with this version"
+        )
     return data
 
 
@@ -108,8 +134,13 @@ def find_manifest(shard: str | os.PathLike) -> tuple[Path | None, dict | None, l
 
 # --------------------------------------------------------------------------- checking
 
-def verify_shard_set(prefix: str | os.PathLike, tokenizer_fp: dict | None = None, vocab_size: int | None = None,
-                     checksums: bool = True) -> dict:
+
+def verify_shard_set(
+    prefix: str | os.PathLike,
+    tokenizer_fp: dict | None = None,
+    vocab_size: int | None = None,
+    checksums: bool = True,
+) -> dict:
     """Refuse a shard whose set has no manifest, whose files differ from it (size always, sha256
     once per file version), whose tokenizer differs from `tokenizer_fp`, or whose largest token
     id does not fit `vocab_size`. Returns the manifest."""
@@ -119,19 +150,27 @@ def verify_shard_set(prefix: str | os.PathLike, tokenizer_fp: dict | None = None
         if others:
             raise ShardSetError(
                 f"{shard}: not part of the shard set described by {others[0]} (left by an earlier run?); "
-                f"use the prefixes that manifest lists, delete the stray {shard}.bin/.idx, or {how_to_fix(shard)}")
-        raise ShardSetError(f"{shard}: no {shard.name}{SUFFIX} (the preprocess run that wrote it did not finish, "
-                            f"or it predates manifests); {how_to_fix(shard)}")
+                f"use the prefixes that manifest lists, delete the stray {shard}.bin/.idx, "
+                f"or {how_to_fix(shard)}"
+            )
+        raise ShardSetError(
+            f"{shard}: no {shard.name}{SUFFIX} (the preprocess run that wrote it did not finish, "
+            f"or it predates manifests); {how_to_fix(shard)}"
+        )
     directory = path.parent
     for name, entry in manifest["files"].items():
         file = directory / name
         if not file.is_file():
-            raise ShardSetError(f"{file}: missing, but listed in {path}; the shard set is incomplete: "
-                                f"{how_to_fix(directory / manifest['prefix'])}")
+            raise ShardSetError(
+                f"{file}: missing, but listed in {path}; the shard set is incomplete: "
+                f"{how_to_fix(directory / manifest['prefix'])}"
+            )
         size = file.stat().st_size
         if size != entry.get("size"):
-            raise ShardSetError(f"{file}: {size} bytes, but {path} records {entry.get('size')}; the file was "
-                                f"changed or cut short: {how_to_fix(directory / manifest['prefix'])}")
+            raise ShardSetError(
+                f"{file}: {size} bytes, but {path} records {entry.get('size')}; the file was "
+                f"changed or cut short: {how_to_fix(directory / manifest['prefix'])}"
+            )
     if checksums:
         mine = [f"{shard.name}{ext}" for ext in SHARD_FILES]
         mine += [n for n in manifest["files"] if any(n.endswith(ext) for ext in SET_FILES)]
@@ -143,11 +182,15 @@ def verify_shard_set(prefix: str | os.PathLike, tokenizer_fp: dict | None = None
         if diff:
             raise ShardSetError(
                 f"{shard}: made with another tokenizer than the one given ({diff}, see {path}); set "
-                f"data.tokenizer_path/--tokenizer to the tokenizer preprocess used, or rerun preprocess with this one")
+                "data.tokenizer_path/--tokenizer to the tokenizer preprocess used, "
+                "or rerun preprocess with this one"
+            )
     if vocab_size is not None and manifest["max_token_id"] >= vocab_size:
         raise ShardSetError(
-            f"{shard}: holds token id {manifest['max_token_id']} but the vocabulary has only {vocab_size} ids "
-            f"(see {path}); use the tokenizer the shards were made with, or a larger model.vocab_size")
+            f"{shard}: holds token id {manifest['max_token_id']} "
+            f"but the vocabulary has only {vocab_size} ids "
+            f"(see {path}); use the tokenizer the shards were made with, or a larger model.vocab_size"
+        )
     return manifest
 
 
@@ -158,8 +201,10 @@ def _checksum_problem(directory: Path, path: Path, manifest: dict, names: list[s
             continue
         got = cached_sha256(directory / name)
         if got != entry.get("sha256"):
-            return (f"{directory / name}: sha256 {got[:12]}... differs from {entry.get('sha256', '')[:12]}... "
-                    f"recorded in {path}; the file is damaged: {how_to_fix(directory / manifest['prefix'])}")
+            return (
+                f"{directory / name}: sha256 {got[:12]}... differs from {entry.get('sha256', '')[:12]}... "
+                f"recorded in {path}; the file is damaged: {how_to_fix(directory / manifest['prefix'])}"
+            )
     return None
 
 
@@ -242,20 +287,28 @@ def cached_sha256(path: str | os.PathLike) -> str:
 
 # --------------------------------------------------------------------------- legacy sets
 
+
 def legacy_shards(prefix: str | os.PathLike) -> list[str]:
     """The shards of a set made without a manifest: `prefix` itself, else `prefix_*` pairs."""
     prefix = Path(prefix)
     if Path(f"{prefix}.bin").is_file():
         return [str(prefix)]
-    found = sorted(str(p)[:-4] for p in prefix.parent.glob(f"{prefix.name}_*.bin")
-                   if Path(f"{str(p)[:-4]}.idx").is_file())
+    found = sorted(
+        str(p)[:-4]
+        for p in prefix.parent.glob(f"{prefix.name}_*.bin")
+        if Path(f"{str(p)[:-4]}.idx").is_file()
+    )
     if not found:
-        raise ShardSetError(f"{prefix}: no {prefix.name}.bin/.idx and no {prefix.name}_*.bin/.idx shards found; "
-                            "give the prefix preprocess wrote")
+        raise ShardSetError(
+            f"{prefix}: no {prefix.name}.bin/.idx and no {prefix.name}_*.bin/.idx shards found; "
+            "give the prefix preprocess wrote"
+        )
     return found
 
 
-def write_manifest_for(prefix: str | os.PathLike, tokenizer_type: str, tokenizer_path: str) -> tuple[Path, list[str]]:
+def write_manifest_for(
+    prefix: str | os.PathLike, tokenizer_type: str, tokenizer_path: str
+) -> tuple[Path, list[str]]:
     """Check every shard of a set made without a manifest (structure, and every id below the
     tokenizer's vocabulary) and write its manifest. Returns (manifest, shards)."""
     from megatron_lev.data.indexed import IndexedDataset
@@ -270,11 +323,20 @@ def write_manifest_for(prefix: str | os.PathLike, tokenizer_type: str, tokenizer
         documents += ds.num_documents
         tokens += ds.num_tokens
     if largest >= tok.vocab_size:
-        raise ShardSetError(f"{prefix}: holds token id {largest} but {tokenizer_path} has {tok.vocab_size} ids; "
-                            "give the tokenizer the shards were made with")
-    path = write_manifest(prefix, shards, tokenizer_fingerprint(tokenizer_type, tokenizer_path, tok), largest,
-                          documents=documents, tokens=tokens, dtype=str(IndexedDataset(shards[0]).dtype),
-                          note="written by --write-manifest-for for shards made without a manifest")
+        raise ShardSetError(
+            f"{prefix}: holds token id {largest} but {tokenizer_path} has {tok.vocab_size} ids; "
+            "give the tokenizer the shards were made with"
+        )
+    path = write_manifest(
+        prefix,
+        shards,
+        tokenizer_fingerprint(tokenizer_type, tokenizer_path, tok),
+        largest,
+        documents=documents,
+        tokens=tokens,
+        dtype=str(IndexedDataset(shards[0]).dtype),
+        note="written by --write-manifest-for for shards made without a manifest",
+    )
     return path, shards
 
 
@@ -282,5 +344,5 @@ def max_token_id(tokens: np.ndarray, block: int = 1 << 26) -> int:
     """The largest value of a (memory-mapped) token array, read in blocks."""
     largest = 0
     for start in range(0, len(tokens), block):
-        largest = max(largest, int(tokens[start:start + block].max()))
+        largest = max(largest, int(tokens[start : start + block].max()))
     return largest

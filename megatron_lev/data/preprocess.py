@@ -93,10 +93,14 @@ def check_options(opts: PreprocessOptions) -> None:
         raise FlagError("--json-key must not be empty")
     name = Path(opts.output_prefix).name
     if not name or name in (".", "..") or str(opts.output_prefix).endswith(os.sep):
-        raise FlagError(f"--output-prefix {opts.output_prefix!r} must end in a file name prefix, e.g. data/pile")
+        raise FlagError(
+            f"--output-prefix {opts.output_prefix!r} must end in a file name prefix, e.g. data/pile"
+        )
     if Path(opts.output_prefix).is_dir():
-        raise FlagError(f"--output-prefix {opts.output_prefix} is a directory; give a prefix inside it, "
-                        f"e.g. {Path(opts.output_prefix) / 'text_document'}")
+        raise FlagError(
+            f"--output-prefix {opts.output_prefix} is a directory; give a prefix inside it, "
+            f"e.g. {Path(opts.output_prefix) / 'text_document'}"
+        )
 
 
 def subset_slug(subset: str) -> str:
@@ -157,6 +161,7 @@ def tokenize_chunk(chunk: Chunk, opts: PreprocessOptions, tok) -> ChunkResult:
 
 
 # --------------------------------------------------------------------------- workers
+
 
 def _die_with_parent(parent_pid: int) -> None:
     """End this worker when the main process ends, however it ends (SIGKILL included)."""
@@ -274,7 +279,8 @@ class _Pool:
         doing = f"while tokenising {w[2][1]} from line {w[2][2]}" if w[2] else "while idle"
         raise PreprocessError(
             f"a preprocess worker died (exit code {w[0].exitcode}) {doing} (killed, or out of memory?); "
-            "rerun, with fewer --workers or a smaller --chunk-mb if memory is short")
+            "rerun, with fewer --workers or a smaller --chunk-mb if memory is short"
+        )
 
     def close(self, ok: bool) -> None:
         """Stop the workers: politely after success, at once otherwise; never leave one running."""
@@ -297,6 +303,7 @@ class _Pool:
 
 
 # --------------------------------------------------------------------------- writing
+
 
 class _Outputs:
     """The output shards in the staging directory: one stream per subset key, cut by size."""
@@ -332,7 +339,7 @@ class _Outputs:
             while i < len(sizes):
                 take = len(sizes) - i
                 if self.limit is not None:
-                    nbytes = (offsets[i + 1:] - offsets[i]) * item
+                    nbytes = (offsets[i + 1 :] - offsets[i]) * item
                     take = int(np.searchsorted(nbytes, self.limit - builder.num_bytes, side="right"))
                     if take == 0 and builder.num_sequences:  # full: start the next shard
                         builder.finalize()
@@ -340,7 +347,7 @@ class _Outputs:
                         builder = self._open(key)
                         continue
                     take = max(take, 1)  # one document larger than a shard gets a shard of its own
-                builder.add_raw(flat[offsets[i]:offsets[i + take]].tobytes(), sizes[i:i + take])
+                builder.add_raw(flat[offsets[i] : offsets[i + take]].tobytes(), sizes[i : i + take])
                 i += take
 
     def bases(self) -> set[str]:
@@ -374,8 +381,9 @@ class _Progress:
         self.tokens += res.tokens
         self.bytes += res.text_bytes
         dt = max(time.monotonic() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{self.bytes / dt / 1e6:.1f} MB/s, {self.tokens / dt / 1e3:.0f}k tok/s",
-                                 refresh=False)
+        self.bar.set_postfix_str(
+            f"{self.bytes / dt / 1e6:.1f} MB/s, {self.tokens / dt / 1e3:.0f}k tok/s", refresh=False
+        )
         self.bar.update(res.documents)
 
 
@@ -411,6 +419,7 @@ class _Tally:
 
 # --------------------------------------------------------------------------- the pipeline
 
+
 def preprocess(opts: PreprocessOptions) -> dict:
     """Run the whole pipeline; returns the statistics also written to `<prefix>.stats.json`."""
     check_options(opts)
@@ -423,15 +432,21 @@ def preprocess(opts: PreprocessOptions) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise_if_disk_full(exc, out_dir)
-        raise PreprocessError(f"--output-prefix {out_prefix}: cannot create the directory {out_dir} "
-                              f"({exc.strerror}); choose a writable place") from None
+        raise PreprocessError(
+            f"--output-prefix {out_prefix}: cannot create the directory {out_dir} "
+            f"({exc.strerror}); choose a writable place"
+        ) from None
     if not os.access(out_dir, os.W_OK | os.X_OK):
-        raise PreprocessError(f"--output-prefix {out_prefix}: the directory {out_dir} is not writable; "
-                              "choose another place or fix its permissions")
+        raise PreprocessError(
+            f"--output-prefix {out_prefix}: the directory {out_dir} is not writable; "
+            "choose another place or fix its permissions"
+        )
     removed = clean_dead_runs(out_prefix)
     if removed:
-        print(f"removed {len(removed)} temporary file(s) of an interrupted earlier run into {out_prefix}",
-              file=sys.stderr)
+        print(
+            f"removed {len(removed)} temporary file(s) of an interrupted earlier run into {out_prefix}",
+            file=sys.stderr,
+        )
     staging = out_dir / f".{out_prefix.name}.staging{TEMP_MARK}{temp_tag()}"
     try:
         staging.mkdir()
@@ -471,21 +486,30 @@ def preprocess(opts: PreprocessOptions) -> dict:
         _check_enough_documents(opts, files, tally)
         try:
             shards = outputs.finish()
-            stats = _stats(opts, files, tok, tally, [str(out_dir / Path(b.prefix).name) for b in shards],
-                           time.monotonic() - progress.start)
+            stats = _stats(
+                opts,
+                files,
+                tok,
+                tally,
+                [str(out_dir / Path(b.prefix).name) for b in shards],
+                time.monotonic() - progress.start,
+            )
             with atomic_open(staging / f"{out_prefix.name}.counts.npy", "wb") as f:
                 np.save(f, outputs.counts)
             atomic_write_json(staging / f"{out_prefix.name}.stats.json", stats)
             known = {k: v for b in shards for k, v in b.sha256.items()}
-            stale = _commit(out_prefix, staging, shards, outputs.bases(), fingerprint, outputs.max_token_id,
-                            known, stats)
+            stale = _commit(
+                out_prefix, staging, shards, outputs.bases(), fingerprint, outputs.max_token_id, known, stats
+            )
         except OSError as exc:
             raise_if_disk_full(exc, out_prefix)
             raise
         committed = True
         if stale:
-            print(f"removed {len(stale)} file(s) of an earlier run into {out_prefix} that this run does not "
-                  f"write: {', '.join(p.name for p in stale[:4])}{' ...' if len(stale) > 4 else ''}")
+            print(
+                f"removed {len(stale)} file(s) of an earlier run into {out_prefix} that this run does not "
+                f"write: {', '.join(p.name for p in stale[:4])}{' ...' if len(stale) > 4 else ''}"
+            )
         return stats
     finally:
         progress.bar.close()
@@ -503,30 +527,45 @@ def clean_dead_runs(out_prefix: Path) -> list[Path]:
 def _warn_truncated(problems: list[Problem]) -> None:
     for p in problems:
         if p.kind == "truncated_file":
-            print(f"warning: {p.file}: {p.message}; kept the {max(p.line, 0)} line(s) decoded before the damage",
-                  file=sys.stderr)
+            print(
+                f"warning: {p.file}: {p.message}; "
+                f"kept the {max(p.line, 0)} line(s) decoded before the damage",
+                file=sys.stderr,
+            )
 
 
 def _check_enough_documents(opts: PreprocessOptions, files: list[str], tally: _Tally) -> None:
     """No documents, or more bad lines than --max-bad-fraction allows, is a failed run."""
     bad, docs = tally.bad_lines, tally.documents
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(tally.errors.items()))
-    first = next((p for p in tally.problems if p.kind not in FILE_PROBLEMS), None) or \
-        (tally.problems[0] if tally.problems else None)
+    first = next((p for p in tally.problems if p.kind not in FILE_PROBLEMS), None) or (
+        tally.problems[0] if tally.problems else None
+    )
     where = f"; first: {first.file}:{first.line}: {first.kind}" if first else ""
     what = files[0] if len(files) == 1 else f"{len(files)} input files ({files[0]}, ...)"
     if docs == 0:
         detail = f"{bad} bad line(s): {kinds}{where}" if tally.errors else "the input is empty"
-        raise PreprocessError(f"{what}: no documents ({detail}); the input must be one JSON object per line with a "
-                              f"string {opts.json_key!r} field (see --json-key); nothing was written")
+        raise PreprocessError(
+            f"{what}: no documents ({detail}); the input must be one JSON object per line with a "
+            f"string {opts.json_key!r} field (see --json-key); nothing was written"
+        )
     if bad and bad / (bad + docs) > opts.max_bad_fraction:
         raise PreprocessError(
             f"{what}: {bad} of {bad + docs} lines are bad ({kinds}{where}), more than --max-bad-fraction "
-            f"{opts.max_bad_fraction}; fix the input or raise --max-bad-fraction; nothing was written")
+            f"{opts.max_bad_fraction}; fix the input or raise --max-bad-fraction; nothing was written"
+        )
 
 
-def _commit(out_prefix: Path, staging: Path, shards: list[IndexedDatasetBuilder], bases: set[str],
-            fingerprint: dict, max_token_id: int, known_sha256: dict, stats: dict) -> list[Path]:
+def _commit(
+    out_prefix: Path,
+    staging: Path,
+    shards: list[IndexedDatasetBuilder],
+    bases: set[str],
+    fingerprint: dict,
+    max_token_id: int,
+    known_sha256: dict,
+    stats: dict,
+) -> list[Path]:
     """Move the staged set into place, write its manifest last and remove what an earlier run into
     the same prefix wrote that this one does not. Returns the removed files."""
     out_dir, name = out_prefix.parent, out_prefix.name
@@ -544,16 +583,27 @@ def _commit(out_prefix: Path, staging: Path, shards: list[IndexedDatasetBuilder]
     for path in staged:
         os.replace(path, out_dir / path.name)
         new_files.append(path.name)
-    write_manifest(out_prefix, [str(out_dir / Path(b.prefix).name) for b in shards], fingerprint, max_token_id,
-                   known_sha256, documents=stats["documents"], tokens=stats["tokens"], dtype=stats["dtype"])
+    write_manifest(
+        out_prefix,
+        [str(out_dir / Path(b.prefix).name) for b in shards],
+        fingerprint,
+        max_token_id,
+        known_sha256,
+        documents=stats["documents"],
+        tokens=stats["tokens"],
+        dtype=stats["dtype"],
+    )
     # numbered shards of the bases this run writes are this prefix's outputs too (e.g. from a run
     # without a manifest); so are the files the old manifest listed. A file that the manifest of
     # another shard set lists is that set's, whatever its name, and is never removed.
     ours = re.compile(rf"^(?:{'|'.join(sorted(map(re.escape, bases)))})(?:_\d{{5}})?\.(?:bin|idx)$")
     keep = set(new_files)
     stale = [out_dir / f for f in old_files if f not in keep and "/" not in f and (out_dir / f).is_file()]
-    stale += [p for p in out_dir.iterdir() if p.is_file() and ours.match(p.name) and p.name not in keep
-              and p not in stale]
+    stale += [
+        p
+        for p in out_dir.iterdir()
+        if p.is_file() and ours.match(p.name) and p.name not in keep and p not in stale
+    ]
     stale = [p for p in stale if _other_owner(out_dir, p.name, name) is None]
     for p in stale:
         p.unlink(missing_ok=True)
@@ -569,7 +619,7 @@ def _other_owner(out_dir: Path, file: str, name: str) -> Path | None:
     stem, shard = file, False
     for ext in (*SHARD_FILES, *SET_FILES):
         if file.endswith(ext):
-            stem, shard = file[:-len(ext)], ext in SHARD_FILES
+            stem, shard = file[: -len(ext)], ext in SHARD_FILES
             break
     candidate = stem
     while True:
@@ -597,24 +647,37 @@ def _refuse_other_sets(out_prefix: Path, files: list[str], bases: set[str]) -> N
         if owner is not None:
             raise PreprocessError(
                 f"--output-prefix {out_prefix}: would overwrite {out_dir / file} of the shard set "
-                f"{out_dir / owner.name[:-len(MANIFEST_SUFFIX)]} (see {owner}); choose another --output-prefix, "
-                f"or move or delete that set first; nothing was written")
+                f"{out_dir / owner.name[: -len(MANIFEST_SUFFIX)]} (see {owner}); "
+                "choose another --output-prefix, or move or delete that set first; nothing was written"
+            )
     for base in sorted(bases - {name}):
         other = out_dir / f"{base}{MANIFEST_SUFFIX}"
         if other.exists():
             raise PreprocessError(
-                f"--output-prefix {out_prefix}: would write {out_dir / base}.bin/.idx, but {out_dir / base} is "
+                f"--output-prefix {out_prefix}: would write {out_dir / base}.bin/.idx, "
+                f"but {out_dir / base} is "
                 f"the prefix of another shard set (see {other}); choose another --output-prefix, or move or "
-                f"delete that set first; nothing was written")
+                f"delete that set first; nothing was written"
+            )
 
 
 def _stats(opts, files, tok, tally: _Tally, outputs: list[str], seconds: float) -> dict:
     return {
-        "inputs": files, "outputs": outputs, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
-        "eod": tok.eod, "dtype": best_dtype(tok.vocab_size).name, "json_key": opts.json_key,
-        "documents": tally.documents, "tokens": tally.tokens, "text_bytes": tally.text_bytes,
-        "subsets": dict(sorted(tally.subsets.items())), "errors": dict(sorted(tally.errors.items())),
-        "error_count": sum(tally.errors.values()), "problems": [p.to_dict() for p in tally.problems],
-        "workers": opts.workers, "seconds": round(seconds, 3),
+        "inputs": files,
+        "outputs": outputs,
+        "tokenizer": tok.name,
+        "vocab_size": tok.vocab_size,
+        "eod": tok.eod,
+        "dtype": best_dtype(tok.vocab_size).name,
+        "json_key": opts.json_key,
+        "documents": tally.documents,
+        "tokens": tally.tokens,
+        "text_bytes": tally.text_bytes,
+        "subsets": dict(sorted(tally.subsets.items())),
+        "errors": dict(sorted(tally.errors.items())),
+        "error_count": sum(tally.errors.values()),
+        "problems": [p.to_dict() for p in tally.problems],
+        "workers": opts.workers,
+        "seconds": round(seconds, 3),
         "tokens_per_second": round(tally.tokens / max(seconds, 1e-9), 1),
     }

@@ -65,21 +65,33 @@ def find_inputs(inputs: list[str]) -> list[str]:
     for item in inputs:
         matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
         if not matches:
-            raise InputError(f"--input {item!r}: no file matches this pattern; check the pattern and quote it")
+            raise InputError(
+                f"--input {item!r}: no file matches this pattern; check the pattern and quote it"
+            )
         for m in matches:
             p = Path(m)
-            if p.is_dir() and any((p / n).exists() for n in ("dataset_info.json", "state.json", "dataset_dict.json")):
+            if p.is_dir() and any(
+                (p / n).exists() for n in ("dataset_info.json", "state.json", "dataset_dict.json")
+            ):
                 found.append(str(p))  # a `datasets.save_to_disk` directory
             elif p.is_dir():
-                inner = sorted(str(q) for q in p.rglob("*") if q.is_file() and q.name.endswith(DIR_SUFFIXES + HF_SUFFIXES))
+                inner = sorted(
+                    str(q)
+                    for q in p.rglob("*")
+                    if q.is_file() and q.name.endswith(DIR_SUFFIXES + HF_SUFFIXES)
+                )
                 if not inner:
-                    raise InputError(f"--input {p}: no *.jsonl, *.jsonl.zst, *.jsonl.gz, *.arrow or *.parquet "
-                                     "files in this directory; give the files or a directory holding them")
+                    raise InputError(
+                        f"--input {p}: no *.jsonl, *.jsonl.zst, *.jsonl.gz, *.arrow or *.parquet "
+                        "files in this directory; give the files or a directory holding them"
+                    )
                 found.extend(inner)
             elif p.is_file():
                 if not p.name.endswith(JSONL_SUFFIXES + HF_SUFFIXES):
-                    raise InputError(f"--input {p}: unsupported file type (use .jsonl, .jsonl.zst, .jsonl.gz, "
-                                     ".arrow, .parquet or a datasets directory)")
+                    raise InputError(
+                        f"--input {p}: unsupported file type (use .jsonl, .jsonl.zst, .jsonl.gz, "
+                        ".arrow, .parquet or a datasets directory)"
+                    )
                 found.append(str(p))
             elif not p.exists():
                 raise InputError(f"--input {p}: no such file or directory; check the path")
@@ -88,8 +100,9 @@ def find_inputs(inputs: list[str]) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def _decoded_blocks(f, path: str, problems: list[Problem], new_decoder, error: type, fmt: str, unit: str,
-                    block: int = 1 << 20) -> Iterator[bytes]:
+def _decoded_blocks(
+    f, path: str, problems: list[Problem], new_decoder, error: type, fmt: str, unit: str, block: int = 1 << 20
+) -> Iterator[bytes]:
     """Decompress a multi-frame/member stream incrementally: a truncated or corrupt file still
     yields what precedes the damage, and the damage is reported, not raised."""
     dobj = new_decoder()
@@ -122,8 +135,9 @@ def _zst_blocks(f, path: str, problems: list[Problem], block: int = 1 << 20) -> 
 
 
 def _gz_blocks(f, path: str, problems: list[Problem], block: int = 1 << 20) -> Iterator[bytes]:
-    return _decoded_blocks(f, path, problems, lambda: zlib.decompressobj(wbits=31), zlib.error, "gzip", "member",
-                           block)
+    return _decoded_blocks(
+        f, path, problems, lambda: zlib.decompressobj(wbits=31), zlib.error, "gzip", "member", block
+    )
 
 
 def _plain_blocks(f, path: str, problems: list[Problem], block: int = 1 << 20) -> Iterator[bytes]:
@@ -146,8 +160,9 @@ def iter_jsonl_lines(path: str, problems: list[Problem]) -> Iterator[bytes]:
         yield rest
 
 
-def iter_chunks(files: list[str], problems: list[Problem], chunk_bytes: int = 1 << 20,
-                text_key: str = "text") -> Iterator[Chunk]:
+def iter_chunks(
+    files: list[str], problems: list[Problem], chunk_bytes: int = 1 << 20, text_key: str = "text"
+) -> Iterator[Chunk]:
     """Chunks of at most ~`chunk_bytes` of consecutive lines, numbered in input order."""
     chunk_id = 0
     for path in files:
@@ -189,13 +204,17 @@ def _iter_hf_records(path: str, text_key: str, chunk_bytes: int):
         else:
             ds = datasets.Dataset.from_file(path)
     except Exception as exc:  # pyarrow and datasets raise many types for a damaged file
-        raise InputError(f"--input {path}: not a readable dataset ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''}); check the file") from exc
+        raise InputError(
+            f"--input {path}: not a readable dataset ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); check the file"
+        ) from exc
     finally:
         quiet.setLevel(level)
     if text_key not in ds.column_names:
-        raise InputError(f"--input {path}: dataset has no column {text_key!r} (columns: {ds.column_names}); "
-                         "set --json-key to the text column")
+        raise InputError(
+            f"--input {path}: dataset has no column {text_key!r} (columns: {ds.column_names}); "
+            "set --json-key to the text column"
+        )
     has_meta = "meta" in ds.column_names
     batch, size, first = [], 0, 1
     for row_no, row in enumerate(ds, start=1):

@@ -86,14 +86,43 @@ def license_docs(root: str = "/usr/share/common-licenses") -> Iterator[str]:
 _TROFF_ESCAPES = re.compile(r"\\f(?:\[[^\]]*\]|\(..|.)|\\s[-+]?\d|\\[&|^%]|\\\*(?:\(..|.)")
 
 
-_NON_TEXT_MACROS = {"de", "ds", "nr", "ig", "if", "ie", "el", "IX", "tr", "rm", "nh", "ad", "na", "ta", "ft", "ne",
-                    "PD", "so", "ll", "in", "ti", "sp", "br", "fi", "nf", "hy", "ps", "vs", "mso"}
+_NON_TEXT_MACROS = {
+    "de",
+    "ds",
+    "nr",
+    "ig",
+    "if",
+    "ie",
+    "el",
+    "IX",
+    "tr",
+    "rm",
+    "nh",
+    "ad",
+    "na",
+    "ta",
+    "ft",
+    "ne",
+    "PD",
+    "so",
+    "ll",
+    "in",
+    "ti",
+    "sp",
+    "br",
+    "fi",
+    "nf",
+    "hy",
+    "ps",
+    "vs",
+    "mso",
+}
 
 
 def _strip_troff(src: str) -> str:
     """Plain text of a man page: from `.TH` on, macro names and font escapes dropped."""
     start = src.find("\n.TH ")
-    src = src[start + 1:] if start >= 0 else src
+    src = src[start + 1 :] if start >= 0 else src
     out = []
     for line in src.splitlines():
         if line.startswith(('.\\"', "'\\\"", '.."')):
@@ -129,17 +158,25 @@ def dictionary_docs(root: str = "/usr/share/dict", lines_per_doc: int = 2000) ->
             continue
         lines = text.splitlines()
         for i in range(0, len(lines), lines_per_doc):
-            yield "\n".join(lines[i:i + lines_per_doc])
+            yield "\n".join(lines[i : i + lines_per_doc])
 
 
 SOURCES: dict[str, Callable[[], Iterator[str]]] = {
-    "Github": github_docs, "Python_docs": python_docs, "Licenses": license_docs,
-    "Man_pages": man_docs, "Dictionaries": dictionary_docs,
+    "Github": github_docs,
+    "Python_docs": python_docs,
+    "Licenses": license_docs,
+    "Man_pages": man_docs,
+    "Dictionaries": dictionary_docs,
 }
 
 
-def build_sample_corpus(output_dir: str | os.PathLike, max_mb: float = 20.0, sources: list[str] | None = None,
-                        level: int = 10, progress: bool = True) -> dict:
+def build_sample_corpus(
+    output_dir: str | os.PathLike,
+    max_mb: float = 20.0,
+    sources: list[str] | None = None,
+    level: int = 10,
+    progress: bool = True,
+) -> dict:
     """Draw documents round-robin from the sources until `max_mb` of text; returns the manifest."""
     import zstandard
     from tqdm import tqdm
@@ -171,8 +208,10 @@ def build_sample_corpus(output_dir: str | os.PathLike, max_mb: float = 20.0, sou
                 break
     bar.close()
     if not any(docs.values()):
-        raise DataError(f"--sources {' '.join(names)}: none of them has documents on this machine; "
-                        f"choose others from {', '.join(SOURCES)}")
+        raise DataError(
+            f"--sources {' '.join(names)}: none of them has documents on this machine; "
+            f"choose others from {', '.join(SOURCES)}"
+        )
     out.mkdir(parents=True, exist_ok=True)
     manifest = {"max_mb": max_mb, "bytes": total, "subsets": {}, "unavailable": []}
     for name in names:
@@ -185,8 +224,11 @@ def build_sample_corpus(output_dir: str | os.PathLike, max_mb: float = 20.0, sou
             for text in docs[name]:
                 line = json.dumps({"text": text, "meta": {"pile_set_name": name}}, ensure_ascii=False)
                 w.write(line.encode("utf-8") + b"\n")
-        manifest["subsets"][name] = {"file": path.name, "documents": len(docs[name]),
-                                     "characters": sum(len(t) for t in docs[name])}
+        manifest["subsets"][name] = {
+            "file": path.name,
+            "documents": len(docs[name]),
+            "characters": sum(len(t) for t in docs[name]),
+        }
     for name in SOURCES:  # subsets of an earlier run into this directory would be read as part of the corpus
         if name not in manifest["subsets"]:
             (out / f"{name}.jsonl.zst").unlink(missing_ok=True)

@@ -16,13 +16,24 @@ from megatron_lev.errors import DataError
 class PretrainingSampler:
     """Yields this DP rank's index list for each global micro-batch, from `consumed_samples` on."""
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        drop_last: bool = True,
+    ):
         if total_samples <= 0:
-            raise DataError(f"no samples to draw (total_samples={total_samples}); check the data and train.train_iters")
+            raise DataError(
+                f"no samples to draw (total_samples={total_samples}); check the data and train.train_iters"
+            )
         if micro_batch_size <= 0 or data_parallel_size <= 0:
-            raise ValueError(f"micro_batch_size={micro_batch_size} and data_parallel_size={data_parallel_size} "
-                             "must be positive")
+            raise ValueError(
+                f"micro_batch_size={micro_batch_size} and data_parallel_size={data_parallel_size} "
+                "must be positive"
+            )
         if not 0 <= data_parallel_rank < data_parallel_size:
             raise ValueError(f"data_parallel_rank={data_parallel_rank} not in [0, {data_parallel_size})")
         self.total_samples, self.consumed_samples = total_samples, consumed_samples
@@ -35,8 +46,10 @@ class PretrainingSampler:
         return left // self.global_micro_batch if self.drop_last else -(-left // self.global_micro_batch)
 
     def _slice(self, batch: list[int]) -> list[int]:
-        per_rank = -(-len(batch) // self.dp_size) if len(batch) < self.global_micro_batch else self.micro_batch_size
-        return batch[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        per_rank = (
+            -(-len(batch) // self.dp_size) if len(batch) < self.global_micro_batch else self.micro_batch_size
+        )
+        return batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
 
     def __iter__(self):
         """Indices of the global micro-batches from `consumed_samples`; the loader advances the position."""
@@ -74,5 +87,11 @@ def _collate(items: list[dict]) -> dict[str, torch.Tensor]:
 
 def build_data_loader(dataset, sampler: PretrainingSampler, num_workers: int = 0) -> PretrainingDataLoader:
     """Batches `{"tokens": (micro_batch, S + 1) int64}` in the sampler's order."""
-    return PretrainingDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=_collate,
-                                 pin_memory=torch.cuda.is_available(), persistent_workers=False)
+    return PretrainingDataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=_collate,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=False,
+    )

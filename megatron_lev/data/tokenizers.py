@@ -21,8 +21,10 @@ EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<eod>")
 # tiktoken files carry only the ranks; these are the pattern and special token we use with them
 # (the cl100k_base split pattern in its classic form, which HF `tokenizers` also accepts, and one
 # special token `<|endoftext|>` right after the last rank).
-TIKTOKEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                    r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+TIKTOKEN_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 TIKTOKEN_EOD = "<|endoftext|>"
 
 
@@ -73,7 +75,9 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod_token = next((t for t in EOD_CANDIDATES if self._tok.token_to_id(t) is not None), None)
         if self.eod_token is None:
-            raise TokenizerError(f"{self.path}: no end-of-document token (looked for {', '.join(EOD_CANDIDATES)})")
+            raise TokenizerError(
+                f"{self.path}: no end-of-document token (looked for {', '.join(EOD_CANDIDATES)})"
+            )
         self.eod = self._tok.token_to_id(self.eod_token)
         self._batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
 
@@ -90,9 +94,15 @@ class HFTokenizer(Tokenizer):
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(self.path, out / "tokenizer.json")
-        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eod_token,
-               "bos_token": self.eod_token, "unk_token": self.eod_token, "add_bos_token": False,
-               "add_eos_token": False, "model_max_length": 1_000_000_000}
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": self.eod_token,
+            "bos_token": self.eod_token,
+            "unk_token": self.eod_token,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "model_max_length": 1_000_000_000,
+        }
         return [out / "tokenizer.json", _write_json(out / "tokenizer_config.json", cfg)]
 
 
@@ -134,10 +144,17 @@ class SentencePieceTokenizer(Tokenizer):
         out.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(self.path, out / "tokenizer.model")
         eos = self._sp.id_to_piece(self.eod)
-        cfg = {"tokenizer_class": "LlamaTokenizer", "eos_token": eos, "bos_token": None,
-               "unk_token": self._sp.id_to_piece(self._sp.unk_id()), "add_bos_token": False,
-               "add_eos_token": False, "legacy": False, "add_prefix_space": False,
-               "model_max_length": 1_000_000_000}
+        cfg = {
+            "tokenizer_class": "LlamaTokenizer",
+            "eos_token": eos,
+            "bos_token": None,
+            "unk_token": self._sp.id_to_piece(self._sp.unk_id()),
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "legacy": False,
+            "add_prefix_space": False,
+            "model_max_length": 1_000_000_000,
+        }
         return [out / "tokenizer.model", _write_json(out / "tokenizer_config.json", cfg)]
 
 
@@ -156,8 +173,12 @@ class TiktokenTokenizer(Tokenizer):
         except Exception as exc:
             raise TokenizerError(f"{self.path}: not a tiktoken BPE file ({exc})") from None
         self.eod = max(ranks.values()) + 1
-        self._enc = tiktoken.Encoding(name=self.path.stem, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
-                                      special_tokens={TIKTOKEN_EOD: self.eod})
+        self._enc = tiktoken.Encoding(
+            name=self.path.stem,
+            pat_str=TIKTOKEN_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens={TIKTOKEN_EOD: self.eod},
+        )
         self.name = f"tiktoken:{self.path.name}"
         self.vocab_size = self.eod + 1
 
@@ -176,14 +197,21 @@ class TiktokenTokenizer(Tokenizer):
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        tok = TikTokenConverter(vocab_file=str(self.path), pattern=TIKTOKEN_PATTERN,
-                                extra_special_tokens=[TIKTOKEN_EOD]).converted()
+        tok = TikTokenConverter(
+            vocab_file=str(self.path), pattern=TIKTOKEN_PATTERN, extra_special_tokens=[TIKTOKEN_EOD]
+        ).converted()
         tmp = out / f".tokenizer.json.tmp.{os.getpid()}"
         tok.save(str(tmp))
         os.replace(tmp, out / "tokenizer.json")
-        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": TIKTOKEN_EOD, "bos_token": TIKTOKEN_EOD,
-               "unk_token": TIKTOKEN_EOD, "add_bos_token": False, "add_eos_token": False,
-               "model_max_length": 1_000_000_000}
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": TIKTOKEN_EOD,
+            "bos_token": TIKTOKEN_EOD,
+            "unk_token": TIKTOKEN_EOD,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "model_max_length": 1_000_000_000,
+        }
         return [out / "tokenizer.json", _write_json(out / "tokenizer_config.json", cfg)]
 
 
@@ -222,14 +250,23 @@ def probe_digest(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(" ".join(str(int(i)) for i in ids).encode()).hexdigest()
 
 
-def tokenizer_fingerprint(tokenizer_type: str, path: str | os.PathLike, tokenizer: Tokenizer | None = None) -> dict:
+def tokenizer_fingerprint(
+    tokenizer_type: str, path: str | os.PathLike, tokenizer: Tokenizer | None = None
+) -> dict:
     """What identifies a tokenizer across preprocessing, training and export: type, name,
     file name, sha256 of the file, vocabulary size, EOD id and `probe_sha256` (`probe_digest`)."""
     from megatron_lev.utils.io import sha256_file
 
     tok = tokenizer if tokenizer is not None else build_tokenizer(tokenizer_type, path)
-    return {"type": tokenizer_type, "name": tok.name, "file": Path(path).name, "sha256": sha256_file(path),
-            "vocab_size": int(tok.vocab_size), "eod": int(tok.eod), "probe_sha256": probe_digest(tok)}
+    return {
+        "type": tokenizer_type,
+        "name": tok.name,
+        "file": Path(path).name,
+        "sha256": sha256_file(path),
+        "vocab_size": int(tok.vocab_size),
+        "eod": int(tok.eod),
+        "probe_sha256": probe_digest(tok),
+    }
 
 
 def encoding_mismatch(expected: dict, actual: dict) -> str | None:
@@ -251,6 +288,9 @@ def fingerprint_mismatch(expected: dict, actual: dict) -> str | None:
     """None when two fingerprints name the same tokenizer, else what differs (one phrase)."""
     for key in ("sha256", "vocab_size", "eod", "type"):
         if key in expected and key in actual and expected[key] != actual[key]:
-            return (f"{key} {actual[key]!r} != {expected[key]!r} "
-                    f"(recorded: {expected.get('file', expected.get('name'))}, given: {actual.get('file', actual.get('name'))})")
+            return (
+                f"{key} {actual[key]!r} != {expected[key]!r} "
+                f"(recorded: {expected.get('file', expected.get('name'))}, "
+                f"given: {actual.get('file', actual.get('name'))})"
+            )
     return None

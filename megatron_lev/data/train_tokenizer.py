@@ -44,8 +44,14 @@ def input_files(inputs: list[str]) -> list[str]:
         raise DataError(f"--input: {exc}") from None
 
 
-def train_sentencepiece(inputs: list[str], model_prefix: str, vocab_size: int = 8000, max_mb: float = 50.0,
-                        json_key: str = "text", num_threads: int | None = None) -> dict:
+def train_sentencepiece(
+    inputs: list[str],
+    model_prefix: str,
+    vocab_size: int = 8000,
+    max_mb: float = 50.0,
+    json_key: str = "text",
+    num_threads: int | None = None,
+) -> dict:
     """Train and write `<model_prefix>.model/.vocab` (atomically); returns a summary.
 
     Input without any text, or a vocabulary the text cannot fill, is refused before anything is written.
@@ -53,20 +59,36 @@ def train_sentencepiece(inputs: list[str], model_prefix: str, vocab_size: int = 
     import sentencepiece as spm
 
     if next(iter_training_lines(inputs, max_mb, json_key), None) is None:
-        raise DataError(f"--input {' '.join(inputs)}: no text to train on (Pile-format JSON lines with a "
-                        f"'{json_key}' field expected; see --json-key)")
+        raise DataError(
+            f"--input {' '.join(inputs)}: no text to train on (Pile-format JSON lines with a "
+            f"'{json_key}' field expected; see --json-key)"
+        )
     out = Path(model_prefix)
     created = not out.parent.exists()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_prefix = out.parent / f".{out.name}.tmp.{os.getpid()}"
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter_training_lines(inputs, max_mb, json_key), model_prefix=str(tmp_prefix),
-            model_type="bpe", vocab_size=vocab_size, byte_fallback=True, character_coverage=0.9995,
-            unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, eos_piece=EOD_PIECE,
-            normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
-            split_digits=True, allow_whitespace_only_pieces=True, max_sentence_length=1 << 16,
-            num_threads=num_threads or os.cpu_count() or 1, minloglevel=2)
+            sentence_iterator=iter_training_lines(inputs, max_mb, json_key),
+            model_prefix=str(tmp_prefix),
+            model_type="bpe",
+            vocab_size=vocab_size,
+            byte_fallback=True,
+            character_coverage=0.9995,
+            unk_id=0,
+            eos_id=1,
+            bos_id=-1,
+            pad_id=-1,
+            eos_piece=EOD_PIECE,
+            normalization_rule_name="identity",
+            add_dummy_prefix=False,
+            remove_extra_whitespaces=False,
+            split_digits=True,
+            allow_whitespace_only_pieces=True,
+            max_sentence_length=1 << 16,
+            num_threads=num_threads or os.cpu_count() or 1,
+            minloglevel=2,
+        )
         for ext in (".vocab", ".model"):  # the model last: its presence means a complete pair
             os.replace(f"{tmp_prefix}{ext}", f"{out}{ext}")
     except BaseException as exc:
@@ -78,8 +100,13 @@ def train_sentencepiece(inputs: list[str], model_prefix: str, vocab_size: int = 
             raise _training_error(exc, vocab_size) from None
         raise
     sp = spm.SentencePieceProcessor(model_file=f"{out}.model")
-    return {"model": f"{out}.model", "vocab": f"{out}.vocab", "vocab_size": sp.get_piece_size(),
-            "eod": sp.eos_id(), "eod_piece": EOD_PIECE}
+    return {
+        "model": f"{out}.model",
+        "vocab": f"{out}.vocab",
+        "vocab_size": sp.get_piece_size(),
+        "eod": sp.eos_id(),
+        "eod_piece": EOD_PIECE,
+    }
 
 
 def _training_error(exc: RuntimeError, vocab_size: int) -> DataError:
@@ -87,6 +114,8 @@ def _training_error(exc: RuntimeError, vocab_size: int) -> DataError:
     text = " ".join(str(exc).split())
     m = re.search(r"Vocabulary size (?:is )?too high \((\d+)\)\. Please set it to a value <= (\d+)", text)
     if m:
-        return DataError(f"--vocab-size {vocab_size} is more than this text supports (at most {m.group(2)}): "
-                         "lower --vocab-size, or give more text (--input, --max-mb)")
+        return DataError(
+            f"--vocab-size {vocab_size} is more than this text supports (at most {m.group(2)}): "
+            "lower --vocab-size, or give more text (--input, --max-mb)"
+        )
     return DataError(f"SentencePiece could not train on this input: {text}")

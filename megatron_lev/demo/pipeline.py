@@ -56,42 +56,119 @@ def build_steps(opts: DemoOptions) -> list[Step]:
     shards = out / "data" / "corpus"
     ckpt, run, hf = out / "checkpoints", out / "run", out / "hf"
     nproc = _nproc(opts)
-    train_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                 "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "" if _has_cuda() else "cpu")}
+    train_env = {
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "" if _has_cuda() else "cpu"),
+    }
     train_env = {k: v for k, v in train_env.items() if v}
     steps = []
     if opts.corpus_dir is None:
-        steps.append(Step("corpus", f"build a {opts.corpus_mb:g} MB Pile-format sample corpus from this machine",
-                          lambda: _cli("sample-corpus", "--output-dir", str(corpus), "--max-mb", str(opts.corpus_mb),
-                                       "--no-progress"),
-                          lambda: [corpus / "manifest.json"]))
+        steps.append(
+            Step(
+                "corpus",
+                f"build a {opts.corpus_mb:g} MB Pile-format sample corpus from this machine",
+                lambda: _cli(
+                    "sample-corpus",
+                    "--output-dir",
+                    str(corpus),
+                    "--max-mb",
+                    str(opts.corpus_mb),
+                    "--no-progress",
+                ),
+                lambda: [corpus / "manifest.json"],
+            )
+        )
     steps += [
-        Step("tokenizer", f"train a {opts.vocab_size}-token SentencePiece BPE tokenizer on it",
-             lambda: _cli("train-tokenizer", "--input", str(corpus), "--model-prefix", str(spm),
-                          "--vocab-size", str(opts.vocab_size)),
-             lambda: [Path(f"{spm}.model")]),
-        Step("preprocess", "tokenise into memory-mapped .bin/.idx shards (2 workers)",
-             lambda: _cli("preprocess", "--input", str(corpus), "--output-prefix", str(shards),
-                          "--tokenizer-type", "sentencepiece", "--tokenizer", f"{spm}.model", "--workers", "2",
-                          "--no-progress"),
-             lambda: [Path(f"{shards}.manifest.json")]),  # written last: the set is complete
-        Step("train", f"train the tiny {opts.embedding.upper()} model with DeepSpeed on {nproc} processes, "
-                      f"{opts.iters} steps",
-             lambda: [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                      "-m", "megatron_lev", "train", "--config", str(opts.config), *train_overrides(opts)],
-             lambda: [ckpt / "latest", run / "metrics.jsonl"], env=train_env),
-        Step("export", "convert the checkpoint to a Hugging Face LlamaForCausalLM, checking logits",
-             lambda: _cli("convert", str(ckpt), str(hf), "--tokenizer", f"{spm}.model", "--overwrite",
-                          "--no-progress"),
-             lambda: [hf / "config.json"]),
-        Step("evaluate", "perplexity on the held-out documents, overall and by token frequency",
-             lambda: _cli("evaluate", str(hf), "--data", str(shards), "--split", "valid", "--split-spec", VALID_SPLIT,
-                          "--counts", f"{shards}.counts.npy", "--seq-len", str(_seq_length(opts)),
-                          "--name", opts.embedding, "--out", str(out / "eval")),
-             lambda: [out / "eval" / "eval.json"]),
-        Step("capacity", "representational capacity of the input table and the output head",
-             lambda: _cli("capacity", str(hf), "--out", str(out / "capacity")),
-             lambda: [out / "capacity" / "capacity.json"]),
+        Step(
+            "tokenizer",
+            f"train a {opts.vocab_size}-token SentencePiece BPE tokenizer on it",
+            lambda: _cli(
+                "train-tokenizer",
+                "--input",
+                str(corpus),
+                "--model-prefix",
+                str(spm),
+                "--vocab-size",
+                str(opts.vocab_size),
+            ),
+            lambda: [Path(f"{spm}.model")],
+        ),
+        Step(
+            "preprocess",
+            "tokenise into memory-mapped .bin/.idx shards (2 workers)",
+            lambda: _cli(
+                "preprocess",
+                "--input",
+                str(corpus),
+                "--output-prefix",
+                str(shards),
+                "--tokenizer-type",
+                "sentencepiece",
+                "--tokenizer",
+                f"{spm}.model",
+                "--workers",
+                "2",
+                "--no-progress",
+            ),
+            lambda: [Path(f"{shards}.manifest.json")],
+        ),  # written last: the set is complete
+        Step(
+            "train",
+            f"train the tiny {opts.embedding.upper()} model with DeepSpeed on {nproc} processes, "
+            f"{opts.iters} steps",
+            lambda: [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={nproc}",
+                "-m",
+                "megatron_lev",
+                "train",
+                "--config",
+                str(opts.config),
+                *train_overrides(opts),
+            ],
+            lambda: [ckpt / "latest", run / "metrics.jsonl"],
+            env=train_env,
+        ),
+        Step(
+            "export",
+            "convert the checkpoint to a Hugging Face LlamaForCausalLM, checking logits",
+            lambda: _cli(
+                "convert", str(ckpt), str(hf), "--tokenizer", f"{spm}.model", "--overwrite", "--no-progress"
+            ),
+            lambda: [hf / "config.json"],
+        ),
+        Step(
+            "evaluate",
+            "perplexity on the held-out documents, overall and by token frequency",
+            lambda: _cli(
+                "evaluate",
+                str(hf),
+                "--data",
+                str(shards),
+                "--split",
+                "valid",
+                "--split-spec",
+                VALID_SPLIT,
+                "--counts",
+                f"{shards}.counts.npy",
+                "--seq-len",
+                str(_seq_length(opts)),
+                "--name",
+                opts.embedding,
+                "--out",
+                str(out / "eval"),
+            ),
+            lambda: [out / "eval" / "eval.json"],
+        ),
+        Step(
+            "capacity",
+            "representational capacity of the input table and the output head",
+            lambda: _cli("capacity", str(hf), "--out", str(out / "capacity")),
+            lambda: [out / "capacity" / "capacity.json"],
+        ),
     ]
     return steps
 
@@ -101,10 +178,19 @@ def train_overrides(opts: DemoOptions) -> list[str]:
     out = opts.out.resolve()
     shards, spm = out / "data" / "corpus", out / "tokenizer" / "spm"
     every = max(opts.iters // 3, 1)
-    return [f"model.embedding={opts.embedding}", f"data.data_path=[{shards}]", f"data.split={VALID_SPLIT}",
-            "data.tokenizer_type=sentencepiece", f"data.tokenizer_path={spm}.model",
-            f"train.train_iters={opts.iters}", f"train.eval_interval={every}", f"train.save={out / 'checkpoints'}",
-            f"train.save_interval={every}", f"logging.output_dir={out / 'run'}", "logging.progress_bar=false"]
+    return [
+        f"model.embedding={opts.embedding}",
+        f"data.data_path=[{shards}]",
+        f"data.split={VALID_SPLIT}",
+        "data.tokenizer_type=sentencepiece",
+        f"data.tokenizer_path={spm}.model",
+        f"train.train_iters={opts.iters}",
+        f"train.eval_interval={every}",
+        f"train.save={out / 'checkpoints'}",
+        f"train.save_interval={every}",
+        f"logging.output_dir={out / 'run'}",
+        "logging.progress_bar=false",
+    ]
 
 
 def check_options(opts: DemoOptions) -> None:
@@ -116,7 +202,9 @@ def check_options(opts: DemoOptions) -> None:
     if opts.iters < 1:
         raise ConfigError(f"--iters {opts.iters}: must be an integer >= 1 (training steps)")
     if opts.vocab_size < MIN_VOCAB:
-        raise ConfigError(f"--vocab-size {opts.vocab_size}: must be >= {MIN_VOCAB} (256 byte pieces + specials)")
+        raise ConfigError(
+            f"--vocab-size {opts.vocab_size}: must be >= {MIN_VOCAB} (256 byte pieces + specials)"
+        )
     if not (math.isfinite(opts.corpus_mb) and opts.corpus_mb > 0):
         raise ConfigError(f"--corpus-mb {opts.corpus_mb}: must be a finite number > 0")
     if opts.nproc is not None and opts.nproc < 1:
@@ -125,12 +213,16 @@ def check_options(opts: DemoOptions) -> None:
         raise ConfigError(f"--out {opts.out}: exists and is not a directory; give a directory")
     if opts.corpus_dir is not None:
         if not opts.corpus_dir.is_dir():
-            raise ConfigError(f"--corpus-dir {opts.corpus_dir}: not a directory of Pile-format *.jsonl[.zst] files")
+            raise ConfigError(
+                f"--corpus-dir {opts.corpus_dir}: not a directory of Pile-format *.jsonl[.zst] files"
+            )
         input_files([str(opts.corpus_dir)])
     opts.config = config_path(opts.config)  # as given, else a packaged config of that name
     if not Path(opts.config).is_file():
-        raise ConfigError(f"--config {opts.config}: run config not found; give a YAML path or a packaged "
-                          "config such as tiny.yaml")
+        raise ConfigError(
+            f"--config {opts.config}: run config not found; give a YAML path or a packaged "
+            "config such as tiny.yaml"
+        )
     load_config([opts.config], train_overrides(opts), world_size=opts.nproc)
 
 
@@ -188,10 +280,19 @@ def summarize(out: Path, timings: dict[str, float]) -> dict:
     metrics = _read_jsonl(out / "run" / "metrics.jsonl")
     train = [m for m in metrics if m.get("kind") == "train" and "loss" in m]
     valid = [m for m in metrics if m.get("kind") == "valid" and "loss" in m]
-    summary: dict = {"timings_s": {k: round(v, 1) for k, v in timings.items()}, "paths": {
-        "corpus": str(out / "corpus"), "tokenizer": str(out / "tokenizer"), "shards": str(out / "data"),
-        "checkpoints": str(out / "checkpoints"), "tensorboard": str(out / "run" / "tensorboard"),
-        "hf_model": str(out / "hf"), "evaluation": str(out / "eval"), "capacity": str(out / "capacity")}}
+    summary: dict = {
+        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+        "paths": {
+            "corpus": str(out / "corpus"),
+            "tokenizer": str(out / "tokenizer"),
+            "shards": str(out / "data"),
+            "checkpoints": str(out / "checkpoints"),
+            "tensorboard": str(out / "run" / "tensorboard"),
+            "hf_model": str(out / "hf"),
+            "evaluation": str(out / "eval"),
+            "capacity": str(out / "capacity"),
+        },
+    }
     if train:
         summary["train_loss_first"] = train[0]["loss"]
         summary["train_loss_last"] = train[-1]["loss"]
@@ -211,7 +312,9 @@ def _eval_headline(result: dict) -> dict:
     """Overall perplexity and the per-bucket perplexities from an `evaluate` eval.json."""
     first = result["results"][0]
     head = {k: first.get(k) for k in ("corpus", "tokens", "perplexity", "mean_nll")}
-    head["buckets"] = [{k: b.get(k) for k in ("bucket", "tokens", "perplexity")} for b in first.get("buckets", [])]
+    head["buckets"] = [
+        {k: b.get(k) for k in ("bucket", "tokens", "perplexity")} for b in first.get("buckets", [])
+    ]
     return head
 
 
@@ -222,8 +325,10 @@ def _capacity_headline(report: dict) -> list[dict]:
 def format_summary(s: dict) -> str:
     lines = ["", "=" * 72, "megatron-lev demo: summary", "=" * 72]
     if "train_loss_first" in s:
-        lines.append(f"training loss      {s['train_loss_first']:.3f} -> {s['train_loss_last']:.3f} "
-                     f"over {s.get('iterations')} iterations")
+        lines.append(
+            f"training loss      {s['train_loss_first']:.3f} -> {s['train_loss_last']:.3f} "
+            f"over {s.get('iterations')} iterations"
+        )
     if "valid_loss_last" in s:
         lines.append(f"validation loss    {s['valid_loss_last']:.3f}")
     ev = s.get("evaluation")
@@ -234,7 +339,9 @@ def format_summary(s: dict) -> str:
             lines.append("  by training-token frequency:")
             for b in ev["buckets"]:
                 ppl = "empty" if not b.get("tokens") else f"{b['perplexity']:.2f}"
-                lines.append(f"    {str(b['bucket']):<18} {str(b.get('tokens')):>9} tokens   perplexity {ppl}")
+                lines.append(
+                    f"    {str(b['bucket']):<18} {str(b.get('tokens')):>9} tokens   perplexity {ppl}"
+                )
     for row in s.get("capacity", []):
         eps = row.get("eps")
         eps_txt = f"{eps:.4f}" if isinstance(eps, (int, float)) else str(eps)

@@ -83,8 +83,9 @@ class StepRunner:
             with open(log_path, "w") as log_file:
                 log_file.write(f"$ {shlex.join(cmd)}\n")
                 log_file.flush()
-                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                        text=True, bufsize=1)
+                proc = subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, bufsize=1
+                )
                 assert proc.stdout is not None
                 tail: list[str] = []
                 for line in proc.stdout:
@@ -97,13 +98,17 @@ class StepRunner:
             seconds = time.time() - start
             if rc != 0:
                 last = next((line.strip() for line in reversed(tail) if line.strip()), "no output")
-                raise StepFailed(f"step '{step.name}' failed (exit status {rc}) after {seconds:.0f}s: {last} "
-                                 f"(command and output in {log_path}); fix the cause and run the same command "
-                                 "again: finished steps are skipped", "".join(tail))
+                raise StepFailed(
+                    f"step '{step.name}' failed (exit status {rc}) after {seconds:.0f}s: {last} "
+                    f"(command and output in {log_path}); fix the cause and run the same command "
+                    "again: finished steps are skipped",
+                    "".join(tail),
+                )
             missing = [str(p) for p in step.outputs() if not Path(p).exists()]
             if missing:
-                raise StepFailed(f"step '{step.name}' finished but did not produce {', '.join(missing)} "
-                                 f"(log: {log_path})")
+                raise StepFailed(
+                    f"step '{step.name}' finished but did not produce {', '.join(missing)} (log: {log_path})"
+                )
             self.timings[step.name] = seconds
             atomic_write_json(self._marker(step), {"seconds": seconds, "command": cmd})
             self.log(f"    done in {seconds:.1f}s")

@@ -26,8 +26,10 @@ def pile_files(data_dir: Path) -> list[Path]:
     """`*.jsonl` / `*.jsonl.zst` files of a Pile-format directory, sorted (a fixed document order)."""
     files = sorted(p for p in Path(data_dir).iterdir() if p.name.endswith((".jsonl", ".jsonl.zst")))
     if not files:
-        raise FileNotFoundError(f"{data_dir}: no *.jsonl or *.jsonl.zst files (Pile format: one "
-                                '{"text": ..., "meta": {"pile_set_name": ...}} per line)')
+        raise FileNotFoundError(
+            f"{data_dir}: no *.jsonl or *.jsonl.zst files (Pile format: one "
+            '{"text": ..., "meta": {"pile_set_name": ...}} per line)'
+        )
     return files
 
 
@@ -43,9 +45,14 @@ def read_lines(path: Path) -> Iterator[str]:
             yield from f
 
 
-def split_corpus(data_dir: Path, out_dir: Path, zero_shot_subset: str = "Wikipedia (en)",
-                 max_chars_per_subset: int = 1_000_000, valid_every: int = 20,
-                 zero_shot_max_chars: int = 300_000) -> dict:
+def split_corpus(
+    data_dir: Path,
+    out_dir: Path,
+    zero_shot_subset: str = "Wikipedia (en)",
+    max_chars_per_subset: int = 1_000_000,
+    valid_every: int = 20,
+    zero_shot_max_chars: int = 300_000,
+) -> dict:
     """Write `train.jsonl`, `valid.jsonl`, `zero_shot.jsonl` and `split.json` (counts) into `out_dir`."""
     if valid_every < 2:
         raise ValueError(f"valid_every must be at least 2, got {valid_every}")
@@ -61,7 +68,10 @@ def split_corpus(data_dir: Path, out_dir: Path, zero_shot_subset: str = "Wikiped
                     continue
                 try:
                     doc = json.loads(line)
-                    text, subset = doc["text"], doc.get("meta", {}).get("pile_set_name", path.name.split(".")[0])
+                    text, subset = (
+                        doc["text"],
+                        doc.get("meta", {}).get("pile_set_name", path.name.split(".")[0]),
+                    )
                 except (json.JSONDecodeError, KeyError, AttributeError) as exc:
                     raise ValueError(f"{path}:{lineno}: not a Pile-format line ({exc})") from None
                 per = stats.setdefault(subset, {p: {"docs": 0, "chars": 0} for p in PARTS})
@@ -81,38 +91,57 @@ def split_corpus(data_dir: Path, out_dir: Path, zero_shot_subset: str = "Wikiped
         for h in handles.values():
             h.close()
     if zero_shot_subset not in stats:
-        raise ValueError(f"{data_dir}: no documents of the held-out subset {zero_shot_subset!r} "
-                         f"(subsets found: {', '.join(sorted(stats))}); choose one with --zero-shot-subset")
+        raise ValueError(
+            f"{data_dir}: no documents of the held-out subset {zero_shot_subset!r} "
+            f"(subsets found: {', '.join(sorted(stats))}); choose one with --zero-shot-subset"
+        )
     for part in PARTS:
         if not any(s[part]["docs"] for s in stats.values()):
             raise ValueError(f"{data_dir}: the {part} part is empty (subsets: {', '.join(sorted(stats))})")
     for part, path in tmp.items():
         os.replace(path, out_dir / f"{part}.jsonl")
-    summary = {"data_dir": str(data_dir), "zero_shot_subset": zero_shot_subset,
-               "max_chars_per_subset": max_chars_per_subset, "valid_every": valid_every,
-               "zero_shot_max_chars": zero_shot_max_chars, "subsets": stats}
+    summary = {
+        "data_dir": str(data_dir),
+        "zero_shot_subset": zero_shot_subset,
+        "max_chars_per_subset": max_chars_per_subset,
+        "valid_every": valid_every,
+        "zero_shot_max_chars": zero_shot_max_chars,
+        "subsets": stats,
+    }
     atomic_write_json(out_dir / "split.json", summary)
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--data-dir", required=True, help="Pile-format directory (*.jsonl[.zst])")
     parser.add_argument("--out", required=True, help="directory for train/valid/zero_shot .jsonl")
-    parser.add_argument("--zero-shot-subset", default="Wikipedia (en)", help="pile_set_name held out for zero-shot")
+    parser.add_argument(
+        "--zero-shot-subset", default="Wikipedia (en)", help="pile_set_name held out for zero-shot"
+    )
     parser.add_argument("--max-chars-per-subset", type=int, default=1_000_000)
     parser.add_argument("--valid-every", type=int, default=20, help="every N-th taken document is validation")
     parser.add_argument("--zero-shot-max-chars", type=int, default=300_000)
     args = parser.parse_args(argv)
     try:
-        summary = split_corpus(Path(args.data_dir), Path(args.out), args.zero_shot_subset,
-                               args.max_chars_per_subset, args.valid_every, args.zero_shot_max_chars)
+        summary = split_corpus(
+            Path(args.data_dir),
+            Path(args.out),
+            args.zero_shot_subset,
+            args.max_chars_per_subset,
+            args.valid_every,
+            args.zero_shot_max_chars,
+        )
     except (OSError, ValueError) as exc:
         print(f"corpus split: {exc}", file=sys.stderr)
         return 1
     for subset, parts in sorted(summary["subsets"].items()):
-        print(f"{subset:>20}: " + ", ".join(f"{p} {parts[p]['docs']:,} docs / {parts[p]['chars']:,} chars"
-                                             for p in PARTS))
+        print(
+            f"{subset:>20}: "
+            + ", ".join(f"{p} {parts[p]['docs']:,} docs / {parts[p]['chars']:,} chars" for p in PARTS)
+        )
     return 0
 
 

@@ -51,18 +51,28 @@ class SmallGrid:
         if unknown:
             raise ConfigError(f"--variants: unknown {unknown}; choose from {', '.join(REGISTRY)}")
         if not Path(self.data_dir).is_dir():
-            raise ConfigError(f"--data-dir {self.data_dir}: not a directory of Pile-format *.jsonl[.zst] files")
+            raise ConfigError(
+                f"--data-dir {self.data_dir}: not a directory of Pile-format *.jsonl[.zst] files"
+            )
         if not any(p.name.endswith((".jsonl", ".jsonl.zst")) for p in Path(self.data_dir).iterdir()):
-            raise ConfigError(f"--data-dir {self.data_dir}: no *.jsonl or *.jsonl.zst files in it (Pile format: "
-                              'one {"text": ..., "meta": {"pile_set_name": ...}} per line)')
+            raise ConfigError(
+                f"--data-dir {self.data_dir}: no *.jsonl or *.jsonl.zst files in it (Pile format: "
+                'one {"text": ..., "meta": {"pile_set_name": ...}} per line)'
+            )
         if not Path(self.tokenizer).is_file():
-            raise ConfigError(f"--tokenizer {self.tokenizer}: file not found (the GPT-NeoX-20B tokenizer.json)")
+            raise ConfigError(
+                f"--tokenizer {self.tokenizer}: file not found (the GPT-NeoX-20B tokenizer.json)"
+            )
         if Path(self.out).exists() and not Path(self.out).is_dir():
             raise ConfigError(f"--out {self.out}: exists and is not a directory; give a directory")
-        for flag, value, lo in (("--nproc", self.nproc, 1), ("--valid-every", self.valid_every, 2),
-                                ("--max-chars-per-subset", self.max_chars_per_subset, 1),
-                                ("--zero-shot-max-chars", self.zero_shot_max_chars, 1),
-                                ("--eval-max-docs", self.eval_max_docs, 1), ("--threads", self.threads, 1)):
+        for flag, value, lo in (
+            ("--nproc", self.nproc, 1),
+            ("--valid-every", self.valid_every, 2),
+            ("--max-chars-per-subset", self.max_chars_per_subset, 1),
+            ("--zero-shot-max-chars", self.zero_shot_max_chars, 1),
+            ("--eval-max-docs", self.eval_max_docs, 1),
+            ("--threads", self.threads, 1),
+        ):
             if value is not None and value < lo:
                 raise ConfigError(f"{flag} {value}: must be an integer >= {lo}")
         import torch
@@ -95,15 +105,22 @@ class SmallGrid:
 
     def train_overrides(self, variant: str) -> list[str]:
         run = self.run_dir(variant)
-        base = [f"model.embedding={variant}", f"data.data_path=[{self.prefix('train')}]",
-                f"data.valid_data_path=[{self.prefix('valid')}]", f"data.tokenizer_path={self.tokenizer}",
-                f"data.cache_dir={self.out / 'index-cache'}", f"train.save={run / 'checkpoints'}",
-                f"logging.output_dir={run}", "logging.progress_bar=false"]
+        base = [
+            f"model.embedding={variant}",
+            f"data.data_path=[{self.prefix('train')}]",
+            f"data.valid_data_path=[{self.prefix('valid')}]",
+            f"data.tokenizer_path={self.tokenizer}",
+            f"data.cache_dir={self.out / 'index-cache'}",
+            f"train.save={run / 'checkpoints'}",
+            f"logging.output_dir={run}",
+            "logging.progress_bar=false",
+        ]
         if self.nproc > 1:  # the same global batch (and so the same data order) over nproc ranks
             micro = load_config(self.config, validate=False).train.micro_batch_size
             if micro % self.nproc:
-                raise ConfigError(f"--nproc {self.nproc} does not divide train.micro_batch_size={micro} "
-                                  f"of {self.config}")
+                raise ConfigError(
+                    f"--nproc {self.nproc} does not divide train.micro_batch_size={micro} of {self.config}"
+                )
             base.append(f"train.micro_batch_size={micro // self.nproc}")
         return base + list(self.overrides)
 
@@ -123,69 +140,154 @@ class SmallGrid:
     def steps(self) -> list[Step]:
         """Every step of the grid, in order: data, then train/convert/evaluate per variant, then compare."""
         env = self._env()
-        steps = [Step("split", "hold out the zero-shot subset and a validation slice of every other subset",
-                      lambda: self._python("megatron_lev.experiments.corpus", "--data-dir", str(self.data_dir),
-                                           "--out", str(self.data), "--zero-shot-subset", self.zero_shot_subset,
-                                           "--max-chars-per-subset", str(self.max_chars_per_subset),
-                                           "--valid-every", str(self.valid_every),
-                                           "--zero-shot-max-chars", str(self.zero_shot_max_chars)),
-                      lambda: [self.data / f"{p}.jsonl" for p in ("train", "valid", "zero_shot")])]
+        steps = [
+            Step(
+                "split",
+                "hold out the zero-shot subset and a validation slice of every other subset",
+                lambda: self._python(
+                    "megatron_lev.experiments.corpus",
+                    "--data-dir",
+                    str(self.data_dir),
+                    "--out",
+                    str(self.data),
+                    "--zero-shot-subset",
+                    self.zero_shot_subset,
+                    "--max-chars-per-subset",
+                    str(self.max_chars_per_subset),
+                    "--valid-every",
+                    str(self.valid_every),
+                    "--zero-shot-max-chars",
+                    str(self.zero_shot_max_chars),
+                ),
+                lambda: [self.data / f"{p}.jsonl" for p in ("train", "valid", "zero_shot")],
+            )
+        ]
         for part in ("train", "valid"):
-            steps.append(Step(f"preprocess-{part}", f"tokenise the {part} documents (GPT-NeoX-20B)",
-                              lambda part=part: self._python(
-                                  "megatron_lev", "preprocess", "--input", str(self.data / f"{part}.jsonl"),
-                                  "--output-prefix", str(self.prefix(part)), "--tokenizer", str(self.tokenizer),
-                                  "--workers", "1", "--no-progress"),
-                              lambda part=part: [Path(f"{self.prefix(part)}.manifest.json")], env))
+            steps.append(
+                Step(
+                    f"preprocess-{part}",
+                    f"tokenise the {part} documents (GPT-NeoX-20B)",
+                    lambda part=part: self._python(
+                        "megatron_lev",
+                        "preprocess",
+                        "--input",
+                        str(self.data / f"{part}.jsonl"),
+                        "--output-prefix",
+                        str(self.prefix(part)),
+                        "--tokenizer",
+                        str(self.tokenizer),
+                        "--workers",
+                        "1",
+                        "--no-progress",
+                    ),
+                    lambda part=part: [Path(f"{self.prefix(part)}.manifest.json")],
+                    env,
+                )
+            )
         seq = load_config(self.config, validate=False).model.seq_length
         for v in self.variants:
             run = self.run_dir(v)
             steps += [
-                Step(f"train-{v}", f"train {variant_label(v)} ({self.nproc} process(es))",
-                     lambda v=v: self._train_command(v), lambda run=run: [run / "checkpoints" / "latest",
-                                                                          run / "metrics.jsonl"], env),
-                Step(f"convert-{v}", f"export {variant_label(v)} to a validated Hugging Face model",
-                     lambda run=run: self._python("megatron_lev", "convert", str(run / "checkpoints"),
-                                                  str(run / "hf"), "--overwrite", "--no-progress"),
-                     lambda run=run: [run / "hf" / "config.json"], env),
-                Step(f"evaluate-{v}", f"perplexity of {variant_label(v)}: validation (by frequency), zero-shot",
-                     lambda v=v, run=run: self._python(
-                         "megatron_lev", "evaluate", str(run / "hf"), "--data", str(self.prefix("valid")),
-                         "--text", str(self.data / "zero_shot.jsonl"),
-                         "--counts", f"{self.prefix('train')}.counts.npy", "--seq-len", str(seq),
-                         "--name", variant_label(v), "--out", str(run / "eval"),
-                         *(["--max-docs", str(self.eval_max_docs)] if self.eval_max_docs else [])),
-                     lambda v=v: [self.eval_json(v)], env),
+                Step(
+                    f"train-{v}",
+                    f"train {variant_label(v)} ({self.nproc} process(es))",
+                    lambda v=v: self._train_command(v),
+                    lambda run=run: [run / "checkpoints" / "latest", run / "metrics.jsonl"],
+                    env,
+                ),
+                Step(
+                    f"convert-{v}",
+                    f"export {variant_label(v)} to a validated Hugging Face model",
+                    lambda run=run: self._python(
+                        "megatron_lev",
+                        "convert",
+                        str(run / "checkpoints"),
+                        str(run / "hf"),
+                        "--overwrite",
+                        "--no-progress",
+                    ),
+                    lambda run=run: [run / "hf" / "config.json"],
+                    env,
+                ),
+                Step(
+                    f"evaluate-{v}",
+                    f"perplexity of {variant_label(v)}: validation (by frequency), zero-shot",
+                    lambda v=v, run=run: self._python(
+                        "megatron_lev",
+                        "evaluate",
+                        str(run / "hf"),
+                        "--data",
+                        str(self.prefix("valid")),
+                        "--text",
+                        str(self.data / "zero_shot.jsonl"),
+                        "--counts",
+                        f"{self.prefix('train')}.counts.npy",
+                        "--seq-len",
+                        str(seq),
+                        "--name",
+                        variant_label(v),
+                        "--out",
+                        str(run / "eval"),
+                        *(["--max-docs", str(self.eval_max_docs)] if self.eval_max_docs else []),
+                    ),
+                    lambda v=v: [self.eval_json(v)],
+                    env,
+                ),
             ]
-        for corpus, label in (("valid_text_document", "validation"), ("zero_shot", "zero-shot"),
-                              ("valid_text_document", "training")):
+        for corpus, label in (
+            ("valid_text_document", "validation"),
+            ("zero_shot", "zero-shot"),
+            ("valid_text_document", "training"),
+        ):
             out = self.results / label.replace("-", "_")
-            what = ("training-loss curves against TIED's final training loss" if label == "training"
-                    else f"{label} perplexity of every variant against TIED")
-            steps.append(Step(f"compare-{label}", what,
-                              lambda corpus=corpus, out=out, label=label: self._compare_command(corpus, out,
-                                                                                                 label),
-                              lambda out=out: [out / "compare.md"], env))
+            what = (
+                "training-loss curves against TIED's final training loss"
+                if label == "training"
+                else f"{label} perplexity of every variant against TIED"
+            )
+            steps.append(
+                Step(
+                    f"compare-{label}",
+                    what,
+                    lambda corpus=corpus, out=out, label=label: self._compare_command(corpus, out, label),
+                    lambda out=out: [out / "compare.md"],
+                    env,
+                )
+            )
         return steps
 
     def _train_command(self, variant: str) -> list[str]:
         args = ["megatron_lev", "train", "--config", str(self.config), *self.train_overrides(variant)]
         if self.nproc == 1:
             return self._python(*args)
-        return self._python("torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}", "-m", *args)
+        return self._python(
+            "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}", "-m", *args
+        )
 
     def _compare_command(self, corpus: str, out: Path, label: str) -> list[str]:
         cfg = self.run_config("tied")
-        tokens_per_step = (cfg.train.global_batch_size or cfg.train.micro_batch_size * self.nproc) \
-            * cfg.model.seq_length
-        cmd = self._python("megatron_lev", "compare",
-                           *(f"{variant_label(v)}={self.eval_json(v)}" for v in self.variants),
-                           "--corpus", corpus, "--out", str(out))
+        tokens_per_step = (
+            cfg.train.global_batch_size or cfg.train.micro_batch_size * self.nproc
+        ) * cfg.model.seq_length
+        cmd = self._python(
+            "megatron_lev",
+            "compare",
+            *(f"{variant_label(v)}={self.eval_json(v)}" for v in self.variants),
+            "--corpus",
+            corpus,
+            "--out",
+            str(out),
+        )
         if label in ("validation", "training"):  # loss curves and tokens-to-target from the trainer's log:
             # validation loss (every train.eval_interval steps) or training loss (every log_interval steps)
-            cmd += ["--curves", *(f"{variant_label(v)}={self.run_dir(v) / 'tensorboard'}" for v in self.variants),
-                    "--tokens-per-step", str(tokens_per_step),
-                    "--tag", "valid/loss" if label == "validation" else "train/loss"]
+            cmd += [
+                "--curves",
+                *(f"{variant_label(v)}={self.run_dir(v) / 'tensorboard'}" for v in self.variants),
+                "--tokens-per-step",
+                str(tokens_per_step),
+                "--tag",
+                "valid/loss" if label == "validation" else "train/loss",
+            ]
         return cmd
 
 
@@ -201,9 +303,11 @@ def check_finished_steps(state_dir: Path, steps: list[Step]) -> None:
         if recorded[1:] != now[1:] and step.name.startswith("compare-"):
             marker.unlink()
         elif recorded[1:] != now[1:]:
-            raise ConfigError(f"step '{step.name}' already finished in {state_dir.parent} with another command "
-                              f"(flags or overrides changed): was `{shlex.join(recorded)}`, now "
-                              f"`{shlex.join(now)}`; use another --out, or delete {state_dir.parent} to start over")
+            raise ConfigError(
+                f"step '{step.name}' already finished in {state_dir.parent} with another command "
+                f"(flags or overrides changed): was `{shlex.join(recorded)}`, now "
+                f"`{shlex.join(now)}`; use another --out, or delete {state_dir.parent} to start over"
+            )
 
 
 def run_small_grid(grid: SmallGrid, force: bool = False, log=print) -> Path:

@@ -47,39 +47,63 @@ class ParallelAttention(nn.Module):
         self.local_heads, self.local_kv_heads = self.num_heads // tp, self.num_kv_heads // tp
         self.dropout = cfg.attention_dropout
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, q + 2 * kv, part_sizes=(q, kv, kv), init_std=cfg.init_std)
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size, q + 2 * kv, part_sizes=(q, kv, kv), init_std=cfg.init_std
+        )
         # output projections are scaled down with depth (GPT-2 / Megatron)
-        self.dense = RowParallelLinear(q, cfg.hidden_size, init_std=cfg.init_std / math.sqrt(2 * num_layers_for_init))
+        self.dense = RowParallelLinear(
+            q, cfg.hidden_size, init_std=cfg.init_std / math.sqrt(2 * num_layers_for_init)
+        )
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta)
 
-    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:  # (B, S, D) -> (B, S, D)
+    def forward(
+        self, x: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:  # (B, S, D) -> (B, S, D)
         b, s, _ = x.shape
         hd = self.head_dim
         qkv = self.qkv(x)  # (B, S, (H/tp + 2 KV/tp) * hd)
-        q, k, v = qkv.split([self.local_heads * hd, self.local_kv_heads * hd, self.local_kv_heads * hd], dim=-1)
+        q, k, v = qkv.split(
+            [self.local_heads * hd, self.local_kv_heads * hd, self.local_kv_heads * hd], dim=-1
+        )
         q = q.view(b, s, self.local_heads, hd)
         k = k.view(b, s, self.local_kv_heads, hd)
         v = v.view(b, s, self.local_kv_heads, hd)
         cos, sin = self.rotary(s, x.device, q.dtype)  # (S, hd)
         if documents is not None and documents.position_ids is not None:
-            cos, sin = cos[documents.position_ids], sin[documents.position_ids]  # (B, S, hd): restart per document
+            cos, sin = (
+                cos[documents.position_ids],
+                sin[documents.position_ids],
+            )  # (B, S, hd): restart per document
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         separate = documents is not None and documents.separate_attention
         p = self.dropout if self.training else 0.0
-        with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():  # dropout on this rank's own heads
+        with (
+            get_rng_tracker().fork() if p > 0 else contextlib.nullcontext()
+        ):  # dropout on this rank's own heads
             if use_flash_attention(x) and separate:
                 cu, longest = documents.cu_seqlens()  # every document of every row, end to end
                 out = flash_attn_varlen_func(
-                    q.reshape(b * s, self.local_heads, hd), k.reshape(b * s, self.local_kv_heads, hd),
-                    v.reshape(b * s, self.local_kv_heads, hd), cu, cu, longest, longest, dropout_p=p,
-                    causal=True).view(b, s, self.local_heads, hd)  # (B*S, H/tp, hd) -> (B, S, H/tp, hd)
+                    q.reshape(b * s, self.local_heads, hd),
+                    k.reshape(b * s, self.local_kv_heads, hd),
+                    v.reshape(b * s, self.local_kv_heads, hd),
+                    cu,
+                    cu,
+                    longest,
+                    longest,
+                    dropout_p=p,
+                    causal=True,
+                ).view(b, s, self.local_heads, hd)  # (B*S, H/tp, hd) -> (B, S, H/tp, hd)
             elif use_flash_attention(x):
                 out = flash_attn_func(q, k, v, dropout_p=p, causal=True)  # (B, S, H/tp, hd), GQA native
             else:
                 mask = documents.attention_mask() if separate else None  # (B, 1, S, S) bool
                 out = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, dropout_p=p,
-                    is_causal=mask is None, enable_gqa=self.local_kv_heads != self.local_heads,
+                    q.transpose(1, 2),
+                    k.transpose(1, 2),
+                    v.transpose(1, 2),
+                    attn_mask=mask,
+                    dropout_p=p,
+                    is_causal=mask is None,
+                    enable_gqa=self.local_kv_heads != self.local_heads,
                 ).transpose(1, 2)  # (B, S, H/tp, hd)
         return self.dense(out.reshape(b, s, self.local_heads * hd))
-

@@ -28,7 +28,9 @@ class TransformerBlock(nn.Module):
             self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
             self.mlp = ParallelSwiGLU(cfg, cfg.num_layers)
 
-    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:  # (B, S, D) -> (B, S, D)
+    def forward(
+        self, x: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:  # (B, S, D) -> (B, S, D)
         # hidden dropout acts on replicated activations: the default stream, identical on TP ranks
         p = self.hidden_dropout if self.training else 0.0
         x = x + F.dropout(self.attention(self.attention_norm(x), documents), p, self.training)
@@ -52,7 +54,9 @@ def checkpointed(function, *args):
             calls[0] += 1
             return function(*inputs)
         current = tracker.get_states()  # recomputation during backward
-        tracker.set_states({k: (c.clone(), g.clone() if g is not None else None) for k, (c, g) in states.items()})
+        tracker.set_states(
+            {k: (c.clone(), g.clone() if g is not None else None) for k, (c, g) in states.items()}
+        )
         try:
             return function(*inputs)
         finally:

@@ -10,7 +10,8 @@ from megatron_lev.parallel import state
 
 
 def padded_vocab_size(tokenizer_vocab_size: int, model_cfg: ModelConfig, tp: int = 1) -> int:
-    """Round the vocabulary up to a multiple of `make_vocab_size_divisible_by x TP` (e.g. 50,277 -> 50,304)."""
+    """Round the vocabulary up to a multiple of `make_vocab_size_divisible_by x TP`
+    (e.g. 50,277 -> 50,304)."""
     if tokenizer_vocab_size <= 0:
         raise ConfigError(f"vocabulary size must be positive, got {tokenizer_vocab_size}")
     multiple = model_cfg.make_vocab_size_divisible_by * tp
@@ -30,13 +31,19 @@ def build_model(cfg: RunConfig, vocab_size: int, topology=None) -> nn.Module:
     p = cfg.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     if (tp > 1 or pp > 1) and not state.is_initialized():
-        raise RuntimeError(f"parallel.tensor_model_parallel_size={tp}, parallel.pipeline_model_parallel_size={pp}: "
-                           "call megatron_lev.parallel.state.initialize_model_parallel(tp, pp) first")
-    if state.is_initialized() and (state.get_tensor_model_parallel_world_size(), state.get_pipeline_model_parallel_world_size()) != (tp, pp):
+        raise RuntimeError(
+            f"parallel.tensor_model_parallel_size={tp}, parallel.pipeline_model_parallel_size={pp}: "
+            "call megatron_lev.parallel.state.initialize_model_parallel(tp, pp) first"
+        )
+    if state.is_initialized() and (
+        state.get_tensor_model_parallel_world_size(),
+        state.get_pipeline_model_parallel_world_size(),
+    ) != (tp, pp):
         raise ConfigError(
             f"the process groups have TP={state.get_tensor_model_parallel_world_size()}, "
             f"PP={state.get_pipeline_model_parallel_world_size()} but the config asks for "
-            f"parallel.tensor_model_parallel_size={tp}, parallel.pipeline_model_parallel_size={pp}")
+            f"parallel.tensor_model_parallel_size={tp}, parallel.pipeline_model_parallel_size={pp}"
+        )
     padded = padded_vocab_size(vocab_size, cfg.model, tp)
     if pp == 1:
         return GPTModel(cfg.model, padded, seed=cfg.train.seed, true_vocab_size=vocab_size)

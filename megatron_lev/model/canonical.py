@@ -43,7 +43,9 @@ def canonical_state_dict_spec(model_cfg: ModelConfig, vocab_size: int) -> dict[s
             if dim is not None:
                 shape[dim] *= tp
             parts = getattr(module, "part_sizes", None) if dim is not None else None
-            specs[name] = ParamSpec(name, tuple(shape), dim, tuple(parts) if parts and len(parts) > 1 else None)
+            specs[name] = ParamSpec(
+                name, tuple(shape), dim, tuple(parts) if parts and len(parts) > 1 else None
+            )
     return specs
 
 
@@ -56,7 +58,9 @@ def merge_tp_shards(spec: ParamSpec, shards: list[torch.Tensor]) -> torch.Tensor
         return torch.cat(shards, dim=dim)
     local = [p // tp for p in spec.parts]
     pieces = [s.split(local, dim=dim) for s in shards]  # [rank][part]
-    return torch.cat([torch.cat([pieces[r][i] for r in range(tp)], dim=dim) for i in range(len(local))], dim=dim)
+    return torch.cat(
+        [torch.cat([pieces[r][i] for r in range(tp)], dim=dim) for i in range(len(local))], dim=dim
+    )
 
 
 def split_tp_shard(spec: ParamSpec, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:

@@ -15,7 +15,8 @@ import torch
 
 
 class Documents:
-    """The document layout of one micro-batch; masks and boundaries are built once and shared by all layers."""
+    """The document layout of one micro-batch; masks and boundaries are built once and shared by all
+    layers."""
 
     def __init__(self, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
         self.position_ids = position_ids  # (B, S) int64 or None: positions 0..S-1 of every row

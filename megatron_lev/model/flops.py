@@ -29,8 +29,12 @@ def parameter_count(cfg: ModelConfig, vocab_size: int, variant: str | None = Non
     from megatron_lev.model.embeddings import parameter_counts
 
     emb = parameter_counts(variant or cfg.embedding, vocab_size, cfg.hidden_size, cfg)
-    counts = {"input": emb["input"], "output": emb["output"], "blocks": cfg.num_layers * block_parameter_count(cfg),
-              "final_norm": cfg.hidden_size}
+    counts = {
+        "input": emb["input"],
+        "output": emb["output"],
+        "blocks": cfg.num_layers * block_parameter_count(cfg),
+        "final_norm": cfg.hidden_size,
+    }
     counts["total"] = sum(counts.values())
     return counts
 
@@ -45,7 +49,12 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_length: int | None = 
     return 3.0 * forward
 
 
-def mfu(tokens_per_second: float, cfg: ModelConfig, vocab_size: int, num_devices: int,
-        peak_flops_per_device: float) -> float:
+def mfu(
+    tokens_per_second: float,
+    cfg: ModelConfig,
+    vocab_size: int,
+    num_devices: int,
+    peak_flops_per_device: float,
+) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s over the devices' peak."""
     return tokens_per_second * flops_per_token(cfg, vocab_size) / (num_devices * peak_flops_per_device)

@@ -38,15 +38,17 @@ def build_embedding(model_cfg: ModelConfig, vocab_size: int, seed: int) -> Input
         return build_input_embedding(model_cfg, vocab_size)
 
 
-def build_final_norm_and_head(model_cfg: ModelConfig, vocab_size: int, seed: int,
-                              true_vocab_size: int | None = None) -> tuple[RMSNorm, VocabParallelHead]:
+def build_final_norm_and_head(
+    model_cfg: ModelConfig, vocab_size: int, seed: int, true_vocab_size: int | None = None
+) -> tuple[RMSNorm, VocabParallelHead]:
     from megatron_lev.model.embeddings import embedding_class
 
     tied = embedding_class(model_cfg.embedding).ties_output_head
     with seeded(layer_seed(seed, "head")):
         norm = RMSNorm(model_cfg.hidden_size, model_cfg.norm_eps)
-        head = VocabParallelHead(model_cfg.hidden_size, vocab_size, model_cfg.init_std,
-                                 tied=tied, true_vocab_size=true_vocab_size)
+        head = VocabParallelHead(
+            model_cfg.hidden_size, vocab_size, model_cfg.init_std, tied=tied, true_vocab_size=true_vocab_size
+        )
     return norm, head
 
 
@@ -57,25 +59,37 @@ class GPTModel(nn.Module):
     logits of the padding rows, so every TP size trains the objective of the exported model.
     """
 
-    def __init__(self, model_cfg: ModelConfig, vocab_size: int, seed: int = 1234, true_vocab_size: int | None = None):
+    def __init__(
+        self, model_cfg: ModelConfig, vocab_size: int, seed: int = 1234, true_vocab_size: int | None = None
+    ):
         super().__init__()
         self.cfg, self.vocab_size = model_cfg, vocab_size
         self.embedding = build_embedding(model_cfg, vocab_size, seed)
-        self.layers = nn.ModuleList(TransformerBlock(model_cfg, i, layer_seed(seed, "block", i))
-                                    for i in range(model_cfg.num_layers))
-        self.final_norm, self.output_head = build_final_norm_and_head(model_cfg, vocab_size, seed, true_vocab_size)
+        self.layers = nn.ModuleList(
+            TransformerBlock(model_cfg, i, layer_seed(seed, "block", i)) for i in range(model_cfg.num_layers)
+        )
+        self.final_norm, self.output_head = build_final_norm_and_head(
+            model_cfg, vocab_size, seed, true_vocab_size
+        )
         if self.output_head.tied and self.embedding.tied_output_weight() is None:
-            raise ValueError(f"model.embedding={model_cfg.embedding!r} has no table to tie the output head to")
+            raise ValueError(
+                f"model.embedding={model_cfg.embedding!r} has no table to tie the output head to"
+            )
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         documents = None
         if position_ids is not None or document_ids is not None:
             documents = Documents(position_ids, document_ids)  # built once, shared by every block
         h = self.embedding(input_ids)  # (B, S, D)
         group = self.cfg.checkpoint_num_layers
         for start in range(0, len(self.layers), group):
-            blocks = self.layers[start:start + group]
+            blocks = self.layers[start : start + group]
             if self.cfg.activation_checkpointing and self.training:
                 h = checkpointed(_run_blocks(blocks, documents), h)
             else:
@@ -91,4 +105,5 @@ def _run_blocks(blocks, documents: Documents | None = None):
         for block in blocks:
             h = block(h, documents)
         return h
+
     return run

@@ -20,8 +20,12 @@ class ParallelSwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig, num_layers_for_init: int):
         super().__init__()
         ffn = cfg.ffn_size
-        self.gate_up = ColumnParallelLinear(cfg.hidden_size, 2 * ffn, part_sizes=(ffn, ffn), init_std=cfg.init_std)
-        self.down = RowParallelLinear(ffn, cfg.hidden_size, init_std=cfg.init_std / math.sqrt(2 * num_layers_for_init))
+        self.gate_up = ColumnParallelLinear(
+            cfg.hidden_size, 2 * ffn, part_sizes=(ffn, ffn), init_std=cfg.init_std
+        )
+        self.down = RowParallelLinear(
+            ffn, cfg.hidden_size, init_std=cfg.init_std / math.sqrt(2 * num_layers_for_init)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, S, D) -> (B, S, D)
         gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, S, F/tp) each

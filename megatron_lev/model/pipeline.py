@@ -52,7 +52,9 @@ class EmbeddingStage(nn.Module):
     def tied_weight(self) -> torch.Tensor:  # the tied table, named for DeepSpeed's `tied_weight_attr`
         return self.embedding.tied_output_weight()
 
-    def forward(self, inputs):  # ((B, S), *document tensors) or (B, S) -> (B, S, D) or ((B, S, D), *document tensors)
+    def forward(
+        self, inputs
+    ):  # ((B, S), *document tensors) or (B, S) -> (B, S, D) or ((B, S, D), *document tensors)
         if isinstance(inputs, (tuple, list)):
             h = self.embedding(inputs[0])
             return (h, *inputs[1:]) if len(inputs) > 1 else h
@@ -94,7 +96,8 @@ class HeadStage(VocabParallelHead):
 
 
 def _tied_head_forward(stage: EmbeddingStage, h: torch.Tensor) -> torch.Tensor:
-    """The last stage's use of the tied table: logits `(B, S, V/tp)` (the hidden state enters the TP region)."""
+    """The last stage's use of the tied table: logits `(B, S, V/tp)` (the hidden state enters the TP
+    region)."""
     return nn.functional.linear(copy_to_tensor_parallel_region(h), stage.tied_weight)
 
 
@@ -112,8 +115,14 @@ def pipeline_loss(logits: torch.Tensor, labels, vocab_size: int | None = None) -
 
 def document_inputs(data_cfg) -> tuple[str, ...]:
     """Names of the document tensors that follow `input_ids` in a pipeline batch, in order."""
-    return tuple(name for name, on in (("position_ids", data_cfg.reset_position_ids),
-                                       ("document_ids", data_cfg.reset_attention_mask)) if on)
+    return tuple(
+        name
+        for name, on in (
+            ("position_ids", data_cfg.reset_position_ids),
+            ("document_ids", data_cfg.reset_attention_mask),
+        )
+        if on
+    )
 
 
 def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None, true_vocab_size: int | None = None):
@@ -132,8 +141,9 @@ def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None, true_vocab_si
         import torch.distributed as dist
 
         dp = state.layout(dist.get_world_size(), p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
-        topology = PipeModelDataParallelTopology(num_pp=p.pipeline_model_parallel_size,
-                                                 num_mp=p.tensor_model_parallel_size, num_dp=dp)
+        topology = PipeModelDataParallelTopology(
+            num_pp=p.pipeline_model_parallel_size, num_mp=p.tensor_model_parallel_size, num_dp=dp
+        )
     tied = embedding_class(m.embedding).ties_output_head
     if tied:
         specs = [TiedLayerSpec(TIED_KEY, EmbeddingStage, m, vocab_size, seed, tied_weight_attr="tied_weight")]
@@ -141,23 +151,44 @@ def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None, true_vocab_si
         specs = [LayerSpec(EmbeddingStage, m, vocab_size, seed)]
     extra = document_inputs(cfg.data)
     if extra:
-        specs += [LayerSpec(DocumentTransformerBlock, m, i, layer_seed(seed, "block", i), extra)
-                  for i in range(m.num_layers)]
+        specs += [
+            LayerSpec(DocumentTransformerBlock, m, i, layer_seed(seed, "block", i), extra)
+            for i in range(m.num_layers)
+        ]
     else:
-        specs += [LayerSpec(TransformerBlock, m, i, layer_seed(seed, "block", i)) for i in range(m.num_layers)]
+        specs += [
+            LayerSpec(TransformerBlock, m, i, layer_seed(seed, "block", i)) for i in range(m.num_layers)
+        ]
     specs.append(LayerSpec(FinalNormStage, m))
     if tied:
-        specs.append(TiedLayerSpec(TIED_KEY, EmbeddingStage, m, vocab_size, seed, forward_fn=_tied_head_forward,
-                                   tied_weight_attr="tied_weight"))
+        specs.append(
+            TiedLayerSpec(
+                TIED_KEY,
+                EmbeddingStage,
+                m,
+                vocab_size,
+                seed,
+                forward_fn=_tied_head_forward,
+                tied_weight_attr="tied_weight",
+            )
+        )
     else:
         specs.append(LayerSpec(HeadStage, m, vocab_size, seed))
     ckpt = m.checkpoint_num_layers if m.activation_checkpointing else 0
     # each layer seeds itself (layer_seed), so DeepSpeed's own per-layer seeding stays off
-    loss_fn = functools.partial(pipeline_loss, vocab_size=true_vocab_size) if true_vocab_size else pipeline_loss
-    return PipelineModule(layers=specs, topology=topology, loss_fn=loss_fn,
-                          partition_method=_partition_method(p.partition_method),
-                          activation_checkpoint_interval=ckpt, activation_checkpoint_func=checkpointed,
-                          checkpointable_layers=["TransformerBlock", "DocumentTransformerBlock"], seed_layers=False)
+    loss_fn = (
+        functools.partial(pipeline_loss, vocab_size=true_vocab_size) if true_vocab_size else pipeline_loss
+    )
+    return PipelineModule(
+        layers=specs,
+        topology=topology,
+        loss_fn=loss_fn,
+        partition_method=_partition_method(p.partition_method),
+        activation_checkpoint_interval=ckpt,
+        activation_checkpoint_func=checkpointed,
+        checkpointable_layers=["TransformerBlock", "DocumentTransformerBlock"],
+        seed_layers=False,
+    )
 
 
 def _wrap_process_group() -> None:
@@ -167,7 +198,9 @@ def _wrap_process_group() -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        raise RuntimeError("pipeline parallelism needs torch.distributed initialised (e.g. by the launcher) first")
+        raise RuntimeError(
+            "pipeline parallelism needs torch.distributed initialised (e.g. by the launcher) first"
+        )
     if not ds_dist.is_initialized():
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=None)
 

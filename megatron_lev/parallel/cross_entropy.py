@@ -61,8 +61,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor,
-                                 vocab_size: int | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None
+) -> torch.Tensor:
     """Per-token loss `(..)` in fp32 from this rank's logits `(.., V/tp)` and global target ids `(..)`.
 
     `vocab_size` is the real vocabulary (the tokenizer's): rows from it on are padding and
@@ -70,8 +71,10 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     `[0, vocab_size)` (no ignore index): mask the returned per-token loss instead.
     """
     if logits_shard.shape[:-1] != target.shape:
-        raise ValueError(f"logits {tuple(logits_shard.shape)} and target {tuple(target.shape)} disagree: "
-                         "expected logits (.., V/tp) and target (..)")
+        raise ValueError(
+            f"logits {tuple(logits_shard.shape)} and target {tuple(target.shape)} disagree: "
+            "expected logits (.., V/tp) and target (..)"
+        )
     if vocab_size is not None and vocab_size < 1:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     return _VocabParallelCrossEntropy.apply(logits_shard, target, vocab_size)

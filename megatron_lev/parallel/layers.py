@@ -23,8 +23,9 @@ from megatron_lev.parallel.mappings import (
 )
 
 
-def init_sharded_(param: torch.Tensor, full_shape: tuple[int, ...], dim: int,
-                  init_fn: Callable[[torch.Tensor], object]) -> None:
+def init_sharded_(
+    param: torch.Tensor, full_shape: tuple[int, ...], dim: int, init_fn: Callable[[torch.Tensor], object]
+) -> None:
     """Fill `param` with this TP rank's slice (along `dim`) of a full tensor drawn by `init_fn`."""
     full = torch.empty(full_shape, dtype=torch.float32)
     init_fn(full)
@@ -37,8 +38,10 @@ def init_sharded_(param: torch.Tensor, full_shape: tuple[int, ...], dim: int,
 def vocab_range(vocab_size: int, rank: int, world: int) -> tuple[int, int]:
     """[start, end) of the rows of a `vocab_size` table held by TP rank `rank`."""
     if vocab_size % world:
-        raise ValueError(f"vocabulary size {vocab_size} is not divisible by tensor-parallel size {world}; "
-                         "pad it (model.make_vocab_size_divisible_by)")
+        raise ValueError(
+            f"vocabulary size {vocab_size} is not divisible by tensor-parallel size {world}; "
+            "pad it (model.make_vocab_size_divisible_by)"
+        )
     per = vocab_size // world
     return rank * per, (rank + 1) * per
 
@@ -50,17 +53,28 @@ class VocabParallelEmbedding(nn.Module):
     region sums the partial results, so every rank ends with the full `[.., D]`.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float = 0.02,
-                 params_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        init_std: float = 0.02,
+        params_dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         world, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, rank, world)
-        self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, embedding_dim, dtype=params_dtype))
+        self.weight = nn.Parameter(
+            torch.empty(self.vocab_end - self.vocab_start, embedding_dim, dtype=params_dtype)
+        )
         self.weight.tensor_model_parallel = True  # marks a sharded parameter (dim 0) for checkpoints/export
         self.weight.partition_dim = 0
-        init_sharded_(self.weight, (num_embeddings, embedding_dim), 0,
-                      lambda t: nn.init.normal_(t, mean=0.0, std=init_std))
+        init_sharded_(
+            self.weight,
+            (num_embeddings, embedding_dim),
+            0,
+            lambda t: nn.init.normal_(t, mean=0.0, std=init_std),
+        )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if state.get_tensor_model_parallel_world_size() == 1:
@@ -72,8 +86,12 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tensor_parallel_region(out)
 
 
-def init_fused_sharded_(param: torch.Tensor, part_sizes: tuple[int, ...], in_features: int,
-                        init_fn: Callable[[torch.Tensor], object]) -> None:
+def init_fused_sharded_(
+    param: torch.Tensor,
+    part_sizes: tuple[int, ...],
+    in_features: int,
+    init_fn: Callable[[torch.Tensor], object],
+) -> None:
     """Init a column-parallel weight fused from parts (e.g. Q, K, V): rank r keeps its slice of each part.
 
     The full `(sum(part_sizes), in_features)` tensor is drawn once, split into its parts,
@@ -101,9 +119,16 @@ class ColumnParallelLinear(nn.Module):
     shard is the concatenation of its slice of every part (see `init_fused_sharded_`).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, gather_output: bool = False,
-                 init_std: float = 0.02, part_sizes: tuple[int, ...] | None = None,
-                 params_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        gather_output: bool = False,
+        init_std: float = 0.02,
+        part_sizes: tuple[int, ...] | None = None,
+        params_dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         world = state.get_tensor_model_parallel_world_size()
         self.part_sizes = tuple(part_sizes) if part_sizes else (out_features,)
@@ -115,8 +140,9 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
         self.weight = nn.Parameter(torch.empty(out_features // world, in_features, dtype=params_dtype))
         _mark(self.weight, 0)
-        init_fused_sharded_(self.weight, self.part_sizes, in_features,
-                            lambda t: nn.init.normal_(t, mean=0.0, std=init_std))
+        init_fused_sharded_(
+            self.weight, self.part_sizes, in_features, lambda t: nn.init.normal_(t, mean=0.0, std=init_std)
+        )
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features // world, dtype=params_dtype))
             _mark(self.bias, 0)
@@ -139,17 +165,29 @@ class RowParallelLinear(nn.Module):
     `input_is_parallel=False`, in which case it is scattered first. Output `(.., out)` is full.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, input_is_parallel: bool = True,
-                 init_std: float = 0.02, params_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        input_is_parallel: bool = True,
+        init_std: float = 0.02,
+        params_dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         world = state.get_tensor_model_parallel_world_size()
         if in_features % world:
             raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {world}")
-        self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, input_is_parallel
+        self.in_features, self.out_features, self.input_is_parallel = (
+            in_features,
+            out_features,
+            input_is_parallel,
+        )
         self.weight = nn.Parameter(torch.empty(out_features, in_features // world, dtype=params_dtype))
         _mark(self.weight, 1)
-        init_sharded_(self.weight, (out_features, in_features), 1,
-                      lambda t: nn.init.normal_(t, mean=0.0, std=init_std))
+        init_sharded_(
+            self.weight, (out_features, in_features), 1, lambda t: nn.init.normal_(t, mean=0.0, std=init_std)
+        )
         if bias:  # replicated, added once after the reduction
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=params_dtype))
         else:

@@ -48,11 +48,14 @@ def layout(world_size: int, tp: int, pp: int) -> int:
         raise ParallelLayoutError(
             f"world size {world_size} is not divisible by tensor x pipeline parallel size = {tp} x {pp}; "
             "world = TP x PP x DP: change parallel.tensor_model_parallel_size, "
-            "parallel.pipeline_model_parallel_size, or the number of processes")
+            "parallel.pipeline_model_parallel_size, or the number of processes"
+        )
     return world_size // (tp * pp)
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
+) -> None:
     """Create the TP, PP, DP and model-parallel groups (collective: every rank must call)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialised before initialize_model_parallel()")

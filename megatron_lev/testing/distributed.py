@@ -31,20 +31,28 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict,
-            env: dict, queue) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, env: dict, queue
+) -> None:
     os.environ.update(env)
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    })
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                init_method=f"tcp://127.0.0.1:{port}")
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}"
+        )
         result = fn(*args, **kwargs)
         # plain pickle sends tensors by value; the multiprocessing queue would pass shared-memory
         # handles that die with this process before the parent reads them
@@ -57,8 +65,14 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
                 dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None = None,
-                    timeout: float = 300.0, env: dict[str, str] | None = None) -> list[Any]:
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results."""
     import torch.multiprocessing as mp
 
@@ -67,8 +81,12 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), kwargs: dic
     port = find_free_port()
     base_env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     base_env.update(env or {})
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs or {}, base_env, queue),
-                         daemon=False) for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, fn, args, kwargs or {}, base_env, queue), daemon=False
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     import time
@@ -89,14 +107,18 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), kwargs: dic
                         (results if ok else failures)[rank] = payload
                     break
                 continue
-            dead = [i for i, p in enumerate(procs)
-                    if not p.is_alive() and p.exitcode not in (0, None) and i not in results]
+            dead = [
+                i
+                for i, p in enumerate(procs)
+                if not p.is_alive() and p.exitcode not in (0, None) and i not in results
+            ]
             if dead and queue.empty():
                 time.sleep(0.2)
                 if queue.empty():
                     raise DistributedTestError(
                         f"rank(s) {dead} died with exit code(s) {[procs[i].exitcode for i in dead]} "
-                        "without reporting (killed, out of memory, or a crash in C++)")
+                        "without reporting (killed, out of memory, or a crash in C++)"
+                    )
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(results) - set(failures))
                 raise DistributedTestError(f"timed out after {timeout:.0f}s waiting for rank(s) {missing}")

@@ -42,11 +42,15 @@ class HostReads:
             frame = sys._getframe(1)
             code = frame.f_code
             site = f"{code.co_filename}:{frame.f_lineno} {name}"
-            if code.co_name in HOST_RESIDENT and os.path.basename(code.co_filename) == HOST_RESIDENT[code.co_name]:
+            if (
+                code.co_name in HOST_RESIDENT
+                and os.path.basename(code.co_filename) == HOST_RESIDENT[code.co_name]
+            ):
                 self.host_resident[site] += 1
             else:
                 self.by_site[site] += 1
             return original(tensor, *args, **kwargs)
+
         return counted
 
     def __enter__(self) -> HostReads:
@@ -69,4 +73,6 @@ class HostReads:
 
     def summary(self) -> str:
         """One `file:line method xN` entry per site, shortest file names."""
-        return ", ".join(f"{os.path.basename(site)} x{n}" for site, n in sorted(self.by_site.items())) or "none"
+        return (
+            ", ".join(f"{os.path.basename(site)} x{n}" for site, n in sorted(self.by_site.items())) or "none"
+        )

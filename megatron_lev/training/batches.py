@@ -38,22 +38,36 @@ class MicroBatch:
         return inputs, self.labels if self.loss_mask is None else (self.labels, self.loss_mask)
 
 
-def make_loader(dataset: Dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                num_workers: int) -> DataLoader:
+def make_loader(
+    dataset: Dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int,
+) -> DataLoader:
     """A loader of `{"tokens": (B, S+1) int64}` starting after `consumed_samples` samples."""
     from megatron_lev.data.samplers import PretrainingSampler, build_data_loader
 
-    sampler = PretrainingSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
-                                 micro_batch_size=micro_batch_size, data_parallel_rank=dp_rank,
-                                 data_parallel_size=dp_size)
+    sampler = PretrainingSampler(
+        total_samples=len(dataset),
+        consumed_samples=consumed_samples,
+        micro_batch_size=micro_batch_size,
+        data_parallel_rank=dp_rank,
+        data_parallel_size=dp_size,
+    )
     loader = build_data_loader(dataset, sampler, num_workers=num_workers)
     # its own generator: starting an iterator must not draw from the global RNG (exact resume)
     loader.generator = torch.Generator()
     return loader
 
 
-def token_batches(loader: DataLoader, device: torch.device, vocab_size: int | None = None,
-                  documents: DocumentLayout | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor] | MicroBatch]:
+def token_batches(
+    loader: DataLoader,
+    device: torch.device,
+    vocab_size: int | None = None,
+    documents: DocumentLayout | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor] | MicroBatch]:
     """`(input_ids, labels)`, each `(B, S)`, on `device`; labels are the inputs shifted by one.
 
     With a `documents` layout: a `MicroBatch` that also carries the document tensors it switches on.
@@ -93,6 +107,7 @@ def micro_batch_loss(model, batch: tuple[torch.Tensor, torch.Tensor] | MicroBatc
     if not isinstance(batch, MicroBatch):
         input_ids, labels = batch
         return model(input_ids, labels=labels).float().mean()  # (B, S) per-token -> ()
-    losses = model(batch.input_ids, labels=batch.labels, position_ids=batch.position_ids,
-                   document_ids=batch.document_ids)  # (B, S)
+    losses = model(
+        batch.input_ids, labels=batch.labels, position_ids=batch.position_ids, document_ids=batch.document_ids
+    )  # (B, S)
     return masked_mean(losses, batch.loss_mask)

@@ -50,7 +50,12 @@ STARTED_MARKER = "started"
 LATEST_FILE = "latest"
 CONFIG_FILE = "config.yaml"
 DEEPSPEED_HELPERS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies these into the save directory
-RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "logs", "tensorboard")  # when train.save is the output directory
+RUN_OUTPUTS = (
+    "config.yaml",
+    "metrics.jsonl",
+    "logs",
+    "tensorboard",
+)  # when train.save is the output directory
 _TAG_RE = re.compile(r"^iter_(\d+)$")
 _LOW_SPACE = 16 << 20  # bytes: after a failed write, less than this free means the disk filled up
 
@@ -85,8 +90,11 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
         it = iteration_of(child.name)
         if it is not None and child.is_dir():
             complete = (child / COMPLETE_MARKER).is_file()
-            found.append(CheckpointInfo(it, child.name, child, complete,
-                                        complete or (child / STARTED_MARKER).is_file()))
+            found.append(
+                CheckpointInfo(
+                    it, child.name, child, complete, complete or (child / STARTED_MARKER).is_file()
+                )
+            )
     return sorted(found, key=lambda c: c.iteration)
 
 
@@ -113,17 +121,23 @@ def resume_candidates(root: str | os.PathLike) -> tuple[list[str], list[str]]:
     wanted, problem = read_latest(root)
     if problem:
         notes.append(problem + ": ignoring it")
-    newest_partial = [c for c in ckpts if not c.complete and (not complete or c.iteration > complete[-1].iteration)]
+    newest_partial = [
+        c for c in ckpts if not c.complete and (not complete or c.iteration > complete[-1].iteration)
+    ]
     if newest_partial:
-        notes.append(f"ignoring incomplete checkpoint(s) {', '.join(c.tag for c in newest_partial)} "
-                     f"(no '{COMPLETE_MARKER}' marker: the save was interrupted)")
+        notes.append(
+            f"ignoring incomplete checkpoint(s) {', '.join(c.tag for c in newest_partial)} "
+            f"(no '{COMPLETE_MARKER}' marker: the save was interrupted)"
+        )
     tags = [c.tag for c in reversed(complete)]
     if wanted in tags:
         tags.remove(wanted)
         tags.insert(0, wanted)
     elif wanted and tags:
-        notes.append(f"{root / LATEST_FILE} points to {wanted!r}, which is missing or incomplete; "
-                     f"resuming from {tags[0]} instead")
+        notes.append(
+            f"{root / LATEST_FILE} points to {wanted!r}, which is missing or incomplete; "
+            f"resuming from {tags[0]} instead"
+        )
     return tags, notes
 
 
@@ -172,8 +186,13 @@ def _raise_on_every_rank(exc: BaseException | None) -> None:
         return
     mine = None
     if exc is not None:
-        kind = "disk" if isinstance(exc, DiskFullError) else "data" if isinstance(exc, CheckpointDataError) \
+        kind = (
+            "disk"
+            if isinstance(exc, DiskFullError)
+            else "data"
+            if isinstance(exc, CheckpointDataError)
             else "other"
+        )
         mine = (kind, f"{type(exc).__name__}: {exc}" if kind == "other" else str(exc))
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
@@ -202,7 +221,7 @@ def file_checksums(path: str | os.PathLike, names: list[str]) -> dict[str, dict[
     path = Path(path)
     mine, error = [], None
     try:
-        mine = [(n, os.path.getsize(path / n), sha256_file(path / n)) for n in names[_rank()::_world()]]
+        mine = [(n, os.path.getsize(path / n), sha256_file(path / n)) for n in names[_rank() :: _world()]]
     except OSError as exc:
         error = CheckpointDataError(f"cannot checksum the files of checkpoint {path} ({exc})")
         error.__cause__ = exc
@@ -248,18 +267,22 @@ def verify_checkpoint(path: str | os.PathLike) -> list[str]:
         return [msg]
     if files is None:
         if _rank() == 0:
-            log.warning("%s records no checksums (saved by an older version): its files are not verified",
-                        path / COMPLETE_MARKER)
+            log.warning(
+                "%s records no checksums (saved by an older version): its files are not verified",
+                path / COMPLETE_MARKER,
+            )
         return []
     problems = []
-    for name in sorted(files)[_rank()::_world()]:
+    for name in sorted(files)[_rank() :: _world()]:
         size, digest = files[name]
         p = path / name
         try:
             if not p.is_file():
                 problems.append(f"{p} is missing")
             elif p.stat().st_size != size:
-                problems.append(f"{p} has {p.stat().st_size} bytes, {size} expected (truncated or overwritten)")
+                problems.append(
+                    f"{p} has {p.stat().st_size} bytes, {size} expected (truncated or overwritten)"
+                )
             elif sha256_file(p) != digest:
                 problems.append(f"{p} does not match its checksum (the file was altered or damaged)")
         except OSError as exc:  # a problem like the others: every rank still reaches the gather
@@ -298,14 +321,17 @@ def _foreign_entries(root: Path, cfg=None) -> list[str]:
             continue
         if name == LATEST_FILE:
             wanted, _ = read_latest(root)
-            found.append(f"{LATEST_FILE} (names {wanted or 'nothing readable'}, which is not a usable checkpoint)")
+            found.append(
+                f"{LATEST_FILE} (names {wanted or 'nothing readable'}, which is not a usable checkpoint)"
+            )
             continue
         found.append(name + ("/" if child.is_dir() else ""))
     return found
 
 
 def check_fresh_start(save_dir: str | os.PathLike, cfg=None) -> None:
-    """Refuse to start from scratch into a save directory holding files a fresh run would prune or overwrite."""
+    """Refuse to start from scratch into a save directory holding files a fresh run would prune or
+    overwrite."""
     root = Path(save_dir)
     found = _foreign_entries(root, cfg)
     if found:
@@ -313,7 +339,8 @@ def check_fresh_start(save_dir: str | os.PathLike, cfg=None) -> None:
         raise CheckpointDataError(
             f"train.save={root} already holds {shown}, and no checkpoint there can be resumed; a fresh start "
             "would prune or overwrite them: move them elsewhere (or delete them), or set train.save to an "
-            "empty directory")
+            "empty directory"
+        )
 
 
 def check_resume_config(path: str | os.PathLike, cfg, allow=()) -> None:
@@ -329,10 +356,14 @@ def check_resume_config(path: str | os.PathLike, cfg, allow=()) -> None:
     try:
         stored = yaml.safe_load(stored_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise CheckpointDataError(f"{stored_file} is unreadable ({exc}); restore it from the run's "
-                                  "output directory or remove the checkpoint") from exc
+        raise CheckpointDataError(
+            f"{stored_file} is unreadable ({exc}); restore it from the run's "
+            "output directory or remove the checkpoint"
+        ) from exc
     if not isinstance(stored, dict):
-        raise CheckpointDataError(f"{stored_file} is not a config mapping; restore it or remove the checkpoint")
+        raise CheckpointDataError(
+            f"{stored_file} is not a config mapping; restore it or remove the checkpoint"
+        )
     diffs = resume_config.differences(stored, cfg.to_dict())
     if not diffs:
         return
@@ -342,22 +373,27 @@ def check_resume_config(path: str | os.PathLike, cfg, allow=()) -> None:
     if fixed:
         raise CheckpointDataError(
             f"cannot resume from {path}: {', '.join(fixed)} differ from the checkpoint's config "
-            f"({stored_file}), whose weights and optimizer states were saved for the old values: restore them, "
-            "convert or reshard the checkpoint, or start a new run with another train.save")
+            f"({stored_file}), whose weights and optimizer states were saved for the old values: "
+            "restore them, "
+            "convert or reshard the checkpoint, or start a new run with another train.save"
+        )
     if exact:
         flags = " ".join(f"--allow-change {k}" for k in exact)
         raise CheckpointDataError(
             f"cannot resume exactly from {path}: {', '.join(exact)} differ from the checkpoint's config "
-            f"({stored_file}): restore them, or pass {flags} to accept a resume that is not exact")
+            f"({stored_file}): restore them, or pass {flags} to accept a resume that is not exact"
+        )
 
 
 def _resolved(path: str | os.PathLike) -> Path:
-    """`path` absolute with symlinks resolved (as far as it exists), to compare two spellings of a directory."""
+    """`path` absolute with symlinks resolved (as far as it exists), to compare two spellings of a
+    directory."""
     return Path(os.path.realpath(os.path.expanduser(os.fspath(path))))
 
 
-def plan_resume(load_dir: str | os.PathLike | None, save_dir: str | os.PathLike | None, cfg=None,
-                allow=()) -> ResumePlan:
+def plan_resume(
+    load_dir: str | os.PathLike | None, save_dir: str | os.PathLike | None, cfg=None, allow=()
+) -> ResumePlan:
     """Collective: the newest checkpoint that verifies, looked for in `save_dir` first (a requeued run
     continues its own checkpoints), then `load_dir`; damaged ones are named and skipped. With none,
     checks that starting from scratch loses nothing. Directories are compared resolved: a relative
@@ -390,12 +426,15 @@ def plan_resume(load_dir: str | os.PathLike | None, save_dir: str | os.PathLike 
                 log.warning("checkpoint %s is damaged: %s%s; skipping it", root / tag, problems[0], more)
         raise CheckpointDataError(
             f"no usable checkpoint under {root}: {', '.join(damaged)} failed verification (see the warnings "
-            "above); restore them from a backup, or move the directory away to start from scratch")
+            "above); restore them from a backup, or move the directory away to start from scratch"
+        )
     if save_dir:
         check_fresh_start(save_dir, cfg)
     if load_dir and save_dir and _resolved(load_dir) != _resolved(save_dir):
-        raise CheckpointDataError(f"train.load={load_dir} holds no complete checkpoint: fix the path, or unset "
-                                  "train.load to start from scratch")
+        raise CheckpointDataError(
+            f"train.load={load_dir} holds no complete checkpoint: fix the path, or unset "
+            "train.load to start from scratch"
+        )
     if _rank() == 0:
         log.info("no checkpoint under %s: starting from scratch", save_dir or load_dir)
     return ResumePlan(None, None)
@@ -412,9 +451,18 @@ def capture_rng_state() -> dict[str, Any]:
     version, py_state, gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     return {
-        "python": {"version": int(version), "state": torch.tensor(py_state, dtype=torch.int64), "gauss": gauss},
-        "numpy": {"name": str(np_name), "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
-                  "pos": int(np_pos), "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)},
+        "python": {
+            "version": int(version),
+            "state": torch.tensor(py_state, dtype=torch.int64),
+            "gauss": gauss,
+        },
+        "numpy": {
+            "name": str(np_name),
+            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "gauss": float(np_gauss),
+        },
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "tracker": get_rng_tracker().get_states(),
@@ -427,8 +475,9 @@ def restore_rng_state(states: dict[str, Any]) -> None:
     py = states["python"]
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
     npy = states["numpy"]
-    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
-                         npy["gauss"]))
+    np.random.set_state(
+        (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"])
+    )
     torch.set_rng_state(states["torch"])
     if states.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
@@ -444,7 +493,8 @@ def load_rng_file(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointDataError(
             f"{path} is not a plain tensor file (refused to unpickle it: {str(exc).splitlines()[0][:200]}); "
             "use checkpoints only from a trusted source, or delete this file to resume without restoring "
-            "the RNG streams") from exc
+            "the RNG streams"
+        ) from exc
     if not isinstance(states, dict) or not {"python", "numpy", "torch"} <= states.keys():
         raise CheckpointDataError(f"{path} does not hold RNG states; delete it to resume without them")
     return states
@@ -474,11 +524,16 @@ def _save_failed(exc: BaseException, root: Path, path: Path) -> None:
     previous, _ = read_latest(root)
     if _world() == 1 and not (path / COMPLETE_MARKER).exists():
         shutil.rmtree(path, ignore_errors=True)  # ours and useless: give the space back
-    kept = (f"{root / previous} and {root / LATEST_FILE} are unchanged" if previous
-            else "there is no earlier checkpoint")
+    kept = (
+        f"{root / previous} and {root / LATEST_FILE} are unchanged"
+        if previous
+        else "there is no earlier checkpoint"
+    )
     then = f", then rerun to resume from {previous}" if previous else ", then rerun"
-    raise DiskFullError(f"saving checkpoint {path} failed: no space left on the device; {kept}; free space "
-                        f"or set train.save to a directory with room{then}") from exc
+    raise DiskFullError(
+        f"saving checkpoint {path} failed: no space left on the device; {kept}; free space "
+        f"or set train.save to a directory with room{then}"
+    ) from exc
 
 
 def _save_error(exc: BaseException, root: Path, path: Path) -> BaseException:
@@ -490,8 +545,14 @@ def _save_error(exc: BaseException, root: Path, path: Path) -> BaseException:
     return exc
 
 
-def save_checkpoint(engine, root: str | os.PathLike, iteration: int, client_state: dict[str, Any],
-                    keep_last: int, config_yaml: str | None = None) -> Path:
+def save_checkpoint(
+    engine,
+    root: str | os.PathLike,
+    iteration: int,
+    client_state: dict[str, Any],
+    keep_last: int,
+    config_yaml: str | None = None,
+) -> Path:
     """Collective: save via DeepSpeed, then (after a barrier) checksum every file into the completion
     marker, point `latest`, prune. A step that fails on one rank raises on every rank."""
     root = Path(root)
@@ -501,13 +562,22 @@ def save_checkpoint(engine, root: str | os.PathLike, iteration: int, client_stat
     error: BaseException | None = None
     if _rank() == 0:
         if path.is_dir() and not (path / STARTED_MARKER).is_file() and not (path / COMPLETE_MARKER).is_file():
-            error = CheckpointDataError(f"{path} exists and was not written by this trainer; saving would "
-                                        "overwrite it: move it elsewhere, or set train.save to another directory")
+            error = CheckpointDataError(
+                f"{path} exists and was not written by this trainer; saving would "
+                "overwrite it: move it elsewhere, or set train.save to another directory"
+            )
         else:
             try:  # re-saving a tag: it is not complete until this save is
                 (path / COMPLETE_MARKER).unlink(missing_ok=True)
-                atomic_write_json(path / STARTED_MARKER, {"iteration": iteration, "world_size": _world(),
-                                                          "host": socket.gethostname(), "time": time.time()})
+                atomic_write_json(
+                    path / STARTED_MARKER,
+                    {
+                        "iteration": iteration,
+                        "world_size": _world(),
+                        "host": socket.gethostname(),
+                        "time": time.time(),
+                    },
+                )
             except Exception as exc:  # noqa: BLE001 - shared with every rank below
                 error = _save_error(exc, root, path)
     _raise_on_every_rank(error)  # also the barrier: `started` is on disk before any rank writes
@@ -523,8 +593,10 @@ def save_checkpoint(engine, root: str | os.PathLike, iteration: int, client_stat
     files = file_checksums(path, checkpoint_files(path))
     if _rank() == 0:
         try:
-            atomic_write_json(path / COMPLETE_MARKER, {"iteration": iteration, "world_size": _world(),
-                                                       "time": time.time(), "files": files})
+            atomic_write_json(
+                path / COMPLETE_MARKER,
+                {"iteration": iteration, "world_size": _world(), "time": time.time(), "files": files},
+            )
             atomic_write_text(root / LATEST_FILE, tag + "\n")
         except OSError as exc:
             (path / COMPLETE_MARKER).unlink(missing_ok=True)
@@ -535,8 +607,12 @@ def save_checkpoint(engine, root: str | os.PathLike, iteration: int, client_stat
             except OSError as exc:  # the save is complete; old checkpoints stay until the next save
                 log.warning("could not prune old checkpoints under %s (%s)", root, exc)
     _raise_on_every_rank(error)
-    log.info("saved checkpoint %s in %.1fs (checksums %.2fs)", path, time.perf_counter() - start,
-             time.perf_counter() - saved)
+    log.info(
+        "saved checkpoint %s in %.1fs (checksums %.2fs)",
+        path,
+        time.perf_counter() - start,
+        time.perf_counter() - saved,
+    )
     return path
 
 
@@ -570,10 +646,15 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int, current: str | No
     key = (str(root), ",".join(c.tag for c in abandoned))
     if abandoned and key not in _warned_abandoned:
         _warned_abandoned.add(key)
-        log.warning("checkpoint(s) %s under %s are newer than %s, the one just saved: left by an earlier run "
-                    "this one did not continue from; they are kept and not counted in train.keep_last. Once "
-                    "they are not needed, delete them (rm -r %s)", ", ".join(c.tag for c in abandoned), root,
-                    current, " ".join(str(c.path) for c in abandoned))
+        log.warning(
+            "checkpoint(s) %s under %s are newer than %s, the one just saved: left by an earlier run "
+            "this one did not continue from; they are kept and not counted in train.keep_last. Once "
+            "they are not needed, delete them (rm -r %s)",
+            ", ".join(c.tag for c in abandoned),
+            root,
+            current,
+            " ".join(str(c.path) for c in abandoned),
+        )
     return removed
 
 
@@ -586,15 +667,19 @@ def load_checkpoint(engine, root: str | os.PathLike, tag: str) -> dict[str, Any]
     rng_path = root / tag / f"rng_state_rank{_rank()}.pt"
     rng = load_rng_file(rng_path) if rng_path.is_file() else None  # before DeepSpeed touches anything
     try:
-        path, client_state = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
-                                                    load_lr_scheduler_states=False)
+        path, client_state = engine.load_checkpoint(
+            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
     except Exception as exc:  # noqa: BLE001 - a file DeepSpeed cannot read is a checkpoint problem
-        raise CheckpointDataError(f"DeepSpeed could not load checkpoint {root / tag} ({type(exc).__name__}: "
-                                  f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); move it away to "
-                                  "resume from an older one") from exc
+        raise CheckpointDataError(
+            f"DeepSpeed could not load checkpoint {root / tag} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); move it away to "
+            "resume from an older one"
+        ) from exc
     if path is None:
-        raise CheckpointDataError(f"DeepSpeed could not load checkpoint {root / tag}; move it away to resume "
-                                  "from an older one")
+        raise CheckpointDataError(
+            f"DeepSpeed could not load checkpoint {root / tag}; move it away to resume from an older one"
+        )
     if rng is not None:
         restore_rng_state(rng)
     else:

@@ -20,7 +20,9 @@ from megatron_lev.resources import DS_CONFIG_DIR, ds_config_template
 _FORBIDDEN = {
     "optimizer": "the optimizer is AdamW built from train.lr/adam_beta1/adam_beta2/adam_eps/weight_decay",
     "scheduler": "the learning rate follows train.lr_decay_style/lr_warmup_iters/min_lr",
-    "train_micro_batch_size_per_gpu": None, "gradient_accumulation_steps": None, "train_batch_size": None,
+    "train_micro_batch_size_per_gpu": None,
+    "gradient_accumulation_steps": None,
+    "train_batch_size": None,
 }
 
 
@@ -32,7 +34,8 @@ def batch_layout(cfg: RunConfig, world_size: int) -> tuple[int, int, int]:
     if global_batch % (micro * dp):
         raise ConfigError(
             f"train.global_batch_size={global_batch} is not divisible by train.micro_batch_size x DP = "
-            f"{micro} x {dp}: change the global batch or the micro-batch")
+            f"{micro} x {dp}: change the global batch or the micro-batch"
+        )
     return micro, global_batch // (micro * dp), global_batch
 
 
@@ -55,8 +58,10 @@ def resolve_template_path(name: str) -> Path:
     path = ds_config_template(name)
     if path is None:
         known = ", ".join(sorted(p.stem for p in DS_CONFIG_DIR.glob("*.json")))
-        raise ConfigError(f"train.ds_config={name!r}: no such file, and no packaged template of that name "
-                          f"(packaged: {known})")
+        raise ConfigError(
+            f"train.ds_config={name!r}: no such file, and no packaged template of that name "
+            f"(packaged: {known})"
+        )
     return path
 
 
@@ -89,12 +94,15 @@ def _set(tree: dict, dotted: str, value: Any) -> None:
 
 def _offloads(template: dict) -> bool:
     zero = template.get("zero_optimization", {})
-    return any(isinstance(zero.get(k), dict) and zero[k].get("device", "none") != "none"
-               for k in ("offload_param", "offload_optimizer"))
+    return any(
+        isinstance(zero.get(k), dict) and zero[k].get("device", "none") != "none"
+        for k in ("offload_param", "offload_optimizer")
+    )
 
 
-def build_ds_config(cfg: RunConfig, world_size: int, template: dict | None = None,
-                    source: str = "template") -> dict[str, Any]:
+def build_ds_config(
+    cfg: RunConfig, world_size: int, template: dict | None = None, source: str = "template"
+) -> dict[str, Any]:
     """Fill `template` (default: chosen from the run config) with the run's settings; refuse conflicts."""
     if template is None:
         path = resolve_template_path(cfg.train.ds_config) if cfg.train.ds_config else default_template(cfg)
@@ -121,11 +129,14 @@ def build_ds_config(cfg: RunConfig, world_size: int, template: dict | None = Non
         if have is not None and have != value:
             raise ConfigError(
                 f"{source}: '{key}': {have!r} conflicts with the run's {origin} (= {value!r}); "
-                "remove the key from the DeepSpeed template (the run fills it) or change the run config")
+                "remove the key from the DeepSpeed template (the run fills it) or change the run config"
+            )
         _set(out, key, value)
     if _offloads(out) and not p.cpu_offload:
-        raise ConfigError(f"{source} offloads to CPU but parallel.cpu_offload=false: set "
-                          "parallel.cpu_offload=true (with parallel.zero_stage=3) or use another template")
+        raise ConfigError(
+            f"{source} offloads to CPU but parallel.cpu_offload=false: set "
+            "parallel.cpu_offload=true (with parallel.zero_stage=3) or use another template"
+        )
     if p.cpu_offload and not _offloads(out):
         _set(out, "zero_optimization.offload_param", {"device": "cpu"})
         _set(out, "zero_optimization.offload_optimizer", {"device": "cpu"})
@@ -147,7 +158,9 @@ def validate_training(cfg: RunConfig, world_size: int, cuda: bool) -> None:
     embedding_class(cfg.model.embedding)  # the variants are listed by the model's registry, not the config
     t, p = cfg.train, cfg.parallel
     if t.precision == "fp16" and not cuda:
-        raise ConfigError("train.precision=fp16 needs CUDA (DeepSpeed's loss scaler); use bf16 or fp32 on CPU")
+        raise ConfigError(
+            "train.precision=fp16 needs CUDA (DeepSpeed's loss scaler); use bf16 or fp32 on CPU"
+        )
     if p.distributed_backend == "nccl" and not cuda:
         raise ConfigError("parallel.distributed_backend=nccl needs CUDA; use gloo on CPU")
     if t.chinchilla and t.train_tokens is not None:
@@ -157,12 +170,16 @@ def validate_training(cfg: RunConfig, world_size: int, cuda: bool) -> None:
     if t.eval_interval > 0 and not cfg.data.valid_data_path:
         valid_weight = float(cfg.data.split.split(",")[1])
         if valid_weight <= 0:
-            raise ConfigError(f"train.eval_interval={t.eval_interval} but data.split={cfg.data.split!r} has no "
-                              "validation part and data.valid_data_path is empty: give the split a validation "
-                              "weight, set data.valid_data_path, or set train.eval_interval=0")
+            raise ConfigError(
+                f"train.eval_interval={t.eval_interval} but data.split={cfg.data.split!r} has no "
+                "validation part and data.valid_data_path is empty: give the split a validation "
+                "weight, set data.valid_data_path, or set train.eval_interval=0"
+            )
     if not cfg.data.data_path:
-        raise ConfigError("data.data_path is empty: give the preprocessed prefix(es), e.g. "
-                          "data.data_path=[data/pile_text_document]")
+        raise ConfigError(
+            "data.data_path is empty: give the preprocessed prefix(es), e.g. "
+            "data.data_path=[data/pile_text_document]"
+        )
     if not cfg.data.tokenizer_path and cfg.data.tokenizer_type != "tiktoken":
         raise ConfigError("data.tokenizer_path is not set: the tokenizer defines the vocabulary and EOD")
     build_ds_config(cfg, world_size)

@@ -91,6 +91,7 @@ def build_engine(cfg: RunConfig, model: nn.Module, ds_config: dict, pipeline: bo
     groups = [g for g in groups if g["params"]]
     optimizer = GuardedAdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     mpu = TensorParallelMPU() if not pipeline and cfg.parallel.tensor_model_parallel_size > 1 else None
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=mpu,
-                                           dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=ds_config, mpu=mpu, dist_init_required=False
+    )
     return engine, optimizer

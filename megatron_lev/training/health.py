@@ -43,7 +43,8 @@ class SkipTracker:
                 f"{self.consecutive} consecutive steps up to iteration {iteration} had a non-finite loss or "
                 f"gradient norm (train.max_consecutive_skips={self.max_consecutive}); the run stopped with a "
                 "checkpoint of the last good weights. Lower train.lr, raise train.lr_warmup_iters, check "
-                "the data, or use train.precision=fp32 to find the cause.")
+                "the data, or use train.precision=fp32 to find the cause."
+            )
 
     def state_dict(self) -> dict:
         return {"total": self.total, "consecutive": self.consecutive}
@@ -83,8 +84,10 @@ def all_finite(tensors) -> torch.Tensor:
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
     device = tensors[0].device
-    maxima = [torch.stack(torch._foreach_norm(group, math.inf)).amax().float().to(device)
-              for group in groups.values()]
+    maxima = [
+        torch.stack(torch._foreach_norm(group, math.inf)).amax().float().to(device)
+        for group in groups.values()
+    ]
     return torch.isfinite(torch.stack(maxima).amax())
 
 

@@ -43,15 +43,29 @@ def read_dist_env(environ: dict | None = None) -> DistEnv:
     if "RANK" in env and "WORLD_SIZE" in env:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
         if missing and int(env["WORLD_SIZE"]) > 1:
-            raise ValueError(f"RANK/WORLD_SIZE are set but {', '.join(missing)} is not: launch with torchrun "
-                             "or set MASTER_ADDR and MASTER_PORT")
-        return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                       env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 0)), "torchrun")
+            raise ValueError(
+                f"RANK/WORLD_SIZE are set but {', '.join(missing)} is not: launch with torchrun "
+                "or set MASTER_ADDR and MASTER_PORT"
+            )
+        return DistEnv(
+            int(env["RANK"]),
+            int(env["WORLD_SIZE"]),
+            int(env.get("LOCAL_RANK", 0)),
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env.get("MASTER_PORT", 0)),
+            "torchrun",
+        )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         port = int(env.get("MASTER_PORT", 29400 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
-        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
-                       addr, port, "slurm")
+        return DistEnv(
+            int(env["SLURM_PROCID"]),
+            int(env["SLURM_NTASKS"]),
+            int(env.get("SLURM_LOCALID", 0)),
+            addr,
+            port,
+            "slurm",
+        )
     return DistEnv(0, 1, 0, "127.0.0.1", 0, "single")
 
 
@@ -65,8 +79,14 @@ def init_distributed(backend: str | None = None) -> DistEnv:
     """Initialise torch.distributed (once) and select this rank's CUDA device; returns the layout."""
     info = read_dist_env()
     if dist.is_initialized():
-        return DistEnv(dist.get_rank(), dist.get_world_size(), info.local_rank, info.master_addr,
-                       info.master_port, info.source)
+        return DistEnv(
+            dist.get_rank(),
+            dist.get_world_size(),
+            info.local_rank,
+            info.master_addr,
+            info.master_port,
+            info.source,
+        )
     use_cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if use_cuda else "gloo")
     if backend == "nccl" and not use_cuda:
@@ -75,14 +95,25 @@ def init_distributed(backend: str | None = None) -> DistEnv:
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
     port = info.master_port or _free_port()
     # DeepSpeed and torch read these; keep them consistent with what we used
-    os.environ.update({"RANK": str(info.rank), "WORLD_SIZE": str(info.world_size),
-                       "LOCAL_RANK": str(info.local_rank), "MASTER_ADDR": info.master_addr,
-                       "MASTER_PORT": str(port)})
-    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size,
-                            init_method=f"tcp://{info.master_addr}:{port}")
+    os.environ.update(
+        {
+            "RANK": str(info.rank),
+            "WORLD_SIZE": str(info.world_size),
+            "LOCAL_RANK": str(info.local_rank),
+            "MASTER_ADDR": info.master_addr,
+            "MASTER_PORT": str(port),
+        }
+    )
+    dist.init_process_group(
+        backend, rank=info.rank, world_size=info.world_size, init_method=f"tcp://{info.master_addr}:{port}"
+    )
     return DistEnv(info.rank, info.world_size, info.local_rank, info.master_addr, port, info.source)
 
 
 def device() -> torch.device:
     """The device this rank computes on."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )

@@ -17,8 +17,9 @@ import torch
 METRICS_FILE = "metrics.jsonl"
 
 
-def throughput(tokens: int, seconds: float, flops_per_token: float | None, n_devices: int,
-               peak_tflops: float) -> dict[str, float]:
+def throughput(
+    tokens: int, seconds: float, flops_per_token: float | None, n_devices: int, peak_tflops: float
+) -> dict[str, float]:
     """tokens/s (whole job), TFLOP/s per device and MFU against `peak_tflops` per device."""
     out = {"tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
     if flops_per_token:
@@ -64,7 +65,12 @@ class MetricsWriter:
         """One line in metrics.jsonl; every number also as `kind/name` in TensorBoard at `iteration`."""
         if not self.enabled:
             return
-        row = {"kind": kind, "iteration": iteration, **({"tokens": tokens} if tokens is not None else {}), **values}
+        row = {
+            "kind": kind,
+            "iteration": iteration,
+            **({"tokens": tokens} if tokens is not None else {}),
+            **values,
+        }
         with open(self.path, "a") as f:
             f.write(json.dumps(row, default=float) + "\n")
             f.flush()

@@ -34,8 +34,10 @@ def param_groups(model: nn.Module, weight_decay: float, keep_empty: bool = False
             no_decay.append(param)
         else:
             decay.append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
     return groups if keep_empty else [g for g in groups if g["params"]]
 
 

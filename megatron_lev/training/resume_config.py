@@ -18,20 +18,44 @@ from __future__ import annotations
 from typing import Any
 
 FREE_PREFIXES = ("logging.",)
-FREE_KEYS = frozenset({
-    "train.train_iters", "train.train_tokens", "train.chinchilla", "train.save_interval", "train.keep_last",
-    "train.eval_interval", "train.eval_iters", "train.save", "train.load", "train.max_consecutive_skips",
-    "data.num_workers", "data.cache_dir", "parallel.distributed_backend", "parallel.cpu_offload",
-    "model.name", "model.activation_checkpointing", "model.checkpoint_num_layers",
-    "model.lev.chunk_size", "model.lev.recompute",
-    "model.hidden_dropout", "model.attention_dropout", "model.init_std", "model.lev.w_out_init_scale",
-})
+FREE_KEYS = frozenset(
+    {
+        "train.train_iters",
+        "train.train_tokens",
+        "train.chinchilla",
+        "train.save_interval",
+        "train.keep_last",
+        "train.eval_interval",
+        "train.eval_iters",
+        "train.save",
+        "train.load",
+        "train.max_consecutive_skips",
+        "data.num_workers",
+        "data.cache_dir",
+        "parallel.distributed_backend",
+        "parallel.cpu_offload",
+        "model.name",
+        "model.activation_checkpointing",
+        "model.checkpoint_num_layers",
+        "model.lev.chunk_size",
+        "model.lev.recompute",
+        "model.hidden_dropout",
+        "model.attention_dropout",
+        "model.init_std",
+        "model.lev.w_out_init_scale",
+    }
+)
 EXACT_KEYS = frozenset({"model.seq_length"})  # under a fixed prefix, yet allowed by --allow-change
 FIXED_PREFIXES = ("model.",)
-FIXED_KEYS = frozenset({
-    "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
-    "parallel.partition_method", "parallel.zero_stage", "train.precision",
-})
+FIXED_KEYS = frozenset(
+    {
+        "parallel.tensor_model_parallel_size",
+        "parallel.pipeline_model_parallel_size",
+        "parallel.partition_method",
+        "parallel.zero_stage",
+        "train.precision",
+    }
+)
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -47,7 +71,7 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def kind_of(key: str) -> str:
-    """"free", "fixed" or "exact" (see the module docstring)."""
+    """ "free", "fixed" or "exact" (see the module docstring)."""
     if key in FREE_KEYS or key.startswith(FREE_PREFIXES):
         return "free"
     if key in EXACT_KEYS:
@@ -60,8 +84,12 @@ def kind_of(key: str) -> str:
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
-            and not isinstance(b, bool):
+    if (
+        isinstance(a, (int, float))
+        and isinstance(b, (int, float))
+        and not isinstance(a, bool)
+        and not isinstance(b, bool)
+    ):
         return float(a) == float(b)
     return a == b
 
@@ -72,7 +100,9 @@ def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[tuple[s
     return [(k, old[k], new[k]) for k in sorted(old.keys() & new.keys()) if not _same(old[k], new[k])]
 
 
-def judge(diffs: list[tuple[str, Any, Any]], allow: frozenset[str] | set[str]) -> tuple[list[str], list[str], list[str]]:
+def judge(
+    diffs: list[tuple[str, Any, Any]], allow: frozenset[str] | set[str]
+) -> tuple[list[str], list[str], list[str]]:
     """Split differing keys into (log lines, refused fixed keys, refused exact keys)."""
     lines, fixed, exact = [], [], []
     for key, old, new in diffs:

@@ -37,7 +37,8 @@ def check_vocab(cfg: RunConfig, tokenizer_vocab: int) -> int:
         raise ConfigError(
             f"model.vocab_size={want} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}, "
             f"{cfg.data.tokenizer_path}): token ids up to {tokenizer_vocab - 1} would be out of range; "
-            "unset model.vocab_size (it is taken from the tokenizer) or use the matching tokenizer")
+            "unset model.vocab_size (it is taken from the tokenizer) or use the matching tokenizer"
+        )
     return want if want is not None else tokenizer_vocab
 
 
@@ -114,9 +115,17 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
     n_params = parameter_count(cfg.model, vocab)["total"]
     micro, gas, global_batch = batch_layout(cfg, world)
     budget = training_budget(cfg.train, global_batch, cfg.model.seq_length, n_params)
-    log.info("%s: %s parameters, vocabulary %d (padded), %d iterations x %d sequences x %d tokens (%s tokens; %s)",
-             cfg.model.name, f"{n_params:,}", vocab, budget.train_iters, global_batch, cfg.model.seq_length,
-             f"{budget.train_tokens:,}", budget.source)
+    log.info(
+        "%s: %s parameters, vocabulary %d (padded), %d iterations x %d sequences x %d tokens (%s tokens; %s)",
+        cfg.model.name,
+        f"{n_params:,}",
+        vocab,
+        budget.train_iters,
+        global_batch,
+        cfg.model.seq_length,
+        f"{budget.train_tokens:,}",
+        budget.source,
+    )
     embedding = find_input_embedding(model)
     probe = FirstOutputRMS(embedding) if embedding is not None else None
 
@@ -125,7 +134,8 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
 
     n_valid = cfg.train.eval_iters * global_batch if cfg.train.eval_interval else 0
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
-        cfg.data, cfg.model.seq_length, (budget.train_iters * global_batch, n_valid, 0), cfg.data.cache_dir)
+        cfg.data, cfg.model.seq_length, (budget.train_iters * global_batch, n_valid, 0), cfg.data.cache_dir
+    )
     if train_ds is None:
         raise ConfigError(f"data.split={cfg.data.split!r} leaves no training documents")
 
@@ -141,18 +151,49 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
         return pipeline_batches(batches) if pipeline else batches
 
     writer = MetricsWriter(out, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
-    trainer = Trainer(cfg, engine, optimizer, budget, pipeline=pipeline, world_size=world, device=dev,
-                      train_batches=train_batches, valid_batches=valid_batches if valid_ds is not None else None,
-                      flops_per_token=flops_per_token(cfg.model, vocab), writer=writer, gas=gas,
-                      global_batch=global_batch, save_dir=save_dir, load_dir=load_dir,
-                      nan_steps=injected_nan_steps(), embedding_probe=probe, watcher=watcher)
+    trainer = Trainer(
+        cfg,
+        engine,
+        optimizer,
+        budget,
+        pipeline=pipeline,
+        world_size=world,
+        device=dev,
+        train_batches=train_batches,
+        valid_batches=valid_batches if valid_ds is not None else None,
+        flops_per_token=flops_per_token(cfg.model, vocab),
+        writer=writer,
+        gas=gas,
+        global_batch=global_batch,
+        save_dir=save_dir,
+        load_dir=load_dir,
+        nan_steps=injected_nan_steps(),
+        embedding_probe=probe,
+        watcher=watcher,
+    )
     try:
         trainer.resume(plan)
-        writer.record("event", trainer.state.iteration, {"event": "start", "parameters": n_params,
-                                                          "train_iters": budget.train_iters, "world_size": world})
+        writer.record(
+            "event",
+            trainer.state.iteration,
+            {
+                "event": "start",
+                "parameters": n_params,
+                "train_iters": budget.train_iters,
+                "world_size": world,
+            },
+        )
         result = trainer.train()
-        writer.record("event", result.iteration, {"event": "end", "reason": result.reason,
-                                                  "exit_code": result.exit_code, "skipped_steps": result.skipped_steps})
+        writer.record(
+            "event",
+            result.iteration,
+            {
+                "event": "end",
+                "reason": result.reason,
+                "exit_code": result.exit_code,
+                "skipped_steps": result.skipped_steps,
+            },
+        )
         return result
     finally:
         writer.close()

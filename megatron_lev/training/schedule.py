@@ -30,13 +30,19 @@ def training_budget(train: TrainConfig, global_batch: int, seq_length: int, n_pa
     tokens_per_iter = global_batch * seq_length
     if train.chinchilla:
         tokens = CHINCHILLA_TOKENS_PER_PARAM * n_params
-        return Budget(max(1, math.ceil(tokens / tokens_per_iter)), tokens_per_iter,
-                      f"chinchilla: {CHINCHILLA_TOKENS_PER_PARAM} x {n_params:,} parameters = {tokens:,} tokens")
+        return Budget(
+            max(1, math.ceil(tokens / tokens_per_iter)),
+            tokens_per_iter,
+            f"chinchilla: {CHINCHILLA_TOKENS_PER_PARAM} x {n_params:,} parameters = {tokens:,} tokens",
+        )
     if train.train_tokens is not None:
         if train.train_tokens <= 0:
             raise ConfigError(f"train.train_tokens must be positive, got {train.train_tokens}")
-        return Budget(max(1, math.ceil(train.train_tokens / tokens_per_iter)), tokens_per_iter,
-                      f"train.train_tokens={train.train_tokens:,}")
+        return Budget(
+            max(1, math.ceil(train.train_tokens / tokens_per_iter)),
+            tokens_per_iter,
+            f"train.train_tokens={train.train_tokens:,}",
+        )
     if train.train_iters is None or train.train_iters <= 0:
         raise ConfigError(f"train.train_iters must be positive, got {train.train_iters}")
     return Budget(train.train_iters, tokens_per_iter, f"train.train_iters={train.train_iters}")

@@ -45,8 +45,10 @@ def report_exit_code(code: int) -> None:
 
 def _exit_at_startup(signum: int, frame: FrameType | None) -> None:
     name = signal.Signals(signum).name
-    msg = (f"megatron-lev train: preempted ({name}) during start-up, before the first step; nothing to save, "
-           f"exiting with status {PREEMPTED_EXIT_CODE} so the job is requeued\n")
+    msg = (
+        f"megatron-lev train: preempted ({name}) during start-up, before the first step; nothing to save, "
+        f"exiting with status {PREEMPTED_EXIT_CODE} so the job is requeued\n"
+    )
     try:
         os.write(2, msg.encode())
     except OSError:
@@ -77,8 +79,11 @@ class PreemptionWatcher:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
-            _log().warning("received %s: will save a checkpoint after this step and exit with status %d",
-                           signal.Signals(signum).name, PREEMPTED_EXIT_CODE)
+            _log().warning(
+                "received %s: will save a checkpoint after this step and exit with status %d",
+                signal.Signals(signum).name,
+                PREEMPTED_EXIT_CODE,
+            )
         self.received = signum
 
     def install(self) -> PreemptionWatcher:

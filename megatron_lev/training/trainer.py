@@ -60,12 +60,30 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, engine, optimizer, budget: Budget, *, pipeline: bool, world_size: int,
-                 device: torch.device, train_batches: Callable[[int], Iterator], valid_batches: Callable[[], Iterator]
-                 | None, flops_per_token: float | None, writer: MetricsWriter, gas: int, global_batch: int,
-                 save_dir: str | None, load_dir: str | None, nan_steps: set[int] = frozenset(),
-                 embedding_probe=None, watcher: PreemptionWatcher | None = None,
-                 nan_grad_steps: set[int] | None = None, inf_weight_steps: set[int] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        engine,
+        optimizer,
+        budget: Budget,
+        *,
+        pipeline: bool,
+        world_size: int,
+        device: torch.device,
+        train_batches: Callable[[int], Iterator],
+        valid_batches: Callable[[], Iterator] | None,
+        flops_per_token: float | None,
+        writer: MetricsWriter,
+        gas: int,
+        global_batch: int,
+        save_dir: str | None,
+        load_dir: str | None,
+        nan_steps: set[int] = frozenset(),
+        embedding_probe=None,
+        watcher: PreemptionWatcher | None = None,
+        nan_grad_steps: set[int] | None = None,
+        inf_weight_steps: set[int] | None = None,
+    ) -> None:
         self.cfg, self.engine, self.optimizer, self.budget = cfg, engine, optimizer, budget
         self.pipeline, self.world_size, self.device = pipeline, world_size, device
         self.make_train_batches, self.make_valid_batches = train_batches, valid_batches
@@ -74,10 +92,14 @@ class Trainer:
         self.save_dir, self.load_dir = save_dir, load_dir
         self.nan_steps = set(nan_steps)
         # testing aids (default: from the environment): NaN gradients with a finite loss; an inf weight
-        self.nan_grad_steps = injected_nan_steps(name=INJECT_NAN_GRAD_ENV) if nan_grad_steps is None \
-            else set(nan_grad_steps)
-        self.inf_weight_steps = injected_nan_steps(name=INJECT_INF_WEIGHTS_ENV) if inf_weight_steps is None \
+        self.nan_grad_steps = (
+            injected_nan_steps(name=INJECT_NAN_GRAD_ENV) if nan_grad_steps is None else set(nan_grad_steps)
+        )
+        self.inf_weight_steps = (
+            injected_nan_steps(name=INJECT_INF_WEIGHTS_ENV)
+            if inf_weight_steps is None
             else set(inf_weight_steps)
+        )
         self.embedding_probe = embedding_probe  # .value: input-embedding RMS at the first forward
         self.watcher = watcher  # installed by the caller before start-up (a notice may come early); else here
         self.state = TrainState()
@@ -108,8 +130,11 @@ class Trainer:
             return
         client = checkpointing.load_checkpoint(self.engine, plan.root, plan.tag)
         st = client.get("train_state", {})
-        self.state = TrainState(iteration=int(st["iteration"]), consumed_samples=int(st["consumed_samples"]),
-                                consumed_tokens=int(st.get("consumed_tokens", 0)))
+        self.state = TrainState(
+            iteration=int(st["iteration"]),
+            consumed_samples=int(st["consumed_samples"]),
+            consumed_tokens=int(st.get("consumed_tokens", 0)),
+        )
         self.skips.load_state_dict(st.get("skips", {}))
 
     def save(self) -> None:
@@ -118,8 +143,14 @@ class Trainer:
         self._check_weights(f"refusing to save a checkpoint to {self.save_dir}")  # "last good" must be finite
         self.state.skips = self.skips.state_dict()
         client = {"train_state": vars(self.state).copy(), "config": self.cfg.to_dict()}
-        checkpointing.save_checkpoint(self.engine, self.save_dir, self.state.iteration, client,
-                                      self.cfg.train.keep_last, config_yaml=self.cfg.to_yaml())
+        checkpointing.save_checkpoint(
+            self.engine,
+            self.save_dir,
+            self.state.iteration,
+            client,
+            self.cfg.train.keep_last,
+            config_yaml=self.cfg.to_yaml(),
+        )
 
     # ------------------------------------------------------------------ one step
 
@@ -131,7 +162,8 @@ class Trainer:
         return value.detach().reshape(())
 
     def _weights_bad(self) -> torch.Tensor:
-        """This rank's flag (float 0/1 on the device): a weight it updates (ZeRO: its partition) is inf/NaN."""
+        """This rank's flag (float 0/1 on the device): a weight it updates (ZeRO: its partition) is
+        inf/NaN."""
         weights = (p for g in self.optimizer.param_groups for p in g["params"])
         return (~all_finite(weights)).to(device=self.device, dtype=torch.float32)
 
@@ -141,9 +173,11 @@ class Trainer:
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item() > 0:
-            raise NonFiniteWeights(f"{what}: the weights at iteration {self.state.iteration} are not finite "
-                                   "(inf/NaN); use an earlier checkpoint, and lower train.lr or use "
-                                   "train.precision=fp32 to find the cause")
+            raise NonFiniteWeights(
+                f"{what}: the weights at iteration {self.state.iteration} are not finite "
+                "(inf/NaN); use an earlier checkpoint, and lower train.lr or use "
+                "train.precision=fp32 to find the cause"
+            )
 
     def train_step(self, batches: Iterator) -> tuple[float, float | None, bool]:
         """One optimizer step over `gas` micro-batches; returns (loss, grad norm, skipped) as numbers.
@@ -216,10 +250,11 @@ class Trainer:
 
     def _non_finite_weights(self, iteration: int) -> NonFiniteWeights:
         return NonFiniteWeights(
-            f"iteration {iteration}: the update made the weights non-finite (inf/NaN) although the gradients "
-            f"were finite; nothing was saved, so the newest checkpoint in {self.save_dir} holds the last good "
-            "weights: resume from it with a lower train.lr or a higher train.adam_eps, or use "
-            "train.precision=fp32")
+            f"iteration {iteration}: the update made the weights non-finite (inf/NaN) "
+            "although the gradients were finite; nothing was saved, so the newest checkpoint in "
+            f"{self.save_dir} holds the last good weights: resume from it with a lower train.lr "
+            "or a higher train.adam_eps, or use train.precision=fp32"
+        )
 
     # ------------------------------------------------------------------ validation
 
@@ -243,8 +278,9 @@ class Trainer:
             self.engine.train()
         if not losses:
             return None
-        losses = torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.device).reshape(())
-                              for x in losses]).tolist()  # one host read for the whole validation
+        losses = torch.stack(
+            [torch.as_tensor(x, dtype=torch.float32, device=self.device).reshape(()) for x in losses]
+        ).tolist()  # one host read for the whole validation
         loss = sum(losses) / len(losses)
         return {"loss": loss, "ppl": perplexity(loss)}
 
@@ -260,8 +296,12 @@ class Trainer:
             from tqdm.auto import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
-            bar = tqdm(total=total_iters, initial=self.state.iteration, desc="train", unit="it", dynamic_ncols=True)
-            redirect = logging_redirect_tqdm(loggers=[logging.getLogger("megatron_lev")])  # log lines above the bar
+            bar = tqdm(
+                total=total_iters, initial=self.state.iteration, desc="train", unit="it", dynamic_ncols=True
+            )
+            redirect = logging_redirect_tqdm(
+                loggers=[logging.getLogger("megatron_lev")]
+            )  # log lines above the bar
         window = _Window()
         saved_at = self.state.iteration if self.state.iteration else -1  # a resumed state is already on disk
         own_watcher = self.watcher is None
@@ -272,8 +312,11 @@ class Trainer:
                 log.warning("preempted before the first step: exiting with status %d", PREEMPTED_EXIT_CODE)
                 return TrainResult(self.state.iteration, PREEMPTED_EXIT_CODE, "preempted", self.skips.total)
             if self.state.iteration < total_iters:
-                self._check_weights(f"before the first step (loaded from {self.load_dir})" if self.state.iteration
-                                    else "before the first step")
+                self._check_weights(
+                    f"before the first step (loaded from {self.load_dir})"
+                    if self.state.iteration
+                    else "before the first step"
+                )
             self._counts = [0, 0, 0]  # steps run, applied, held back by the fp16 loss scaler
             started_at = self.state.iteration  # 0: this process trains from scratch
             pending: list[_Step] = []  # steps whose loss and flags are still on the device
@@ -303,8 +346,9 @@ class Trainer:
                 if too_many is not None:
                     log.error("%s", too_many)
                     self.save()
-                    return TrainResult(it, SKIP_LIMIT_EXIT_CODE, "too many skipped steps", self.skips.total,
-                                       result.losses)
+                    return TrainResult(
+                        it, SKIP_LIMIT_EXIT_CODE, "too many skipped steps", self.skips.total, result.losses
+                    )
                 if evaluate:
                     self._log_validation(it)
                 if save:
@@ -313,8 +357,11 @@ class Trainer:
                 if stop:
                     if saved_at != it:
                         self.save()
-                    log.warning("preempted at iteration %d: checkpoint saved, exiting with status %d",
-                                it, PREEMPTED_EXIT_CODE)
+                    log.warning(
+                        "preempted at iteration %d: checkpoint saved, exiting with status %d",
+                        it,
+                        PREEMPTED_EXIT_CODE,
+                    )
                     return TrainResult(it, PREEMPTED_EXIT_CODE, "preempted", self.skips.total, result.losses)
             steps_run, steps_applied, scaler_skips = self._counts
             # a resumed run's short tail may be all skipped (the run before it learnt); and overflow
@@ -324,7 +371,8 @@ class Trainer:
                     f"all {steps_run} steps (iterations {self.state.iteration - steps_run + 1}-"
                     f"{self.state.iteration}) had a non-finite loss or gradients and were skipped: the run "
                     "learnt nothing and saved nothing; check the data, lower train.lr, or use "
-                    "train.precision=fp32 to find the cause")
+                    "train.precision=fp32 to find the cause"
+                )
             if t.eval_interval and self.state.iteration % t.eval_interval:
                 self._log_validation(self.state.iteration)
             if saved_at != self.state.iteration:
@@ -338,7 +386,9 @@ class Trainer:
             if bar is not None:
                 bar.close()
 
-    def _settle(self, pending: list[_Step], window: _Window, result: TrainResult, bar) -> TooManySkippedSteps | None:
+    def _settle(
+        self, pending: list[_Step], window: _Window, result: TrainResult, bar
+    ) -> TooManySkippedSteps | None:
         """Read the pending steps' values (one host sync), record them, and apply the checks in order.
 
         Raises NonFiniteWeights at the first step whose update made a weight inf/NaN; returns the
@@ -358,8 +408,12 @@ class Trainer:
             self._counts[1] += int(not skipped)
             self._counts[2] += int(skipped and step.scaler_overflow and math.isfinite(loss))
             if skipped:
-                log.warning("iteration %d: non-finite loss (%s) or gradient norm (%s): update skipped",
-                            step.iteration, loss, norm)
+                log.warning(
+                    "iteration %d: non-finite loss (%s) or gradient norm (%s): update skipped",
+                    step.iteration,
+                    loss,
+                    norm,
+                )
             try:
                 self.skips.update(skipped, step.iteration)
             except TooManySkippedSteps as exc:
@@ -369,11 +423,18 @@ class Trainer:
         return too_many
 
     def _log_window(self, w: _Window, it: int) -> None:
-        tp = throughput(w.tokens, w.seconds, self.flops_per_token, self.world_size, self.cfg.logging.peak_tflops)
-        values = {"loss": w.mean_loss, "lr": learning_rate(it - 1, self.cfg.train, self.budget.train_iters),
-                  "grad_norm": w.last_norm if w.last_norm is not None else float("nan"),
-                  "skipped_steps": self.skips.total, "skipped_in_window": w.skipped_now,
-                  **tp, **memory_stats()}
+        tp = throughput(
+            w.tokens, w.seconds, self.flops_per_token, self.world_size, self.cfg.logging.peak_tflops
+        )
+        values = {
+            "loss": w.mean_loss,
+            "lr": learning_rate(it - 1, self.cfg.train, self.budget.train_iters),
+            "grad_norm": w.last_norm if w.last_norm is not None else float("nan"),
+            "skipped_steps": self.skips.total,
+            "skipped_in_window": w.skipped_now,
+            **tp,
+            **memory_stats(),
+        }
         probe = self.embedding_probe
         if probe is not None and probe.value is not None:
             values["input_embedding_rms"] = probe.value
@@ -382,8 +443,10 @@ class Trainer:
             self.embedding_probe = None
         self.writer.record("train", it, values, tokens=self.state.consumed_tokens)
         if self.rank == 0:
-            line = (f"iter {it}/{self.budget.train_iters} | loss {w.mean_loss:.4f} | lr {values['lr']:.3e} | "
-                    f"grad norm {values['grad_norm']:.3f} | {tp['tokens_per_s']:,.0f} tok/s")
+            line = (
+                f"iter {it}/{self.budget.train_iters} | loss {w.mean_loss:.4f} | lr {values['lr']:.3e} | "
+                f"grad norm {values['grad_norm']:.3f} | {tp['tokens_per_s']:,.0f} tok/s"
+            )
             if "mfu" in tp:
                 line += f" | {tp['tflops_per_device']:.3g} TFLOP/s/dev | MFU {100 * tp['mfu']:.2f}%"
             mem = values.get("mem_peak_gib", values.get("mem_rss_gib"))
@@ -398,7 +461,9 @@ class Trainer:
             return
         self.writer.record("valid", it, metrics, tokens=self.state.consumed_tokens)
         if self.rank == 0:
-            log.info("validation at iteration %d: loss %.4f | perplexity %.2f", it, metrics["loss"], metrics["ppl"])
+            log.info(
+                "validation at iteration %d: loss %.4f | perplexity %.2f", it, metrics["loss"], metrics["ppl"]
+            )
 
 
 @dataclass
@@ -419,11 +484,22 @@ def _read(steps: list[_Step]) -> list[tuple[float, float | None, bool]]:
         return []
     device = steps[0].stats.device
     nan = torch.full((), float("nan"), device=device)
-    rows = torch.stack([torch.stack([s.stats[0], s.stats[1],
-                                     nan if s.norm is None else s.norm.to(device=device, dtype=torch.float32)])
-                        for s in steps])  # (steps, 3)
-    return [(loss / s.world_size, None if s.norm is None else norm, bad > 0)
-            for s, (loss, bad, norm) in zip(steps, rows.tolist())]
+    rows = torch.stack(
+        [
+            torch.stack(
+                [
+                    s.stats[0],
+                    s.stats[1],
+                    nan if s.norm is None else s.norm.to(device=device, dtype=torch.float32),
+                ]
+            )
+            for s in steps
+        ]
+    )  # (steps, 3)
+    return [
+        (loss / s.world_size, None if s.norm is None else norm, bad > 0)
+        for s, (loss, bad, norm) in zip(steps, rows.tolist())
+    ]
 
 
 @dataclass
@@ -452,4 +528,3 @@ class _Window:
     @property
     def mean_loss(self) -> float:
         return self.loss_sum / self.finite if self.finite else float("nan")
-

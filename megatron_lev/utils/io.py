@@ -48,8 +48,10 @@ def temp_path(path: str | os.PathLike) -> Path:
 
 def raise_if_disk_full(exc: OSError, path: str | os.PathLike) -> None:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        raise DiskFullError(f"{path}: no space left on the device while writing; "
-                            f"free space or choose another directory, then rerun") from exc
+        raise DiskFullError(
+            f"{path}: no space left on the device while writing; "
+            f"free space or choose another directory, then rerun"
+        ) from exc
 
 
 @contextlib.contextmanager
@@ -105,8 +107,9 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def remove_stale_temps(directory: str | os.PathLike, name: str,
-                       marks: tuple[str, ...] = (TEMP_MARK,)) -> list[Path]:
+def remove_stale_temps(
+    directory: str | os.PathLike, name: str, marks: tuple[str, ...] = (TEMP_MARK,)
+) -> list[Path]:
     """Remove the temp files and directories that dead writers of `name` left in `directory`.
     Returns what was removed.
 
@@ -123,7 +126,9 @@ def remove_stale_temps(directory: str | os.PathLike, name: str,
     if not directory.is_dir():
         return removed
     mark = "|".join(map(re.escape, marks))
-    ours = re.compile(rf"^\.{re.escape(name)}(?:[._].*)?(?:{mark})(?:(?P<host>[A-Za-z0-9_-]+)-)?(?P<pid>\d+)$")
+    ours = re.compile(
+        rf"^\.{re.escape(name)}(?:[._].*)?(?:{mark})(?:(?P<host>[A-Za-z0-9_-]+)-)?(?P<pid>\d+)$"
+    )
     here, now = _host(), time.time()
     for p in directory.iterdir():
         m = ours.match(p.name)

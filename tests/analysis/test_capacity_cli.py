@@ -38,13 +38,15 @@ def test_npy_safetensors_and_tensor_flag(tmp_path):
     rng = np.random.default_rng(1)
     m = rng.normal(size=(50, 64)).astype(np.float32)
     np.save(tmp_path / "e.npy", m)
-    save_file({"my.table": torch.from_numpy(m), "transformer.wte.weight": torch.from_numpy(m[:30])},
-              str(tmp_path / "w.safetensors"))
-    (npy_name, npy), = load_matrices(tmp_path / "e.npy").items()
+    save_file(
+        {"my.table": torch.from_numpy(m), "transformer.wte.weight": torch.from_numpy(m[:30])},
+        str(tmp_path / "w.safetensors"),
+    )
+    ((npy_name, npy),) = load_matrices(tmp_path / "e.npy").items()
     assert npy_name == "e.npy" and npy.shape == (50, 64)
     found = load_matrices(tmp_path / "w.safetensors")
     assert list(found) == ["w.safetensors:input (transformer.wte.weight)"]
-    (name, t), = load_matrices(tmp_path / "w.safetensors", tensor="my.table").items()
+    ((name, t),) = load_matrices(tmp_path / "w.safetensors", tensor="my.table").items()
     assert name.endswith(":my.table") and torch.equal(t, torch.from_numpy(m))
     with pytest.raises(DataError, match="no tensor named .nope."):
         load_matrices(tmp_path / "w.safetensors", tensor="nope")
@@ -53,7 +55,7 @@ def test_npy_safetensors_and_tensor_flag(tmp_path):
 
 
 def test_library_entry_points(tmp_path):
-    m = torch.randn(40, 1024)                                       # random: eps ~ 2/sqrt(d), low-eps
+    m = torch.randn(40, 1024)  # random: eps ~ 2/sqrt(d), low-eps
     r = capacity_report(m, "LEV materialised", sample=30)
     assert r["sampled_rows"] == 30 and r["class"] == "low-eps" and r["capacity_meaningful"]
     paths = write_report([r], tmp_path / "out")
@@ -82,12 +84,19 @@ def test_cli_default_is_exact_gram_eps_with_a_seeded_histogram_sample(tmp_path, 
     assert visited == [50]
     r = json.loads((tmp_path / "a" / "capacity.json").read_text())["reports"][0]
     assert r["eps_method"] == "gram" and r["exact"] and r["pairs"] == 300 * 299 // 2
-    assert (r["hist_mode"], r["hist_rows"], r["hist_seed"], r["hist_pairs"]) == ("sample", 50, 0, 50 * 49 // 2)
-    assert r["eps"] == pytest.approx(cosine.gram_moments(m.astype(np.float32))[0]
-                                     + 2 * cosine.gram_moments(m.astype(np.float32))[1], abs=1e-12)
+    assert (r["hist_mode"], r["hist_rows"], r["hist_seed"], r["hist_pairs"]) == (
+        "sample",
+        50,
+        0,
+        50 * 49 // 2,
+    )
+    assert r["eps"] == pytest.approx(
+        cosine.gram_moments(m.astype(np.float32))[0] + 2 * cosine.gram_moments(m.astype(np.float32))[1],
+        abs=1e-12,
+    )
     md = (tmp_path / "a" / "capacity.md").read_text()
     assert "Gram identity" in md and "sample of 50 rows (seed 0)" in md
-    assert cli([*args, "--out", str(tmp_path / "b")]) == 0                 # same seed: same histogram
+    assert cli([*args, "--out", str(tmp_path / "b")]) == 0  # same seed: same histogram
     again = json.loads((tmp_path / "b" / "capacity.json").read_text())["reports"][0]
     assert again["histogram"]["counts"] == r["histogram"]["counts"]
     assert cli([*args, "--seed", "1", "--out", str(tmp_path / "c")]) == 0

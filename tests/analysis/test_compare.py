@@ -15,8 +15,14 @@ LABELS = ["< 1e-07", "[1e-07, 1e-06)", ">= 1e-06"]
 
 def _result(path, name, ppl, bucket_ppl):
     buckets = [{"bucket": lab, "tokens": 10, "perplexity": p} for lab, p in zip(LABELS, bucket_ppl)]
-    path.write_text(json.dumps({"name": name, "results": [{"name": name, "perplexity": ppl, "buckets": buckets,
-                                                           "corpus": "heldout"}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": name,
+                "results": [{"name": name, "perplexity": ppl, "buckets": buckets, "corpus": "heldout"}],
+            }
+        )
+    )
     return path
 
 
@@ -34,12 +40,24 @@ def test_compare_table_and_tokens_to_target(tmp_path, capsys):
     tied = _result(tmp_path / "tied.json", "TIED", 20.0, [400.0, 100.0, 10.0])
     lev = _result(tmp_path / "lev.json", "LEV", 18.0, [300.0, 95.0, 10.5])
     untied = _result(tmp_path / "untied.json", "UNTIED", 21.0, [440.0, 100.0, 10.0])
-    curves = {"TIED": _tb_log(tmp_path / "tb_tied", 0.01),     # final loss 2.0, first reached at 100k
-              "LEV": _tb_log(tmp_path / "tb_lev", 0.0225),     # reaches 2.0 at step 44.44 -> 44,444 tokens
-              "UNTIED": _tb_log(tmp_path / "tb_untied", 0.005)}  # never reaches 2.0
+    curves = {
+        "TIED": _tb_log(tmp_path / "tb_tied", 0.01),  # final loss 2.0, first reached at 100k
+        "LEV": _tb_log(tmp_path / "tb_lev", 0.0225),  # reaches 2.0 at step 44.44 -> 44,444 tokens
+        "UNTIED": _tb_log(tmp_path / "tb_untied", 0.005),
+    }  # never reaches 2.0
     (tmp_path / "untied.csv").write_text("tokens,loss\n0,3.0\n100000,2.5\n")
-    args = ["compare", str(tied), f"LEV={lev}", str(untied), "--out", str(tmp_path / "out"), "--curves",
-            f"TIED={curves['TIED']}", f"LEV={curves['LEV']}", f"UNTIED={tmp_path / 'untied.csv'}"]
+    args = [
+        "compare",
+        str(tied),
+        f"LEV={lev}",
+        str(untied),
+        "--out",
+        str(tmp_path / "out"),
+        "--curves",
+        f"TIED={curves['TIED']}",
+        f"LEV={curves['LEV']}",
+        f"UNTIED={tmp_path / 'untied.csv'}",
+    ]
     assert cli(args) == 0
     cmp = json.loads((tmp_path / "out" / "compare.json").read_text())
     rows = {r["name"]: r for r in cmp["rows"]}
@@ -67,7 +85,7 @@ def test_curve_sources_and_errors(tmp_path):
     for step in range(5):
         w.add_scalar("train/loss", 5.0 - step, step)
     w.close()
-    steps = read_curve(tmp_path / "tb")                          # no valid/loss, no tokens tag
+    steps = read_curve(tmp_path / "tb")  # no valid/loss, no tokens tag
     assert steps.x_label == "steps" and steps.loss.tolist() == [5.0, 4.0, 3.0, 2.0, 1.0]
     assert read_curve(tmp_path / "tb", tokens_per_step=512).x[-1] == 2048
     with pytest.raises(ValueError, match="no scalar tag valid/ppl"):

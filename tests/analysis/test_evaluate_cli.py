@@ -1,4 +1,5 @@
-"""`megatron-lev evaluate` on a tiny random Llama: MMIDIDX shard and Pile-format text, checked independently."""
+"""`megatron-lev evaluate` on a tiny random Llama: MMIDIDX shard and Pile-format text, checked
+independently."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _reference_nll(model_dir, stream: np.ndarray, seq_len: int) -> np.ndarray:
     out = []
     with torch.no_grad():
         for s in range(0, len(stream) - 1, seq_len):
-            win = torch.from_numpy(stream[s:s + seq_len + 1])[None]
+            win = torch.from_numpy(stream[s : s + seq_len + 1])[None]
             logits = model(input_ids=win[:, :-1]).logits
             out.append(F.cross_entropy(logits[0], win[0, 1:], reduction="none").numpy())
     return np.concatenate(out).astype(np.float64)
@@ -40,9 +41,24 @@ def test_evaluate_mmidx_shard_with_buckets(tiny_llama, tmp_path):
     counts[:300] = rng.integers(0, 1_000_000, size=300)
     counts[300:] = 1
     np.save(tmp_path / "train.counts.npy", counts)
-    rc = cli(["evaluate", str(tiny_llama), "--data", str(tmp_path / "heldout_text_document"),
-              "--counts", str(tmp_path / "train.counts.npy"), "--seq-len", "16", "--batch-size", "3",
-              "--out", str(tmp_path / "out"), "--threads", "1"])
+    rc = cli(
+        [
+            "evaluate",
+            str(tiny_llama),
+            "--data",
+            str(tmp_path / "heldout_text_document"),
+            "--counts",
+            str(tmp_path / "train.counts.npy"),
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "3",
+            "--out",
+            str(tmp_path / "out"),
+            "--threads",
+            "1",
+        ]
+    )
     assert rc == 0
     res = json.loads((tmp_path / "out" / "eval.json").read_text())["results"][0]
     ref = _reference_nll(tiny_llama, np.concatenate(docs), 16)
@@ -56,16 +72,33 @@ def test_evaluate_mmidx_shard_with_buckets(tiny_llama, tmp_path):
 def test_evaluate_pile_jsonl_zst_reports_bits_per_byte(tiny_llama, shared_data, tmp_path):
     corpus = shared_data / "minipile" / "Fortunes.jsonl.zst"
     tok = shared_data / "tokenizers" / "gpt-neox-20b.json"
-    rc = cli(["evaluate", str(tiny_llama), "--text", str(corpus), "--tokenizer", str(tok), "--max-docs", "3",
-              "--seq-len", "32", "--out", str(tmp_path), "--threads", "1"])
+    rc = cli(
+        [
+            "evaluate",
+            str(tiny_llama),
+            "--text",
+            str(corpus),
+            "--tokenizer",
+            str(tok),
+            "--max-docs",
+            "3",
+            "--seq-len",
+            "32",
+            "--out",
+            str(tmp_path),
+            "--threads",
+            "1",
+        ]
+    )
     assert rc == 0
     res = json.loads((tmp_path / "eval.json").read_text())["results"][0]
     from tokenizers import Tokenizer
 
     t = Tokenizer.from_file(str(tok))
     texts = [x for _, x in zip(range(3), text_documents(corpus))]
-    stream = np.concatenate([t.encode(x, add_special_tokens=False).ids + [t.token_to_id("<|endoftext|>")]
-                             for x in texts])
+    stream = np.concatenate(
+        [t.encode(x, add_special_tokens=False).ids + [t.token_to_id("<|endoftext|>")] for x in texts]
+    )
     ref = _reference_nll(tiny_llama, stream, 32)
     assert res["tokens"] == len(stream) - 1 and res["documents"] == 3
     assert res["bytes"] == sum(len(x.encode("utf-8")) for x in texts)
@@ -85,6 +118,8 @@ def test_split_selects_the_trainers_validation_documents(tmp_path):
     start, end = split_documents(100, "90,8,2")[1]
     valid = [int(d[0]) for d in indexed_documents(tmp_path / "docs", split=("valid", "90,8,2"))]
     assert valid == list(range(start, end)) and len(valid) == 8
-    assert [int(d[0]) for d in indexed_documents(tmp_path / "docs", max_docs=3, split=("test", "90,8,2"))] == [98, 99]
+    assert [
+        int(d[0]) for d in indexed_documents(tmp_path / "docs", max_docs=3, split=("test", "90,8,2"))
+    ] == [98, 99]
     with pytest.raises(ValueError, match="holds no documents"):
         list(indexed_documents(tmp_path / "docs", split=("test", "100,0,0")))

@@ -25,7 +25,7 @@ def _by_key(d, eps):
 @pytest.mark.parametrize("model,d,eps,capacity", PAPER_ROWS)
 def test_four_constant_form_reproduces_paper_table(model, d, eps, capacity):
     value = 10 ** _by_key(d, eps)["fitted"]["log10_capacity"]
-    assert f"{value:.2e}" == f"{capacity:.2e}", model          # 3 significant digits
+    assert f"{value:.2e}" == f"{capacity:.2e}", model  # 3 significant digits
 
 
 def test_one_constant_form_is_not_the_table():
@@ -37,16 +37,26 @@ def test_one_constant_form_is_not_the_table():
 
 
 def test_log_space_has_no_overflow():
-    for eps in (0.28223, 0.99918, 3.0):                               # Llama 3.2 1B, Gemma 7B, absurd
+    for eps in (0.28223, 0.99918, 3.0):  # Llama 3.2 1B, Gemma 7B, absurd
         for row in capacity_table(3072, eps):
             assert math.isfinite(row["log10_capacity"]) and row["log10_capacity"] > 2
     assert format_log10(20.5) == "3.16e+20" and format_log10(7.0) == "1.00e+07"
     assert format_log10(math.log10(9.999e5)) == "1.00e+06"
 
 
-@pytest.mark.parametrize("eps,cls", [(0.0645, "low-eps"), (0.0999, "low-eps"), (0.1, "borderline"),
-                                     (0.15, "borderline"), (0.2, "borderline"), (0.2001, "high-eps"),
-                                     (0.28223, "high-eps"), (0.99918, "high-eps")])
+@pytest.mark.parametrize(
+    "eps,cls",
+    [
+        (0.0645, "low-eps"),
+        (0.0999, "low-eps"),
+        (0.1, "borderline"),
+        (0.15, "borderline"),
+        (0.2, "borderline"),
+        (0.2001, "high-eps"),
+        (0.28223, "high-eps"),
+        (0.99918, "high-eps"),
+    ],
+)
 def test_classes(eps, cls):
     assert eps_class(eps) == cls
 
@@ -61,7 +71,7 @@ def test_refit_reproduces_paper_constants(shared_data):
     for name in "Cabc":
         assert four[name] == pytest.approx(expected[name], rel=1e-4), name
     random_fit = refit(load_packing(shared_data / "capacity" / "random_packing.json"))
-    assert random_fit["jl"]["params"]["C"] == pytest.approx(3.029, abs=1e-3)   # the tightened JL constant
+    assert random_fit["jl"]["params"]["C"] == pytest.approx(3.029, abs=1e-3)  # the tightened JL constant
 
 
 def test_load_packing_rejects_bad_file(tmp_path):

@@ -9,17 +9,17 @@ from megatron_lev.analysis.packing import optimized_packing, packing_exponent, r
 
 
 def test_packing_exponent_rule():
-    assert packing_exponent(32, 2000) == 11      # m = 40 (k <= 4000): floor(40 / ln 32)
-    assert packing_exponent(4096, 32000) == 6    # m = 50 (d >= 3072)
-    assert packing_exponent(256, 8000) == 10     # m = 60
-    assert packing_exponent(2, 100) == 20        # capped
+    assert packing_exponent(32, 2000) == 11  # m = 40 (k <= 4000): floor(40 / ln 32)
+    assert packing_exponent(4096, 32000) == 6  # m = 50 (d >= 3072)
+    assert packing_exponent(256, 8000) == 10  # m = 60
+    assert packing_exponent(2, 100) == 20  # capped
 
 
 def test_optimised_packing_beats_random():
     rand = random_packing(6, 24, trials=3)
     opt = optimized_packing(6, 24, steps=300)
     assert 0 < opt < rand < 1
-    assert optimized_packing(6, 24, steps=300) == opt      # seeded: reproducible
+    assert optimized_packing(6, 24, steps=300) == opt  # seeded: reproducible
 
 
 def test_sweep_rows_feed_the_refit():

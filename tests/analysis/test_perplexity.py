@@ -23,17 +23,22 @@ COUNTS = np.array([5, 50, 500, 5000, 100_000_000 - 5555, 0], dtype=np.int64)
 
 
 def test_frequency_buckets_on_known_counts():
-    targets = np.array([0, 1, 1, 2, 3, 3, 3, 4, 5, 9])            # 9 is beyond the counts: frequency 0
+    targets = np.array([0, 1, 1, 2, 3, 3, 3, 4, 5, 9])  # 9 is beyond the counts: frequency 0
     nll = np.array([5.0, 4.0, 2.0, 3.0, 1.0, 2.0, 3.0, 0.5, 6.0, 7.0])
     buckets = frequency_buckets(TokenLosses(nll, targets), COUNTS)
-    assert [b["bucket"] for b in buckets] == ["< 1e-07", "[1e-07, 1e-06)", "[1e-06, 1e-05)",
-                                              "[1e-05, 1e-04)", ">= 1e-04"]
+    assert [b["bucket"] for b in buckets] == [
+        "< 1e-07",
+        "[1e-07, 1e-06)",
+        "[1e-06, 1e-05)",
+        "[1e-05, 1e-04)",
+        ">= 1e-04",
+    ]
     assert [b["tokens"] for b in buckets] == [3, 2, 1, 3, 1]
     assert [b["vocab_ids"] for b in buckets] == [2, 1, 1, 1, 1]
     expected = [(5 + 6 + 7) / 3, 3.0, 3.0, 2.0, 0.5]
     for b, mean in zip(buckets, expected):
         assert b["perplexity"] == pytest.approx(math.exp(mean))
-    edges = (1e-7, 1e-6, 1e-5, 1e-4, 1e-3)                          # [1e-4, 1e-3) holds nothing
+    edges = (1e-7, 1e-6, 1e-5, 1e-4, 1e-3)  # [1e-4, 1e-3) holds nothing
     empty = frequency_buckets(TokenLosses(nll, targets), COUNTS, edges)[4]
     assert empty["bucket"] == "[1e-04, 1e-03)" and empty["tokens"] == 0 and empty["perplexity"] is None
     with pytest.raises(ValueError, match="increasing"):
@@ -59,7 +64,7 @@ def test_sequence_batches_predict_every_token_once():
 def test_perplexity_is_exp_mean_nll_of_logits_and_loss_callables():
     torch.manual_seed(0)
     table = torch.randn(11, 11)
-    model_fn = lambda ids: table[ids]                               # noqa: E731  (B, S) -> (B, S, V)
+    model_fn = lambda ids: table[ids]  # noqa: E731  (B, S) -> (B, S, V)
     batch = torch.randint(0, 11, (3, 9))
     losses = per_token_losses([batch], model_fn, progress=False)
     ref = F.cross_entropy(table[batch[:, :-1]].reshape(-1, 11), batch[:, 1:].reshape(-1))

@@ -17,15 +17,24 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.py"
-SECTIONS = ("LEV kernels: Triton and gather vs the fp64 spec formula", "flash-attn vs scaled_dot_product_attention",
-            "bf16 training tracks fp32 (30 steps)", "2-process data-parallel run",
-            "Throughput, MFU, peak memory and syncs per step")
+SECTIONS = (
+    "LEV kernels: Triton and gather vs the fp64 spec formula",
+    "flash-attn vs scaled_dot_product_attention",
+    "bf16 training tracks fp32 (30 steps)",
+    "2-process data-parallel run",
+    "Throughput, MFU, peak memory and syncs per step",
+)
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRITON_INTERPRET")}
-    env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRITON_INTERPRET")
+    }
+    env.update(
+        {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    )
     return env
 
 
@@ -33,8 +42,14 @@ def _env() -> dict:
 @pytest.mark.timeout(400)
 def test_tiny_cpu_mode_writes_every_section(tmp_path):
     out = tmp_path / "gpu.md"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(out)], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=360)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(out)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=360,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = out.read_text()
     for title in SECTIONS:

@@ -36,6 +36,7 @@ def sample_text(shared_data):
 def ds_checkpoints(tmp_path_factory, tokenizer_path, sample_text):
     """{variant: (save dir, info)} for tied/lev (TP2 x PP2, ZeRO-1) and albert (TP2 x DP2, ZeRO-3, bf16)."""
     root = tmp_path_factory.mktemp("ds_ckpt")
-    info = run_distributed(make_checkpoints, world_size=4, args=(str(root), tokenizer_path, sample_text),
-                           timeout=900)[0]
+    info = run_distributed(
+        make_checkpoints, world_size=4, args=(str(root), tokenizer_path, sample_text), timeout=900
+    )[0]
     return {variant: (root / variant, meta) for variant, meta in info.items()}

@@ -16,19 +16,38 @@ from megatron_lev.config import load_config
 
 SEQ = 16
 MICRO = 2
-SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.num_kv_heads=2",
-         f"model.seq_length={SEQ}", "model.lev.d_seed=8", "model.lev.heads=2", "model.lev.kappa=4",
-         "model.lev.rank=4", "model.baseline_dim=8", "train.seed=11", "parallel.partition_method=uniform",
-         "model.make_vocab_size_divisible_by=64"]  # 50,277 pads to 50,304 at TP 1 and 2 alike
+SMALL = [
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.num_kv_heads=2",
+    f"model.seq_length={SEQ}",
+    "model.lev.d_seed=8",
+    "model.lev.heads=2",
+    "model.lev.kappa=4",
+    "model.lev.rank=4",
+    "model.baseline_dim=8",
+    "train.seed=11",
+    "parallel.partition_method=uniform",
+    "model.make_vocab_size_divisible_by=64",
+]  # 50,277 pads to 50,304 at TP 1 and 2 alike
 PIPELINE_VARIANTS = ("tied", "lev")
 ZERO3_VARIANT = "albert"
 
 
 def run_config(embedding: str, tokenizer: str, tp: int, pp: int, zero: int, precision: str = "fp32"):
-    return load_config(None, SMALL + [f"model.embedding={embedding}", f"data.tokenizer_path={tokenizer}",
-                                      f"parallel.tensor_model_parallel_size={tp}",
-                                      f"parallel.pipeline_model_parallel_size={pp}", f"parallel.zero_stage={zero}",
-                                      f"train.precision={precision}"])
+    return load_config(
+        None,
+        SMALL
+        + [
+            f"model.embedding={embedding}",
+            f"data.tokenizer_path={tokenizer}",
+            f"parallel.tensor_model_parallel_size={tp}",
+            f"parallel.pipeline_model_parallel_size={pp}",
+            f"parallel.zero_stage={zero}",
+            f"train.precision={precision}",
+        ],
+    )
 
 
 def text_batches(tokenizer_path: str, text: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,9 +62,14 @@ def text_batches(tokenizer_path: str, text: str) -> tuple[torch.Tensor, torch.Te
 
 
 def _ds_config(precision: str, zero: int, dp: int) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-           "train_batch_size": MICRO * dp, "zero_optimization": {"stage": zero},
-           "steps_per_print": 10**6, "gradient_clipping": 1.0}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": MICRO * dp,
+        "zero_optimization": {"stage": zero},
+        "steps_per_print": 10**6,
+        "gradient_clipping": 1.0,
+    }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
@@ -69,12 +93,17 @@ def make_checkpoints(root: str, tokenizer: str, text: str) -> dict:
         cfg = run_config(variant, tokenizer, 2, 2, 1)
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg, 50277)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                          config=_ds_config("fp32", 1, 1), dist_init_required=False)
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+            config=_ds_config("fp32", 1, 1),
+            dist_init_required=False,
+        )
         engine.train_batch(iter([((train[:, :-1],), train[:, 1:])]))
         loss = engine.eval_batch(iter([((held_out[:, :-1],), held_out[:, 1:])]))
-        save_checkpoint(engine, Path(root) / variant, iteration=1, client_state={}, keep_last=2,
-                        config_yaml=cfg.to_yaml())
+        save_checkpoint(
+            engine, Path(root) / variant, iteration=1, client_state={}, keep_last=2, config_yaml=cfg.to_yaml()
+        )
         results[variant] = {"eval_loss": float(loss), "tp": 2, "pp": 2, "zero": 1}
     state.destroy_model_parallel()
 
@@ -82,17 +111,27 @@ def make_checkpoints(root: str, tokenizer: str, text: str) -> dict:
     cfg = run_config(ZERO3_VARIANT, tokenizer, 2, 1, 3, precision="bf16")
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, 50277)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                      config=_ds_config("bf16", 3, 2), mpu=TensorParallelMPU(),
-                                      dist_init_required=False)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+        config=_ds_config("bf16", 3, 2),
+        mpu=TensorParallelMPU(),
+        dist_init_required=False,
+    )
     dp_rank = state.get_data_parallel_rank()
     ids = train[:, :-1] if dp_rank == 0 else held_out[:, :-1]
     labels = train[:, 1:] if dp_rank == 0 else held_out[:, 1:]
     loss = engine(ids, labels).mean()
     engine.backward(loss)
     engine.step()
-    save_checkpoint(engine, Path(root) / ZERO3_VARIANT, iteration=1, client_state={}, keep_last=2,
-                    config_yaml=cfg.to_yaml())
+    save_checkpoint(
+        engine,
+        Path(root) / ZERO3_VARIANT,
+        iteration=1,
+        client_state={},
+        keep_last=2,
+        config_yaml=cfg.to_yaml(),
+    )
     results[ZERO3_VARIANT] = {"tp": 2, "pp": 1, "zero": 3}
     state.destroy_model_parallel()
     return results

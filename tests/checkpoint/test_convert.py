@@ -26,8 +26,9 @@ def hf_exports(ds_checkpoints, tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", ["tied", "lev"])
-def test_export_loads_as_plain_llama_and_matches_the_source(variant, hf_exports, ds_checkpoints, tokenizer_path,
-                                                              sample_text):
+def test_export_loads_as_plain_llama_and_matches_the_source(
+    variant, hf_exports, ds_checkpoints, tokenizer_path, sample_text
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     result = hf_exports[variant]
@@ -42,14 +43,18 @@ def test_export_loads_as_plain_llama_and_matches_the_source(variant, hf_exports,
     _, held_out = text_batches(tokenizer_path, sample_text)
     from megatron_lev.data.tokenizers import build_tokenizer
 
-    assert tok(sample_text[:2000])["input_ids"] == build_tokenizer("hf", tokenizer_path).encode(sample_text[:2000])
+    assert tok(sample_text[:2000])["input_ids"] == build_tokenizer("hf", tokenizer_path).encode(
+        sample_text[:2000]
+    )
 
     # held-out text: the unmerged TP=2 x PP=2 engine's evaluation loss == the merged model's (padded
     # vocabulary, as trained) and the HF model's loss == the merged model's over the real vocabulary
     ids, labels = held_out[:, :-1], held_out[:, 1:]
     source = source_model(open_checkpoint(ds_checkpoints[variant][0]), progress=False)
     with torch.no_grad():
-        assert source(ids, labels).mean().item() == pytest.approx(ds_checkpoints[variant][1]["eval_loss"], rel=1e-6)
+        assert source(ids, labels).mean().item() == pytest.approx(
+            ds_checkpoints[variant][1]["eval_loss"], rel=1e-6
+        )
         project_loss = F.cross_entropy(source(ids)[..., :50277].flatten(0, 1), labels.flatten()).item()
         hf_loss = F.cross_entropy(model(ids).logits.flatten(0, 1), labels.flatten()).item()
     assert hf_loss == pytest.approx(project_loss, rel=1e-6)
@@ -134,9 +139,15 @@ def test_lm_eval_runs_on_the_export(hf_exports, shared_data, tmp_path, monkeypat
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     tasks = tmp_path / "tasks"
     assert cli_main(["lm-eval-tasks", "--data-dir", str(shared_data / "eval"), "--out", str(tasks)]) == 0
-    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf_exports['lev'].out_dir},dtype=float32",
-                                  tasks=["local_arc_easy", "local_winogrande"], limit=4, batch_size=4,
-                                  task_manager=TaskManager(include_path=str(tasks), include_defaults=False), device="cpu")
+    out = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={hf_exports['lev'].out_dir},dtype=float32",
+        tasks=["local_arc_easy", "local_winogrande"],
+        limit=4,
+        batch_size=4,
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
+        device="cpu",
+    )
     for task in ("local_arc_easy", "local_winogrande"):
         acc = out["results"][task]["acc,none"]
         assert 0.0 <= acc <= 1.0

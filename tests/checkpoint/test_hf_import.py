@@ -1,4 +1,5 @@
-"""A random Hugging Face Llama imported into the project's GPTModel gives the same logits (block math check)."""
+"""A random Hugging Face Llama imported into the project's GPTModel gives the same logits (block math
+check)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,19 @@ from megatron_lev.config import ConfigError
 def _llama(tied: bool, **extra):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                      rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
-                      tie_word_embeddings=tied, **extra)
+    cfg = LlamaConfig(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        tie_word_embeddings=tied,
+        **extra,
+    )
     torch.manual_seed(3)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # non-trivial norm weights, so a wrong RMSNorm placement shows

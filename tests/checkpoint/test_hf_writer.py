@@ -11,15 +11,28 @@ from megatron_lev.config import ModelConfig
 
 
 def _model_cfg() -> ModelConfig:
-    return ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2, seq_length=64,
-                       rope_theta=5000.0, norm_eps=1e-6)
+    return ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        seq_length=64,
+        rope_theta=5000.0,
+        norm_eps=1e-6,
+    )
 
 
 def test_sharded_model_round_trips_through_from_pretrained(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    config = llama_config(_model_cfg(), vocab_size=1000, tie_word_embeddings=False, dtype=torch.float32,
-                          bos_token_id=0, eos_token_id=0)
+    config = llama_config(
+        _model_cfg(),
+        vocab_size=1000,
+        tie_word_embeddings=False,
+        dtype=torch.float32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     source = LlamaForCausalLM(config).eval()
     writer = SafetensorsShardWriter(tmp_path, max_shard_bytes=60_000)

@@ -1,4 +1,5 @@
-"""Checked TP merge/split on real tensor-parallel shards of the model (fused QKV / gate-up, LEV heads, vocab rows)."""
+"""Checked TP merge/split on real tensor-parallel shards of the model (fused QKV / gate-up, LEV heads,
+vocab rows)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,19 @@ from megatron_lev.parallel import state
 from megatron_lev.testing import run_distributed
 
 VOCAB = 64
-SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.num_kv_heads=2",
-         "model.seq_length=16", "model.make_vocab_size_divisible_by=8", "model.lev.d_seed=8", "model.lev.heads=2",
-         "model.lev.kappa=4", "model.lev.rank=4", "model.embedding=lev"]
+SMALL = [
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.num_kv_heads=2",
+    "model.seq_length=16",
+    "model.make_vocab_size_divisible_by=8",
+    "model.lev.d_seed=8",
+    "model.lev.heads=2",
+    "model.lev.kappa=4",
+    "model.lev.rank=4",
+    "model.embedding=lev",
+]
 
 
 def _cfg():

@@ -28,11 +28,14 @@ def test_round_trip_keeps_the_loss(ds_checkpoints, tp1, tmp_path):
     back, ref2, got2 = reshard(tag_dir.parent, tmp_path / "tp2pp2", tp=2, pp=2)
     assert got2 == pytest.approx(ref2, rel=1e-6, abs=1e-6)
     assert ref2 == pytest.approx(ref, rel=1e-6)  # the same weights all the way round
-    assert sorted(p.name for p in back.glob("layer_*")) == sorted(p.name for p in (save_dir / back.name).glob("layer_*"))
+    assert sorted(p.name for p in back.glob("layer_*")) == sorted(
+        p.name for p in (save_dir / back.name).glob("layer_*")
+    )
 
 
 def test_the_engines_own_eval_loss_survives_resharding(ds_checkpoints, tp1, tokenizer_path, sample_text):
-    """The source engine's held-out loss (TP=2 x PP=2, before resharding) from the TP=1 checkpoint's weights."""
+    """The source engine's held-out loss (TP=2 x PP=2, before resharding) from the TP=1 checkpoint's
+    weights."""
     from megatron_lev.checkpoint.hf_export import source_model
     from megatron_lev.checkpoint.source import open_checkpoint
     from tests.checkpoint.ds_checkpoints import text_batches
@@ -45,7 +48,10 @@ def test_the_engines_own_eval_loss_survives_resharding(ds_checkpoints, tp1, toke
 
 
 def test_reshard_command_refuses_a_used_directory(ds_checkpoints, tp1, capsys):
-    assert cli_main(["reshard", str(ds_checkpoints["tied"][0]), str(tp1[0].parent), "--tp", "1", "--pp", "1"]) == 1
+    assert (
+        cli_main(["reshard", str(ds_checkpoints["tied"][0]), str(tp1[0].parent), "--tp", "1", "--pp", "1"])
+        == 1
+    )
     assert "is not empty" in capsys.readouterr().err
 
 

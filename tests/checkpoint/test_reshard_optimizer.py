@@ -41,7 +41,9 @@ def _engine(cfg):
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, VOCAB)
     world = torch.distributed.get_world_size()
-    engine, _ = build_engine(cfg, model, build_ds_config(cfg, world), pipeline=p.pipeline_model_parallel_size > 1)
+    engine, _ = build_engine(
+        cfg, model, build_ds_config(cfg, world), pipeline=p.pipeline_model_parallel_size > 1
+    )
     return engine
 
 
@@ -60,7 +62,8 @@ def _train(engine, pipeline: bool, batches: list[torch.Tensor]) -> list[float]:
 
 
 def train_and_save(root: str, tokenizer: str, zero: int) -> None:
-    """Collective over 4 ranks: TP=2 x PP=2, `TRAINED` steps, saved as the trainer saves (iteration, data position)."""
+    """Collective over 4 ranks: TP=2 x PP=2, `TRAINED` steps, saved as the trainer saves (iteration,
+    data position)."""
     from megatron_lev.parallel import state
     from megatron_lev.training.checkpointing import save_checkpoint
     from tests.checkpoint.ds_checkpoints import run_config
@@ -74,7 +77,8 @@ def train_and_save(root: str, tokenizer: str, zero: int) -> None:
 
 
 def resume_and_train(root: str) -> tuple[list[float], dict]:
-    """Collective: load the checkpoint in its own layout and train `CONTINUED` steps; (losses, client state)."""
+    """Collective: load the checkpoint in its own layout and train `CONTINUED` steps; (losses, client
+    state)."""
     from megatron_lev.config import load_config
     from megatron_lev.parallel import state
     from megatron_lev.training.checkpointing import load_checkpoint, read_latest
@@ -91,7 +95,9 @@ def resume_and_train(root: str) -> tuple[list[float], dict]:
 @pytest.fixture(scope="module", params=[1], ids=["zero1"])
 def source(request, tmp_path_factory, tokenizer_path):
     root = tmp_path_factory.mktemp(f"optim_zero{request.param}") / "src"
-    run_distributed(train_and_save, world_size=4, args=(str(root), tokenizer_path, request.param), timeout=900)
+    run_distributed(
+        train_and_save, world_size=4, args=(str(root), tokenizer_path, request.param), timeout=900
+    )
     reference = run_distributed(resume_and_train, world_size=4, args=(str(root),), timeout=900)[0][0]
     return root, reference
 

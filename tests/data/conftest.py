@@ -49,6 +49,9 @@ def pile_shard(tmp_path_factory, pile_jsonl, neox_path) -> str:
     from megatron_lev.data.preprocess import PreprocessOptions, preprocess
 
     prefix = tmp_path_factory.mktemp("shard") / "sample"
-    preprocess(PreprocessOptions([str(pile_jsonl)], str(prefix), "hf", neox_path, workers=1, progress=False,
-                                 chunk_bytes=64 << 10))
+    preprocess(
+        PreprocessOptions(
+            [str(pile_jsonl)], str(prefix), "hf", neox_path, workers=1, progress=False, chunk_bytes=64 << 10
+        )
+    )
     return str(prefix)

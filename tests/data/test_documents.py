@@ -10,8 +10,10 @@ EOD = 0
 
 def _stream(lengths, rows, seq, seed=0):
     g = torch.Generator().manual_seed(seed)
-    stream = torch.cat([torch.cat([torch.randint(1, 200, (n,), generator=g), torch.tensor([EOD])]) for n in lengths])
-    return stream[:rows * seq].view(rows, seq)
+    stream = torch.cat(
+        [torch.cat([torch.randint(1, 200, (n,), generator=g), torch.tensor([EOD])]) for n in lengths]
+    )
+    return stream[: rows * seq].view(rows, seq)
 
 
 def test_positions_and_documents_restart_after_each_eod():
@@ -32,8 +34,11 @@ def test_positions_and_documents_restart_after_each_eod():
 def test_layout_is_off_by_default_and_each_key_adds_one_tensor():
     assert DocumentLayout.from_config(load_config(None, []).data, EOD) is None
     ids = _stream((4, 9, 2, 30), rows=2, seq=16)
-    for key, present in (("reset_position_ids", "position_ids"), ("reset_attention_mask", "document_ids"),
-                         ("eod_mask_loss", "loss_mask")):
+    for key, present in (
+        ("reset_position_ids", "position_ids"),
+        ("reset_attention_mask", "document_ids"),
+        ("eod_mask_loss", "loss_mask"),
+    ):
         layout = DocumentLayout.from_config(load_config(None, [f"data.{key}=true"]).data, EOD)
         assert layout.eod == EOD
         out = layout(ids)

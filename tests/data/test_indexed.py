@@ -14,8 +14,16 @@ from megatron_lev.data.indexed import (
     best_dtype,
 )
 
-SPEC_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
-              8: np.uint16}
+SPEC_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 
 
 def spec_read(prefix):
@@ -99,7 +107,12 @@ def test_merge_keeps_documents(tmp_path):
     m.merge_file_(tmp_path / "b")
     m.finalize()
     ds = IndexedDataset(tmp_path / "m")
-    assert [ds[i].tolist() for i in range(3)] == [[1, 2], [3], [4, 5, 6]] and ds.doc_idx.tolist() == [0, 1, 2, 3]
+    assert [ds[i].tolist() for i in range(3)] == [[1, 2], [3], [4, 5, 6]] and ds.doc_idx.tolist() == [
+        0,
+        1,
+        2,
+        3,
+    ]
 
 
 def _pair(tmp_path):

@@ -33,8 +33,23 @@ def reference_sample_idx(sizes, doc_idx, seq_length: int, num_samples: int) -> n
 # the middle and at a sample boundary; a sample ending on a document's last token.
 SIZES = [0, 5, 1, 0, 7, 4, 3, 0, 8, 2]
 DOC_IDX = [3, 0, 5, 1, 9, 7, 2, 4, 8, 6, 0, 6, 2, 1, 9, 5, 4, 3, 7, 8]
-MEGATRON = [[0, 0], [3, 0], [3, 4], [7, 0], [7, 4], [8, 1], [8, 5], [9, 1], [11, 2], [13, 2], [14, 1],
-            [15, 3], [16, 3], [19, 0], [19, 4]]
+MEGATRON = [
+    [0, 0],
+    [3, 0],
+    [3, 4],
+    [7, 0],
+    [7, 4],
+    [8, 1],
+    [8, 5],
+    [9, 1],
+    [11, 2],
+    [13, 2],
+    [14, 1],
+    [15, 3],
+    [16, 3],
+    [19, 0],
+    [19, 4],
+]
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 1 << 17])

@@ -34,12 +34,19 @@ def test_stats_and_counts(pile_shard, pile_docs, neox_path):
     ds = IndexedDataset(pile_shard)
     tok = build_tokenizer("hf", neox_path)
     assert counts.dtype == np.int64 and len(counts) == tok.vocab_size
-    assert counts.tolist() == np.bincount(np.concatenate([ds[i] for i in range(len(ds))]).astype(np.int64),
-                                          minlength=tok.vocab_size).tolist()
+    assert (
+        counts.tolist()
+        == np.bincount(
+            np.concatenate([ds[i] for i in range(len(ds))]).astype(np.int64), minlength=tok.vocab_size
+        ).tolist()
+    )
     assert stats["documents"] == len(pile_docs) and stats["tokens"] == ds.num_tokens == counts.sum()
     assert counts[tok.eod] == len(pile_docs)
     assert {k: v["documents"] for k, v in stats["subsets"].items()} == {
-        "Wikipedia (en)": 150, "Fortunes": 135, "Github": 15}
+        "Wikipedia (en)": 150,
+        "Fortunes": 135,
+        "Github": 15,
+    }
     assert stats["errors"] == {} and stats["dtype"] == "uint16"
 
 
@@ -49,7 +56,9 @@ def test_split_by_subset_and_shards(tmp_path, pile_jsonl, pile_shard, neox_path)
     by_subset: dict[str, list] = {}
     for prefix in stats["outputs"]:
         ds = IndexedDataset(prefix)
-        assert ds.num_tokens * 2 <= 0.05e6 or len(ds) == 1  # a shard exceeds the size only for one big document
+        assert (
+            ds.num_tokens * 2 <= 0.05e6 or len(ds) == 1
+        )  # a shard exceeds the size only for one big document
         subset = prefix.split("/s_")[1].rsplit("_", 1)[0]
         by_subset.setdefault(subset, []).extend(ds[i].tolist() for i in range(len(ds)))
     assert sorted(by_subset) == ["Fortunes", "Github", "Wikipedia (en)"]
@@ -61,17 +70,33 @@ def test_split_by_subset_and_shards(tmp_path, pile_jsonl, pile_shard, neox_path)
 
 def test_bad_input_is_counted_by_file_and_line(tmp_path, pile_docs, neox_path):
     good = [json.dumps(d).encode() for d in pile_docs[:5]]
-    lines = [good[0], b"{not json", json.dumps({"content": "x"}).encode(), good[1],
-             b'{"text": "caf\xff"}', json.dumps({"text": "   "}).encode(), json.dumps({"text": ""}).encode(),
-             b'{"text": "lone \\ud800 surrogate"}', b"[1, 2]", good[2]]
+    lines = [
+        good[0],
+        b"{not json",
+        json.dumps({"content": "x"}).encode(),
+        good[1],
+        b'{"text": "caf\xff"}',
+        json.dumps({"text": "   "}).encode(),
+        json.dumps({"text": ""}).encode(),
+        b'{"text": "lone \\ud800 surrogate"}',
+        b"[1, 2]",
+        good[2],
+    ]
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     stats = _run([path], tmp_path / "out", neox_path, workers=1)
     assert stats["documents"] == 3
     assert stats["errors"] == {"malformed_json": 1, "missing_key": 2, "invalid_utf8": 2, "empty_document": 2}
     where = {(p["line"], p["kind"]) for p in stats["problems"]}
-    assert where == {(2, "malformed_json"), (3, "missing_key"), (5, "invalid_utf8"), (6, "empty_document"),
-                     (7, "empty_document"), (8, "invalid_utf8"), (9, "missing_key")}
+    assert where == {
+        (2, "malformed_json"),
+        (3, "missing_key"),
+        (5, "invalid_utf8"),
+        (6, "empty_document"),
+        (7, "empty_document"),
+        (8, "invalid_utf8"),
+        (9, "missing_key"),
+    }
     assert all(p["file"] == str(path) for p in stats["problems"])
     assert len(IndexedDataset(tmp_path / "out")) == 3
 
@@ -80,14 +105,19 @@ def test_truncated_zst_and_gz_are_reported_not_fatal(tmp_path, pile_docs, neox_p
     raw = b"".join(json.dumps(d).encode() + b"\n" for d in pile_docs)  # ~0.5 MB: several zstd blocks
     (tmp_path / "cut.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw)[:-3000])
     (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(raw)[:-3000])
-    (tmp_path / "ok.jsonl.gz").write_bytes(gzip.compress(b"".join(json.dumps(d).encode() + b"\n"
-                                                                  for d in pile_docs[:10])))
+    (tmp_path / "ok.jsonl.gz").write_bytes(
+        gzip.compress(b"".join(json.dumps(d).encode() + b"\n" for d in pile_docs[:10]))
+    )
     stats = _run([tmp_path / "*.jsonl.*"], tmp_path / "out", neox_path, workers=1)
-    truncated = sorted(p["file"].rsplit("/", 1)[1] for p in stats["problems"] if p["kind"] == "truncated_file")
+    truncated = sorted(
+        p["file"].rsplit("/", 1)[1] for p in stats["problems"] if p["kind"] == "truncated_file"
+    )
     assert truncated == ["cut.jsonl.gz", "cut.jsonl.zst"]
     # everything before the cut is kept; the partial last line is dropped with the file's problem
     assert stats["documents"] > 10 + 300 and "malformed_json" not in stats["errors"]
-    assert all("partial last line" in p["message"] for p in stats["problems"] if p["kind"] == "truncated_file")
+    assert all(
+        "partial last line" in p["message"] for p in stats["problems"] if p["kind"] == "truncated_file"
+    )
     ds = IndexedDataset(tmp_path / "out")  # the output is complete and consistent
     assert len(ds) == stats["documents"] and ds.num_tokens == stats["tokens"]
 

@@ -23,11 +23,17 @@ def test_pile_format_deterministic_and_capped(tmp_path, monkeypatch):
     assert a == b and a["unavailable"] == ["Dictionaries"]
     assert sorted(a["subsets"]) == ["Github", "Python_docs"]
     for name in a["subsets"]:
-        assert (tmp_path / "a" / f"{name}.jsonl.zst").read_bytes() == (tmp_path / "b" / f"{name}.jsonl.zst").read_bytes()
+        assert (tmp_path / "a" / f"{name}.jsonl.zst").read_bytes() == (
+            tmp_path / "b" / f"{name}.jsonl.zst"
+        ).read_bytes()
         recs = _records(tmp_path / "a" / f"{name}.jsonl.zst")
         assert len(recs) == a["subsets"][name]["documents"]
-        assert all(r["meta"] == {"pile_set_name": name} and len(r["text"].strip()) >= sc.MIN_CHARS for r in recs)
-    total = sum(len(r["text"].encode()) for n in a["subsets"] for r in _records(tmp_path / "a" / f"{n}.jsonl.zst"))
+        assert all(
+            r["meta"] == {"pile_set_name": name} and len(r["text"].strip()) >= sc.MIN_CHARS for r in recs
+        )
+    total = sum(
+        len(r["text"].encode()) for n in a["subsets"] for r in _records(tmp_path / "a" / f"{n}.jsonl.zst")
+    )
     assert total == a["bytes"] >= 0.4e6 and total < 0.4e6 + 400_000  # stops right after crossing the cap
     assert json.loads((tmp_path / "a" / "manifest.json").read_text()) == a
 

@@ -73,8 +73,9 @@ def test_tiktoken(tmp_path, neox_path):
 def test_hf_export_loads_with_transformers(kind, tmp_path, neox_path, request):
     from transformers import AutoTokenizer
 
-    path = {"hf": neox_path, "sentencepiece": request.getfixturevalue("sp_model")}.get(kind) \
-        or _tiktoken_file(tmp_path / "small.tiktoken", neox_path)
+    path = {"hf": neox_path, "sentencepiece": request.getfixturevalue("sp_model")}.get(
+        kind
+    ) or _tiktoken_file(tmp_path / "small.tiktoken", neox_path)
     tok = build_tokenizer(kind, path)
     files = tok.save_for_hf(tmp_path / "export")
     assert all(f.exists() for f in files)

@@ -10,8 +10,22 @@ import pytest
 @pytest.mark.multiprocess
 def test_demo_runs_end_to_end_and_resumes(tmp_path):
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "megatron_lev", "demo", "--out", str(out), "--corpus-mb", "2",
-           "--vocab-size", "1000", "--iters", "12", "--nproc", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_lev",
+        "demo",
+        "--out",
+        str(out),
+        "--corpus-mb",
+        "2",
+        "--vocab-size",
+        "1000",
+        "--iters",
+        "12",
+        "--nproc",
+        "2",
+    ]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -32,10 +46,30 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path):
     # the checkpoint and its export give the same held-out perplexity
     evals = {}
     for name, model in (("ckpt", out / "checkpoints"), ("hf", out / "hf")):
-        res = subprocess.run([sys.executable, "-m", "megatron_lev", "evaluate", str(model),
-                              "--data", str(out / "data" / "corpus"), "--split", "valid", "--split-spec", "949,50,1",
-                              "--name", name, "--out", str(tmp_path / name), "--threads", "1"],
-                             capture_output=True, text=True, timeout=300)
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megatron_lev",
+                "evaluate",
+                str(model),
+                "--data",
+                str(out / "data" / "corpus"),
+                "--split",
+                "valid",
+                "--split-spec",
+                "949,50,1",
+                "--name",
+                name,
+                "--out",
+                str(tmp_path / name),
+                "--threads",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         evals[name] = json.loads((tmp_path / name / "eval.json").read_text())["results"][0]
     assert evals["ckpt"]["tokens"] == evals["hf"]["tokens"] == ev["tokens"]

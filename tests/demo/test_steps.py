@@ -6,7 +6,9 @@ from megatron_lev.demo.steps import Step, StepFailed, StepRunner
 
 
 def _touch_step(name, path, counter):
-    code = f"import pathlib; pathlib.Path({str(path)!r}).write_text('x'); open({str(counter)!r}, 'a').write('1')"
+    code = (
+        f"import pathlib; pathlib.Path({str(path)!r}).write_text('x'); open({str(counter)!r}, 'a').write('1')"
+    )
     return Step(name, f"writes {path.name}", lambda: [sys.executable, "-c", code], lambda: [path])
 
 
@@ -24,7 +26,9 @@ def test_finished_steps_are_skipped_and_missing_outputs_rerun(tmp_path):
 
 
 def test_failing_step_names_itself_and_stops_the_pipeline(tmp_path):
-    bad = Step("broken", "exits 3", lambda: [sys.executable, "-c", "print('about to fail'); raise SystemExit(3)"])
+    bad = Step(
+        "broken", "exits 3", lambda: [sys.executable, "-c", "print('about to fail'); raise SystemExit(3)"]
+    )
     after = _touch_step("after", tmp_path / "b.txt", tmp_path / "count")
     with pytest.raises(StepFailed, match=r"(?s)step 'broken' failed \(exit status 3\).*about to fail"):
         StepRunner(tmp_path, log=lambda *_: None).run([bad, after])
@@ -33,6 +37,8 @@ def test_failing_step_names_itself_and_stops_the_pipeline(tmp_path):
 
 
 def test_step_without_its_output_fails(tmp_path):
-    lazy = Step("lazy", "claims an output", lambda: [sys.executable, "-c", "pass"], lambda: [tmp_path / "never"])
+    lazy = Step(
+        "lazy", "claims an output", lambda: [sys.executable, "-c", "pass"], lambda: [tmp_path / "never"]
+    )
     with pytest.raises(StepFailed, match="did not produce"):
         StepRunner(tmp_path, log=lambda *_: None).run([lazy])

@@ -26,8 +26,11 @@ from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.training.ds_config import validate_training
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = {"$PILE_DATA": "data/pile_train_text_document", "$PILE_VALID": "data/pile_val_text_document",
-        "$PILE_TOKENIZER": "tokenizers/gpt-neox-20b.json"}
+DATA = {
+    "$PILE_DATA": "data/pile_train_text_document",
+    "$PILE_VALID": "data/pile_val_text_document",
+    "$PILE_TOKENIZER": "tokenizers/gpt-neox-20b.json",
+}
 
 
 def _resolved(run):
@@ -93,8 +96,13 @@ def test_submission_script_submits_every_run_with_expanded_data(tmp_path):
     log = tmp_path / "calls.txt"
     fake.write_text(f'#!/usr/bin/env bash\nprintf "%q " "$@" >> {shlex.quote(str(log))}\necho >> {log}\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "PILE_DATA": "my data/train_text_document",
-           "PILE_VALID": "v_text_document", "PILE_TOKENIZER": "tok.json"}
+    env = {
+        **os.environ,
+        "PATH": f"{fake.parent}:{os.environ['PATH']}",
+        "PILE_DATA": "my data/train_text_document",
+        "PILE_VALID": "v_text_document",
+        "PILE_TOKENIZER": "tok.json",
+    }
     script = ROOT / PAPER_DIR / "submit_all.sh"
     subprocess.run(["bash", str(script)], env=env, check=True, cwd=tmp_path)
     calls = [shlex.split(line) for line in log.read_text().splitlines()]
@@ -102,8 +110,9 @@ def test_submission_script_submits_every_run_with_expanded_data(tmp_path):
     assert {c[c.index("--config") + 1] for c in calls} == {str(PAPER_DIR / f"{s}.yaml") for s in PAPER_SIZES}
     assert all("data.data_path=my data/train_text_document" in c for c in calls)
     assert {c[0] for c in calls} == {f"--nodes={n}" for n in PAPER_SIZES.values()}
-    assert sorted(a.split("=", 1)[1] for c in calls for a in c if a.startswith("model.embedding=")) == \
-        sorted(list(tuple(REGISTRY)) * 3)
+    assert sorted(a.split("=", 1)[1] for c in calls for a in c if a.startswith("model.embedding=")) == sorted(
+        list(tuple(REGISTRY)) * 3
+    )
     missing = {k: v for k, v in env.items() if k != "PILE_VALID"}
     proc = subprocess.run(["bash", str(script)], env=missing, cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode != 0 and "PILE_VALID" in proc.stderr

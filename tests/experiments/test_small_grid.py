@@ -22,8 +22,12 @@ def _pile_dir(tmp_path: Path) -> Path:
     for subset, n in (("Wikipedia (en)", 7), ("Fortunes", 30), ("Github", 12)):
         with open(d / f"{subset.split()[0]}.jsonl", "w") as f:
             for i in range(n):
-                f.write(json.dumps({"text": f"{subset} document {i:03d} " + "x" * 40,
-                                    "meta": {"pile_set_name": subset}}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"text": f"{subset} document {i:03d} " + "x" * 40, "meta": {"pile_set_name": subset}}
+                    )
+                    + "\n"
+                )
     return d
 
 
@@ -33,16 +37,26 @@ def _texts(path: Path) -> list[str]:
 
 def test_split_holds_out_a_subset_and_every_nth_document(tmp_path):
     out = tmp_path / "split"
-    summary = split_corpus(_pile_dir(tmp_path), out, "Wikipedia (en)", max_chars_per_subset=20 * 60,
-                           valid_every=5, zero_shot_max_chars=10_000)
+    summary = split_corpus(
+        _pile_dir(tmp_path),
+        out,
+        "Wikipedia (en)",
+        max_chars_per_subset=20 * 60,
+        valid_every=5,
+        zero_shot_max_chars=10_000,
+    )
     train, valid, zero = (_texts(out / f"{p}.jsonl") for p in ("train", "valid", "zero_shot"))
     assert len(zero) == 7 and all(t.startswith("Wikipedia") for t in zero)
     assert not set(train) & set(valid) and not any(t.startswith("Wikipedia") for t in train + valid)
     fortunes = [t for t in train + valid if t.startswith("Fortunes")]
     assert len(fortunes) == 20  # the character cap: 20 documents of 60 characters
-    assert {t for t in valid if t.startswith("Fortunes")} == {f"Fortunes document {i:03d} " + "x" * 40
-                                                              for i in (4, 9, 14, 19)}
-    assert summary["subsets"]["Github"]["valid"]["docs"] == 2 and summary["subsets"]["Github"]["train"]["docs"] == 10
+    assert {t for t in valid if t.startswith("Fortunes")} == {
+        f"Fortunes document {i:03d} " + "x" * 40 for i in (4, 9, 14, 19)
+    }
+    assert (
+        summary["subsets"]["Github"]["valid"]["docs"] == 2
+        and summary["subsets"]["Github"]["train"]["docs"] == 10
+    )
     assert json.loads((out / "split.json").read_text())["zero_shot_subset"] == "Wikipedia (en)"
     with pytest.raises(ValueError, match="Wikipedia_en.*subsets found"):
         split_corpus(_pile_dir(tmp_path / "again"), tmp_path / "s2", "Wikipedia_en")
@@ -94,29 +108,40 @@ def test_two_processes_keep_the_global_batch_and_bad_grids_are_refused(tmp_path)
 def _fake_run(root: Path, name: str, ppl: float, zs: float, params: int, tps: float) -> tuple[Path, Path]:
     run = root / name
     run.mkdir(parents=True)
-    rows = [{"kind": "event", "iteration": 0, "event": "start", "parameters": params},
-            {"kind": "train", "iteration": 2, "loss": 9.0, "tokens_per_s": 1.0},  # start-up window, dropped
-            {"kind": "train", "iteration": 4, "loss": 8.0, "tokens_per_s": tps},
-            {"kind": "valid", "iteration": 4, "loss": 8.5}]
+    rows = [
+        {"kind": "event", "iteration": 0, "event": "start", "parameters": params},
+        {"kind": "train", "iteration": 2, "loss": 9.0, "tokens_per_s": 1.0},  # start-up window, dropped
+        {"kind": "train", "iteration": 4, "loss": 8.0, "tokens_per_s": tps},
+        {"kind": "valid", "iteration": 4, "loss": 8.5},
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    buckets = [{"bucket": "< 1e-05", "tokens": 10, "perplexity": 2 * ppl}, {"bucket": ">= 1e-05", "tokens": 90,
-                                                                            "perplexity": ppl}]
-    results = [{"corpus_kind": "mmidx", "corpus": "valid_text_document", "perplexity": ppl, "buckets": buckets},
-               {"corpus_kind": "text", "corpus": "zero_shot.jsonl", "perplexity": zs}]
+    buckets = [
+        {"bucket": "< 1e-05", "tokens": 10, "perplexity": 2 * ppl},
+        {"bucket": ">= 1e-05", "tokens": 90, "perplexity": ppl},
+    ]
+    results = [
+        {"corpus_kind": "mmidx", "corpus": "valid_text_document", "perplexity": ppl, "buckets": buckets},
+        {"corpus_kind": "text", "corpus": "zero_shot.jsonl", "perplexity": zs},
+    ]
     (run / "eval.json").write_text(json.dumps({"name": name, "results": results}))
     return run, run / "eval.json"
 
 
 def test_summary_is_relative_to_tied(tmp_path):
-    runs = {"TIED": _fake_run(tmp_path, "TIED", 100.0, 200.0, 1000, 50.0),
-            "LEV": _fake_run(tmp_path, "LEV", 90.0, 220.0, 1100, 40.0)}
+    runs = {
+        "TIED": _fake_run(tmp_path, "TIED", 100.0, 200.0, 1000, 50.0),
+        "LEV": _fake_run(tmp_path, "LEV", 90.0, 220.0, 1100, 40.0),
+    }
     summary = grid_summary(runs)
     lev = next(r for r in summary["rows"] if r["name"] == "LEV")
     assert lev["valid_rel_pct"] == pytest.approx(-10.0) and lev["zero_shot_rel_pct"] == pytest.approx(10.0)
     assert lev["bucket_rel_pct"]["< 1e-05"] == pytest.approx(-10.0)
     assert lev["parameters_rel_pct"] == pytest.approx(10.0) and lev["step_time_ratio"] == pytest.approx(1.25)
     table = summary_markdown(summary)
-    assert "| LEV | 1,100 | +10.00% | 90.000 | -10.00% | -10.00% | -10.00% | 220.000 | +10.00% | 40 | 1.25x |" in table
+    assert (
+        "| LEV | 1,100 | +10.00% | 90.000 | -10.00% | -10.00% | -10.00% | 220.000 | +10.00% | 40 | 1.25x |"
+        in table
+    )
     assert "| TIED |" in table
     with pytest.raises(ValueError, match="TIED"):
         grid_summary({"LEV": runs["LEV"]})
@@ -127,8 +152,9 @@ def test_commands_file_lists_what_ran(tmp_path):
     steps = grid.steps()
     state = tmp_path / "state"
     state.mkdir()
-    (state / "split.json").write_text(json.dumps({"seconds": 3.0, "command": ["/opt/env/bin/python3.11", "-m", "x",
-                                                                             "a b"]}))
+    (state / "split.json").write_text(
+        json.dumps({"seconds": 3.0, "command": ["/opt/env/bin/python3.11", "-m", "x", "a b"]})
+    )
     text = commands_markdown(state, steps)
     assert "python -m x 'a b'" in text and text.count("(not finished)") == len(steps) - 1
     assert "/opt/env" not in text  # no path of the machine it ran on
@@ -142,7 +168,9 @@ def test_a_finished_step_with_another_command_is_refused_but_compare_reruns(tmp_
     state = tmp_path / "grid" / ".steps"
     state.mkdir(parents=True)
     for name in ("train-lev", "compare-validation"):
-        (state / f"{name}.json").write_text(json.dumps({"command": ["/other/python", *steps[name].command()[1:]]}))
+        (state / f"{name}.json").write_text(
+            json.dumps({"command": ["/other/python", *steps[name].command()[1:]]})
+        )
     check_finished_steps(state, list(steps.values()))  # same commands, another interpreter: fine
     grid.variants = ["tied", "lev"]  # fewer variants: the comparison changes and is rerun
     check_finished_steps(state, grid.steps())

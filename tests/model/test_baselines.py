@@ -15,8 +15,9 @@ PILE_V, D = 50277, 1024
 
 
 def small_cfg(variant, **kw):
-    return ModelConfig(hidden_size=16, embedding=variant, lev=LevConfig(k=2, d_seed=8, heads=2, kappa=5, rank=4),
-                       **kw)
+    return ModelConfig(
+        hidden_size=16, embedding=variant, lev=LevConfig(k=2, d_seed=8, heads=2, kappa=5, rank=4), **kw
+    )
 
 
 @pytest.mark.parametrize("variant", list(REGISTRY))
@@ -67,7 +68,11 @@ def test_explicit_widths_override_matching():
 
 def test_dense_counts_and_unknown_variant():
     cfg = ModelConfig(hidden_size=D)
-    assert parameter_counts("tied", PILE_V, D, cfg) == {"input": PILE_V * D, "output": 0, "total_embedding": PILE_V * D}
+    assert parameter_counts("tied", PILE_V, D, cfg) == {
+        "input": PILE_V * D,
+        "output": 0,
+        "total_embedding": PILE_V * D,
+    }
     assert parameter_counts("untied", PILE_V, D, cfg)["total_embedding"] == 2 * PILE_V * D
     assert parameter_counts("lev", PILE_V, D, cfg)["input"] == 1_720_192
     cfg.embedding = "dense"

@@ -17,7 +17,9 @@ from megatron_lev.model.embeddings.lev import default_phi_mode, spline_product
 
 def test_a_c_compiler_is_on_the_path():
     # the kernel tests need one; .ci/install_system_packages.sh installs gcc where it is missing
-    assert cpu_kernel._compiler() is not None, "no C compiler (cc/gcc, or $CC): install gcc to build the LEV CPU kernel"
+    assert cpu_kernel._compiler() is not None, (
+        "no C compiler (cc/gcc, or $CC): install gcc to build the LEV CPU kernel"
+    )
 
 
 def _inputs(n=37, h=3, d=40, kappa=7, r=10, dtype=torch.float64, spread=0.6, seed=0):
@@ -30,7 +32,9 @@ def _inputs(n=37, h=3, d=40, kappa=7, r=10, dtype=torch.float64, spread=0.6, see
 def _value_and_grads(u, delta, mode):
     w, d = u.clone().requires_grad_(), delta.clone().requires_grad_()
     out = spline_product(w, d, d.shape[2], mode)
-    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(out.dtype)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(
+        out.dtype
+    )
     (out * probe).sum().backward()
     return out.detach(), w.grad, d.grad
 
@@ -54,14 +58,18 @@ def test_failing_compiler_is_reported_with_the_source_name(tmp_path, monkeypatch
 
 
 def test_switched_off_kernel_falls_back_to_the_pytorch_path(tmp_path):
-    code = ("import torch\n"
-            "from megatron_lev.model.embeddings import cpu_kernel\n"
-            "from megatron_lev.model.embeddings.lev import default_phi_mode, spline_product\n"
-            "print(cpu_kernel.available(), default_phi_mode(torch.device('cpu')))\n"
-            "try:\n    spline_product(torch.rand(2, 1, 3), torch.zeros(1, 3, 2, 2), 2, 'kernel')\n"
-            "except RuntimeError as e:\n    print('refused:', e)\n")
+    code = (
+        "import torch\n"
+        "from megatron_lev.model.embeddings import cpu_kernel\n"
+        "from megatron_lev.model.embeddings.lev import default_phi_mode, spline_product\n"
+        "print(cpu_kernel.available(), default_phi_mode(torch.device('cpu')))\n"
+        "try:\n    spline_product(torch.rand(2, 1, 3), torch.zeros(1, 3, 2, 2), 2, 'kernel')\n"
+        "except RuntimeError as e:\n    print('refused:', e)\n"
+    )
     env = dict(os.environ, **{cpu_kernel.ENV_SWITCH: "0", cpu_kernel.ENV_CACHE: str(tmp_path)})
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert out.splitlines()[0] == "False dense"
     assert "refused: phi mode 'kernel' needs" in out and cpu_kernel.ENV_SWITCH in out
     assert not any(tmp_path.iterdir())  # switched off means not even built
@@ -140,9 +148,13 @@ def test_forked_child_runs_the_kernel_on_its_own_threads():
 def test_unwritable_cache_falls_back_to_the_temp_dir(tmp_path):
     blocked = tmp_path / "not-a-dir"
     blocked.write_text("a file where the cache directory should be")
-    env = dict(os.environ, **{cpu_kernel.ENV_CACHE: str(blocked / "kernels"), "TMPDIR": str(tmp_path / "tmp")})
+    env = dict(
+        os.environ, **{cpu_kernel.ENV_CACHE: str(blocked / "kernels"), "TMPDIR": str(tmp_path / "tmp")}
+    )
     (tmp_path / "tmp").mkdir()
     code = "from megatron_lev.model.embeddings import cpu_kernel\nprint(cpu_kernel.available())\n"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "True"
     assert any((tmp_path / "tmp").glob("megatron_lev-kernels-*/lev_cpu-*.so"))

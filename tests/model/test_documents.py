@@ -14,12 +14,28 @@ from megatron_lev.testing import run_distributed
 from megatron_lev.training.batches import MicroBatch, micro_batch_loss, pipeline_batches, token_batches
 
 EOD, VOCAB, SEQ = 0, 208, 24
-SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", f"model.seq_length={SEQ}",
-         "model.make_vocab_size_divisible_by=8", "model.lev.d_seed=16", "model.lev.heads=4", "model.lev.kappa=8",
-         "model.lev.rank=8", "model.lev.chunk_size=16", "train.seed=3"]
+SMALL = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    f"model.seq_length={SEQ}",
+    "model.make_vocab_size_divisible_by=8",
+    "model.lev.d_seed=16",
+    "model.lev.heads=4",
+    "model.lev.kappa=8",
+    "model.lev.rank=8",
+    "model.lev.chunk_size=16",
+    "train.seed=3",
+]
 DOCUMENTS = ["data.reset_position_ids=true", "data.reset_attention_mask=true", "data.eod_mask_loss=true"]
-CASES = {"lev": ["model.embedding=lev"],
-         "untied_gqa_ckpt": ["model.embedding=untied", "model.num_kv_heads=2", "model.activation_checkpointing=true"]}
+CASES = {
+    "lev": ["model.embedding=lev"],
+    "untied_gqa_ckpt": [
+        "model.embedding=untied",
+        "model.num_kv_heads=2",
+        "model.activation_checkpointing=true",
+    ],
+}
 
 
 def _model(case, extra=()):
@@ -29,9 +45,11 @@ def _model(case, extra=()):
 def _packed(lengths=(5, 9, 1, 13, 7, 8, 5), rows=2, seed=0):
     """`rows` samples of SEQ tokens cut from documents of `lengths` tokens, each followed by EOD."""
     g = torch.Generator().manual_seed(seed)
-    stream = torch.cat([torch.cat([torch.randint(1, 200, (n,), generator=g), torch.tensor([EOD])]) for n in lengths])
+    stream = torch.cat(
+        [torch.cat([torch.randint(1, 200, (n,), generator=g), torch.tensor([EOD])]) for n in lengths]
+    )
     assert stream.numel() >= rows * SEQ
-    return stream[:rows * SEQ].view(rows, SEQ)
+    return stream[: rows * SEQ].view(rows, SEQ)
 
 
 def _segments(ids):
@@ -54,7 +72,7 @@ def test_packed_documents_give_the_logits_of_each_document_alone(case):
         packed = model(ids, position_ids=positions, document_ids=docs)  # (B, S, V)
         worst = 0.0
         for r, start, end in _segments(ids):
-            alone = model(ids[r:r + 1, start:end])[0]  # (end - start, V)
+            alone = model(ids[r : r + 1, start:end])[0]  # (end - start, V)
             worst = max(worst, float((packed[r, start:end] - alone).abs().max()))
     print(f"{case}: max |packed - one by one| = {worst:.2e}")
     assert worst <= 1e-5
@@ -88,14 +106,20 @@ def test_block_causal_mask_and_cu_seqlens():
 
 def _fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, causal=False):
     """flash_attn_varlen_func's contract, one sequence at a time with SDPA (flash-attn needs CUDA)."""
-    assert q.dim() == 3 and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and causal and dropout_p == 0.0
+    assert (
+        q.dim() == 3 and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and causal and dropout_p == 0.0
+    )
     assert int(cu_q[0]) == 0 and int(cu_q[-1]) == q.shape[0] and max_q == max_k
     assert isinstance(max_q, int) and int((cu_q[1:] - cu_q[:-1]).max()) == max_q
     rep = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
     for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
-        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
-        out[a:b] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)
+        qs, ks, vs = (
+            t[a:b].transpose(0, 1) for t in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1))
+        )
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(
+            0, 1
+        )
     return out
 
 
@@ -114,7 +138,9 @@ def test_flash_attn_varlen_path_matches_the_mask_path(monkeypatch):
 
 def test_options_off_change_nothing():
     cfg = load_config(None, SMALL)
-    assert DocumentLayout.from_config(cfg.data, EOD) is None  # off by default: plain (input_ids, labels) batches
+    assert (
+        DocumentLayout.from_config(cfg.data, EOD) is None
+    )  # off by default: plain (input_ids, labels) batches
     tokens = _packed(rows=2).long()
     loader = [{"tokens": torch.cat([tokens, tokens[:, :1]], dim=1)}]
     plain = next(token_batches(loader, torch.device("cpu")))
@@ -128,7 +154,9 @@ def test_options_off_change_nothing():
     ids = torch.randint(1, 200, (2, SEQ), generator=torch.Generator().manual_seed(1))
     batch = MicroBatch(ids, ids, **layout(ids))
     with torch.no_grad():
-        torch.testing.assert_close(micro_batch_loss(model, batch), model(ids, labels=ids).mean(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            micro_batch_loss(model, batch), model(ids, labels=ids).mean(), rtol=1e-6, atol=1e-6
+        )
 
 
 def test_loss_mask_drops_exactly_the_targets_after_eod():
@@ -160,7 +188,9 @@ MICRO, ACCUM, STEPS, LR = 2, 2, 3, 1e-3
 def _steps():
     """The same global batch every step, ACCUM micro-batches of packed documents, as MicroBatches."""
     layout = DocumentLayout.from_config(load_config(None, SMALL + DOCUMENTS).data, EOD)
-    tokens = _packed(rows=ACCUM * MICRO, lengths=(5, 9, 1, 13, 7, 8, 5, 3, 11, 2, 17, 6, 4, 9)).view(ACCUM, MICRO, SEQ)
+    tokens = _packed(rows=ACCUM * MICRO, lengths=(5, 9, 1, 13, 7, 8, 5, 3, 11, 2, 17, 6, 4, 9)).view(
+        ACCUM, MICRO, SEQ
+    )
     step = [MicroBatch(t[:, :-1], t[:, 1:], **layout(t[:, :-1])) for t in tokens]  # S - 1 tokens each
     return [step for _ in range(STEPS)]
 
@@ -175,15 +205,30 @@ def _pipeline_worker(case):
     from megatron_lev.parallel import state
 
     state.initialize_model_parallel(1, 2)
-    cfg = load_config(None, SMALL + CASES[case] + DOCUMENTS + [
-        "parallel.pipeline_model_parallel_size=2", "parallel.zero_stage=1", "parallel.partition_method=uniform",
-        f"model.seq_length={SEQ - 1}"])
+    cfg = load_config(
+        None,
+        SMALL
+        + CASES[case]
+        + DOCUMENTS
+        + [
+            "parallel.pipeline_model_parallel_size=2",
+            "parallel.zero_stage=1",
+            "parallel.partition_method=uniform",
+            f"model.seq_length={SEQ - 1}",
+        ],
+    )
     pipe = build_model(cfg, VOCAB)
-    ds_config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM,
-                 "train_batch_size": MICRO * ACCUM, "zero_optimization": {"stage": 1},
-                 "steps_per_print": 10 ** 6, "gradient_clipping": 0.0}
-    engine, *_ = deepspeed.initialize(model=pipe, optimizer=_adamw(pipe.parameters()), config=ds_config,
-                                      dist_init_required=False)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ACCUM,
+        "train_batch_size": MICRO * ACCUM,
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**6,
+        "gradient_clipping": 0.0,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=pipe, optimizer=_adamw(pipe.parameters()), config=ds_config, dist_init_required=False
+    )
     losses = [engine.train_batch(pipeline_batches(iter(step))).item() for step in _steps()]
     state.destroy_model_parallel()
     return losses
@@ -192,7 +237,9 @@ def _pipeline_worker(case):
 @pytest.mark.multiprocess
 def test_pp2_with_documents_matches_single_process():
     case = "untied_gqa_ckpt"  # blocks checkpointed: the document tensors go through recomputation too
-    model = build_model(load_config(None, SMALL + CASES[case] + DOCUMENTS + [f"model.seq_length={SEQ - 1}"]), VOCAB)
+    model = build_model(
+        load_config(None, SMALL + CASES[case] + DOCUMENTS + [f"model.seq_length={SEQ - 1}"]), VOCAB
+    )
     opt, ref = _adamw(model.parameters()), []
     for step in _steps():
         opt.zero_grad()

@@ -68,6 +68,11 @@ def test_tensor_parallel_matches_single_process(tp):
                 torch.testing.assert_close(merged, ref_grad, rtol=1e-10, atol=1e-12, msg=f"{variant} {name}")
             else:  # replicated: every rank holds the full gradient
                 for rank in ranks:
-                    torch.testing.assert_close(torch.from_numpy(rank[variant][1][name][0]), ref_grad, rtol=1e-10, atol=1e-12,
-                                               msg=f"{variant} {name}")
+                    torch.testing.assert_close(
+                        torch.from_numpy(rank[variant][1][name][0]),
+                        ref_grad,
+                        rtol=1e-10,
+                        atol=1e-12,
+                        msg=f"{variant} {name}",
+                    )
     assert all(f"model.lev.heads={tp + 1} is not divisible" in rank["bad_heads_error"] for rank in ranks)

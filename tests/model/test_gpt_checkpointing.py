@@ -6,8 +6,13 @@ from megatron_lev.config import load_config
 from megatron_lev.model.build import build_model
 from megatron_lev.parallel.random import model_parallel_manual_seed
 
-BASE = ["model.embedding=untied", "model.hidden_size=64", "model.make_vocab_size_divisible_by=8",
-        "model.num_kv_heads=2", "model.num_layers=3"]
+BASE = [
+    "model.embedding=untied",
+    "model.hidden_size=64",
+    "model.make_vocab_size_divisible_by=8",
+    "model.num_kv_heads=2",
+    "model.num_layers=3",
+]
 
 
 def _loss_and_grads(overrides, ids):
@@ -22,7 +27,9 @@ def test_checkpointed_blocks_equal_plain_blocks_with_dropout():
     ids = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
     dropout = ["model.hidden_dropout=0.2", "model.attention_dropout=0.2"]
     ref_loss, ref_grads = _loss_and_grads(dropout, ids)
-    loss, grads = _loss_and_grads(dropout + ["model.activation_checkpointing=true", "model.checkpoint_num_layers=2"], ids)
+    loss, grads = _loss_and_grads(
+        dropout + ["model.activation_checkpointing=true", "model.checkpoint_num_layers=2"], ids
+    )
     torch.testing.assert_close(loss, ref_loss)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, msg=lambda m, n=name: f"{n}: {m}")

@@ -13,8 +13,16 @@ from megatron_lev.model.flops import flops_per_token, parameter_count
 
 @pytest.mark.parametrize("embedding", tuple(REGISTRY))
 def test_parameter_count_equals_the_built_model(embedding):
-    cfg = load_config(None, [f"model.embedding={embedding}", "model.num_kv_heads=2", "model.lev.d_seed=16",
-                             "model.lev.rank=8", "model.make_vocab_size_divisible_by=64"])
+    cfg = load_config(
+        None,
+        [
+            f"model.embedding={embedding}",
+            "model.num_kv_heads=2",
+            "model.lev.d_seed=16",
+            "model.lev.rank=8",
+            "model.make_vocab_size_divisible_by=64",
+        ],
+    )
     model = build_model(cfg, 1000)
     assert parameter_count(cfg.model, 1024)["total"] == sum(p.numel() for p in model.parameters())
 
@@ -55,4 +63,6 @@ def test_forward_shapes_and_loss_against_f_cross_entropy():
     logits = model(ids)
     assert logits.shape == (2, 10, 64)
     loss = model(ids, ids)
-    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids, reduction="none"))
+    torch.testing.assert_close(
+        loss, torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids, reduction="none")
+    )

@@ -9,13 +9,27 @@ from megatron_lev.model.canonical import canonical_state_dict_spec, merge_tp_sha
 from megatron_lev.testing import run_distributed
 
 VOCAB = 208  # already a multiple of 8 x TP: TP = 1 and TP = 2 pad it alike
-SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=16",
-         "model.make_vocab_size_divisible_by=8", "model.lev.d_seed=16", "model.lev.heads=4", "model.lev.kappa=8",
-         "model.lev.rank=8", "model.lev.chunk_size=16", "train.seed=5"]
+SMALL = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=16",
+    "model.make_vocab_size_divisible_by=8",
+    "model.lev.d_seed=16",
+    "model.lev.heads=4",
+    "model.lev.kappa=8",
+    "model.lev.rank=8",
+    "model.lev.chunk_size=16",
+    "train.seed=5",
+]
 CASES = {  # name -> overrides
     "lev": ["model.embedding=lev"],
     "tied": ["model.embedding=tied"],
-    "untied_gqa_ckpt": ["model.embedding=untied", "model.num_kv_heads=2", "model.activation_checkpointing=true"],
+    "untied_gqa_ckpt": [
+        "model.embedding=untied",
+        "model.num_kv_heads=2",
+        "model.activation_checkpointing=true",
+    ],
 }
 
 
@@ -54,11 +68,22 @@ def test_tp2_matches_tp1_logits_loss_and_gradients():
         assert set(spec) == set(ref_grads)
         for rank in range(2):
             logits, loss, _ = results[rank][case]
-            torch.testing.assert_close(torch.from_numpy(logits), torch.from_numpy(ref_logits), rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(torch.from_numpy(loss), torch.from_numpy(ref_loss), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                torch.from_numpy(logits), torch.from_numpy(ref_logits), rtol=1e-5, atol=1e-6
+            )
+            torch.testing.assert_close(
+                torch.from_numpy(loss), torch.from_numpy(ref_loss), rtol=1e-5, atol=1e-6
+            )
         for name, ref in ref_grads.items():
-            merged = merge_tp_shards(spec[name], [torch.from_numpy(results[r][case][2][name]) for r in range(2)])
+            merged = merge_tp_shards(
+                spec[name], [torch.from_numpy(results[r][case][2][name]) for r in range(2)]
+            )
             assert merged.shape == spec[name].shape, (case, name)
             scale = float(abs(ref).max())
-            torch.testing.assert_close(merged, torch.from_numpy(ref), rtol=1e-5, atol=1e-5 * scale,
-                                       msg=lambda m, n=name, c=case: f"{c} {n}: {m}")
+            torch.testing.assert_close(
+                merged,
+                torch.from_numpy(ref),
+                rtol=1e-5,
+                atol=1e-5 * scale,
+                msg=lambda m, n=name, c=case: f"{c} {n}: {m}",
+            )

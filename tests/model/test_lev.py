@@ -62,8 +62,11 @@ def _reference(emb: LevEmbedding, ids: list[int]) -> torch.Tensor:
             y = (y - y.mean()) / torch.sqrt(y.var(unbiased=False) + 1e-5)
             u = torch.sigmoid(y * emb.norm_weight[h].detach() + emb.norm_bias[h].detach())
             t = (kappa - 1) * u[:, None] - torch.arange(kappa, dtype=torch.float64)  # (d, kappa)
-            raw = torch.where(t.abs() < 0.5, 0.75 - t**2,
-                              torch.where(t.abs() < 1.5, 0.5 * (1.5 - t.abs()) ** 2, torch.zeros_like(t)))
+            raw = torch.where(
+                t.abs() < 0.5,
+                0.75 - t**2,
+                torch.where(t.abs() < 1.5, 0.5 * (1.5 - t.abs()) ** 2, torch.zeros_like(t)),
+            )
             basis = raw / raw.sum(-1, keepdim=True)
             phi = torch.einsum("jm,jmr->jr", basis, 1 + emb.delta[h].detach())  # (d, r)
             g += phi.prod(dim=0) @ emb.out_proj[h].detach()
@@ -113,8 +116,11 @@ def _value_and_grads(emb, ids, seed=3):
     return out.detach(), {n: p.grad.clone() for n, p in emb.named_parameters()}
 
 
-@pytest.mark.parametrize("change", [dict(dedupe=False), dict(chunk_size=1000), dict(recompute=True)],
-                         ids=["unique-vs-full", "chunked-vs-unchunked", "recompute-vs-stored"])
+@pytest.mark.parametrize(
+    "change",
+    [dict(dedupe=False), dict(chunk_size=1000), dict(recompute=True)],
+    ids=["unique-vs-full", "chunked-vs-unchunked", "recompute-vs-stored"],
+)
 def test_execution_paths_agree(change):
     ids = torch.randint(0, 40, (3, 11), generator=torch.Generator().manual_seed(0))
     ref_out, ref_grads = _value_and_grads(make_lev(), ids)
@@ -176,7 +182,9 @@ def test_absent_token_moves_only_with_shared_structure(variant, changes):
 def _spec_product(weight, index, delta):
     """LEV.md step 6 written out: phi = sum_m B_m (1 + delta_m), M = sign * exp(sum_j log(|phi_j| + 1e-9))."""
     n, h, d, _ = weight.shape
-    rows = (1 + delta)[torch.arange(h).view(1, h, 1, 1), torch.arange(d).view(1, 1, d, 1), index]  # (N,h,d,3,r)
+    rows = (1 + delta)[
+        torch.arange(h).view(1, h, 1, 1), torch.arange(d).view(1, 1, d, 1), index
+    ]  # (N,h,d,3,r)
     phi = (weight.unsqueeze(-1) * rows).sum(-2)  # (N, h, d, r)
     sign = 1.0 - 2.0 * ((phi < 0).sum(2) % 2).to(phi.dtype)
     return sign * torch.exp(torch.log(phi.abs() + 1e-9).sum(2))
@@ -231,14 +239,19 @@ def test_grouped_product_matches_spec_formula(case, mode):
 
 def test_fused_kernel_gradcheck_through_the_basis():
     gen = torch.Generator().manual_seed(2)
-    u = torch.rand(4, 2, 20, generator=gen, dtype=torch.float64)  # 20 coordinates: one full and one short group
+    u = torch.rand(
+        4, 2, 20, generator=gen, dtype=torch.float64
+    )  # 20 coordinates: one full and one short group
     u[0, 0, :3] = torch.tensor([0.0, 1.0, 0.5])  # the ends of [0, 1] and a knot
     delta = 1.5 * torch.randn(2, 20, 5, 3, generator=gen, dtype=torch.float64)  # both signs
-    assert torch.autograd.gradcheck(lambda a, b: spline_product(a, b, 5, "kernel"),
-                                    (u.requires_grad_(), delta.requires_grad_()))
+    assert torch.autograd.gradcheck(
+        lambda a, b: spline_product(a, b, 5, "kernel"), (u.requires_grad_(), delta.requires_grad_())
+    )
 
 
-@pytest.mark.parametrize("case,expect", [("mixed", False), ("tiny", True), ("underflow", True), ("overflow", True)])
+@pytest.mark.parametrize(
+    "case,expect", [("mixed", False), ("tiny", True), ("underflow", True), ("overflow", True)]
+)
 def test_grouped_product_falls_back_per_factor_exactly_where_needed(case, expect):
     from megatron_lev.model.embeddings.lev import _group_product
 
@@ -269,7 +282,9 @@ def test_phi_modes_agree_in_the_layer():
     for other in ("dense", "kernel"):
         torch.testing.assert_close(results["gather"][0], results[other][0], rtol=1e-10, atol=1e-12)
         for name, grad in results["gather"][1].items():
-            torch.testing.assert_close(grad, results[other][1][name], rtol=1e-10, atol=1e-12, msg=f"{other} {name}")
+            torch.testing.assert_close(
+                grad, results[other][1][name], rtol=1e-10, atol=1e-12, msg=f"{other} {name}"
+            )
 
 
 def test_unknown_phi_mode_is_refused():

@@ -11,15 +11,34 @@ from megatron_lev.testing import run_distributed
 
 VOCAB = 208  # a multiple of 8 x TP for TP 1 and 2, so every layout pads it alike
 MICRO, ACCUM, SEQ, STEPS, LR = 2, 2, 16, 5, 1e-3
-SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", f"model.seq_length={SEQ}",
-         "model.make_vocab_size_divisible_by=8", "model.lev.d_seed=16", "model.lev.heads=4", "model.lev.kappa=8",
-         "model.lev.rank=8", "model.lev.chunk_size=16", "train.seed=3", "parallel.zero_stage=1",
-         "parallel.partition_method=uniform"]
+SMALL = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    f"model.seq_length={SEQ}",
+    "model.make_vocab_size_divisible_by=8",
+    "model.lev.d_seed=16",
+    "model.lev.heads=4",
+    "model.lev.kappa=8",
+    "model.lev.rank=8",
+    "model.lev.chunk_size=16",
+    "train.seed=3",
+    "parallel.zero_stage=1",
+    "parallel.partition_method=uniform",
+]
 
 
 def _config(embedding, tp, pp, extra=()):
-    return load_config(None, SMALL + [f"model.embedding={embedding}", f"parallel.tensor_model_parallel_size={tp}",
-                                      f"parallel.pipeline_model_parallel_size={pp}", *extra])
+    return load_config(
+        None,
+        SMALL
+        + [
+            f"model.embedding={embedding}",
+            f"parallel.tensor_model_parallel_size={tp}",
+            f"parallel.pipeline_model_parallel_size={pp}",
+            *extra,
+        ],
+    )
 
 
 def _batches():
@@ -63,11 +82,17 @@ def _pipeline_worker(tp, pp, embeddings, extra=()):
             if entry.partition_dim is not None:
                 local[entry.partition_dim] //= tp
             assert tuple(param.shape) == tuple(local), (name, entry)
-        ds_config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM,
-                     "train_batch_size": MICRO * ACCUM, "zero_optimization": {"stage": 1},
-                     "steps_per_print": 10 ** 6, "gradient_clipping": 0.0}
-        engine, *_ = deepspeed.initialize(model=pipe, optimizer=_adamw(pipe.parameters()), config=ds_config,
-                                          dist_init_required=False)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": ACCUM,
+            "train_batch_size": MICRO * ACCUM,
+            "zero_optimization": {"stage": 1},
+            "steps_per_print": 10**6,
+            "gradient_clipping": 0.0,
+        }
+        engine, *_ = deepspeed.initialize(
+            model=pipe, optimizer=_adamw(pipe.parameters()), config=ds_config, dist_init_required=False
+        )
         losses = [engine.train_batch(iter(step)).item() for step in _batches()]
         tied = [p.detach().clone() for p in pipe.tied_modules.parameters()] if embedding == "tied" else []
         # the first and last stage each hold a copy of the tied table: gather both to compare
@@ -86,8 +111,13 @@ def _check(results, embeddings, tp, pp):
         ref = _reference_losses(embedding)
         for rank_result in results:
             losses, copies = rank_result[embedding]
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, e=embedding: f"{e} TP={tp} PP={pp}: {m}")
+            torch.testing.assert_close(
+                torch.tensor(losses),
+                torch.tensor(ref),
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, e=embedding: f"{e} TP={tp} PP={pp}: {m}",
+            )
             assert losses[-1] < losses[0]
             for parts in copies:  # rank = pp * TP + tp: stage 0 and stage 1 of the same TP rank agree
                 for t in range(tp):
@@ -97,23 +127,45 @@ def _check(results, embeddings, tp, pp):
 @pytest.mark.multiprocess
 def test_pp2_matches_single_process_and_tied_copies_stay_identical():
     embeddings = ("tied",)
-    _check(run_distributed(_pipeline_worker, world_size=2, args=(1, 2, embeddings), timeout=400), embeddings, 1, 2)
+    _check(
+        run_distributed(_pipeline_worker, world_size=2, args=(1, 2, embeddings), timeout=400),
+        embeddings,
+        1,
+        2,
+    )
 
 
 @pytest.mark.multiprocess
 def test_tp2_pp2_matches_single_process():
-    embeddings = ("lev",)  # LEV heads split over TP on the first stage; blocks checkpointed (the reference is not)
-    results = run_distributed(_pipeline_worker, world_size=4, timeout=400,
-                              args=(2, 2, embeddings, ["model.activation_checkpointing=true"]))
+    embeddings = (
+        "lev",
+    )  # LEV heads split over TP on the first stage; blocks checkpointed (the reference is not)
+    results = run_distributed(
+        _pipeline_worker,
+        world_size=4,
+        timeout=400,
+        args=(2, 2, embeddings, ["model.activation_checkpointing=true"]),
+    )
     _check(results, embeddings, 2, 2)
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["parallel.tensor_model_parallel_size=3", "model.embedding=tied"], "num_attention_heads=4 is not divisible"),
-    (["parallel.tensor_model_parallel_size=2", "model.num_attention_heads=8", "model.lev.heads=3"],
-     "model.lev.heads=3 is not divisible"),
-    (["parallel.pipeline_model_parallel_size=2", "parallel.zero_stage=2"], "cannot be combined with pipeline"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (
+            ["parallel.tensor_model_parallel_size=3", "model.embedding=tied"],
+            "num_attention_heads=4 is not divisible",
+        ),
+        (
+            ["parallel.tensor_model_parallel_size=2", "model.num_attention_heads=8", "model.lev.heads=3"],
+            "model.lev.heads=3 is not divisible",
+        ),
+        (
+            ["parallel.pipeline_model_parallel_size=2", "parallel.zero_stage=2"],
+            "cannot be combined with pipeline",
+        ),
+    ],
+)
 def test_bad_layouts_are_refused_before_any_process_group(overrides, match):
     import torch.distributed as dist
 

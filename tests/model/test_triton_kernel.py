@@ -107,7 +107,9 @@ def test_float64_matches_the_c_kernel_and_the_gather_path(case, h):
     for mode in ("kernel", "gather"):
         ref = _value_and_grads(lambda a, b, mode=mode: spline_product(a, b, b.shape[2], mode), u, delta)
         for name, a, b in zip(("out", "grad u", "grad delta"), got, ref):
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12 * float(b.abs().max()), msg=f"{mode} {name}")
+            torch.testing.assert_close(
+                a, b, rtol=1e-10, atol=1e-12 * float(b.abs().max()), msg=f"{mode} {name}"
+            )
     if case == "zero":
         assert float(_spec(u, delta).abs().min()) > 0  # 1e-9 times the other factors, as the spec writes
 
@@ -239,8 +241,14 @@ def test_kernels_compile_for_a_gpu_without_register_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
-                          timeout=CHILD_TIMEOUT_S, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM90],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
     assert [line.split()[0] for line in lines] == ["forward", "backward"], proc.stdout
@@ -254,8 +262,13 @@ if not tk.interpreted():  # triton was imported before this module: run the test
 
     def test_kernel_tests_pass_under_the_interpreter():
         env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-                              env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT_S,
+            check=False,
+        )
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
         assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
-

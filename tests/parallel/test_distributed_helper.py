@@ -29,7 +29,9 @@ def test_two_process_all_reduce():
 
 @pytest.mark.multiprocess
 def test_child_traceback_is_reported():
-    with pytest.raises(DistributedTestError, match=r"(?s)rank 1 of 2 failed first.*ValueError: boom on rank one"):
+    with pytest.raises(
+        DistributedTestError, match=r"(?s)rank 1 of 2 failed first.*ValueError: boom on rank one"
+    ):
         run_distributed(_fails_on_rank_one, world_size=2, timeout=60)
 
 
@@ -66,8 +68,13 @@ def _groups(tp, pp):
     from megatron_lev.parallel import state
 
     state.initialize_model_parallel(tp, pp)
-    out = (dist.get_rank(), state.get_tensor_model_parallel_rank(), state.get_pipeline_model_parallel_rank(),
-           state.get_data_parallel_rank(), state.get_data_parallel_world_size())
+    out = (
+        dist.get_rank(),
+        state.get_tensor_model_parallel_rank(),
+        state.get_pipeline_model_parallel_rank(),
+        state.get_data_parallel_rank(),
+        state.get_data_parallel_world_size(),
+    )
     state.destroy_model_parallel()
     return out
 

@@ -21,8 +21,16 @@ def _column_row(x, seed, tp):
     x = x.clone().requires_grad_(True)
     y = row(F.silu(col(x)))
     (y * torch.arange(6.0)).sum().backward()
-    out = (y.detach(), x.grad, col.weight.detach(), col.weight.grad, row.weight.detach(), row.weight.grad,
-           fused.weight.detach(), fused(x).detach())
+    out = (
+        y.detach(),
+        x.grad,
+        col.weight.detach(),
+        col.weight.grad,
+        row.weight.detach(),
+        row.weight.grad,
+        fused.weight.detach(),
+        fused(x).detach(),
+    )
     state.destroy_model_parallel()
     return tuple(t.numpy() for t in out)  # by value: shared-memory tensors can vanish with the process
 
@@ -35,7 +43,11 @@ def _tp2_suite(x, logits, target, weights):
 def _ce_inputs():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 16, dtype=torch.float64, generator=g) * 4
-    return logits, torch.randint(0, 16, (2, 5), generator=g), torch.rand(2, 5, dtype=torch.float64, generator=g)
+    return (
+        logits,
+        torch.randint(0, 16, (2, 5), generator=g),
+        torch.rand(2, 5, dtype=torch.float64, generator=g),
+    )
 
 
 X = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(1))

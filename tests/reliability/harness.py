@@ -45,15 +45,23 @@ def run_cli(argv: list[str], capsys) -> Outcome:
     return Outcome(rc, captured.out, captured.err)
 
 
-def run_cli_process(argv: list[str], *, timeout: float = 120, env: dict | None = None, cwd=None,
-                    stdin=subprocess.DEVNULL) -> Outcome:
+def run_cli_process(
+    argv: list[str], *, timeout: float = 120, env: dict | None = None, cwd=None, stdin=subprocess.DEVNULL
+) -> Outcome:
     """`python -m megatron_lev *argv` as its own process group; a hang fails the test and
     the whole group is killed."""
     full_env = dict(os.environ)
     full_env.update(env or {})
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_lev", *map(str, argv)], cwd=cwd or ROOT,
-                            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=stdin, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_lev", *map(str, argv)],
+        cwd=cwd or ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=stdin,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -66,7 +74,9 @@ def run_cli_process(argv: list[str], *, timeout: float = 120, env: dict | None =
 def expect_error(outcome: Outcome, *fragments: str, rc: int | None = None) -> str:
     """A non-zero exit with no traceback whose last stderr line names every fragment
     (case-insensitive regular expressions). Returns that line."""
-    assert outcome.rc != 0, f"expected a failure, got exit 0\nstdout: {outcome.out[-2000:]}\nstderr: {outcome.err[-2000:]}"
+    assert outcome.rc != 0, (
+        f"expected a failure, got exit 0\nstdout: {outcome.out[-2000:]}\nstderr: {outcome.err[-2000:]}"
+    )
     if rc is not None:
         assert outcome.rc == rc, f"exit {outcome.rc}, expected {rc}: {outcome.err[-2000:]}"
     assert "Traceback" not in outcome.err, f"traceback instead of one line:\n{outcome.err[-3000:]}"

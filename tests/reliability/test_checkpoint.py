@@ -45,8 +45,11 @@ IT2, IT4 = ck.tag_for(2), ck.tag_for(4)
 
 
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "MEGATRON_LEV_DEBUG")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MEGATRON_LEV_DEBUG")
+    }
     env.update(ENV, **extra)
     return env
 
@@ -54,13 +57,30 @@ def _env(**extra) -> dict:
 def overrides(data: dict, out: Path, **extra) -> list[str]:
     """A seconds-long CPU run of the tiny config writing under `out`."""
     base = {
-        "data.data_path": f"[{data['prefix']}]", "data.tokenizer_path": data["tokenizer"], "data.split": "98,2,0",
-        "data.cache_dir": str(data["cache"]), "model.num_layers": 2, "model.hidden_size": 32,
-        "model.num_attention_heads": 2, "model.seq_length": 32, "model.lev.d_seed": 8, "model.lev.heads": 2,
-        "model.lev.rank": 4, "model.lev.kappa": 4, "train.micro_batch_size": 2, "train.train_iters": 4,
-        "train.lr": 3e-3, "train.min_lr": 3e-4, "train.lr_warmup_iters": 2, "train.save_interval": 2,
-        "train.keep_last": 2, "train.save": str(out / "ckpt"), "logging.output_dir": str(out),
-        "logging.log_interval": 1, "logging.progress_bar": False, "logging.tensorboard": False,
+        "data.data_path": f"[{data['prefix']}]",
+        "data.tokenizer_path": data["tokenizer"],
+        "data.split": "98,2,0",
+        "data.cache_dir": str(data["cache"]),
+        "model.num_layers": 2,
+        "model.hidden_size": 32,
+        "model.num_attention_heads": 2,
+        "model.seq_length": 32,
+        "model.lev.d_seed": 8,
+        "model.lev.heads": 2,
+        "model.lev.rank": 4,
+        "model.lev.kappa": 4,
+        "train.micro_batch_size": 2,
+        "train.train_iters": 4,
+        "train.lr": 3e-3,
+        "train.min_lr": 3e-4,
+        "train.lr_warmup_iters": 2,
+        "train.save_interval": 2,
+        "train.keep_last": 2,
+        "train.save": str(out / "ckpt"),
+        "logging.output_dir": str(out),
+        "logging.log_interval": 1,
+        "logging.progress_bar": False,
+        "logging.tensorboard": False,
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
@@ -72,8 +92,11 @@ def train(over: list[str], *, timeout: float = 180, **env) -> object:
 
 def snapshot(root: Path) -> dict[str, str]:
     """relative path -> sha256 of every file under `root` (to prove nothing changed)."""
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 # ------------------------------------------------------------------ shared inputs
@@ -93,8 +116,11 @@ def data(tmp_path_factory, shared_data) -> dict:
                 break
     (work / "docs.jsonl").write_text("".join(lines))
     tok = str(shared_data / "tokenizers" / "gpt-neox-20b.json")
-    preprocess(PreprocessOptions([str(work / "docs.jsonl")], str(work / "wiki_text_document"), "hf", tok,
-                                 workers=1, progress=False))
+    preprocess(
+        PreprocessOptions(
+            [str(work / "docs.jsonl")], str(work / "wiki_text_document"), "hf", tok, workers=1, progress=False
+        )
+    )
     return {"prefix": str(work / "wiki_text_document"), "tokenizer": tok, "cache": work / "cache"}
 
 
@@ -119,7 +145,7 @@ def flip(path: Path, n: int = 64) -> None:
     """Invert `n` bytes in the middle of `path` (the size stays the same)."""
     raw = bytearray(path.read_bytes())
     mid = len(raw) // 2
-    raw[mid:mid + n] = bytes(b ^ 0xFF for b in raw[mid:mid + n])
+    raw[mid : mid + n] = bytes(b ^ 0xFF for b in raw[mid : mid + n])
     path.write_bytes(bytes(raw))
 
 
@@ -154,40 +180,95 @@ def _extra_listed(d):
 
 DAMAGE = [
     # id, what is done to ckpt/, the tag resume must pick (None: error), regex the warning/error must match
-    pytest.param(lambda c: flip(c / IT4 / MODEL), IT2, rf"{IT4}/{MODEL} does not match its checksum",
-                 id="model-64-bytes-flipped"),
+    pytest.param(
+        lambda c: flip(c / IT4 / MODEL),
+        IT2,
+        rf"{IT4}/{MODEL} does not match its checksum",
+        id="model-64-bytes-flipped",
+    ),
     pytest.param(lambda c: flip(c / IT4 / OPTIM), IT2, rf"{IT4}/{OPTIM} does not match", id="optim-flipped"),
     pytest.param(lambda c: flip(c / IT4 / RNG, 8), IT2, rf"{IT4}/{RNG} does not match", id="rng-flipped"),
-    pytest.param(lambda c: flip(c / IT4 / "config.yaml", 4), IT2, rf"{IT4}/config.yaml does not match",
-                 id="stored-config-flipped"),
-    pytest.param(lambda c: truncate(c / IT4 / MODEL), IT2, rf"{MODEL} has \d+ bytes, \d+ expected",
-                 id="model-truncated"),
+    pytest.param(
+        lambda c: flip(c / IT4 / "config.yaml", 4),
+        IT2,
+        rf"{IT4}/config.yaml does not match",
+        id="stored-config-flipped",
+    ),
+    pytest.param(
+        lambda c: truncate(c / IT4 / MODEL),
+        IT2,
+        rf"{MODEL} has \d+ bytes, \d+ expected",
+        id="model-truncated",
+    ),
     pytest.param(lambda c: truncate(c / IT4 / OPTIM), IT2, rf"{OPTIM} has \d+ bytes", id="optim-truncated"),
     pytest.param(lambda c: (c / IT4 / MODEL).unlink(), IT2, rf"{IT4}/{MODEL} is missing", id="model-deleted"),
     pytest.param(lambda c: (c / IT4 / RNG).unlink(), IT2, rf"{IT4}/{RNG} is missing", id="rng-deleted"),
-    pytest.param(lambda c: (c / IT4 / ck.COMPLETE_MARKER).unlink(), IT2, rf"incomplete checkpoint.*{IT4}",
-                 id="marker-missing"),
-    pytest.param(lambda c: (c / IT4 / ck.COMPLETE_MARKER).write_text("{not json"), IT2,
-                 rf"{IT4}/complete is unreadable", id="marker-garbage"),
-    pytest.param(lambda c: (c / IT4 / ck.COMPLETE_MARKER).write_bytes(b"\xff\xfe\x00"), IT2,
-                 rf"{IT4}/complete is unreadable", id="marker-binary"),
-    pytest.param(lambda c: edit_marker(c / IT4, _wrong_sha), IT2, rf"{MODEL} does not match its checksum",
-                 id="marker-wrong-checksum"),
-    pytest.param(lambda c: edit_marker(c / IT4, _wrong_size), IT2, rf"{OPTIM} has \d+ bytes", id="marker-wrong-size"),
-    pytest.param(lambda c: edit_marker(c / IT4, _extra_listed), IT2, r"layer_99-model_states.pt is missing",
-                 id="marker-lists-missing-file"),
-    pytest.param(lambda c: edit_marker(c / IT4, _escape), IT2, r"outside the checkpoint", id="marker-path-escape"),
-    pytest.param(lambda c: (c / "latest").write_text("iter_0000009\n"), IT4,
-                 r"latest points to 'iter_0000009', which is missing", id="latest-names-missing-tag"),
-    pytest.param(lambda c: (c / "latest").write_text("../../etc\n"), IT4, r"latest does not name a checkpoint",
-                 id="latest-garbage"),
-    pytest.param(lambda c: (c / "latest").write_bytes(b"\x80\x81\xfe"), IT4, r"latest is unreadable",
-                 id="latest-binary"),
-    pytest.param(lambda c: ((c / "latest").write_text(IT2 + "\n"), flip(c / IT2 / MODEL)), IT4,
-                 rf"{IT2}/{MODEL} does not match", id="latest-points-to-damaged-older"),
-    pytest.param(lambda c: (flip(c / IT4 / MODEL), flip(c / IT2 / OPTIM)), None,
-                 r"no usable checkpoint under .*ckpt.*iter_0000004, iter_0000002 failed verification.*restore",
-                 id="all-damaged"),
+    pytest.param(
+        lambda c: (c / IT4 / ck.COMPLETE_MARKER).unlink(),
+        IT2,
+        rf"incomplete checkpoint.*{IT4}",
+        id="marker-missing",
+    ),
+    pytest.param(
+        lambda c: (c / IT4 / ck.COMPLETE_MARKER).write_text("{not json"),
+        IT2,
+        rf"{IT4}/complete is unreadable",
+        id="marker-garbage",
+    ),
+    pytest.param(
+        lambda c: (c / IT4 / ck.COMPLETE_MARKER).write_bytes(b"\xff\xfe\x00"),
+        IT2,
+        rf"{IT4}/complete is unreadable",
+        id="marker-binary",
+    ),
+    pytest.param(
+        lambda c: edit_marker(c / IT4, _wrong_sha),
+        IT2,
+        rf"{MODEL} does not match its checksum",
+        id="marker-wrong-checksum",
+    ),
+    pytest.param(
+        lambda c: edit_marker(c / IT4, _wrong_size), IT2, rf"{OPTIM} has \d+ bytes", id="marker-wrong-size"
+    ),
+    pytest.param(
+        lambda c: edit_marker(c / IT4, _extra_listed),
+        IT2,
+        r"layer_99-model_states.pt is missing",
+        id="marker-lists-missing-file",
+    ),
+    pytest.param(
+        lambda c: edit_marker(c / IT4, _escape), IT2, r"outside the checkpoint", id="marker-path-escape"
+    ),
+    pytest.param(
+        lambda c: (c / "latest").write_text("iter_0000009\n"),
+        IT4,
+        r"latest points to 'iter_0000009', which is missing",
+        id="latest-names-missing-tag",
+    ),
+    pytest.param(
+        lambda c: (c / "latest").write_text("../../etc\n"),
+        IT4,
+        r"latest does not name a checkpoint",
+        id="latest-garbage",
+    ),
+    pytest.param(
+        lambda c: (c / "latest").write_bytes(b"\x80\x81\xfe"),
+        IT4,
+        r"latest is unreadable",
+        id="latest-binary",
+    ),
+    pytest.param(
+        lambda c: ((c / "latest").write_text(IT2 + "\n"), flip(c / IT2 / MODEL)),
+        IT4,
+        rf"{IT2}/{MODEL} does not match",
+        id="latest-points-to-damaged-older",
+    ),
+    pytest.param(
+        lambda c: (flip(c / IT4 / MODEL), flip(c / IT2 / OPTIM)),
+        None,
+        r"no usable checkpoint under .*ckpt.*iter_0000004, iter_0000002 failed verification.*restore",
+        id="all-damaged",
+    ),
 ]
 
 
@@ -213,7 +294,9 @@ def test_checksums_cover_every_file_and_cost_little(trained):
     """Every file of a saved checkpoint is in its marker; verifying the tiny model takes milliseconds."""
     tag_dir = trained / "ckpt" / IT4
     marker = ck.read_marker(tag_dir)
-    assert sorted(marker["files"]) == ck.checkpoint_files(tag_dir) == sorted([MODEL, OPTIM, RNG, "config.yaml"])
+    assert (
+        sorted(marker["files"]) == ck.checkpoint_files(tag_dir) == sorted([MODEL, OPTIM, RNG, "config.yaml"])
+    )
     start = time.perf_counter()
     assert ck.verify_checkpoint(tag_dir) == []
     elapsed = time.perf_counter() - start
@@ -226,7 +309,9 @@ def test_flipped_latest_resumes_from_the_previous_checkpoint(run_copy, data):
     flip(run_copy / "ckpt" / IT4 / MODEL)
     res = train(overrides(data, run_copy, **{"train.train_iters": 6, "train.save_interval": 0}))
     expect_ok(res)
-    assert re.search(rf"checkpoint .*{IT4} is damaged: .*{MODEL} does not match its checksum", res.err), res.err
+    assert re.search(rf"checkpoint .*{IT4} is damaged: .*{MODEL} does not match its checksum", res.err), (
+        res.err
+    )
     assert f"resumed from {run_copy / 'ckpt' / IT2}" in res.err
     losses = [float(x) for x in re.findall(r"iter [3-6]/6 \| loss ([0-9.]+)", res.err + res.out)]
     assert len(losses) == 4 and all(5 < x < 11.5 for x in losses), losses
@@ -237,8 +322,10 @@ def test_flipped_latest_resumes_from_the_previous_checkpoint(run_copy, data):
 def test_resumed_run_whose_short_tail_was_all_skipped_finishes(run_copy, data):
     """Preempted one step before the end: the remaining step is skipped (non-finite loss). The run
     before learnt; this one must save its final checkpoint and exit 0, not fail every requeue."""
-    res = train(overrides(data, run_copy, **{"train.train_iters": 5, "train.save_interval": 0}),
-                MEGATRON_LEV_INJECT_NAN_AT_STEP="5")
+    res = train(
+        overrides(data, run_copy, **{"train.train_iters": 5, "train.save_interval": 0}),
+        MEGATRON_LEV_INJECT_NAN_AT_STEP="5",
+    )
     expect_ok(res)
     assert re.search(r"iteration 5: non-finite loss .*update skipped", res.err), res.err[-3000:]
     assert (run_copy / "ckpt" / "latest").read_text().strip() == ck.tag_for(5)
@@ -254,7 +341,7 @@ def test_every_checkpoint_damaged_exits_with_one_line(run_copy, data):
     assert snapshot(run_copy / "ckpt") == before
 
 
-# ------------------------------------------------------------------ a fresh start never destroys what it did not write
+# --------------------------------------------------------- a fresh start never destroys what it did not write
 
 
 def _unmarked(root: Path) -> None:
@@ -290,12 +377,18 @@ def _our_partial(root: Path) -> None:
 
 
 FRESH = [
-    pytest.param(_unmarked, r"iter_0000004/ \(no 'complete' marker, not written by this trainer\)",
-                 id="unmarked-iter-dir"),
+    pytest.param(
+        _unmarked,
+        r"iter_0000004/ \(no 'complete' marker, not written by this trainer\)",
+        id="unmarked-iter-dir",
+    ),
     pytest.param(_deepspeed_dir, r"global_step100/", id="deepspeed-global-step-dir"),
     pytest.param(_foreign_file, r"notes\.txt", id="foreign-file"),
-    pytest.param(_latest_only, r"latest \(names iter_0000004, which is not a usable checkpoint\)",
-                 id="latest-without-checkpoints"),
+    pytest.param(
+        _latest_only,
+        r"latest \(names iter_0000004, which is not a usable checkpoint\)",
+        id="latest-without-checkpoints",
+    ),
     pytest.param(_our_partial, None, id="own-interrupted-first-save-is-fine"),
     pytest.param(lambda root: root.mkdir(parents=True), None, id="empty-dir-is-fine"),
 ]
@@ -358,8 +451,9 @@ PRUNE = [
 
 
 @pytest.mark.parametrize("complete, partial, latest, saved, keep_last, left", PRUNE)
-def test_prune_keeps_the_save_and_what_latest_names(tmp_path, caplog, complete, partial, latest, saved,
-                                                    keep_last, left):
+def test_prune_keeps_the_save_and_what_latest_names(
+    tmp_path, caplog, complete, partial, latest, saved, keep_last, left
+):
     """Tags above the iteration just saved belong to a branch the run abandoned when it resumed from
     an older tag: they are kept but never outrank the run's new saves in keep_last."""
     root = tmp_path / "ckpt"
@@ -375,8 +469,9 @@ def test_prune_keeps_the_save_and_what_latest_names(tmp_path, caplog, complete, 
     assert ck.verify_checkpoint(root / ck.tag_for(saved)) == []
     ahead = [ck.tag_for(it) for it in (*complete, *partial) if it > saved]
     if ahead:
-        assert re.search(rf"{', '.join(ahead)} under .* newer than {ck.tag_for(saved)}.*rm -r", caplog.text), \
-            caplog.text
+        assert re.search(
+            rf"{', '.join(ahead)} under .* newer than {ck.tag_for(saved)}.*rm -r", caplog.text
+        ), caplog.text
     else:
         assert "newer than" not in caplog.text
 
@@ -389,7 +484,7 @@ def test_prune_without_a_save_keeps_what_latest_names(tmp_path):
     assert ck.prune_checkpoints(root, keep_last=1) == [ck.tag_for(200)]
 
 
-# ------------------------------------------------------------------ a failure on one rank raises on every rank
+# ----------------------------------------------------------------- a failure on one rank raises on every rank
 
 
 def _fail_on(rank: int, name: str, err: int):
@@ -467,16 +562,36 @@ def rank_faults(tmp_path_factory):
 
 RANK_FAULT_EXPECTED = [
     # case, exception every rank must raise (None: returned), regex of every rank's message
-    pytest.param("foreign-directory-seen-by-rank0", {"CheckpointDataError"}, r"not written by this trainer",
-                 id="foreign-directory-seen-by-rank0"),
-    pytest.param("started-marker-disk-full-on-rank0", {"DiskFullError"}, r"no space left on the device",
-                 id="started-marker-disk-full-on-rank0"),
-    pytest.param("complete-marker-unwritable-on-rank0", {"OSError", "RuntimeError"}, r"Input/output error",
-                 id="complete-marker-unwritable-on-rank0"),
-    pytest.param("checksum-unreadable-on-rank1", {"CheckpointDataError"}, r"cannot checksum .*Input/output error",
-                 id="checksum-unreadable-on-rank1"),
-    pytest.param("verify-unreadable-on-rank1", None, r"is unreadable \(.*Input/output error",
-                 id="verify-unreadable-on-rank1"),
+    pytest.param(
+        "foreign-directory-seen-by-rank0",
+        {"CheckpointDataError"},
+        r"not written by this trainer",
+        id="foreign-directory-seen-by-rank0",
+    ),
+    pytest.param(
+        "started-marker-disk-full-on-rank0",
+        {"DiskFullError"},
+        r"no space left on the device",
+        id="started-marker-disk-full-on-rank0",
+    ),
+    pytest.param(
+        "complete-marker-unwritable-on-rank0",
+        {"OSError", "RuntimeError"},
+        r"Input/output error",
+        id="complete-marker-unwritable-on-rank0",
+    ),
+    pytest.param(
+        "checksum-unreadable-on-rank1",
+        {"CheckpointDataError"},
+        r"cannot checksum .*Input/output error",
+        id="checksum-unreadable-on-rank1",
+    ),
+    pytest.param(
+        "verify-unreadable-on-rank1",
+        None,
+        r"is unreadable \(.*Input/output error",
+        id="verify-unreadable-on-rank1",
+    ),
 ]
 
 
@@ -534,11 +649,17 @@ CONFIG_DIFFS = [
     # override, allowed via --allow-change, expected: None (allowed) or regex of the refusal
     pytest.param({"model.hidden_size": 64}, (), r"model.hidden_size differ.*weights", id="model-width"),
     pytest.param({"model.embedding": "tied"}, (), r"model.embedding differ", id="model-embedding"),
-    pytest.param({"model.rope_theta": 500000.0}, ("model.rope_theta",), r"model.rope_theta differ",
-                 id="model-change-cannot-be-allowed"),
+    pytest.param(
+        {"model.rope_theta": 500000.0},
+        ("model.rope_theta",),
+        r"model.rope_theta differ",
+        id="model-change-cannot-be-allowed",
+    ),
     pytest.param({"train.precision": "bf16"}, (), r"train.precision differ", id="precision"),
     pytest.param({"parallel.zero_stage": 2}, (), r"parallel.zero_stage differ.*reshard", id="zero-stage"),
-    pytest.param({"train.seed": 7}, (), r"resume exactly.*train.seed.*--allow-change train.seed", id="train-seed"),
+    pytest.param(
+        {"train.seed": 7}, (), r"resume exactly.*train.seed.*--allow-change train.seed", id="train-seed"
+    ),
     pytest.param({"data.seed": 7}, (), r"data.seed", id="data-seed"),
     pytest.param({"data.split": "90,10,0"}, (), r"data.split", id="data-split"),
     pytest.param({"train.lr": 1e-3}, (), r"train.lr differ", id="lr-refused"),
@@ -548,13 +669,25 @@ CONFIG_DIFFS = [
     pytest.param({"train.save_interval": 7, "train.keep_last": 5}, (), None, id="save-interval-allowed"),
     pytest.param({"logging.log_interval": 5, "logging.tensorboard": True}, (), None, id="logging-allowed"),
     pytest.param({"model.activation_checkpointing": True}, (), None, id="activation-checkpointing-allowed"),
-    pytest.param({"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}, (), None, id="dropout-allowed"),
-    pytest.param({"model.init_std": 0.01, "model.lev.w_out_init_scale": 0.5}, (), None, id="init-scales-allowed"),
-    pytest.param({"model.seq_length": 64}, (), r"resume exactly.*model.seq_length.*--allow-change model.seq_length",
-                 id="seq-length-refused-without-flag"),
+    pytest.param(
+        {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}, (), None, id="dropout-allowed"
+    ),
+    pytest.param(
+        {"model.init_std": 0.01, "model.lev.w_out_init_scale": 0.5}, (), None, id="init-scales-allowed"
+    ),
+    pytest.param(
+        {"model.seq_length": 64},
+        (),
+        r"resume exactly.*model.seq_length.*--allow-change model.seq_length",
+        id="seq-length-refused-without-flag",
+    ),
     pytest.param({"model.seq_length": 64}, ("model.seq_length",), None, id="seq-length-allowed-by-flag"),
-    pytest.param({"model.num_layers": 3}, ("model.num_layers",), r"model.num_layers differ.*weights",
-                 id="model-depth-cannot-be-allowed"),
+    pytest.param(
+        {"model.num_layers": 3},
+        ("model.num_layers",),
+        r"model.num_layers differ.*weights",
+        id="model-depth-cannot-be-allowed",
+    ),
 ]
 
 
@@ -573,15 +706,18 @@ def test_config_differences_on_resume(run_copy, data, caplog, change, allow, ref
         assert re.search(refusal, str(err.value)), str(err.value)
         assert "\n" not in str(err.value)
     for key, value in change.items():  # every difference is printed, with its verdict
-        assert re.search(rf"{re.escape(key)}: .* -> {re.escape(repr(value))} \((allowed|refused)", caplog.text), \
-            caplog.text
+        assert re.search(
+            rf"{re.escape(key)}: .* -> {re.escape(repr(value))} \((allowed|refused)", caplog.text
+        ), caplog.text
 
 
 def test_model_change_on_resume_exits_with_the_differences(run_copy, data):
     before = snapshot(run_copy / "ckpt")
     res = train(overrides(data, run_copy, **{"model.hidden_size": 64, "train.train_iters": 8}))
     expect_error(res, r"cannot resume from .*iter_0000004", "model.hidden_size", rc=1)
-    assert "model.hidden_size: 32 -> 64 (refused" in res.err and "train.train_iters: 4 -> 8 (allowed)" in res.err
+    assert (
+        "model.hidden_size: 32 -> 64 (refused" in res.err and "train.train_iters: 4 -> 8 (allowed)" in res.err
+    )
     assert snapshot(run_copy / "ckpt") == before
 
 
@@ -611,8 +747,13 @@ def test_rng_file_round_trips_with_weights_only(tmp_path):
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
 
 
-@pytest.mark.parametrize("reseal", [pytest.param(True, id="payload-with-matching-checksum"),
-                                    pytest.param(False, id="payload-caught-by-checksum")])
+@pytest.mark.parametrize(
+    "reseal",
+    [
+        pytest.param(True, id="payload-with-matching-checksum"),
+        pytest.param(False, id="payload-caught-by-checksum"),
+    ],
+)
 def test_pickle_payload_in_rng_file_is_refused_not_run(run_copy, tmp_path, reseal):
     import torch
 
@@ -621,10 +762,14 @@ def test_pickle_payload_in_rng_file_is_refused_not_run(run_copy, tmp_path, resea
     torch.save({"python": _Payload(target), "numpy": 0, "torch": 0}, tag_dir / RNG)
     if reseal:  # whoever can write the file can rewrite the marker too
         digest = hashlib.sha256((tag_dir / RNG).read_bytes()).hexdigest()
-        edit_marker(tag_dir, lambda d: d["files"].update({RNG: {"size": (tag_dir / RNG).stat().st_size,
-                                                                "sha256": digest}}))
+        edit_marker(
+            tag_dir,
+            lambda d: d["files"].update({RNG: {"size": (tag_dir / RNG).stat().st_size, "sha256": digest}}),
+        )
         assert ck.verify_checkpoint(tag_dir) == []
-        with pytest.raises(CheckpointDataError, match=rf"{RNG} is not a plain tensor file \(refused to unpickle"):
+        with pytest.raises(
+            CheckpointDataError, match=rf"{RNG} is not a plain tensor file \(refused to unpickle"
+        ):
             ck.load_rng_file(tag_dir / RNG)
     else:
         assert ck.plan_resume(run_copy / "ckpt", run_copy / "ckpt").tag == IT2
@@ -642,14 +787,26 @@ def test_plain_pickle_in_rng_file_is_refused(tmp_path):
 # ------------------------------------------------------------------ preemption at start-up
 
 
-@pytest.mark.parametrize("sig, delay", [pytest.param(signal.SIGTERM, 0.2, id="sigterm-during-imports"),
-                                        pytest.param(signal.SIGUSR1, 0.6, id="sigusr1-during-imports"),
-                                        pytest.param(signal.SIGTERM, 1.5, id="sigterm-later-in-start-up")])
+@pytest.mark.parametrize(
+    "sig, delay",
+    [
+        pytest.param(signal.SIGTERM, 0.2, id="sigterm-during-imports"),
+        pytest.param(signal.SIGUSR1, 0.6, id="sigusr1-during-imports"),
+        pytest.param(signal.SIGTERM, 1.5, id="sigterm-later-in-start-up"),
+    ],
+)
 def test_signal_during_start_up_exits_75(data, tmp_path, sig, delay):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "megatron_lev", "train", "--config", str(TINY), *overrides(data, out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     time.sleep(delay)
     proc.send_signal(sig)
     try:
@@ -659,13 +816,22 @@ def test_signal_during_start_up_exits_75(data, tmp_path, sig, delay):
         pytest.fail("the trainer did not exit after a preemption signal")
     assert proc.returncode == 75, err[-3000:]
     assert "Traceback" not in err
-    assert re.search(r"preempted.*(before the first step|exiting with status 75)", err.splitlines()[-1]), err[-2000:]
+    assert re.search(r"preempted.*(before the first step|exiting with status 75)", err.splitlines()[-1]), err[
+        -2000:
+    ]
     assert not list((out / "ckpt").glob("iter_*")), "nothing may be saved before the first step"
 
 
 def _run_script(args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen([str(ROOT / "scripts" / "torchrun_local.sh"), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [str(ROOT / "scripts" / "torchrun_local.sh"), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.multiprocess
@@ -674,10 +840,16 @@ def test_torchrun_local_passes_the_ranks_75_through(data, tmp_path):
     torchrun reports the ranks' 75 as 1; the script must exit 75, with a complete checkpoint."""
     out = tmp_path / "run"
     env = _env(NPROC="2")
-    proc = _run_script(["--config", str(TINY), *overrides(data, out, **{"train.train_iters": 2000,
-                                                                          "train.save_interval": 0})], env)
+    proc = _run_script(
+        [
+            "--config",
+            str(TINY),
+            *overrides(data, out, **{"train.train_iters": 2000, "train.save_interval": 0}),
+        ],
+        env,
+    )
     deadline = time.monotonic() + 150
-    while not ((out / "metrics.jsonl").exists() and "iteration\": 3" in (out / "metrics.jsonl").read_text()):
+    while not ((out / "metrics.jsonl").exists() and 'iteration": 3' in (out / "metrics.jsonl").read_text()):
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -700,8 +872,10 @@ def test_torchrun_local_passes_the_ranks_75_through(data, tmp_path):
 def test_torchrun_local_rank_killed_at_start_up_is_a_failure(tmp_path):
     """A rank killed by SIGKILL (out of memory, a crash) writes no status; torchrun then stops its
     siblings, which report 75 from the start-up handler. Nobody preempted the job: not 75."""
-    env = {**_env(NPROC="2", ENTRY="-m tests.reliability.rank_crash_probe", TMPDIR=str(tmp_path)),
-           "PET_SHUTDOWN_TIMEOUT": "10"}
+    env = {
+        **_env(NPROC="2", ENTRY="-m tests.reliability.rank_crash_probe", TMPDIR=str(tmp_path)),
+        "PET_SHUTDOWN_TIMEOUT": "10",
+    }
     proc = _run_script(["--go"], env)
     try:
         log, _ = proc.communicate(timeout=120)
@@ -748,8 +922,12 @@ def _small_tmpfs(path: Path, size: str) -> bool:
     if os.geteuid() != 0 or not shutil.which("mount"):
         return False
     path.mkdir(parents=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def test_disk_full_during_save_names_the_path_and_keeps_the_previous(data, tmp_path):
@@ -769,8 +947,12 @@ def test_disk_full_during_save_names_the_path_and_keeps_the_previous(data, tmp_p
             from tests.reliability.harness import Outcome
 
             res = Outcome(p.returncode, p.stdout, p.stderr)
-        expect_error(res, r"saving checkpoint .*ckpt/iter_0000004 failed: no space left on the device",
-                     rf"{disk / 'ckpt' / IT2} and .*latest are unchanged", rc=1)
+        expect_error(
+            res,
+            r"saving checkpoint .*ckpt/iter_0000004 failed: no space left on the device",
+            rf"{disk / 'ckpt' / IT2} and .*latest are unchanged",
+            rc=1,
+        )
         ckpt = disk / "ckpt"
         assert (ckpt / "latest").read_text().strip() == IT2
         assert ck.verify_checkpoint(ckpt / IT2) == []

@@ -128,11 +128,17 @@ def exports(ds_checkpoints, tmp_path_factory):  # noqa: F811
 
 @pytest.fixture
 def ctx(ds_checkpoints, exports, tokenizer_path, tmp_path):  # noqa: F811
-    return Ctx(tmp_path, {k: v[0] for k, v in ds_checkpoints.items()}, exports[0], exports[1], Path(tokenizer_path))
+    return Ctx(
+        tmp_path, {k: v[0] for k, v in ds_checkpoints.items()}, exports[0], exports[1], Path(tokenizer_path)
+    )
 
 
 def tree(path: Path) -> dict[str, int]:
-    return {str(p.relative_to(path)): p.lstat().st_size for p in sorted(path.rglob("*"))} if path.exists() else {}
+    return (
+        {str(p.relative_to(path)): p.lstat().st_size for p in sorted(path.rglob("*"))}
+        if path.exists()
+        else {}
+    )
 
 
 # ----------------------------------------------------------------------------- the table
@@ -140,8 +146,8 @@ def tree(path: Path) -> dict[str, int]:
 
 @dataclass
 class Case:
-    setup: Callable[[Ctx], list]          # -> argv (after the command name)
-    fragments: tuple[str, ...]            # regexes the error line must match
+    setup: Callable[[Ctx], list]  # -> argv (after the command name)
+    fragments: tuple[str, ...]  # regexes the error line must match
     rc: int | None = None
     check: Callable[[Ctx], None] | None = None  # the state on disk afterwards
 
@@ -168,10 +174,12 @@ def cv(*extra):
 
 def cv_on(prepare, *extra, variant="tied"):
     """argv of `convert` on a copy of a checkpoint changed by `prepare(ctx, root)`."""
+
     def setup(c):
         root = c.copy(variant)
         prepare(c, root)
         return ["convert", root, c.tmp / "out", "--no-progress", *extra]
+
     return setup
 
 
@@ -203,6 +211,7 @@ def kept_file(c: Ctx):
 def with_model_vocab(vocab: int):
     """`prepare` for cv_on: the checkpoint's config.yaml says model.vocab_size=`vocab` (the tokenizer has
     50,277; 50,300 pads to the same 50,304 rows, so the weights are those of such a run)."""
+
     def prepare(c: Ctx, root: Path) -> None:
         import yaml
 
@@ -211,6 +220,7 @@ def with_model_vocab(vocab: int):
         cfg["model"]["vocab_size"] = vocab
         path.write_text(yaml.safe_dump(cfg))
         rerecord(path)
+
     return prepare
 
 
@@ -223,76 +233,250 @@ def ckpt_intact(c: Ctx):
 
 
 CONVERT = [
-    pytest.param(Case(lambda c: ["convert", c.tmp / "nope", c.tmp / "out"], ("nope", "does not exist"), 1, no_output),
-                 id="checkpoint-dir-missing"),
-    pytest.param(Case(lambda c: ["convert", write(c.tmp / "empty" / "x.txt", "").parent, c.tmp / "out"],
-                      ("empty", "no 'latest'"), 1, no_output), id="dir-without-latest"),
-    pytest.param(Case(cv_on(lambda c, r: ((r / "latest").unlink(), (r / "latest").write_text("iter_0000099\n"))),
-                      ("latest", "iter_0000099", "does not exist"), 1, no_output), id="latest-names-missing-tag"),
-    pytest.param(Case(cv_on(lambda c, r: ((r / "latest").unlink(), (r / "latest").write_text("\n"))),
-                      ("latest", "does not name a checkpoint tag", "--tag"), 1, no_output), id="latest-empty"),
-    pytest.param(Case(cv_on(lambda c, r: ((r / "latest").unlink(), (r / "latest").write_text("../../etc\n"))),
-                      ("latest", "does not name a checkpoint tag"), 1, no_output), id="latest-escapes-dir"),
-    pytest.param(Case(cv("--tag", "iter_0000042"), ("iter_0000042", "does not exist", "iter_0000001"), 1, no_output),
-                 id="tag-missing"),
-    pytest.param(Case(cv_on(lambda c, r: (tag_of(r) / "complete").unlink()), ("complete", "interrupted", "--tag"),
-                      1, no_output), id="incomplete-tag-no-marker"),
-    pytest.param(Case(cv_on(lambda c, r: (tag_of(r) / "layer_02-model_00-model_states.pt").unlink()),
-                      ("layer_02-model_00-model_states.pt", "is missing", "damaged"), 1, no_output),
-                 id="missing-shard"),
-    pytest.param(Case(cv_on(lambda c, r: [p.unlink() for p in tag_of(r).glob("*model_states.pt")]),
-                      ("model_states.pt", "missing", "--tag"), 1, no_output), id="tag-without-shards"),
-    pytest.param(Case(cv_on(truncate), ("layer_01-model_01-model_states.pt", "truncated", "damaged"), 1, no_output),
-                 id="truncated-shard"),
-    pytest.param(Case(cv_on(lambda c, r: flip_bytes(tag_of(r) / "layer_01-model_00-model_states.pt")),
-                      ("layer_01-model_00-model_states.pt", "checksum", "--tag"), 1, no_output),
-                 id="flipped-bytes-in-layer-file"),
-    pytest.param(Case(cv_on(lambda c, r: flip_bytes(sorted(tag_of(r).glob("*optim_states.pt"))[0], 16)),
-                      ("optim_states.pt", "checksum", "damaged"), 1, no_output),
-                 id="flipped-bytes-in-optimizer-file"),
-    pytest.param(Case(cv_on(lambda c, r: c.plant(tag_of(r) / "layer_01-model_00-model_states.pt")),
-                      ("refusing to load", "layer_01-model_00-model_states.pt", "builtins.open|open"), 1, no_output),
-                 id="pickle-payload-in-layer-file"),
-    pytest.param(Case(cv_on(lambda c, r: c.plant(tag_of(r) / "zero_pp_rank_0_mp_rank_00_model_states.pt"),
-                            variant="albert"), ("refusing to load", "ZeRO-3", "TP rank 0"), 1, no_output),
-                 id="pickle-payload-in-zero3-model-states"),
-    pytest.param(Case(cv_on(lambda c, r: c.plant(tag_of(r) / "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt"),
-                            variant="albert"), ("refusing to load", "TP rank 1"), 1, no_output),
-                 id="pickle-payload-in-zero3-optim-states"),
-    pytest.param(Case(lambda c: ["convert", c.ckpt["tied"], c.tmp / "out", "--config",
-                                 config_with(c, model__rope_theta=500000.0)],
-                      ("other.yaml", "model.rope_theta: 10000.0 in the checkpoint != 500000.0", "drop --config"), 1,
-                      no_output), id="config-other-rope-theta"),
-    pytest.param(Case(lambda c: ["convert", c.ckpt["tied"], c.tmp / "out", "--config",
-                                 config_with(c, model__norm_eps=1e-6, model__num_kv_heads=4)],
-                      ("model.norm_eps: 1e-05 in the checkpoint != 1e-06", "model.num_kv_heads: 2"), 1, no_output),
-                 id="config-other-norm-eps-and-gqa"),
-    pytest.param(Case(lambda c: ["convert", c.ckpt["tied"], c.tmp / "out", "--tokenizer", c.other_tokenizer()],
-                      ("other-tokenizer.json", "not the one the run was trained with", "sha256"), 1, no_output),
-                 id="tokenizer-other-file"),
-    pytest.param(Case(lambda c: ["convert", c.ckpt["tied"], c.tmp / "out", "--tokenizer", c.tmp / "none.json"],
-                      ("tokenizer not found", "none.json", "--tokenizer"), 1, no_output), id="tokenizer-missing"),
-    pytest.param(Case(cv_on(lambda c, r: own(tag_of(r) / "config.yaml").write_text(
-                          (tag_of(r) / "config.yaml").read_text().replace(str(c.tokenizer), "/moved/tok.json"))),
-                      ("tokenizer not found", "/moved/tok.json", "--tokenizer"), 1, no_output),
-                 id="run-tokenizer-moved"),
-    pytest.param(Case(lambda c: ["convert", c.ckpt["tied"], write(c.tmp / "out" / "mine.txt", "keep me").parent],
-                      ("out", "exists and is not empty", "--overwrite"), 2, kept_dir), id="output-not-empty"),
-    pytest.param(Case(lambda c: ["convert", c.ckpt["tied"], write(c.tmp / "out", "keep me")],
-                      ("out", "not a directory"), 2, kept_file), id="output-is-a-file"),
-    pytest.param(Case(lambda c: ["convert", c.copy(), c.tmp / "ckpt_tied", "--overwrite"],
-                      ("holds the checkpoint",), 2, ckpt_intact), id="output-is-the-checkpoint"),
-    pytest.param(Case(cv("--keep-lev"), ("--keep-lev needs a LEV model", "tied"), 2, no_output),
-                 id="keep-lev-on-tied"),
-    pytest.param(Case(cv_on(with_model_vocab(50000)), ("50277 tokens", "model.vocab_size is only 50000", "smaller"),
-                      1, no_output), id="model-vocab-smaller-than-tokenizer"),
-    pytest.param(Case(cv("--max-shard-size", "0"), ("--max-shard-size",), 2, no_output), id="max-shard-size-zero"),
+    pytest.param(
+        Case(lambda c: ["convert", c.tmp / "nope", c.tmp / "out"], ("nope", "does not exist"), 1, no_output),
+        id="checkpoint-dir-missing",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ["convert", write(c.tmp / "empty" / "x.txt", "").parent, c.tmp / "out"],
+            ("empty", "no 'latest'"),
+            1,
+            no_output,
+        ),
+        id="dir-without-latest",
+    ),
+    pytest.param(
+        Case(
+            cv_on(lambda c, r: ((r / "latest").unlink(), (r / "latest").write_text("iter_0000099\n"))),
+            ("latest", "iter_0000099", "does not exist"),
+            1,
+            no_output,
+        ),
+        id="latest-names-missing-tag",
+    ),
+    pytest.param(
+        Case(
+            cv_on(lambda c, r: ((r / "latest").unlink(), (r / "latest").write_text("\n"))),
+            ("latest", "does not name a checkpoint tag", "--tag"),
+            1,
+            no_output,
+        ),
+        id="latest-empty",
+    ),
+    pytest.param(
+        Case(
+            cv_on(lambda c, r: ((r / "latest").unlink(), (r / "latest").write_text("../../etc\n"))),
+            ("latest", "does not name a checkpoint tag"),
+            1,
+            no_output,
+        ),
+        id="latest-escapes-dir",
+    ),
+    pytest.param(
+        Case(cv("--tag", "iter_0000042"), ("iter_0000042", "does not exist", "iter_0000001"), 1, no_output),
+        id="tag-missing",
+    ),
+    pytest.param(
+        Case(
+            cv_on(lambda c, r: (tag_of(r) / "complete").unlink()),
+            ("complete", "interrupted", "--tag"),
+            1,
+            no_output,
+        ),
+        id="incomplete-tag-no-marker",
+    ),
+    pytest.param(
+        Case(
+            cv_on(lambda c, r: (tag_of(r) / "layer_02-model_00-model_states.pt").unlink()),
+            ("layer_02-model_00-model_states.pt", "is missing", "damaged"),
+            1,
+            no_output,
+        ),
+        id="missing-shard",
+    ),
+    pytest.param(
+        Case(
+            cv_on(lambda c, r: [p.unlink() for p in tag_of(r).glob("*model_states.pt")]),
+            ("model_states.pt", "missing", "--tag"),
+            1,
+            no_output,
+        ),
+        id="tag-without-shards",
+    ),
+    pytest.param(
+        Case(cv_on(truncate), ("layer_01-model_01-model_states.pt", "truncated", "damaged"), 1, no_output),
+        id="truncated-shard",
+    ),
+    pytest.param(
+        Case(
+            cv_on(lambda c, r: flip_bytes(tag_of(r) / "layer_01-model_00-model_states.pt")),
+            ("layer_01-model_00-model_states.pt", "checksum", "--tag"),
+            1,
+            no_output,
+        ),
+        id="flipped-bytes-in-layer-file",
+    ),
+    pytest.param(
+        Case(
+            cv_on(lambda c, r: flip_bytes(sorted(tag_of(r).glob("*optim_states.pt"))[0], 16)),
+            ("optim_states.pt", "checksum", "damaged"),
+            1,
+            no_output,
+        ),
+        id="flipped-bytes-in-optimizer-file",
+    ),
+    pytest.param(
+        Case(
+            cv_on(lambda c, r: c.plant(tag_of(r) / "layer_01-model_00-model_states.pt")),
+            ("refusing to load", "layer_01-model_00-model_states.pt", "builtins.open|open"),
+            1,
+            no_output,
+        ),
+        id="pickle-payload-in-layer-file",
+    ),
+    pytest.param(
+        Case(
+            cv_on(
+                lambda c, r: c.plant(tag_of(r) / "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+                variant="albert",
+            ),
+            ("refusing to load", "ZeRO-3", "TP rank 0"),
+            1,
+            no_output,
+        ),
+        id="pickle-payload-in-zero3-model-states",
+    ),
+    pytest.param(
+        Case(
+            cv_on(
+                lambda c, r: c.plant(tag_of(r) / "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt"),
+                variant="albert",
+            ),
+            ("refusing to load", "TP rank 1"),
+            1,
+            no_output,
+        ),
+        id="pickle-payload-in-zero3-optim-states",
+    ),
+    pytest.param(
+        Case(
+            lambda c: [
+                "convert",
+                c.ckpt["tied"],
+                c.tmp / "out",
+                "--config",
+                config_with(c, model__rope_theta=500000.0),
+            ],
+            ("other.yaml", "model.rope_theta: 10000.0 in the checkpoint != 500000.0", "drop --config"),
+            1,
+            no_output,
+        ),
+        id="config-other-rope-theta",
+    ),
+    pytest.param(
+        Case(
+            lambda c: [
+                "convert",
+                c.ckpt["tied"],
+                c.tmp / "out",
+                "--config",
+                config_with(c, model__norm_eps=1e-6, model__num_kv_heads=4),
+            ],
+            ("model.norm_eps: 1e-05 in the checkpoint != 1e-06", "model.num_kv_heads: 2"),
+            1,
+            no_output,
+        ),
+        id="config-other-norm-eps-and-gqa",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ["convert", c.ckpt["tied"], c.tmp / "out", "--tokenizer", c.other_tokenizer()],
+            ("other-tokenizer.json", "not the one the run was trained with", "sha256"),
+            1,
+            no_output,
+        ),
+        id="tokenizer-other-file",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ["convert", c.ckpt["tied"], c.tmp / "out", "--tokenizer", c.tmp / "none.json"],
+            ("tokenizer not found", "none.json", "--tokenizer"),
+            1,
+            no_output,
+        ),
+        id="tokenizer-missing",
+    ),
+    pytest.param(
+        Case(
+            cv_on(
+                lambda c, r: own(tag_of(r) / "config.yaml").write_text(
+                    (tag_of(r) / "config.yaml").read_text().replace(str(c.tokenizer), "/moved/tok.json")
+                )
+            ),
+            ("tokenizer not found", "/moved/tok.json", "--tokenizer"),
+            1,
+            no_output,
+        ),
+        id="run-tokenizer-moved",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ["convert", c.ckpt["tied"], write(c.tmp / "out" / "mine.txt", "keep me").parent],
+            ("out", "exists and is not empty", "--overwrite"),
+            2,
+            kept_dir,
+        ),
+        id="output-not-empty",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ["convert", c.ckpt["tied"], write(c.tmp / "out", "keep me")],
+            ("out", "not a directory"),
+            2,
+            kept_file,
+        ),
+        id="output-is-a-file",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ["convert", c.copy(), c.tmp / "ckpt_tied", "--overwrite"],
+            ("holds the checkpoint",),
+            2,
+            ckpt_intact,
+        ),
+        id="output-is-the-checkpoint",
+    ),
+    pytest.param(
+        Case(cv("--keep-lev"), ("--keep-lev needs a LEV model", "tied"), 2, no_output), id="keep-lev-on-tied"
+    ),
+    pytest.param(
+        Case(
+            cv_on(with_model_vocab(50000)),
+            ("50277 tokens", "model.vocab_size is only 50000", "smaller"),
+            1,
+            no_output,
+        ),
+        id="model-vocab-smaller-than-tokenizer",
+    ),
+    pytest.param(
+        Case(cv("--max-shard-size", "0"), ("--max-shard-size",), 2, no_output), id="max-shard-size-zero"
+    ),
 ]
 
 
 def ev(*extra, model="hf"):
-    return lambda c: ["evaluate", getattr(c, model), "--out", c.tmp / "ev", "--threads", "1", "--seq-len", "8",
-                      *extra]
+    return lambda c: [
+        "evaluate",
+        getattr(c, model),
+        "--out",
+        c.tmp / "ev",
+        "--threads",
+        "1",
+        "--seq-len",
+        "8",
+        *extra,
+    ]
 
 
 def ev_text(content: str | bytes, name: str = "corpus.txt"):
@@ -312,18 +496,25 @@ def shard_of_other_tokenizer(c: Ctx) -> Path:
     from megatron_lev.data.manifest import write_manifest
 
     prefix = shard(c, range(1, 30))
-    write_manifest(prefix, [str(prefix)], {"type": "hf", "file": "other.json", "sha256": "0" * 64,
-                                           "vocab_size": 50277, "eod": 0}, 29)
+    write_manifest(
+        prefix,
+        [str(prefix)],
+        {"type": "hf", "file": "other.json", "sha256": "0" * 64, "vocab_size": 50277, "eod": 0},
+        29,
+    )
     return prefix
 
 
 def shard_with_manifest(c: Ctx, kind: str, tokenizer: Path, text: str = "") -> Path:
-    """Held-out shard of `text` (default: the probe-free sample below) made with `tokenizer`, and its manifest."""
+    """Held-out shard of `text` (default: the probe-free sample below) made with `tokenizer`, and its
+    manifest."""
     from megatron_lev.data.manifest import write_manifest
     from megatron_lev.data.tokenizers import build_tokenizer, tokenizer_fingerprint
 
     tok = build_tokenizer(kind, tokenizer)
-    ids = tok.encode(text or "Held-out text: 12 apples, 3 pears.\n\tAnd caf\u00e9 na\u00efve! " * 3) + [tok.eod]
+    ids = tok.encode(text or "Held-out text: 12 apples, 3 pears.\n\tAnd caf\u00e9 na\u00efve! " * 3) + [
+        tok.eod
+    ]
     prefix = shard(c, ids)
     write_manifest(prefix, [str(prefix)], tokenizer_fingerprint(kind, tokenizer, tok), max(ids))
     return prefix
@@ -369,44 +560,154 @@ def no_config(c: Ctx) -> Path:
 
 EVALUATE = [
     pytest.param(Case(ev_text(""), ("corpus.txt", "no tokens to evaluate"), 1, no_eval), id="text-empty"),
-    pytest.param(Case(ev_text(b"caf\xe9 latin-1 text\n"), ("corpus.txt", "not UTF-8"), 1, no_eval),
-                 id="text-not-utf8"),
-    pytest.param(Case(ev_text('{"text": "ok"}\nnot json\n', "c.jsonl"), (r"c.jsonl:2", "not a JSON object"), 1,
-                      no_eval), id="jsonl-bad-line"),
-    pytest.param(Case(ev_text('{"text": 17}\n', "c.jsonl"), (r"c.jsonl:1", "'text' is a int"), 1, no_eval),
-                 id="jsonl-text-not-string"),
-    pytest.param(Case(ev_text(b'{"text": "\xff\xfe"}\n', "c.jsonl"), ("c.jsonl", "not UTF-8"), 1, no_eval),
-                 id="jsonl-not-utf8"),
-    pytest.param(Case(lambda c: ev("--text", write(c.tmp / "t.txt", "some text here and more"), "--tokenizer",
-                                   c.other_tokenizer())(c), ("other-tokenizer.json", "not the model's tokenizer"),
-                      1, no_eval), id="tokenizer-not-the-models"),
-    pytest.param(Case(lambda c: ev("--data", shard(c, [5, 6, 60000, 7, 8, 9, 10, 11, 12, 13]))(c),
-                      ("heldout", "token id 60000", "vocabulary of 50277"), 1, no_eval), id="shard-ids-beyond-vocab"),
-    pytest.param(Case(lambda c: ev("--data", shard_of_other_tokenizer(c))(c),
-                      ("heldout", "other.json", "not the model's"), 1, no_eval), id="shard-manifest-other-tokenizer"),
-    pytest.param(Case(lambda c: ev("--data", shard_with_manifest(c, "hf", digits_swapped_tokenizer(c)))(c),
-                      ("heldout", "digits-swapped.json", "not the model's", "probe text"), 1, no_eval),
-                 id="shard-manifest-tokenizer-encodes-otherwise"),
-    pytest.param(Case(lambda c: ev("--data", damaged_manifest(c))(c),
-                      ("heldout", "heldout.manifest.json", "unreadable shard-set manifest"), 1, no_eval),
-                 id="shard-manifest-damaged"),
-    pytest.param(Case(lambda c: ["evaluate", nan_model(c), "--data", shard(c, list(range(1, 40))), "--out",
-                                 c.tmp / "ev", "--seq-len", "8", "--threads", "1"],
-                      ("heldout", "non-finite perplexity"), 1, no_eval), id="non-finite-result"),
-    pytest.param(Case(lambda c: ["evaluate", no_config(c), "--data", c.tmp / "x", "--out", c.tmp / "ev"],
-                      ("weights_only", "no config.json"), 1, no_eval), id="hf-dir-without-config"),
-    pytest.param(Case(ev("--text", "x.txt", model="hf_lev"), ("lev_layer", "modeling_lev_llama.py",
-                                                              "--trust-remote-code"), 1, no_eval),
-                 id="keep-lev-export-needs-trust-remote-code"),
-    pytest.param(Case(lambda c: ev("--data", shard(c, range(1, 20)), "--seq-len", "0")(c), ("--seq-len", ">= 1"), 1,
-                      no_eval), id="seq-len-zero"),
-    pytest.param(Case(lambda c: ["evaluate", c.ckpt["tied"], "--text", write(c.tmp / "t.txt", "a b c"), "--out",
-                                 c.tmp / "ev"], ("--text", "needs --tokenizer"), 1, no_eval),
-                 id="checkpoint-text-without-tokenizer"),
-    pytest.param(Case(lambda c: ["evaluate", c.tmp / "gone", "--data", c.tmp / "x", "--out", c.tmp / "ev"],
-                      ("gone", "does not exist"), 1, no_eval), id="model-missing"),
-    pytest.param(Case(lambda c: ev("--data", shard(c, range(1, 20)), "--counts", write(c.tmp / "c.npy", b"junk"))(c),
-                      ("--counts", "c.npy"), 1, no_eval), id="counts-not-npy"),
+    pytest.param(
+        Case(ev_text(b"caf\xe9 latin-1 text\n"), ("corpus.txt", "not UTF-8"), 1, no_eval), id="text-not-utf8"
+    ),
+    pytest.param(
+        Case(
+            ev_text('{"text": "ok"}\nnot json\n', "c.jsonl"), (r"c.jsonl:2", "not a JSON object"), 1, no_eval
+        ),
+        id="jsonl-bad-line",
+    ),
+    pytest.param(
+        Case(ev_text('{"text": 17}\n', "c.jsonl"), (r"c.jsonl:1", "'text' is a int"), 1, no_eval),
+        id="jsonl-text-not-string",
+    ),
+    pytest.param(
+        Case(ev_text(b'{"text": "\xff\xfe"}\n', "c.jsonl"), ("c.jsonl", "not UTF-8"), 1, no_eval),
+        id="jsonl-not-utf8",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ev(
+                "--text",
+                write(c.tmp / "t.txt", "some text here and more"),
+                "--tokenizer",
+                c.other_tokenizer(),
+            )(c),
+            ("other-tokenizer.json", "not the model's tokenizer"),
+            1,
+            no_eval,
+        ),
+        id="tokenizer-not-the-models",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ev("--data", shard(c, [5, 6, 60000, 7, 8, 9, 10, 11, 12, 13]))(c),
+            ("heldout", "token id 60000", "vocabulary of 50277"),
+            1,
+            no_eval,
+        ),
+        id="shard-ids-beyond-vocab",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ev("--data", shard_of_other_tokenizer(c))(c),
+            ("heldout", "other.json", "not the model's"),
+            1,
+            no_eval,
+        ),
+        id="shard-manifest-other-tokenizer",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ev("--data", shard_with_manifest(c, "hf", digits_swapped_tokenizer(c)))(c),
+            ("heldout", "digits-swapped.json", "not the model's", "probe text"),
+            1,
+            no_eval,
+        ),
+        id="shard-manifest-tokenizer-encodes-otherwise",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ev("--data", damaged_manifest(c))(c),
+            ("heldout", "heldout.manifest.json", "unreadable shard-set manifest"),
+            1,
+            no_eval,
+        ),
+        id="shard-manifest-damaged",
+    ),
+    pytest.param(
+        Case(
+            lambda c: [
+                "evaluate",
+                nan_model(c),
+                "--data",
+                shard(c, list(range(1, 40))),
+                "--out",
+                c.tmp / "ev",
+                "--seq-len",
+                "8",
+                "--threads",
+                "1",
+            ],
+            ("heldout", "non-finite perplexity"),
+            1,
+            no_eval,
+        ),
+        id="non-finite-result",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ["evaluate", no_config(c), "--data", c.tmp / "x", "--out", c.tmp / "ev"],
+            ("weights_only", "no config.json"),
+            1,
+            no_eval,
+        ),
+        id="hf-dir-without-config",
+    ),
+    pytest.param(
+        Case(
+            ev("--text", "x.txt", model="hf_lev"),
+            ("lev_layer", "modeling_lev_llama.py", "--trust-remote-code"),
+            1,
+            no_eval,
+        ),
+        id="keep-lev-export-needs-trust-remote-code",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ev("--data", shard(c, range(1, 20)), "--seq-len", "0")(c),
+            ("--seq-len", ">= 1"),
+            1,
+            no_eval,
+        ),
+        id="seq-len-zero",
+    ),
+    pytest.param(
+        Case(
+            lambda c: [
+                "evaluate",
+                c.ckpt["tied"],
+                "--text",
+                write(c.tmp / "t.txt", "a b c"),
+                "--out",
+                c.tmp / "ev",
+            ],
+            ("--text", "needs --tokenizer"),
+            1,
+            no_eval,
+        ),
+        id="checkpoint-text-without-tokenizer",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ["evaluate", c.tmp / "gone", "--data", c.tmp / "x", "--out", c.tmp / "ev"],
+            ("gone", "does not exist"),
+            1,
+            no_eval,
+        ),
+        id="model-missing",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ev("--data", shard(c, range(1, 20)), "--counts", write(c.tmp / "c.npy", b"junk"))(c),
+            ("--counts", "c.npy"),
+            1,
+            no_eval,
+        ),
+        id="counts-not-npy",
+    ),
     pytest.param(Case(lambda c: ev()(c), ("--data", "--text"), 1, no_eval), id="nothing-to-evaluate"),
 ]
 
@@ -426,12 +727,18 @@ def with_nan(value, row=3):
         m = np.random.default_rng(0).normal(size=(20, 8)).astype(np.float32)
         m[row, 2] = value
         return npy(c, m)
+
     return make
 
 
 def fit_file(rows) -> Callable:
-    return lambda c: ["capacity", "--fit", write(c.tmp / "rows.json", rows if isinstance(rows, str) else
-                                                  json.dumps(rows)), "--out", c.tmp / "cap"]
+    return lambda c: [
+        "capacity",
+        "--fit",
+        write(c.tmp / "rows.json", rows if isinstance(rows, str) else json.dumps(rows)),
+        "--out",
+        c.tmp / "cap",
+    ]
 
 
 def planted_bin(c: Ctx) -> Path:
@@ -445,37 +752,109 @@ def planted_bin(c: Ctx) -> Path:
 GOOD_ROWS = [[64, 8, 0.3], [128, 8, 0.4], [256, 16, 0.35], [512, 16, 0.4], [1024, 32, 0.33], [16, 32, 0.0]]
 
 CAPACITY = [
-    pytest.param(Case(cap(lambda c: npy(c, np.zeros((2, 3, 4), np.float32))), ("m.npy", "2-D"), 1, no_capacity),
-                 id="npy-3d"),
-    pytest.param(Case(cap(lambda c: npy(c, np.ones((5, 4), np.complex64))), ("m.npy", "real numbers"), 1,
-                      no_capacity), id="npy-complex"),
-    pytest.param(Case(cap(lambda c: npy(c, np.array([Payload(c.marker)] * 4, dtype=object).reshape(2, 2),
-                                        allow_pickle=True)), ("m.npy", "not a readable .npy"), 1, no_capacity),
-                 id="npy-object-pickle-payload"),
-    pytest.param(Case(cap(with_nan(np.nan)), ("m.npy", "row 3", "non-finite"), 1, no_capacity), id="npy-nan-row"),
-    pytest.param(Case(cap(with_nan(np.inf, row=17)), ("m.npy", "row 17", "non-finite"), 1, no_capacity),
-                 id="npy-inf-row"),
-    pytest.param(Case(cap(lambda c: npy(c, np.ones((1, 8), np.float32))), ("m.npy", "at least 2", "got 1"), 1,
-                      no_capacity), id="npy-one-row"),
-    pytest.param(Case(cap(lambda c: npy(c, np.zeros((6, 8), np.float32))), ("m.npy", "6 zero"), 1, no_capacity),
-                 id="npy-all-zero-rows"),
-    pytest.param(Case(cap(lambda c: write(c.tmp / "m.npy", b"\x93NUMPY garbage")), ("m.npy", "not a readable"), 1,
-                      no_capacity), id="npy-damaged"),
-    pytest.param(Case(cap(planted_bin), ("pytorch_model.bin", "not a plain PyTorch state dict"), 1, no_capacity),
-                 id="bin-pickle-payload"),
-    pytest.param(Case(cap(lambda c: write(c.tmp / "w.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{bad json")),
-                      ("w.safetensors", "not a readable .safetensors"), 1, no_capacity), id="safetensors-damaged"),
-    pytest.param(Case(cap(lambda c: write(c.tmp / "dir" / "README", "x").parent), ("dir", "no \\*.safetensors"), 1,
-                      no_capacity), id="dir-without-weights"),
-    pytest.param(Case(fit_file(GOOD_ROWS[:2] + [[256, 16, float("nan")]] + GOOD_ROWS[3:]),
-                      ("rows.json", "row 2", "finite"), 1, no_capacity), id="fit-nan-row"),
-    pytest.param(Case(fit_file([[64, 8, 0.3], [128, 8, 0.4]]), ("rows.json", "too few", "need at least"), 1,
-                      no_capacity), id="fit-too-few-rows"),
-    pytest.param(Case(fit_file([[64, 8, 0.3], [128, 8]]), ("rows.json", "row 1", r"\[k, d, eps\*\]"), 1, no_capacity),
-                 id="fit-row-wrong-shape"),
-    pytest.param(Case(fit_file("[[1, 2, 3"), ("rows.json", "cannot read"), 1, no_capacity), id="fit-not-json"),
-    pytest.param(Case(fit_file(GOOD_ROWS[:1] + [[-5, 8, 0.2]] + GOOD_ROWS[1:]), ("rows.json", "row 1", "positive"),
-                      1, no_capacity), id="fit-negative-k"),
+    pytest.param(
+        Case(cap(lambda c: npy(c, np.zeros((2, 3, 4), np.float32))), ("m.npy", "2-D"), 1, no_capacity),
+        id="npy-3d",
+    ),
+    pytest.param(
+        Case(cap(lambda c: npy(c, np.ones((5, 4), np.complex64))), ("m.npy", "real numbers"), 1, no_capacity),
+        id="npy-complex",
+    ),
+    pytest.param(
+        Case(
+            cap(
+                lambda c: npy(
+                    c, np.array([Payload(c.marker)] * 4, dtype=object).reshape(2, 2), allow_pickle=True
+                )
+            ),
+            ("m.npy", "not a readable .npy"),
+            1,
+            no_capacity,
+        ),
+        id="npy-object-pickle-payload",
+    ),
+    pytest.param(
+        Case(cap(with_nan(np.nan)), ("m.npy", "row 3", "non-finite"), 1, no_capacity), id="npy-nan-row"
+    ),
+    pytest.param(
+        Case(cap(with_nan(np.inf, row=17)), ("m.npy", "row 17", "non-finite"), 1, no_capacity),
+        id="npy-inf-row",
+    ),
+    pytest.param(
+        Case(
+            cap(lambda c: npy(c, np.ones((1, 8), np.float32))),
+            ("m.npy", "at least 2", "got 1"),
+            1,
+            no_capacity,
+        ),
+        id="npy-one-row",
+    ),
+    pytest.param(
+        Case(cap(lambda c: npy(c, np.zeros((6, 8), np.float32))), ("m.npy", "6 zero"), 1, no_capacity),
+        id="npy-all-zero-rows",
+    ),
+    pytest.param(
+        Case(
+            cap(lambda c: write(c.tmp / "m.npy", b"\x93NUMPY garbage")),
+            ("m.npy", "not a readable"),
+            1,
+            no_capacity,
+        ),
+        id="npy-damaged",
+    ),
+    pytest.param(
+        Case(cap(planted_bin), ("pytorch_model.bin", "not a plain PyTorch state dict"), 1, no_capacity),
+        id="bin-pickle-payload",
+    ),
+    pytest.param(
+        Case(
+            cap(lambda c: write(c.tmp / "w.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{bad json")),
+            ("w.safetensors", "not a readable .safetensors"),
+            1,
+            no_capacity,
+        ),
+        id="safetensors-damaged",
+    ),
+    pytest.param(
+        Case(
+            cap(lambda c: write(c.tmp / "dir" / "README", "x").parent),
+            ("dir", "no \\*.safetensors"),
+            1,
+            no_capacity,
+        ),
+        id="dir-without-weights",
+    ),
+    pytest.param(
+        Case(
+            fit_file(GOOD_ROWS[:2] + [[256, 16, float("nan")]] + GOOD_ROWS[3:]),
+            ("rows.json", "row 2", "finite"),
+            1,
+            no_capacity,
+        ),
+        id="fit-nan-row",
+    ),
+    pytest.param(
+        Case(
+            fit_file([[64, 8, 0.3], [128, 8, 0.4]]), ("rows.json", "too few", "need at least"), 1, no_capacity
+        ),
+        id="fit-too-few-rows",
+    ),
+    pytest.param(
+        Case(fit_file([[64, 8, 0.3], [128, 8]]), ("rows.json", "row 1", r"\[k, d, eps\*\]"), 1, no_capacity),
+        id="fit-row-wrong-shape",
+    ),
+    pytest.param(
+        Case(fit_file("[[1, 2, 3"), ("rows.json", "cannot read"), 1, no_capacity), id="fit-not-json"
+    ),
+    pytest.param(
+        Case(
+            fit_file(GOOD_ROWS[:1] + [[-5, 8, 0.2]] + GOOD_ROWS[1:]),
+            ("rows.json", "row 1", "positive"),
+            1,
+            no_capacity,
+        ),
+        id="fit-negative-k",
+    ),
 ]
 
 
@@ -490,21 +869,58 @@ def reshard_planted(c: Ctx) -> list:
 
 
 RESHARD = [
-    pytest.param(Case(rs("--tp", "3", "--pp", "1"), ("--tp 3", "num_attention_heads=4 is not divisible"), 2,
-                      no_output), id="tp-does-not-divide-heads"),
-    pytest.param(Case(rs("--tp", "1", "--pp", "5"), ("--pp 5", "exceeds model.num_layers=2"), 2, no_output),
-                 id="pp-more-than-layers"),
-    pytest.param(Case(rs("--tp", "1", "--pp", "1", "--dp", "0"), ("--dp must be >= 1",), 2, no_output),
-                 id="dp-zero"),
-    pytest.param(Case(lambda c: ["reshard", c.ckpt["tied"], write(c.tmp / "out" / "mine.txt", "keep me").parent,
-                                 "--tp", "1", "--pp", "1"], ("out", "is not empty"), 1, kept_dir),
-                 id="reshard-output-not-empty"),
-    pytest.param(Case(lambda c: ["reshard", c.copy(), c.tmp / "ckpt_tied", "--tp", "1", "--pp", "1"],
-                      ("holds the checkpoint",), 1, ckpt_intact), id="reshard-output-is-the-checkpoint"),
-    pytest.param(Case(lambda c: ["reshard", c.tmp / "nope", c.tmp / "out", "--tp", "1", "--pp", "1"],
-                      ("nope", "does not exist"), 1, no_output), id="reshard-source-missing"),
-    pytest.param(Case(reshard_planted, ("refusing to load", "ZeRO-3"), 1, no_output),
-                 id="reshard-pickle-payload-in-source"),
+    pytest.param(
+        Case(
+            rs("--tp", "3", "--pp", "1"), ("--tp 3", "num_attention_heads=4 is not divisible"), 2, no_output
+        ),
+        id="tp-does-not-divide-heads",
+    ),
+    pytest.param(
+        Case(rs("--tp", "1", "--pp", "5"), ("--pp 5", "exceeds model.num_layers=2"), 2, no_output),
+        id="pp-more-than-layers",
+    ),
+    pytest.param(
+        Case(rs("--tp", "1", "--pp", "1", "--dp", "0"), ("--dp must be >= 1",), 2, no_output), id="dp-zero"
+    ),
+    pytest.param(
+        Case(
+            lambda c: [
+                "reshard",
+                c.ckpt["tied"],
+                write(c.tmp / "out" / "mine.txt", "keep me").parent,
+                "--tp",
+                "1",
+                "--pp",
+                "1",
+            ],
+            ("out", "is not empty"),
+            1,
+            kept_dir,
+        ),
+        id="reshard-output-not-empty",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ["reshard", c.copy(), c.tmp / "ckpt_tied", "--tp", "1", "--pp", "1"],
+            ("holds the checkpoint",),
+            1,
+            ckpt_intact,
+        ),
+        id="reshard-output-is-the-checkpoint",
+    ),
+    pytest.param(
+        Case(
+            lambda c: ["reshard", c.tmp / "nope", c.tmp / "out", "--tp", "1", "--pp", "1"],
+            ("nope", "does not exist"),
+            1,
+            no_output,
+        ),
+        id="reshard-source-missing",
+    ),
+    pytest.param(
+        Case(reshard_planted, ("refusing to load", "ZeRO-3"), 1, no_output),
+        id="reshard-pickle-payload-in-source",
+    ),
 ]
 
 
@@ -519,13 +935,13 @@ def test_bad_input_is_refused_in_one_line(case: Case, ctx: Ctx, capsys):
     assert tree(ctx.ckpt["tied"]) == before, "the source checkpoint was changed"
 
 
-# ----------------------------------------------------------------------------- inputs that look odd but are fine
+# -------------------------------------------------------------------------- inputs that look odd but are fine
 
 
 @dataclass
 class Accepted:
-    setup: Callable[[Ctx], list]          # -> argv (after the command name)
-    check: Callable[[Ctx], None]          # the result on disk
+    setup: Callable[[Ctx], list]  # -> argv (after the command name)
+    check: Callable[[Ctx], None]  # the result on disk
 
 
 def exported_vocab(vocab: int) -> Callable[[Ctx], None]:
@@ -535,6 +951,7 @@ def exported_vocab(vocab: int) -> Callable[[Ctx], None]:
         assert json.loads((c.tmp / "out" / "config.json").read_text())["vocab_size"] == vocab
         with safe_open(str(next((c.tmp / "out").glob("*.safetensors"))), "pt") as f:
             assert f.get_slice("model.embed_tokens.weight").get_shape()[0] == vocab
+
     return check
 
 
@@ -557,16 +974,34 @@ def tiktoken_export_and_its_shards(c: Ctx) -> list:
             os.symlink(f, model / f.name)
     build_tokenizer("tiktoken", bpe).save_for_hf(model)
     assert sha256_file(model / "tokenizer.json") != sha256_file(bpe)
-    return ["evaluate", model, "--data", shard_with_manifest(c, "tiktoken", bpe), "--out", c.tmp / "ev",
-            "--threads", "1", "--seq-len", "8"]
+    return [
+        "evaluate",
+        model,
+        "--data",
+        shard_with_manifest(c, "tiktoken", bpe),
+        "--out",
+        c.tmp / "ev",
+        "--threads",
+        "1",
+        "--seq-len",
+        "8",
+    ]
 
 
 ACCEPTED = [
-    pytest.param(Accepted(cv_on(with_model_vocab(50300)), exported_vocab(50300)),
-                 id="model-vocab-larger-than-tokenizer"),
-    pytest.param(Accepted(lambda c: ev("--data", shard_with_manifest(c, "hf", reformatted_tokenizer(c)))(c),
-                          evaluated), id="shard-manifest-equivalent-tokenizer-json"),
-    pytest.param(Accepted(tiktoken_export_and_its_shards, evaluated), id="tiktoken-export-evaluates-its-own-shards"),
+    pytest.param(
+        Accepted(cv_on(with_model_vocab(50300)), exported_vocab(50300)),
+        id="model-vocab-larger-than-tokenizer",
+    ),
+    pytest.param(
+        Accepted(
+            lambda c: ev("--data", shard_with_manifest(c, "hf", reformatted_tokenizer(c)))(c), evaluated
+        ),
+        id="shard-manifest-equivalent-tokenizer-json",
+    ),
+    pytest.param(
+        Accepted(tiktoken_export_and_its_shards, evaluated), id="tiktoken-export-evaluates-its-own-shards"
+    ),
 ]
 
 
@@ -586,12 +1021,27 @@ def _fp16_optim_states(c_tmp: Path, marker: Path) -> Path:
     from deepspeed.runtime.precision_config import DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    scaler = CreateLossScaler(dtype=torch.float16, static_loss_scale=0, dynamic_scaling=True,
-                              dynamic_loss_args=DeepSpeedFP16Config(enabled=True).dynamic_loss_scale_args())
+    scaler = CreateLossScaler(
+        dtype=torch.float16,
+        static_loss_scale=0,
+        dynamic_scaling=True,
+        dynamic_loss_args=DeepSpeedFP16Config(enabled=True).dynamic_loss_scale_args(),
+    )
     path = c_tmp / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    torch.save({"optimizer_state_dict": {"zero_stage": ZeroStageEnum.weights, "loss_scaler": scaler,
-                                         "dynamic_loss_scale": True, "overflow": False, "partition_count": 2,
-                                         "fp32_flat_groups": [torch.ones(8)]}, "ds_version": "0.19"}, path)
+    torch.save(
+        {
+            "optimizer_state_dict": {
+                "zero_stage": ZeroStageEnum.weights,
+                "loss_scaler": scaler,
+                "dynamic_loss_scale": True,
+                "overflow": False,
+                "partition_count": 2,
+                "fp32_flat_groups": [torch.ones(8)],
+            },
+            "ds_version": "0.19",
+        },
+        path,
+    )
     return path
 
 
@@ -601,13 +1051,15 @@ def _tensors_only(c_tmp: Path, marker: Path) -> Path:
 
 
 def _payload(c_tmp: Path, marker: Path) -> Path:
-    torch.save({"module": {"w": torch.ones(2)}, "evil": Payload(marker)}, c_tmp / "mp_rank_00_model_states.pt")
+    torch.save(
+        {"module": {"w": torch.ones(2)}, "evil": Payload(marker)}, c_tmp / "mp_rank_00_model_states.pt"
+    )
     return c_tmp / "mp_rank_00_model_states.pt"
 
 
 def _loaded_fp16(state: dict) -> None:
     scaler = state["optimizer_state_dict"]["loss_scaler"]
-    assert type(scaler).__name__ == "DynamicLossScaler" and scaler.cur_scale == 2 ** 16 and scaler.dynamic
+    assert type(scaler).__name__ == "DynamicLossScaler" and scaler.cur_scale == 2**16 and scaler.dynamic
 
 
 def _loaded_tensors(state: dict) -> None:
@@ -619,8 +1071,12 @@ TORCH_2_3 = ("safe_globals", "add_safe_globals")
 SAFE_LOAD = [  # (functions taken away, file, check of the loaded state or fragments of the refusal)
     pytest.param((), _fp16_optim_states, _loaded_fp16, id="fp16-loss-scaler"),
     pytest.param(TORCH_2_4, _fp16_optim_states, _loaded_fp16, id="fp16-loss-scaler-torch-2.4"),
-    pytest.param(TORCH_2_3, _fp16_optim_states, ("optim_states.pt", "pickles DeepSpeed.s deepspeed", "torch >= 2.4"),
-                 id="fp16-loss-scaler-torch-2.3-refused"),
+    pytest.param(
+        TORCH_2_3,
+        _fp16_optim_states,
+        ("optim_states.pt", "pickles DeepSpeed.s deepspeed", "torch >= 2.4"),
+        id="fp16-loss-scaler-torch-2.3-refused",
+    ),
     pytest.param(TORCH_2_3, _tensors_only, _loaded_tensors, id="tensors-torch-2.3"),
     pytest.param(TORCH_2_4, _payload, ("refusing to load", "builtins.open|open"), id="payload-torch-2.4"),
     pytest.param(TORCH_2_3, _payload, ("refusing to load", "builtins.open|open"), id="payload-torch-2.3"),
@@ -628,8 +1084,9 @@ SAFE_LOAD = [  # (functions taken away, file, check of the loaded state or fragm
 
 
 @pytest.mark.parametrize("missing,make,expect", SAFE_LOAD)
-def test_deepspeed_files_load_without_running_code_on_every_supported_torch(missing, make, expect, tmp_path,
-                                                                             monkeypatch):
+def test_deepspeed_files_load_without_running_code_on_every_supported_torch(
+    missing, make, expect, tmp_path, monkeypatch
+):
     from megatron_lev.checkpoint.ds_reader import CheckpointError, load_file, safe_globals
 
     serialization = torch.serialization
@@ -662,24 +1119,33 @@ def test_deepspeed_files_load_without_running_code_on_every_supported_torch(miss
 def _raising(exc: BaseException):
     def fn(*args, **kwargs):
         raise exc
+
     return fn
 
 
 GUARDED = [  # an OSError raised inside a command (not by a path the user gave) -> the error line
-    pytest.param(lambda: FileNotFoundError(2, "No such file or directory", "/var/cache/lev/index.json"),
-                 ("/var/cache/lev/index.json", "not found", "--debug"), id="internal-missing-file"),
-    pytest.param(lambda: PermissionError(13, "Permission denied", "/data/run/.x.tmp", None, "/data/run/x"),
-                 ("/data/run/.x.tmp -> /data/run/x", "permission denied", "--debug"),
-                 id="internal-rename-names-both-files"),
-    pytest.param(lambda: FileNotFoundError("the checksum cache index is gone"),
-                 ("FileNotFoundError", "the checksum cache index is gone", "--debug"),
-                 id="internal-error-without-a-file-name"),
+    pytest.param(
+        lambda: FileNotFoundError(2, "No such file or directory", "/var/cache/lev/index.json"),
+        ("/var/cache/lev/index.json", "not found", "--debug"),
+        id="internal-missing-file",
+    ),
+    pytest.param(
+        lambda: PermissionError(13, "Permission denied", "/data/run/.x.tmp", None, "/data/run/x"),
+        ("/data/run/.x.tmp -> /data/run/x", "permission denied", "--debug"),
+        id="internal-rename-names-both-files",
+    ),
+    pytest.param(
+        lambda: FileNotFoundError("the checksum cache index is gone"),
+        ("FileNotFoundError", "the checksum cache index is gone", "--debug"),
+        id="internal-error-without-a-file-name",
+    ),
 ]
 
 
 @pytest.mark.parametrize("make_exc,fragments", GUARDED)
-def test_file_errors_name_the_file_and_debug_shows_the_traceback(make_exc, fragments, tmp_path, monkeypatch,
-                                                                  capsys):
+def test_file_errors_name_the_file_and_debug_shows_the_traceback(
+    make_exc, fragments, tmp_path, monkeypatch, capsys
+):
     from megatron_lev.commands import evaluate
 
     monkeypatch.setattr(evaluate, "_check_flags", _raising(make_exc()))
@@ -717,8 +1183,9 @@ PROBE = [
 
 
 @pytest.mark.parametrize("variant,key,value,stage", PROBE)
-def test_probe_catches_a_wrong_setting_the_trained_weights_hide(variant, key, value, stage, ctx, monkeypatch,
-                                                                  capsys):
+def test_probe_catches_a_wrong_setting_the_trained_weights_hide(
+    variant, key, value, stage, ctx, monkeypatch, capsys
+):
     from megatron_lev.checkpoint import hf_export
 
     _patch_config(monkeypatch, key, value)
@@ -729,8 +1196,14 @@ def test_probe_catches_a_wrong_setting_the_trained_weights_hide(variant, key, va
     # ... the probe does not
     monkeypatch.setattr(hf_export, "probe_export", real_probe)
     outcome = run_cli(["convert", ctx.ckpt[variant], ctx.tmp / "out", "--no-progress"], capsys)
-    expect_error(outcome, "VALIDATION FAILED", "probe with large random weights", f"stage '{stage}'",
-                 "config.json", rc=1)
+    expect_error(
+        outcome,
+        "VALIDATION FAILED",
+        "probe with large random weights",
+        f"stage '{stage}'",
+        "config.json",
+        rc=1,
+    )
     assert not (ctx.tmp / "out").exists() and not (ctx.tmp / "out.partial").exists()
     assert (ctx.tmp / "out.invalid" / "config.json").is_file()
 
@@ -749,7 +1222,9 @@ def test_disk_full_while_writing_leaves_no_partial_export(ctx, monkeypatch, caps
     from megatron_lev.checkpoint import hf_writer
 
     def full(*a, **k):
-        raise OSError(errno.ENOSPC, "No space left on device", str(ctx.tmp / "out.partial" / ".shard-00000.tmp"))
+        raise OSError(
+            errno.ENOSPC, "No space left on device", str(ctx.tmp / "out.partial" / ".shard-00000.tmp")
+        )
 
     monkeypatch.setattr(hf_writer, "save_file", full)
     outcome = run_cli(["convert", ctx.ckpt["tied"], ctx.tmp / "out", "--no-progress"], capsys)
@@ -760,15 +1235,33 @@ def test_disk_full_while_writing_leaves_no_partial_export(ctx, monkeypatch, caps
 def test_overwrite_replaces_only_after_success_and_config_with_training_only_changes_passes(ctx, capsys):
     out = write(ctx.tmp / "out" / "old.txt", "old").parent
     other = config_with(ctx, model__hidden_dropout=0.1, model__activation_checkpointing=True)
-    expect_ok(run_cli(["convert", ctx.ckpt["tied"], out, "--overwrite", "--config", other, "--no-progress"], capsys))
+    expect_ok(
+        run_cli(["convert", ctx.ckpt["tied"], out, "--overwrite", "--config", other, "--no-progress"], capsys)
+    )
     assert (out / "config.json").is_file() and not (out / "old.txt").exists()
     assert [p.name for p in ctx.tmp.iterdir() if p.name.startswith(".")] == []  # no .out.old / .partial left
 
 
 def test_keep_lev_export_evaluates_with_trust_remote_code(ctx, capsys):
     text = write(ctx.tmp / "t.txt", "The quick brown fox jumps over the lazy dog. " * 4)
-    expect_ok(run_cli(["evaluate", ctx.hf_lev, "--text", text, "--trust-remote-code", "--seq-len", "8",
-                       "--threads", "1", "--out", ctx.tmp / "ev"], capsys))
+    expect_ok(
+        run_cli(
+            [
+                "evaluate",
+                ctx.hf_lev,
+                "--text",
+                text,
+                "--trust-remote-code",
+                "--seq-len",
+                "8",
+                "--threads",
+                "1",
+                "--out",
+                ctx.tmp / "ev",
+            ],
+            capsys,
+        )
+    )
     result = json.loads((ctx.tmp / "ev" / "eval.json").read_text())["results"][0]
     assert np.isfinite(result["perplexity"]) and result["tokens"] > 8
 
@@ -794,8 +1287,10 @@ def _plant_library(directory: Path, marker: Path) -> Path:
 
 
 def _load_in_child(cache: Path) -> subprocess.CompletedProcess:
-    code = ("from megatron_lev.model.embeddings import cpu_kernel\n"
-            "print('LOADED', cpu_kernel.available(), cpu_kernel._state.get('path'))\n")
+    code = (
+        "from megatron_lev.model.embeddings import cpu_kernel\n"
+        "print('LOADED', cpu_kernel.available(), cpu_kernel._state.get('path'))\n"
+    )
     env = dict(os.environ, MEGATRON_LEV_KERNEL_CACHE=str(cache))
     env.pop(cpu_kernel_switch(), None)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -848,7 +1343,9 @@ def test_planted_kernel_library_is_never_loaded(weaken, reason, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert not marker.exists(), "a library another user could write was loaded"
     loaded = Path(proc.stdout.split()[-1])
-    assert proc.stdout.startswith("LOADED True") and cache not in loaded.parents  # the real kernel, built privately
+    assert (
+        proc.stdout.startswith("LOADED True") and cache not in loaded.parents
+    )  # the real kernel, built privately
     assert reason in proc.stderr and "private" in proc.stderr
     assert tree(cache) == before  # nothing written into the untrusted cache
 

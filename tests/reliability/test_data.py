@@ -36,6 +36,7 @@ SET_EXTS = (".bin", ".idx", ".stats.json", ".counts.npy", ".manifest.json")
 
 # --------------------------------------------------------------------------- shared inputs
 
+
 @pytest.fixture(scope="module", autouse=True)
 def checksum_cache(tmp_path_factory):
     """Keep the sha256 cache of these tests out of the home directory."""
@@ -77,8 +78,11 @@ def good_set(tmp_path_factory, corpus, neox) -> Path:
     from megatron_lev.data.preprocess import PreprocessOptions, preprocess
 
     prefix = tmp_path_factory.mktemp("good") / "set"
-    preprocess(PreprocessOptions([str(corpus)], str(prefix), "hf", neox, progress=False, shard_size_mb=0.02,
-                                 chunk_bytes=16 << 10))
+    preprocess(
+        PreprocessOptions(
+            [str(corpus)], str(prefix), "hf", neox, progress=False, shard_size_mb=0.02, chunk_bytes=16 << 10
+        )
+    )
     return prefix
 
 
@@ -96,22 +100,41 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 
 def leftovers(directory: Path) -> list[str]:
     """Temp files, staging or part directories left in `directory`."""
-    return [p.name for p in directory.iterdir() if ".tmp." in p.name or ".parts." in p.name or ".staging" in p.name]
+    return [
+        p.name
+        for p in directory.iterdir()
+        if ".tmp." in p.name or ".parts." in p.name or ".staging" in p.name
+    ]
 
 
 def outputs_of(prefix: Path) -> list[str]:
     if not prefix.parent.is_dir():
         return []
-    return sorted(p.name for p in prefix.parent.iterdir()
-                  if p.name.startswith(prefix.name) and p.name.endswith(SET_EXTS))
+    return sorted(
+        p.name
+        for p in prefix.parent.iterdir()
+        if p.name.startswith(prefix.name) and p.name.endswith(SET_EXTS)
+    )
 
 
 def preprocess_argv(inputs, prefix, neox, *extra) -> list:
-    return ["preprocess", "--input", *inputs, "--output-prefix", prefix, "--tokenizer", neox, "--workers", "1",
-            "--no-progress", *extra]
+    return [
+        "preprocess",
+        "--input",
+        *inputs,
+        "--output-prefix",
+        prefix,
+        "--tokenizer",
+        neox,
+        "--workers",
+        "1",
+        "--no-progress",
+        *extra,
+    ]
 
 
 # --------------------------------------------------------------------------- preprocess: bad input and flags
+
 
 def _write(name: str, data: bytes | str):
     def make(tmp: Path, docs) -> list[str]:
@@ -119,6 +142,7 @@ def _write(name: str, data: bytes | str):
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data.encode() if isinstance(data, str) else data)
         return [str(p)]
+
     return make
 
 
@@ -132,6 +156,7 @@ def _good_and_bad(n_good: int, n_bad: int):
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"\n".join(docs[:n_good] + [b"{oops"] * n_bad) + b"\n")
         return [str(p)]
+
     return make
 
 
@@ -176,44 +201,119 @@ PREPROCESS_REFUSALS = [
     pytest.param(_missing, [], 1, [r"nope\.jsonl", "no such file"], id="missing-input"),
     pytest.param(_no_match, [], 1, [r"\*\.jsonl\.zst", "no file matches"], id="glob-matches-nothing"),
     pytest.param(_empty_dir, [], 1, ["nothing_here", r"no \*\.jsonl"], id="directory-without-inputs"),
-    pytest.param(_write("empty.jsonl", b""), [], 1, [r"empty\.jsonl", "no documents", "input is empty"],
-                 id="empty-file"),
-    pytest.param(_lines(b"{not json", b"[1, 2", b"plain text"), [], 1,
-                 [r"x\.jsonl", "no documents", "malformed_json 3", r"x\.jsonl:1"], id="non-json-lines"),
-    pytest.param(_lines(b'{"content": "a"}', b'{"body": "b"}'), [], 1,
-                 ["no documents", "missing_key 2", "--json-key"], id="records-without-text"),
-    pytest.param(_lines(b'{"text": 3}', b'{"text": null}', b"[\"text\"]"), [], 1,
-                 ["no documents", "missing_key 3"], id="text-not-a-string"),
-    pytest.param(_lines(b'{"text": "caf\xff\xfe"}', b'\xff\xfe\xfd'), [], 1,
-                 ["no documents", "invalid_utf8 2"], id="non-utf8-bytes"),
-    pytest.param(_write("random.jsonl", bytes(np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8))),
-                 [], 1, [r"random\.jsonl", "no documents"], id="binary-file"),
-    pytest.param(_lines(b'{"text": "   "}', b'{"text": ""}'), [], 1, ["no documents", "empty_document 2"],
-                 id="only-empty-documents"),
-    pytest.param(_corpus, ["--json-key", "body"], 1, ["no documents", "missing_key", "'body'"],
-                 id="wrong-json-key"),
-    pytest.param(_write("notes.txt", "hello\n"), [], 1, [r"notes\.txt", "unsupported file type"],
-                 id="unsupported-extension"),
-    pytest.param(_write("plain.jsonl.zst", b'{"text": "not compressed"}\n'), [], 1,
-                 [r"plain\.jsonl\.zst", "no documents", "truncated_file"], id="zst-that-is-not-zstd"),
-    pytest.param(_write("plain.jsonl.gz", b'{"text": "not compressed"}\n'), [], 1,
-                 [r"plain\.jsonl\.gz", "no documents"], id="gz-that-is-not-gzip"),
-    pytest.param(_small_zst_cut, [], 1, [r"cut\.jsonl\.zst", "no documents", "truncated_file"],
-                 id="small-zst-cut-in-half"),
-    pytest.param(_hf_without_text, [], 1, [r"hf", "no column 'text'", "--json-key"], id="dataset-without-text-column"),
-    pytest.param(_write("bad.parquet", b"PAR1 this is not parquet"), [], 1, [r"bad\.parquet", "not a readable dataset"],
-                 id="corrupt-parquet"),
-    pytest.param(_good_and_bad(3, 7), ["--max-bad-fraction", "0.5"], 1,
-                 ["7 of 10 lines are bad", "--max-bad-fraction", r"mixed\.jsonl:4"], id="too-many-bad-lines"),
+    pytest.param(
+        _write("empty.jsonl", b""),
+        [],
+        1,
+        [r"empty\.jsonl", "no documents", "input is empty"],
+        id="empty-file",
+    ),
+    pytest.param(
+        _lines(b"{not json", b"[1, 2", b"plain text"),
+        [],
+        1,
+        [r"x\.jsonl", "no documents", "malformed_json 3", r"x\.jsonl:1"],
+        id="non-json-lines",
+    ),
+    pytest.param(
+        _lines(b'{"content": "a"}', b'{"body": "b"}'),
+        [],
+        1,
+        ["no documents", "missing_key 2", "--json-key"],
+        id="records-without-text",
+    ),
+    pytest.param(
+        _lines(b'{"text": 3}', b'{"text": null}', b'["text"]'),
+        [],
+        1,
+        ["no documents", "missing_key 3"],
+        id="text-not-a-string",
+    ),
+    pytest.param(
+        _lines(b'{"text": "caf\xff\xfe"}', b"\xff\xfe\xfd"),
+        [],
+        1,
+        ["no documents", "invalid_utf8 2"],
+        id="non-utf8-bytes",
+    ),
+    pytest.param(
+        _write("random.jsonl", bytes(np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8))),
+        [],
+        1,
+        [r"random\.jsonl", "no documents"],
+        id="binary-file",
+    ),
+    pytest.param(
+        _lines(b'{"text": "   "}', b'{"text": ""}'),
+        [],
+        1,
+        ["no documents", "empty_document 2"],
+        id="only-empty-documents",
+    ),
+    pytest.param(
+        _corpus, ["--json-key", "body"], 1, ["no documents", "missing_key", "'body'"], id="wrong-json-key"
+    ),
+    pytest.param(
+        _write("notes.txt", "hello\n"),
+        [],
+        1,
+        [r"notes\.txt", "unsupported file type"],
+        id="unsupported-extension",
+    ),
+    pytest.param(
+        _write("plain.jsonl.zst", b'{"text": "not compressed"}\n'),
+        [],
+        1,
+        [r"plain\.jsonl\.zst", "no documents", "truncated_file"],
+        id="zst-that-is-not-zstd",
+    ),
+    pytest.param(
+        _write("plain.jsonl.gz", b'{"text": "not compressed"}\n'),
+        [],
+        1,
+        [r"plain\.jsonl\.gz", "no documents"],
+        id="gz-that-is-not-gzip",
+    ),
+    pytest.param(
+        _small_zst_cut,
+        [],
+        1,
+        [r"cut\.jsonl\.zst", "no documents", "truncated_file"],
+        id="small-zst-cut-in-half",
+    ),
+    pytest.param(
+        _hf_without_text, [], 1, [r"hf", "no column 'text'", "--json-key"], id="dataset-without-text-column"
+    ),
+    pytest.param(
+        _write("bad.parquet", b"PAR1 this is not parquet"),
+        [],
+        1,
+        [r"bad\.parquet", "not a readable dataset"],
+        id="corrupt-parquet",
+    ),
+    pytest.param(
+        _good_and_bad(3, 7),
+        ["--max-bad-fraction", "0.5"],
+        1,
+        ["7 of 10 lines are bad", "--max-bad-fraction", r"mixed\.jsonl:4"],
+        id="too-many-bad-lines",
+    ),
     pytest.param(_corpus, ["--workers", "0"], 2, ["--workers", ">= 1"], id="workers-zero"),
     pytest.param(_corpus, ["--workers", "-3"], 2, ["--workers", "-3"], id="workers-negative"),
-    pytest.param(_corpus, ["--shard-size-mb", "-1"], 2, ["--shard-size-mb", "positive"], id="shard-size-negative"),
+    pytest.param(
+        _corpus, ["--shard-size-mb", "-1"], 2, ["--shard-size-mb", "positive"], id="shard-size-negative"
+    ),
     pytest.param(_corpus, ["--shard-size-mb", "0"], 2, ["--shard-size-mb"], id="shard-size-zero"),
     pytest.param(_corpus, ["--shard-size-mb", "nan"], 2, ["--shard-size-mb", "nan"], id="shard-size-nan"),
     pytest.param(_corpus, ["--chunk-mb", "0"], 2, ["--chunk-mb"], id="chunk-size-zero"),
     pytest.param(_corpus, ["--chunk-mb", "-2"], 2, ["--chunk-mb"], id="chunk-size-negative"),
-    pytest.param(_corpus, ["--max-bad-fraction", "1.5"], 2, ["--max-bad-fraction", r"\[0, 1\]"],
-                 id="bad-fraction-above-one"),
+    pytest.param(
+        _corpus,
+        ["--max-bad-fraction", "1.5"],
+        2,
+        ["--max-bad-fraction", r"\[0, 1\]"],
+        id="bad-fraction-above-one",
+    ),
     pytest.param(_corpus, ["--json-key", ""], 2, ["--json-key"], id="empty-json-key"),
 ]
 
@@ -248,10 +348,18 @@ def _prefix_unwritable(tmp):
 
 OUTPUT_REFUSALS = [
     pytest.param(_prefix_is_dir, 2, ["--output-prefix", "is a directory"], id="output-prefix-is-directory"),
-    pytest.param(_prefix_ends_in_slash, 2, ["--output-prefix", "file name prefix"], id="output-prefix-ends-in-slash"),
-    pytest.param(_prefix_under_a_file, 1, ["afile", "cannot create|not a directory"], id="output-under-a-file"),
-    pytest.param(_prefix_unwritable, 1, ["megatron-lev-test", "cannot create|not writable|permission"],
-                 id="output-directory-unwritable"),
+    pytest.param(
+        _prefix_ends_in_slash, 2, ["--output-prefix", "file name prefix"], id="output-prefix-ends-in-slash"
+    ),
+    pytest.param(
+        _prefix_under_a_file, 1, ["afile", "cannot create|not a directory"], id="output-under-a-file"
+    ),
+    pytest.param(
+        _prefix_unwritable,
+        1,
+        ["megatron-lev-test", "cannot create|not writable|permission"],
+        id="output-directory-unwritable",
+    ),
 ]
 
 
@@ -276,11 +384,16 @@ def _tok_wrong_type(tmp):
     return ["--tokenizer", tmp / "tok.model", "--tokenizer-type", "sentencepiece"]
 
 
-@pytest.mark.parametrize("make, fragments", [
-    pytest.param(_tok_missing, [r"missing\.json", "not found"], id="tokenizer-missing"),
-    pytest.param(_tok_garbage, [r"tok\.json", "not a Hugging Face tokenizer"], id="tokenizer-garbage"),
-    pytest.param(_tok_wrong_type, [r"tok\.model", "not a SentencePiece model"], id="tokenizer-not-sentencepiece"),
-])
+@pytest.mark.parametrize(
+    "make, fragments",
+    [
+        pytest.param(_tok_missing, [r"missing\.json", "not found"], id="tokenizer-missing"),
+        pytest.param(_tok_garbage, [r"tok\.json", "not a Hugging Face tokenizer"], id="tokenizer-garbage"),
+        pytest.param(
+            _tok_wrong_type, [r"tok\.model", "not a SentencePiece model"], id="tokenizer-not-sentencepiece"
+        ),
+    ],
+)
 def test_preprocess_refuses_bad_tokenizer(make, fragments, tmp_path, corpus, neox, capsys):
     argv = preprocess_argv([corpus], tmp_path / "out" / "set", neox) + make(tmp_path)
     expect_error(run_cli(argv, capsys), *fragments)
@@ -292,6 +405,7 @@ def test_preprocess_needs_input_and_output(tmp_path, neox, capsys):
 
 
 # --------------------------------------------------------------------------- preprocess: what it keeps
+
 
 def test_truncated_zst_keeps_what_was_decodable_with_a_warning(tmp_path, shared_data, neox, capsys):
     with open(shared_data / "minipile" / "Wikipedia_en.jsonl.zst", "rb") as f:
@@ -310,18 +424,22 @@ def test_truncated_zst_keeps_what_was_decodable_with_a_warning(tmp_path, shared_
 
 
 def test_subset_names_cannot_leave_the_output_directory(tmp_path, neox, capsys):
-    lines = [{"text": "one", "meta": {"pile_set_name": "/../../escaped/y"}},
-             {"text": "two", "meta": {"pile_set_name": "a/b"}},
-             {"text": "three", "meta": {"pile_set_name": "a_b"}},
-             {"text": "four", "meta": {"pile_set_name": "..\\..\\win\x00"}},
-             {"text": "five", "meta": {"pile_set_name": "Wikipedia (en)"}}]
+    lines = [
+        {"text": "one", "meta": {"pile_set_name": "/../../escaped/y"}},
+        {"text": "two", "meta": {"pile_set_name": "a/b"}},
+        {"text": "three", "meta": {"pile_set_name": "a_b"}},
+        {"text": "four", "meta": {"pile_set_name": "..\\..\\win\x00"}},
+        {"text": "five", "meta": {"pile_set_name": "Wikipedia (en)"}},
+    ]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(d) + "\n" for d in lines))
     out_dir = tmp_path / "deep" / "er" / "out"
     before = {p for p in tmp_path.rglob("*")}
     expect_ok(run_cli(preprocess_argv([src], out_dir / "set", neox, "--split-by-subset"), capsys))
     new = {p for p in tmp_path.rglob("*")} - before
-    assert all(p.parent == out_dir or p == out_dir or p in out_dir.parents for p in new), sorted(map(str, new))
+    assert all(p.parent == out_dir or p == out_dir or p in out_dir.parents for p in new), sorted(
+        map(str, new)
+    )
     manifest = json.loads((out_dir / "set.manifest.json").read_text())
     assert len(manifest["shards"]) == 5  # "a/b" and "a_b" stay apart
     assert "set_Wikipedia (en)" in manifest["shards"]
@@ -357,15 +475,20 @@ def test_a_failed_rerun_keeps_the_earlier_set(tmp_path, good_set, neox, capsys):
     before = snapshot(prefix.parent)
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{nope\n")
-    expect_error(run_cli(preprocess_argv([bad], prefix, neox, "--shard-size-mb", "0.02"), capsys), "no documents")
+    expect_error(
+        run_cli(preprocess_argv([bad], prefix, neox, "--shard-size-mb", "0.02"), capsys), "no documents"
+    )
     assert snapshot(prefix.parent) == before and leftovers(prefix.parent) == []
     verify_shard_set(f"{prefix}_00000")
 
 
 def dead_pid() -> int:
     """A pid that no longer runs."""
-    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True).stdout.strip())
+    return int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        ).stdout.strip()
+    )
 
 
 def this_host() -> str:
@@ -404,26 +527,44 @@ def _temp(make_name, age: float = 0, directory: bool = False):
         if age:
             os.utime(p, (time.time() - age,) * 2)
         return p
+
     return make
 
 
 # (temp left in the directory of prefix `set_1`, removed by the next run into set_1?)
 TEMP_CASES = [
-    pytest.param(_temp(lambda: f".set_1.bin.tmp.{this_host()}-{dead_pid()}"), True, id="temp-of-dead-pid-here"),
-    pytest.param(_temp(lambda: f".set_1.staging.tmp.{this_host()}-{dead_pid()}", directory=True), True,
-                 id="staging-of-dead-pid-here"),
-    pytest.param(_temp(lambda: f".set_1.bin.tmp.{this_host()}-{os.getppid()}"), False, id="temp-of-live-pid-here"),
-    pytest.param(_temp(lambda: f".set_10.bin.tmp.{this_host()}-{dead_pid()}"), False,
-                 id="temp-of-a-longer-prefix-not-ours"),
+    pytest.param(
+        _temp(lambda: f".set_1.bin.tmp.{this_host()}-{dead_pid()}"), True, id="temp-of-dead-pid-here"
+    ),
+    pytest.param(
+        _temp(lambda: f".set_1.staging.tmp.{this_host()}-{dead_pid()}", directory=True),
+        True,
+        id="staging-of-dead-pid-here",
+    ),
+    pytest.param(
+        _temp(lambda: f".set_1.bin.tmp.{this_host()}-{os.getppid()}"), False, id="temp-of-live-pid-here"
+    ),
+    pytest.param(
+        _temp(lambda: f".set_10.bin.tmp.{this_host()}-{dead_pid()}"),
+        False,
+        id="temp-of-a-longer-prefix-not-ours",
+    ),
     pytest.param(_temp(lambda: f".set_1.bin.tmp.{dead_pid()}x"), False, id="temp-suffix-not-a-pid"),
     pytest.param(_temp(lambda: ".set_1.notes.tmp.keep-me"), False, id="temp-suffix-not-host-pid"),
-    pytest.param(_temp(lambda: f".set_1.bin.tmp.othernode-{dead_pid()}"), False,
-                 id="temp-of-another-host-kept"),
-    pytest.param(_temp(lambda: f".set_1.staging.tmp.othernode-{dead_pid()}", directory=True), False,
-                 id="staging-of-another-host-kept"),
+    pytest.param(
+        _temp(lambda: f".set_1.bin.tmp.othernode-{dead_pid()}"), False, id="temp-of-another-host-kept"
+    ),
+    pytest.param(
+        _temp(lambda: f".set_1.staging.tmp.othernode-{dead_pid()}", directory=True),
+        False,
+        id="staging-of-another-host-kept",
+    ),
     pytest.param(_temp(lambda: f".set_1.bin.tmp.{dead_pid()}"), False, id="temp-without-host-kept"),
-    pytest.param(_temp(lambda: f".set_1.bin.tmp.{os.getppid()}", age=2 * DAY), True,
-                 id="temp-without-host-older-than-a-day"),  # its pid number running here proves nothing
+    pytest.param(
+        _temp(lambda: f".set_1.bin.tmp.{os.getppid()}", age=2 * DAY),
+        True,
+        id="temp-without-host-older-than-a-day",
+    ),  # its pid number running here proves nothing
 ]
 
 
@@ -441,8 +582,10 @@ def test_dead_run_cleanup_takes_only_stale_temps_of_this_prefix(make, removed, t
 def subset_docs(docs: list[bytes], subsets: list[str]) -> bytes:
     """The documents as JSON lines with meta.pile_set_name cycling through `subsets`."""
     texts = [json.loads(d)["text"] for d in docs if d.strip()][:40]
-    return b"".join(json.dumps({"text": t, "meta": {"pile_set_name": subsets[i % len(subsets)]}}).encode() + b"\n"
-                    for i, t in enumerate(texts))
+    return b"".join(
+        json.dumps({"text": t, "meta": {"pile_set_name": subsets[i % len(subsets)]}}).encode() + b"\n"
+        for i, t in enumerate(texts)
+    )
 
 
 def _sharded_subset_set_then_split(tmp, cli):
@@ -454,8 +597,13 @@ def _sharded_subset_set_then_split(tmp, cli):
 
 def _sharded_subset_set_then_sharded_split(tmp, cli):
     cli(tmp / "github.jsonl", tmp / "data" / "pile_Github", "--shard-size-mb", "0.01")
-    return tmp / "data" / "pile_Github", (tmp / "mixed.jsonl", tmp / "data" / "pile", "--split-by-subset",
-                                          "--shard-size-mb", "0.01")
+    return tmp / "data" / "pile_Github", (
+        tmp / "mixed.jsonl",
+        tmp / "data" / "pile",
+        "--split-by-subset",
+        "--shard-size-mb",
+        "0.01",
+    )
 
 
 def _unsharded_subset_set_then_split(tmp, cli):
@@ -480,18 +628,35 @@ def _shared_shards_then_rerun_unsplit(tmp, cli):
 
 
 OTHER_SET_CASES = [
-    pytest.param(_sharded_subset_set_then_split, [r"data/pile_Github\b", "prefix of another shard set",
-                                                  r"pile_Github\.manifest\.json", "--output-prefix"],
-                 id="split-beside-a-sharded-set-of-a-subset-name"),
-    pytest.param(_sharded_subset_set_then_sharded_split, [r"would overwrite .*pile_Github_00000\.(bin|idx)",
-                                                          r"shard set .*data/pile_Github\b", "--output-prefix"],
-                 id="split-would-overwrite-shards-of-another-set"),
-    pytest.param(_unsharded_subset_set_then_split, [r"would overwrite .*pile_Github\.(bin|idx)",
-                                                    r"pile_Github\.manifest\.json", "--output-prefix"],
-                 id="split-would-overwrite-an-unsharded-set"),
-    pytest.param(_split_set_then_its_subset_prefix, [r"would overwrite .*pile_Github\.(bin|idx)",
-                                                     r"shard set .*data/pile\b", r"pile\.manifest\.json"],
-                 id="prefix-would-overwrite-a-subset-of-another-set"),
+    pytest.param(
+        _sharded_subset_set_then_split,
+        [
+            r"data/pile_Github\b",
+            "prefix of another shard set",
+            r"pile_Github\.manifest\.json",
+            "--output-prefix",
+        ],
+        id="split-beside-a-sharded-set-of-a-subset-name",
+    ),
+    pytest.param(
+        _sharded_subset_set_then_sharded_split,
+        [
+            r"would overwrite .*pile_Github_00000\.(bin|idx)",
+            r"shard set .*data/pile_Github\b",
+            "--output-prefix",
+        ],
+        id="split-would-overwrite-shards-of-another-set",
+    ),
+    pytest.param(
+        _unsharded_subset_set_then_split,
+        [r"would overwrite .*pile_Github\.(bin|idx)", r"pile_Github\.manifest\.json", "--output-prefix"],
+        id="split-would-overwrite-an-unsharded-set",
+    ),
+    pytest.param(
+        _split_set_then_its_subset_prefix,
+        [r"would overwrite .*pile_Github\.(bin|idx)", r"shard set .*data/pile\b", r"pile\.manifest\.json"],
+        id="prefix-would-overwrite-a-subset-of-another-set",
+    ),
     pytest.param(_shared_shards_then_rerun_unsplit, None, id="rerun-keeps-shards-another-set-lists"),
 ]
 
@@ -502,8 +667,11 @@ def test_preprocess_never_touches_another_shard_set(make, fragments, tmp_path, d
     (tmp_path / "mixed.jsonl").write_bytes(subset_docs(docs, ["Github", "Wikipedia"]))
 
     def cli(src, prefix, *extra):
-        argv = (preprocess_argv([src], prefix, neox, *extra) if src is not None else
-                ["preprocess", "--write-manifest-for", prefix, "--tokenizer", neox])
+        argv = (
+            preprocess_argv([src], prefix, neox, *extra)
+            if src is not None
+            else ["preprocess", "--write-manifest-for", prefix, "--tokenizer", neox]
+        )
         return run_cli(argv, capsys)
 
     other, later = make(tmp_path, lambda *a: expect_ok(cli(*a)))
@@ -516,7 +684,9 @@ def test_preprocess_never_touches_another_shard_set(make, fragments, tmp_path, d
     else:
         expect_error(res, *fragments, "nothing was written")
         assert not Path(f"{later[1]}.manifest.json").exists()
-    assert {n: (other.parent / n).read_bytes() if (other.parent / n).exists() else None for n in owned} == before
+    assert {
+        n: (other.parent / n).read_bytes() if (other.parent / n).exists() else None for n in owned
+    } == before
     for shard in manifest["shards"]:
         verify_shard_set(other.parent / shard)
     assert leftovers(other.parent) == []
@@ -527,14 +697,22 @@ def tiny_disk(tmp_path):
     """A directory on a 96 KiB tmpfs, or None where mounting is not allowed."""
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mnt)],
-                        capture_output=True).returncode == 0 if os.geteuid() == 0 else False
+    ok = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+        == 0
+        if os.geteuid() == 0
+        else False
+    )
     yield mnt if ok else None
     if ok:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_disk_full_names_the_output_and_leaves_nothing(tmp_path, tiny_disk, corpus, neox, capsys, monkeypatch):
+def test_disk_full_names_the_output_and_leaves_nothing(
+    tmp_path, tiny_disk, corpus, neox, capsys, monkeypatch
+):
     big = tmp_path / "big.jsonl"
     big.write_bytes(corpus.read_bytes() * 6)
     out_dir = tiny_disk if tiny_disk is not None else tmp_path / "out"
@@ -550,12 +728,16 @@ def test_disk_full_names_the_output_and_leaves_nothing(tmp_path, tiny_disk, corp
     assert outputs_of(out_dir / "set") == [] and leftovers(out_dir) == []
 
 
-@pytest.mark.parametrize("fault, fragments", [
-    pytest.param("raise:1", ["worker failed", r"docs\.jsonl", "injected fault"], id="worker-raises"),
-    pytest.param("exit:1", ["worker died", r"docs\.jsonl", "--workers"], id="worker-dies"),
-])
-def test_worker_failure_stops_the_run_cleanly(fault, fragments, tmp_path, good_set, corpus, neox, capsys,
-                                              monkeypatch):
+@pytest.mark.parametrize(
+    "fault, fragments",
+    [
+        pytest.param("raise:1", ["worker failed", r"docs\.jsonl", "injected fault"], id="worker-raises"),
+        pytest.param("exit:1", ["worker died", r"docs\.jsonl", "--workers"], id="worker-dies"),
+    ],
+)
+def test_worker_failure_stops_the_run_cleanly(
+    fault, fragments, tmp_path, good_set, corpus, neox, capsys, monkeypatch
+):
     prefix = copy_set(good_set, tmp_path / "out")
     before = snapshot(prefix.parent)
     monkeypatch.setenv(FAULT_ENV, fault)
@@ -567,6 +749,7 @@ def test_worker_failure_stops_the_run_cleanly(fault, fragments, tmp_path, good_s
 
 
 # --------------------------------------------------------------------------- preprocess: signals, kills
+
 
 def marked(mark: str) -> list[str]:
     """Live processes whose environment carries this test's mark (the CLI and its workers), but
@@ -625,20 +808,30 @@ def _kill_a_worker(proc):
     os.kill(_workers_of(proc.pid)[0], signal.SIGKILL)  # what the OOM killer does
 
 
-@pytest.mark.parametrize("act, rc, fragment", [
-    pytest.param(_interrupt, 130, "interrupted", id="ctrl-c"),
-    pytest.param(_terminate, 143, "terminated", id="sigterm"),
-    pytest.param(_kill, -signal.SIGKILL, None, id="sigkill"),
-    pytest.param(_kill_a_worker, 1, "worker died", id="worker-killed"),
-])
+@pytest.mark.parametrize(
+    "act, rc, fragment",
+    [
+        pytest.param(_interrupt, 130, "interrupted", id="ctrl-c"),
+        pytest.param(_terminate, 143, "terminated", id="sigterm"),
+        pytest.param(_kill, -signal.SIGKILL, None, id="sigkill"),
+        pytest.param(_kill_a_worker, 1, "worker died", id="worker-killed"),
+    ],
+)
 def test_signals_never_hang_or_orphan_workers(act, rc, fragment, tmp_path, good_set, corpus, neox, capsys):
     prefix = copy_set(good_set, tmp_path / "out")
     before = snapshot(prefix.parent)
     mark = uuid.uuid4().hex
     env = {**os.environ, MARK_ENV: mark, FAULT_ENV: "sleep:2", "PYTHONPATH": str(ROOT)}
     argv = preprocess_argv([corpus], prefix, neox, "--workers", "2", "--chunk-mb", "0.005")
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_lev", *map(str, argv)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_lev", *map(str, argv)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while len(_workers_of(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
@@ -666,10 +859,23 @@ def test_signals_never_hang_or_orphan_workers(act, rc, fragment, tmp_path, good_
 
 # --------------------------------------------------------------------------- shard sets: the manifest
 
+
 def build_indices_argv(prefix, tmp: Path, *extra) -> list:
-    return ["build-indices", f"data.data_path=[{prefix}]", f"data.cache_dir={tmp / 'cache'}",
-            "model.seq_length=16", "train.train_iters=4", "train.micro_batch_size=2", "train.eval_interval=0",
-            f"logging.output_dir={tmp / 'run'}", *extra, "--num-samples", "8", "0", "0"]
+    return [
+        "build-indices",
+        f"data.data_path=[{prefix}]",
+        f"data.cache_dir={tmp / 'cache'}",
+        "model.seq_length=16",
+        "train.train_iters=4",
+        "train.micro_batch_size=2",
+        "train.eval_interval=0",
+        f"logging.output_dir={tmp / 'run'}",
+        *extra,
+        "--num-samples",
+        "8",
+        "0",
+        "0",
+    ]
 
 
 def _drop_manifest(prefix: Path, tmp: Path):
@@ -723,16 +929,25 @@ def _unknown_prefix(prefix, tmp):
 
 
 SET_REFUSALS = [
-    pytest.param(_drop_manifest, [r"set_00000", r"no set_00000\.manifest\.json", "--write-manifest-for"],
-                 id="manifest-missing"),
+    pytest.param(
+        _drop_manifest,
+        [r"set_00000", r"no set_00000\.manifest\.json", "--write-manifest-for"],
+        id="manifest-missing",
+    ),
     pytest.param(_garble_manifest, [r"set\.manifest\.json", "unreadable"], id="manifest-not-json"),
-    pytest.param(_foreign_manifest, [r"set\.manifest\.json", "not a megatron-lev shard-set manifest"],
-                 id="manifest-foreign"),
+    pytest.param(
+        _foreign_manifest,
+        [r"set\.manifest\.json", "not a megatron-lev shard-set manifest"],
+        id="manifest-foreign",
+    ),
     pytest.param(_grow_bin, [r"set_00000\.bin", "bytes, but", "records"], id="bin-size-differs"),
     pytest.param(_flip_bin, [r"set_00000\.bin", "sha256", "damaged"], id="bin-bytes-changed"),
     pytest.param(_cut_idx, [r"set_00000\.idx", "bytes, but"], id="idx-truncated"),
-    pytest.param(_stray_shard, [r"set_00009", "not part of the shard set", r"set\.manifest\.json"],
-                 id="stray-shard-not-in-manifest"),
+    pytest.param(
+        _stray_shard,
+        [r"set_00009", "not part of the shard set", r"set\.manifest\.json"],
+        id="stray-shard-not-in-manifest",
+    ),
     pytest.param(_lose_counts, [r"set\.counts\.npy", "missing"], id="listed-file-missing"),
     pytest.param(_unknown_prefix, [r"absent", "no absent\\.manifest\\.json"], id="unknown-prefix"),
 ]
@@ -764,12 +979,18 @@ def _copied_tokenizer(tmp, neox):
     return [f"data.tokenizer_path={tmp / 'renamed.json'}"]
 
 
-@pytest.mark.parametrize("make, fragments", [
-    pytest.param(_other_hf_tokenizer, [r"set_00000", "another tokenizer", "data.tokenizer_path"],
-                 id="different-tokenizer"),
-    pytest.param(_same_tokenizer, None, id="same-tokenizer"),
-    pytest.param(_copied_tokenizer, None, id="same-tokenizer-other-path"),
-])
+@pytest.mark.parametrize(
+    "make, fragments",
+    [
+        pytest.param(
+            _other_hf_tokenizer,
+            [r"set_00000", "another tokenizer", "data.tokenizer_path"],
+            id="different-tokenizer",
+        ),
+        pytest.param(_same_tokenizer, None, id="same-tokenizer"),
+        pytest.param(_copied_tokenizer, None, id="same-tokenizer-other-path"),
+    ],
+)
 def test_shards_must_match_the_run_tokenizer(make, fragments, tmp_path, good_set, neox, capsys):
     prefix = copy_set(good_set, tmp_path / "set")
     res = run_cli(build_indices_argv(f"{prefix}_00000", tmp_path, *make(tmp_path, neox)), capsys)
@@ -782,7 +1003,9 @@ def test_shards_must_match_the_run_tokenizer(make, fragments, tmp_path, good_set
 
 def test_vocabulary_smaller_than_the_largest_id_is_refused(good_set):
     manifest = verify_shard_set(f"{good_set}_00000")
-    with pytest.raises(ShardSetError, match=rf"token id {manifest['max_token_id']}.*vocabulary has only 1000"):
+    with pytest.raises(
+        ShardSetError, match=rf"token id {manifest['max_token_id']}.*vocabulary has only 1000"
+    ):
         verify_shard_set(f"{good_set}_00000", vocab_size=1000)
     verify_shard_set(f"{good_set}_00000", vocab_size=manifest["max_token_id"] + 1)
 
@@ -797,10 +1020,12 @@ def _verify_with_hashing_failing_on_rank_0(shard: str, error: str) -> str:
     from megatron_lev.data import manifest
 
     if dist.get_rank() == 0:
+
         def failing(path):
             if error == "permission":
                 raise PermissionError(errno.EACCES, "Permission denied", str(path))
             raise OSError(errno.EIO, "Input/output error", str(path))
+
         manifest.cached_sha256 = failing
     try:
         manifest.verify_shard_set(shard)
@@ -809,15 +1034,20 @@ def _verify_with_hashing_failing_on_rank_0(shard: str, error: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("error, fragment", [
-    pytest.param("permission", "Permission denied", id="rank0-hash-permission-error"),
-])
+@pytest.mark.parametrize(
+    "error, fragment",
+    [
+        pytest.param("permission", "Permission denied", id="rank0-hash-permission-error"),
+    ],
+)
 def test_a_checksum_failure_on_rank_0_reaches_every_rank(error, fragment, tmp_path, good_set):
     """No rank is left waiting for rank 0's verdict: all raise the same one-line error."""
     from megatron_lev.testing.distributed import run_distributed
 
     prefix = copy_set(good_set, tmp_path / "set")
-    got = run_distributed(_verify_with_hashing_failing_on_rank_0, 2, args=(f"{prefix}_00000", error), timeout=90)
+    got = run_distributed(
+        _verify_with_hashing_failing_on_rank_0, 2, args=(f"{prefix}_00000", error), timeout=90
+    )
     assert got[0] == got[1] and fragment in got[0] and "set_00000" in got[0] and "rank 0" in got[0], got
 
 
@@ -828,19 +1058,35 @@ def test_training_refuses_shards_of_another_tokenizer(tmp_path, good_set, neox):
 
     prefix = copy_set(good_set, tmp_path / "set")
     _other_hf_tokenizer(tmp_path, neox)
-    cfg = DataConfig(data_path=[f"{prefix}_00000"], tokenizer_path=str(tmp_path / "other.json"),
-                     cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(
+        data_path=[f"{prefix}_00000"],
+        tokenizer_path=str(tmp_path / "other.json"),
+        cache_dir=str(tmp_path / "cache"),
+    )
     with pytest.raises(ShardSetError, match="another tokenizer"):
         build_train_valid_test_datasets(cfg, 16, (8, 0, 0))
     with pytest.raises(ShardSetError, match="vocabulary has only 10 ids"):
-        build_train_valid_test_datasets(DataConfig(data_path=[f"{prefix}_00000"], cache_dir=str(tmp_path)),
-                                        16, (8, 0, 0), vocab_size=10)
+        build_train_valid_test_datasets(
+            DataConfig(data_path=[f"{prefix}_00000"], cache_dir=str(tmp_path)), 16, (8, 0, 0), vocab_size=10
+        )
 
 
-# --------------------------------------------------------------------------- MMIDIDX structure (legacy shards)
+# -------------------------------------------------------------------------- MMIDIDX structure (legacy shards)
 
-def spec_pair(prefix: Path, seqs=((1, 2, 3), (4, 5), (6,)), dtype=np.uint16, code=8, version=1, magic=b"MMIDIDX\0\0",
-              sizes=None, pointers=None, doc_idx=None, n_doc=None, bin_cut=0):
+
+def spec_pair(
+    prefix: Path,
+    seqs=((1, 2, 3), (4, 5), (6,)),
+    dtype=np.uint16,
+    code=8,
+    version=1,
+    magic=b"MMIDIDX\0\0",
+    sizes=None,
+    pointers=None,
+    doc_idx=None,
+    n_doc=None,
+    bin_cut=0,
+):
     """A .bin/.idx pair written from the spec, with any field overridden."""
     sizes = list(map(len, seqs)) if sizes is None else sizes
     item = np.dtype(dtype).itemsize
@@ -850,7 +1096,9 @@ def spec_pair(prefix: Path, seqs=((1, 2, 3), (4, 5), (6,)), dtype=np.uint16, cod
     data = b"".join(np.asarray(s, dtype).tobytes() for s in seqs)
     Path(f"{prefix}.bin").write_bytes(data[: len(data) - bin_cut])
     with open(f"{prefix}.idx", "wb") as f:
-        f.write(magic + struct.pack("<QBQQ", version, code, len(sizes), len(doc_idx) if n_doc is None else n_doc))
+        f.write(
+            magic + struct.pack("<QBQQ", version, code, len(sizes), len(doc_idx) if n_doc is None else n_doc)
+        )
         f.write(np.asarray(sizes, "<i4").tobytes() + np.asarray(pointers, "<i8").tobytes())
         f.write(np.asarray(doc_idx, "<i8").tobytes())
 
@@ -861,13 +1109,20 @@ IDX_REFUSALS = [
     pytest.param({"code": 42}, [r"legacy\.idx", "unknown dtype code 42"], id="idx-unknown-dtype"),
     pytest.param({"code": 4}, [r"legacy\.idx", "disagree"], id="idx-dtype-code-wrong"),
     pytest.param({"n_doc": 9}, [r"legacy\.idx", "does not match its header"], id="idx-doc-count-disagrees"),
-    pytest.param({"sizes": [2, 3, 1]}, [r"legacy\.idx", "sequence 1 points to byte 6", "disagree"],
-                 id="idx-sizes-shifted"),
-    pytest.param({"pointers": [0, 6, 4000]}, [r"legacy\.idx", "sequence 2", "disagree"],
-                 id="idx-pointer-past-the-end"),
+    pytest.param(
+        {"sizes": [2, 3, 1]},
+        [r"legacy\.idx", "sequence 1 points to byte 6", "disagree"],
+        id="idx-sizes-shifted",
+    ),
+    pytest.param(
+        {"pointers": [0, 6, 4000]}, [r"legacy\.idx", "sequence 2", "disagree"], id="idx-pointer-past-the-end"
+    ),
     pytest.param({"sizes": [3, -2, 1]}, [r"legacy\.idx", "negative size"], id="idx-negative-size"),
-    pytest.param({"doc_idx": [0, 1, 2]}, [r"legacy\.idx", "document index must run from 0 to 3"],
-                 id="idx-doc-index-short"),
+    pytest.param(
+        {"doc_idx": [0, 1, 2]},
+        [r"legacy\.idx", "document index must run from 0 to 3"],
+        id="idx-doc-index-short",
+    ),
     pytest.param({"doc_idx": [0, 2, 1, 3]}, [r"legacy\.idx", "not in order"], id="idx-doc-index-unordered"),
     pytest.param({"bin_cut": 2}, [r"legacy\.bin", "truncated or mismatched"], id="bin-truncated"),
 ]
@@ -877,7 +1132,9 @@ IDX_REFUSALS = [
 def test_damaged_index_is_refused_by_name(fields, fragments, tmp_path, neox, capsys):
     prefix = tmp_path / "legacy"
     spec_pair(prefix, **fields)
-    expect_error(run_cli(["preprocess", "--write-manifest-for", prefix, "--tokenizer", neox], capsys), *fragments)
+    expect_error(
+        run_cli(["preprocess", "--write-manifest-for", prefix, "--tokenizer", neox], capsys), *fragments
+    )
     assert not Path(f"{prefix}.manifest.json").exists()
     with pytest.raises(Exception, match=fragments[0]):  # the reader itself refuses too
         IndexedDataset(prefix)
@@ -894,18 +1151,27 @@ def test_write_manifest_for_legacy_shards_then_use_them(tmp_path, good_set, neox
     expect_ok(run_cli(build_indices_argv(legacy, tmp_path, f"data.tokenizer_path={neox}"), capsys))
 
 
-@pytest.mark.parametrize("make, fragments", [
-    pytest.param(lambda t: spec_pair(t / "legacy", seqs=((1, 2), (3, 60000))) or t / "legacy",
-                 [r"legacy", "token id 60000", "50277 ids"], id="legacy-ids-beyond-tokenizer"),
-    pytest.param(lambda t: t / "legacy", [r"legacy", r"no legacy\.bin"], id="legacy-prefix-missing"),
-])
+@pytest.mark.parametrize(
+    "make, fragments",
+    [
+        pytest.param(
+            lambda t: spec_pair(t / "legacy", seqs=((1, 2), (3, 60000))) or t / "legacy",
+            [r"legacy", "token id 60000", "50277 ids"],
+            id="legacy-ids-beyond-tokenizer",
+        ),
+        pytest.param(lambda t: t / "legacy", [r"legacy", r"no legacy\.bin"], id="legacy-prefix-missing"),
+    ],
+)
 def test_write_manifest_for_refuses(make, fragments, tmp_path, neox, capsys):
     prefix = make(tmp_path)
-    expect_error(run_cli(["preprocess", "--write-manifest-for", prefix, "--tokenizer", neox], capsys), *fragments)
+    expect_error(
+        run_cli(["preprocess", "--write-manifest-for", prefix, "--tokenizer", neox], capsys), *fragments
+    )
     assert not Path(f"{prefix}.manifest.json").exists()
 
 
 # --------------------------------------------------------------------------- the index cache
+
 
 def _flip_npy(path: Path):
     data = bytearray(path.read_bytes())
@@ -921,35 +1187,49 @@ def _garble_npy(path: Path):
     path.write_bytes(b"garbage")
 
 
-@pytest.mark.parametrize("target, damage", [
-    pytest.param("shuffle_idx", _flip_npy, id="cache-bytes-changed"),
-    pytest.param("sample_idx", _cut_npy, id="cache-truncated"),
-    pytest.param("doc_idx", _garble_npy, id="cache-not-npy"),
-    pytest.param("doc_idx", Path.unlink, id="cache-file-missing"),
-    pytest.param("description", _garble_npy, id="cache-description-garbled"),
-])
+@pytest.mark.parametrize(
+    "target, damage",
+    [
+        pytest.param("shuffle_idx", _flip_npy, id="cache-bytes-changed"),
+        pytest.param("sample_idx", _cut_npy, id="cache-truncated"),
+        pytest.param("doc_idx", _garble_npy, id="cache-not-npy"),
+        pytest.param("doc_idx", Path.unlink, id="cache-file-missing"),
+        pytest.param("description", _garble_npy, id="cache-description-garbled"),
+    ],
+)
 def test_damaged_index_cache_is_rebuilt_with_a_message(target, damage, tmp_path, good_set, capsys, caplog):
     prefix = copy_set(good_set, tmp_path / "set")
     argv = build_indices_argv(f"{prefix}_00000", tmp_path)
     expect_ok(run_cli(argv, capsys))
     cache = tmp_path / "cache"
     before = snapshot(cache)
-    victim = next(p for p in cache.iterdir() if p.name.endswith(f"_{target}.npy") or
-                  (target == "description" and p.name.endswith("_description.json")))
+    victim = next(
+        p
+        for p in cache.iterdir()
+        if p.name.endswith(f"_{target}.npy")
+        or (target == "description" and p.name.endswith("_description.json"))
+    )
     damage(victim)
     with caplog.at_level("WARNING"):
         expect_ok(run_cli(argv, capsys))
-    assert any(victim.name in r.getMessage() and "rebuilding" in r.getMessage() for r in caplog.records), \
-        [r.getMessage() for r in caplog.records]
+    assert any(victim.name in r.getMessage() and "rebuilding" in r.getMessage() for r in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]
     assert snapshot(cache) == before  # rebuilt to the same arrays
     assert leftovers(cache) == []
 
 
-@pytest.mark.parametrize("extra, fragments", [
-    pytest.param(["--world-size", "0"], ["--world-size", ">= 1"], id="build-indices-world-size-zero"),
-    pytest.param(["--num-samples", "-1", "0", "0"], ["--num-samples", "non-negative"],
-                 id="build-indices-negative-samples"),
-])
+@pytest.mark.parametrize(
+    "extra, fragments",
+    [
+        pytest.param(["--world-size", "0"], ["--world-size", ">= 1"], id="build-indices-world-size-zero"),
+        pytest.param(
+            ["--num-samples", "-1", "0", "0"],
+            ["--num-samples", "non-negative"],
+            id="build-indices-negative-samples",
+        ),
+    ],
+)
 def test_build_indices_refuses_bad_flags(extra, fragments, tmp_path, good_set, capsys):
     argv = build_indices_argv(f"{good_set}_00000", tmp_path)[:-4] + extra
     expect_error(run_cli(argv, capsys), *fragments, rc=2)

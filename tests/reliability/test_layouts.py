@@ -42,8 +42,13 @@ def _layout_id(tp, pp, zero, precision, offload=False):
 
 
 def _layout_overrides(tp, pp, zero, precision, offload=False) -> dict:
-    return {"parallel.tensor_model_parallel_size": tp, "parallel.pipeline_model_parallel_size": pp,
-            "parallel.zero_stage": zero, "parallel.cpu_offload": offload, "train.precision": precision}
+    return {
+        "parallel.tensor_model_parallel_size": tp,
+        "parallel.pipeline_model_parallel_size": pp,
+        "parallel.zero_stage": zero,
+        "parallel.cpu_offload": offload,
+        "train.precision": precision,
+    }
 
 
 def _world(tp, pp):
@@ -55,8 +60,15 @@ def _refusal(tp, pp, zero, precision, offload=False) -> str | None:
     from megatron_lev.training.ds_config import validate_training
 
     over = [f"{k}={v}" for k, v in _layout_overrides(tp, pp, zero, precision, offload).items()]
-    over += ["data.data_path=[unused]", "data.tokenizer_path=unused", "model.num_attention_heads=2",
-             "model.hidden_size=32", "model.lev.heads=2", "train.global_batch_size=4", "train.micro_batch_size=2"]
+    over += [
+        "data.data_path=[unused]",
+        "data.tokenizer_path=unused",
+        "model.num_attention_heads=2",
+        "model.hidden_size=32",
+        "model.lev.heads=2",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+    ]
     try:
         validate_training(load_config([TINY], over), _world(tp, pp), cuda=False)
     except ConfigError as exc:
@@ -65,28 +77,54 @@ def _refusal(tp, pp, zero, precision, offload=False) -> str | None:
 
 
 REFUSED = {  # layout -> what the one-line message must name
-    **{(tp, pp, zero, "fp16"): "train.precision=fp16 needs CUDA"
-       for tp, pp, zero in itertools.product((1, 2), (1, 2), (0, 1, 2, 3))},
-    **{(tp, 2, zero, precision): f"parallel.zero_stage={zero} cannot be combined with pipeline"  # checked first
-       for tp, zero, precision in itertools.product((1, 2), (2, 3), ("fp32", "bf16", "fp16"))},
+    **{
+        (tp, pp, zero, "fp16"): "train.precision=fp16 needs CUDA"
+        for tp, pp, zero in itertools.product((1, 2), (1, 2), (0, 1, 2, 3))
+    },
+    **{
+        (
+            tp,
+            2,
+            zero,
+            precision,
+        ): f"parallel.zero_stage={zero} cannot be combined with pipeline"  # checked first
+        for tp, zero, precision in itertools.product((1, 2), (2, 3), ("fp32", "bf16", "fp16"))
+    },
     **{(tp, 2, 0, "bf16"): "bf16 with pipeline parallelism needs parallel.zero_stage=1" for tp in (1, 2)},
 }
-ACCEPTED = [(tp, pp, zero, precision) for tp, pp, zero, precision
-            in itertools.product((1, 2), (1, 2), (0, 1, 2, 3), ("fp32", "bf16"))
-            if (tp, pp, zero, precision) not in REFUSED]
+ACCEPTED = [
+    (tp, pp, zero, precision)
+    for tp, pp, zero, precision in itertools.product((1, 2), (1, 2), (0, 1, 2, 3), ("fp32", "bf16"))
+    if (tp, pp, zero, precision) not in REFUSED
+]
 WORLD2 = [(*lay, False) for lay in ACCEPTED if _world(*lay[:2]) == 2] + [(1, 1, 3, "fp32", True)]
 WORLD4 = [(*lay, False) for lay in ACCEPTED if _world(*lay[:2]) == 4]
 
 
 def _overrides(prefix: str, tok: str, out: Path, **extra) -> list[str]:
     base = {
-        "data.data_path": f"[{prefix}]", "data.tokenizer_path": tok, "data.split": "100,0,0",
+        "data.data_path": f"[{prefix}]",
+        "data.tokenizer_path": tok,
+        "data.split": "100,0,0",
         "data.cache_dir": str(out.parent / "index-cache"),
-        "model.num_layers": 2, "model.hidden_size": 32, "model.num_attention_heads": 2, "model.seq_length": 32,
-        "model.lev.d_seed": 8, "model.lev.heads": 2, "model.lev.rank": 4, "model.lev.kappa": 4,
-        "train.micro_batch_size": 2, "train.global_batch_size": 4, "train.train_iters": ITERS, "train.lr": 3e-3,
-        "train.min_lr": 3e-4, "train.lr_warmup_iters": 1, "train.save": str(out / "ckpt"),
-        "logging.output_dir": str(out), "logging.log_interval": 1, "logging.progress_bar": False,
+        "model.num_layers": 2,
+        "model.hidden_size": 32,
+        "model.num_attention_heads": 2,
+        "model.seq_length": 32,
+        "model.lev.d_seed": 8,
+        "model.lev.heads": 2,
+        "model.lev.rank": 4,
+        "model.lev.kappa": 4,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 4,
+        "train.train_iters": ITERS,
+        "train.lr": 3e-3,
+        "train.min_lr": 3e-4,
+        "train.lr_warmup_iters": 1,
+        "train.save": str(out / "ckpt"),
+        "logging.output_dir": str(out),
+        "logging.log_interval": 1,
+        "logging.progress_bar": False,
         "logging.tensorboard": False,
     }
     base.update(extra)
@@ -109,8 +147,11 @@ def _train_layouts(prefix: str, tok: str, out: str, layouts: list) -> None:
         over = _overrides(prefix, tok, Path(out) / name, **_layout_overrides(*layout))
         try:
             res = pretrain(load_config([TINY], over))
-            value = {"exit": res.exit_code, "losses": {str(k): v for k, v in res.losses.items()},
-                     "skipped": res.skipped_steps}
+            value = {
+                "exit": res.exit_code,
+                "losses": {str(k): v for k, v in res.losses.items()},
+                "skipped": res.skipped_steps,
+            }
         except Exception as exc:  # noqa: BLE001 - recorded for this layout's case, the others go on
             value = {"error": f"{type(exc).__name__}: {exc}"}
         _write_result(Path(out) / f"{name}.json", value)
@@ -120,10 +161,22 @@ def _train_layouts(prefix: str, tok: str, out: str, layouts: list) -> None:
 
 
 def _tiny_model_config(embedding: str, tp: int):
-    return load_config([TINY], ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=2",
-                                "model.seq_length=16", "model.lev.d_seed=8", "model.lev.heads=2",
-                                "model.lev.rank=4", "model.lev.kappa=4", f"model.embedding={embedding}",
-                                f"parallel.tensor_model_parallel_size={tp}", "train.seed=7"])
+    return load_config(
+        [TINY],
+        [
+            "model.num_layers=2",
+            "model.hidden_size=32",
+            "model.num_attention_heads=2",
+            "model.seq_length=16",
+            "model.lev.d_seed=8",
+            "model.lev.heads=2",
+            "model.lev.rank=4",
+            "model.lev.kappa=4",
+            f"model.embedding={embedding}",
+            f"parallel.tensor_model_parallel_size={tp}",
+            "train.seed=7",
+        ],
+    )
 
 
 def _padded_vocab_probe(embedding: str) -> dict:
@@ -139,9 +192,12 @@ def _padded_vocab_probe(embedding: str) -> dict:
     head = model.output_head
     table = model.embedding.tied_output_weight() if head.tied else head.weight  # (V/tp, D)
     pad_from = max(TOKENIZER_VOCAB - head.vocab_start, 0)
-    out = {"loss": loss.item(), "padded_rows": max(head.vocab_end - max(head.vocab_start, TOKENIZER_VOCAB), 0),
-           "pad_grad_max": table.grad[pad_from:].abs().max().item() if pad_from < table.shape[0] else 0.0,
-           "real_grad_max": table.grad[:pad_from].abs().max().item()}
+    out = {
+        "loss": loss.item(),
+        "padded_rows": max(head.vocab_end - max(head.vocab_start, TOKENIZER_VOCAB), 0),
+        "pad_grad_max": table.grad[pad_from:].abs().max().item() if pad_from < table.shape[0] else 0.0,
+        "real_grad_max": table.grad[:pad_from].abs().max().item(),
+    }
     if tp == 1:
         with torch.no_grad():
             logits = model(ids[:, :-1])[..., :TOKENIZER_VOCAB]  # what an export keeps
@@ -225,8 +281,11 @@ def _one_rank_suite(prefix: str, tok: str, out: str) -> dict:
         res = _cli(["train", "--config", str(TINY), *_overrides(prefix, tok, run, **extra)], env)
         res["ckpt"] = _checkpoint_state(run / "ckpt")
         metrics = run / "metrics.jsonl"
-        res["train"] = {r["iteration"]: (r["loss"], r["skipped_in_window"])
-                        for r in read_metrics(metrics, kind="train")} if metrics.exists() else {}
+        res["train"] = (
+            {r["iteration"]: (r["loss"], r["skipped_in_window"]) for r in read_metrics(metrics, kind="train")}
+            if metrics.exists()
+            else {}
+        )
         guard[name] = res
     return guard
 
@@ -249,7 +308,9 @@ def shard(tmp_path_factory, shared_data) -> tuple[str, str]:
         lines = list(itertools.islice(reader, 200))
     (work / "wiki.jsonl").write_text("".join(lines))
     prefix = work / "wiki_text_document"
-    preprocess(PreprocessOptions([str(work / "wiki.jsonl")], str(prefix), "hf", tok, workers=1, progress=False))
+    preprocess(
+        PreprocessOptions([str(work / "wiki.jsonl")], str(prefix), "hf", tok, workers=1, progress=False)
+    )
     return str(prefix), tok
 
 
@@ -350,7 +411,10 @@ def test_padding_rows_leave_the_loss_alone_at_any_tp(two_ranks, embedding):
     tp1 = _padded_vocab_probe(embedding)
     tp2 = [rank[embedding] for rank in spawn]
     cfg = _tiny_model_config(embedding, 1).model
-    assert (padded_vocab_size(TOKENIZER_VOCAB, cfg, 1), padded_vocab_size(TOKENIZER_VOCAB, cfg, 2)) == (50304, 50432)
+    assert (padded_vocab_size(TOKENIZER_VOCAB, cfg, 1), padded_vocab_size(TOKENIZER_VOCAB, cfg, 2)) == (
+        50304,
+        50432,
+    )
     assert tp1["padded_rows"] == 27 and [r["padded_rows"] for r in tp2] == [0, 155]
     for r in tp2:
         assert abs(r["loss"] - tp1["loss"]) <= 1e-6, (r["loss"], tp1["loss"])

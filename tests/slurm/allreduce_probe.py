@@ -32,8 +32,10 @@ def main() -> int:
             raise RuntimeError(f"all-reduce gave {t.item()}, expected {expect}")
         # One write per line: the launchers set PYTHONUNBUFFERED, under which print() issues
         # the text and the newline as two writes, and two ranks sharing a pipe interleave.
-        line = (f"[probe] rank {rank} local_rank {os.environ['LOCAL_RANK']} node {node} step {step} "
-                f"allreduce_sum {t.item():g}\n")
+        line = (
+            f"[probe] rank {rank} local_rank {os.environ['LOCAL_RANK']} node {node} step {step} "
+            f"allreduce_sum {t.item():g}\n"
+        )
         os.write(sys.stdout.fileno(), line.encode())
     dist.barrier()
     dist.destroy_process_group()

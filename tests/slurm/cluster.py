@@ -67,7 +67,8 @@ class SlurmCluster:
             if key != "SLURM_CONF":  # a test run inside a Slurm job must not leak that job's settings
                 del self.env[key]
         self._pid_files = [self.workdir / "run" / "slurmctld.pid"] + [
-            self.workdir / "run" / f"slurmd.{n}.pid" for n in self.nodes]
+            self.workdir / "run" / f"slurmd.{n}.pid" for n in self.nodes
+        ]
 
     # ------------------------------------------------------------------ setup
 
@@ -109,33 +110,51 @@ class SlurmCluster:
             "SchedulerParameters=sched_interval=1,bf_interval=1",
         ]
         for name, port in zip(self.nodes, node_ports):
-            lines.append(f"NodeName={name} NodeHostname={self.hostname} NodeAddr=127.0.0.1 Port={port} "
-                         f"CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN")
-        lines.append(f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP")
+            lines.append(
+                f"NodeName={name} NodeHostname={self.hostname} NodeAddr=127.0.0.1 Port={port} "
+                f"CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN"
+            )
+        lines.append(
+            f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP"
+        )
         self.conf.write_text("\n".join(lines) + "\n")
         return self.conf
 
     def start(self, timeout: float = 30.0) -> SlurmCluster:
         missing = [d for d in DAEMONS if shutil.which(d) is None]
         if missing:
-            raise SlurmError(f"Slurm commands not installed: {', '.join(missing)} "
-                             "(run .ci/install_system_packages.sh as root)")
+            raise SlurmError(
+                f"Slurm commands not installed: {', '.join(missing)} "
+                "(run .ci/install_system_packages.sh as root)"
+            )
         self.write_conf()
         self._daemon(["slurmctld", "-f", str(self.conf)], "slurmctld", self.workdir / "log" / "slurmctld.log")
-        self._wait(lambda: self.run(["scontrol", "ping"], check=False).stdout.count("UP") > 0,
-                   timeout, "slurmctld did not answer `scontrol ping`", self.workdir / "log" / "slurmctld.log")
+        self._wait(
+            lambda: self.run(["scontrol", "ping"], check=False).stdout.count("UP") > 0,
+            timeout,
+            "slurmctld did not answer `scontrol ping`",
+            self.workdir / "log" / "slurmctld.log",
+        )
         for n in self.nodes:
-            self._daemon(["slurmd", "-f", str(self.conf), "-N", n], f"slurmd -N {n}",
-                         self.workdir / "log" / f"slurmd.{n}.log")
-        self._wait(self._nodes_idle, timeout, "the nodes did not become idle",
-                   *(self.workdir / "log" / f"slurmd.{n}.log" for n in self.nodes))
+            self._daemon(
+                ["slurmd", "-f", str(self.conf), "-N", n],
+                f"slurmd -N {n}",
+                self.workdir / "log" / f"slurmd.{n}.log",
+            )
+        self._wait(
+            self._nodes_idle,
+            timeout,
+            "the nodes did not become idle",
+            *(self.workdir / "log" / f"slurmd.{n}.log" for n in self.nodes),
+        )
         return self
 
     def _daemon(self, cmd: list[str], name: str, log: Path) -> None:
         proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=30)
         if proc.returncode != 0:
-            raise SlurmError(f"{name} failed to start (exit {proc.returncode}): {proc.stderr.strip()}\n"
-                             f"{_tail(log)}")
+            raise SlurmError(
+                f"{name} failed to start (exit {proc.returncode}): {proc.stderr.strip()}\n{_tail(log)}"
+            )
 
     def _nodes_idle(self) -> bool:
         out = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False).stdout.split()
@@ -152,9 +171,12 @@ class SlurmCluster:
 
     # ------------------------------------------------------------------ jobs
 
-    def run(self, cmd: list[str], check: bool = True, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
-        proc = subprocess.run(cmd, env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              timeout=60, **kw)
+    def run(
+        self, cmd: list[str], check: bool = True, env: dict | None = None, **kw
+    ) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            cmd, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=60, **kw
+        )
         if check and proc.returncode != 0:
             raise SlurmError(f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr.strip()}")
         return proc
@@ -185,13 +207,20 @@ class SlurmCluster:
         while time.monotonic() < deadline:
             if not self.queued(job_id):
                 info = self.job(job_id)
-                return JobInfo(job_id, info.get("JobState", "UNKNOWN"), info.get("ExitCode", "?"),
-                               int(info.get("Restarts", "0")), info)
+                return JobInfo(
+                    job_id,
+                    info.get("JobState", "UNKNOWN"),
+                    info.get("ExitCode", "?"),
+                    int(info.get("Restarts", "0")),
+                    info,
+                )
             time.sleep(poll)
         info = self.job(job_id)
         self.run(["scancel", job_id], check=False)
-        raise SlurmError(f"job {job_id} still {info.get('JobState')} after {timeout:.0f} s "
-                         f"(reason {info.get('Reason')})\n{_tail(self.workdir / 'log' / 'slurmctld.log')}")
+        raise SlurmError(
+            f"job {job_id} still {info.get('JobState')} after {timeout:.0f} s "
+            f"(reason {info.get('Reason')})\n{_tail(self.workdir / 'log' / 'slurmctld.log')}"
+        )
 
     # ------------------------------------------------------------------ teardown
 

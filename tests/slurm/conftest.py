@@ -33,8 +33,10 @@ def slurm_cluster(tmp_path_factory) -> SlurmCluster:
     passed; in CI (CI=true) a missing Slurm is a failure, since CI installs it."""
     missing = missing_slurm()
     if missing:
-        reason = (f"Slurm is not installed (missing {', '.join(missing)}): "
-                  "run `sudo .ci/install_system_packages.sh`, then rerun")
+        reason = (
+            f"Slurm is not installed (missing {', '.join(missing)}): "
+            "run `sudo .ci/install_system_packages.sh`, then rerun"
+        )
         if os.environ.get("CI") == "true":
             pytest.fail(reason)
         pytest.skip(reason)
@@ -46,13 +48,21 @@ def slurm_cluster(tmp_path_factory) -> SlurmCluster:
         cluster.stop()
 
 
-def submit_pretrain(cluster: SlurmCluster, workdir: Path, sbatch_args: list[str], script_args: list[str],
-                    env: dict[str, str] | None = None) -> str:
+def submit_pretrain(
+    cluster: SlurmCluster,
+    workdir: Path,
+    sbatch_args: list[str],
+    script_args: list[str],
+    env: dict[str, str] | None = None,
+) -> str:
     """`sbatch <overrides> slurm/pretrain.sbatch <args>` from `workdir` (logs land there)."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = {"LOG_DIR": str(workdir / "logs"), "OMP_NUM_THREADS": "1", **(env or {})}
-    return cluster.sbatch([*SMALL_JOB, *sbatch_args, f"--output={workdir}/slurm-%j.out",
-                           str(PRETRAIN), *script_args], env=env, cwd=workdir)
+    return cluster.sbatch(
+        [*SMALL_JOB, *sbatch_args, f"--output={workdir}/slurm-%j.out", str(PRETRAIN), *script_args],
+        env=env,
+        cwd=workdir,
+    )
 
 
 def run_logs(workdir: Path, job_id: str) -> dict[int, str]:
@@ -67,7 +77,9 @@ def describe(workdir: Path, info: JobInfo) -> str:
     """Everything a failing assertion should show: the job state and all its logs."""
     parts = [f"job {info.job_id}: {info.state} exit {info.exit_code} restarts {info.restarts}"]
     batch = workdir / f"slurm-{info.job_id}.out"
-    parts.append(f"--- {batch.name} ---\n" + (batch.read_text(errors="replace") if batch.exists() else "(none)"))
+    parts.append(
+        f"--- {batch.name} ---\n" + (batch.read_text(errors="replace") if batch.exists() else "(none)")
+    )
     for restart, text in sorted(run_logs(workdir, info.job_id).items()):
         parts.append(f"--- restart {restart} ---\n{text[-4000:]}")
     return "\n".join(parts)
@@ -82,8 +94,9 @@ def wait_job(cluster: SlurmCluster, workdir: Path, job_id: str, timeout: float) 
         raise SlurmError(f"{exc}\n{describe(workdir, info)}") from None
 
 
-def wait_for_log(cluster: SlurmCluster, workdir: Path, job_id: str, text: str, timeout: float,
-                 restart: int = 0) -> None:
+def wait_for_log(
+    cluster: SlurmCluster, workdir: Path, job_id: str, text: str, timeout: float, restart: int = 0
+) -> None:
     """Wait until `text` appears in the job's step log of `restart` (fail if the job ends first)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -27,10 +27,18 @@ def run_task(tmp: Path, names: list[str], task: int) -> subprocess.CompletedProc
     srun = bin_dir / "srun"
     srun.write_text('#!/usr/bin/env bash\nprintf "arg:%s\\n" "$@"\n')
     srun.chmod(srun.stat().st_mode | stat.S_IXUSR)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MEGATRON_LEV_ROOT": str(ROOT),
-           "MEGATRON_LEV_PYTHON": sys.executable, "SLURM_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": str(task),
-           "INPUTS": f"{inputs}/*", "OUTPUT_PREFIX": str(tmp / "out" / "c4"), "TOKENIZER": "tok.json",
-           "LOG_DIR": str(tmp / f"logs{task}")}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "MEGATRON_LEV_ROOT": str(ROOT),
+        "MEGATRON_LEV_PYTHON": sys.executable,
+        "SLURM_JOB_ID": "7",
+        "SLURM_ARRAY_TASK_ID": str(task),
+        "INPUTS": f"{inputs}/*",
+        "OUTPUT_PREFIX": str(tmp / "out" / "c4"),
+        "TOKENIZER": "tok.json",
+        "LOG_DIR": str(tmp / f"logs{task}"),
+    }
     return subprocess.run(["bash", str(SCRIPT)], env=env, cwd=tmp, capture_output=True, text=True, timeout=60)
 
 
@@ -43,11 +51,18 @@ def prefix_of(tmp: Path, task: int) -> str:
 C4 = ["c4-train.00000-of-01024.json.gz", "c4-train.00001-of-01024.json.gz", "c4-train.00002-of-01024.json.gz"]
 
 
-@pytest.mark.parametrize("names, expected", [
-    pytest.param(C4, [f"c4_{n[:-len('.json.gz')]}" for n in C4], id="dotted-names-keep-their-dots"),
-    pytest.param(["00.jsonl.zst", "01.jsonl.zst", "02.jsonl"], ["c4_00", "c4_01", "c4_02"], id="pile-names"),
-    pytest.param(["a.parquet", "b.json", "v1.2.jsonl.gz"], ["c4_a", "c4_b", "c4_v1.2"], id="other-extensions"),
-])
+@pytest.mark.parametrize(
+    "names, expected",
+    [
+        pytest.param(C4, [f"c4_{n[: -len('.json.gz')]}" for n in C4], id="dotted-names-keep-their-dots"),
+        pytest.param(
+            ["00.jsonl.zst", "01.jsonl.zst", "02.jsonl"], ["c4_00", "c4_01", "c4_02"], id="pile-names"
+        ),
+        pytest.param(
+            ["a.parquet", "b.json", "v1.2.jsonl.gz"], ["c4_a", "c4_b", "c4_v1.2"], id="other-extensions"
+        ),
+    ],
+)
 def test_each_array_task_gets_its_own_prefix(names, expected, tmp_path):
     got = []
     for task in range(len(names)):

@@ -19,9 +19,16 @@ from tests.slurm.conftest import ROOT, SMALL_JOB, describe, run_logs, submit_pre
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
-TINY = ["--config", str(ROOT / "pretrain" / "configs" / "tiny.yaml"), "model.seq_length=64",
-        "train.micro_batch_size=2", "train.lr_warmup_iters=2", "logging.log_interval=1",
-        "logging.progress_bar=false", "logging.tensorboard=false"]
+TINY = [
+    "--config",
+    str(ROOT / "pretrain" / "configs" / "tiny.yaml"),
+    "model.seq_length=64",
+    "train.micro_batch_size=2",
+    "train.lr_warmup_iters=2",
+    "logging.log_interval=1",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +47,23 @@ def tiny_data(slurm_cluster, shared_data, tmp_path_factory) -> tuple[Path, Path]
     tokenizer = shared_data / "tokenizers" / "gpt-neox-20b.json"
     prefix = work / "fortunes"
     job = slurm_cluster.sbatch(
-        [*SMALL_JOB, "--mem=1G", "--time=5", f"--output={work}/slurm-%j.out", str(ROOT / "slurm" / "preprocess.sbatch"),
-         "--input", str(source), "--output-prefix", str(prefix), "--tokenizer", str(tokenizer), "--no-progress"],
-        env={"LOG_DIR": str(work / "logs")}, cwd=work)
+        [
+            *SMALL_JOB,
+            "--mem=1G",
+            "--time=5",
+            f"--output={work}/slurm-%j.out",
+            str(ROOT / "slurm" / "preprocess.sbatch"),
+            "--input",
+            str(source),
+            "--output-prefix",
+            str(prefix),
+            "--tokenizer",
+            str(tokenizer),
+            "--no-progress",
+        ],
+        env={"LOG_DIR": str(work / "logs")},
+        cwd=work,
+    )
     info = slurm_cluster.wait(job, timeout=120)
     logs = "\n".join(p.read_text() for p in [work / f"slurm-{job}.out", *(work / "logs").glob("*.log")])
     assert info.state == "COMPLETED", f"preprocess job {job}: {info.state} {info.exit_code}\n{logs}"
@@ -53,8 +74,14 @@ def tiny_data(slurm_cluster, shared_data, tmp_path_factory) -> tuple[Path, Path]
 
 
 def _train_args(prefix: Path, tokenizer: Path, run: Path, iters: int) -> list[str]:
-    return [*TINY, f"data.data_path=[{prefix}]", f"data.tokenizer_path={tokenizer}",
-            f"train.save={run / 'ckpt'}", f"logging.output_dir={run / 'out'}", f"train.train_iters={iters}"]
+    return [
+        *TINY,
+        f"data.data_path=[{prefix}]",
+        f"data.tokenizer_path={tokenizer}",
+        f"train.save={run / 'ckpt'}",
+        f"logging.output_dir={run / 'out'}",
+        f"train.train_iters={iters}",
+    ]
 
 
 def test_pretrain_two_nodes_then_preempt_requeue_resume(slurm_cluster, tiny_data, tmp_path):

@@ -40,8 +40,11 @@ def minipile_prefix(tmp_path_factory, shared_data, tokenizer_path) -> str:
 
     work = tmp_path_factory.mktemp("minipile")
     jsonl = work / "sample.jsonl"
-    lines = [line for name, n in DOCS_PER_SUBSET.items()
-             for line in _first_docs(shared_data / "minipile" / f"{name}.jsonl.zst", n)]
+    lines = [
+        line
+        for name, n in DOCS_PER_SUBSET.items()
+        for line in _first_docs(shared_data / "minipile" / f"{name}.jsonl.zst", n)
+    ]
     jsonl.write_text("".join(lines))
     prefix = work / "minipile_text_document"
     preprocess(PreprocessOptions([str(jsonl)], str(prefix), "hf", tokenizer_path, workers=1, progress=False))
@@ -51,13 +54,28 @@ def minipile_prefix(tmp_path_factory, shared_data, tokenizer_path) -> str:
 def tiny_overrides(data_prefix: str, tokenizer: str, out: Path, **extra) -> list[str]:
     """Overrides for a seconds-long CPU run of pretrain/configs/tiny.yaml."""
     base = {
-        "data.data_path": f"[{data_prefix}]", "data.tokenizer_path": tokenizer, "data.split": "98,2,0",
+        "data.data_path": f"[{data_prefix}]",
+        "data.tokenizer_path": tokenizer,
+        "data.split": "98,2,0",
         "data.cache_dir": str(out.parent / "index-cache"),
-        "model.num_layers": 2, "model.hidden_size": 32, "model.num_attention_heads": 2, "model.seq_length": 32,
-        "model.lev.d_seed": 8, "model.lev.heads": 2, "model.lev.rank": 4, "model.lev.kappa": 4,
-        "train.micro_batch_size": 2, "train.train_iters": 6, "train.lr": 3e-3, "train.min_lr": 3e-4,
-        "train.lr_warmup_iters": 2, "train.save": str(out / "ckpt"), "train.keep_last": 2,
-        "logging.output_dir": str(out), "logging.log_interval": 1, "logging.progress_bar": False,
+        "model.num_layers": 2,
+        "model.hidden_size": 32,
+        "model.num_attention_heads": 2,
+        "model.seq_length": 32,
+        "model.lev.d_seed": 8,
+        "model.lev.heads": 2,
+        "model.lev.rank": 4,
+        "model.lev.kappa": 4,
+        "train.micro_batch_size": 2,
+        "train.train_iters": 6,
+        "train.lr": 3e-3,
+        "train.min_lr": 3e-4,
+        "train.lr_warmup_iters": 2,
+        "train.save": str(out / "ckpt"),
+        "train.keep_last": 2,
+        "logging.output_dir": str(out),
+        "logging.log_interval": 1,
+        "logging.progress_bar": False,
         "logging.tensorboard": False,
     }
     base.update(extra)
@@ -69,21 +87,45 @@ def train_command(nproc: int, overrides: list[str]) -> list[str]:
     args = ["train", "--config", str(TINY), *overrides]
     if nproc == 1:
         return [sys.executable, "-m", "megatron_lev", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "megatron_lev", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "megatron_lev",
+        *args,
+    ]
 
 
 def train_env(**extra) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
-                "PYTHONPATH": str(ROOT), **extra})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "DS_ACCELERATOR": "cpu",
+            "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONPATH": str(ROOT),
+            **extra,
+        }
+    )
     return env
 
 
 def run_train(nproc: int, overrides: list[str], timeout: float = 240, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(train_command(nproc, overrides), cwd=ROOT, env=train_env(**env), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        train_command(nproc, overrides),
+        cwd=ROOT,
+        env=train_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def train_losses(out: Path) -> dict[int, float]:
@@ -109,8 +151,9 @@ def single_rank_results(minipile_prefix, tokenizer_path, tmp_path_factory) -> di
 
     out = tmp_path_factory.mktemp("single")
     ref = kill_overrides(minipile_prefix, tokenizer_path, out / "reference")
-    (res,) = run_distributed(single_rank_suite, world_size=1, args=(minipile_prefix, tokenizer_path, str(out), ref),
-                             timeout=240)
+    (res,) = run_distributed(
+        single_rank_suite, world_size=1, args=(minipile_prefix, tokenizer_path, str(out), ref), timeout=240
+    )
     res["out"] = out
     return res
 
@@ -121,5 +164,6 @@ def two_rank_results(minipile_prefix, tokenizer_path, tmp_path_factory) -> list[
     from tests.training.suites import two_rank_suite
 
     out = tmp_path_factory.mktemp("two")
-    return run_distributed(two_rank_suite, world_size=2, args=(minipile_prefix, tokenizer_path, str(out)),
-                           timeout=300)
+    return run_distributed(
+        two_rank_suite, world_size=2, args=(minipile_prefix, tokenizer_path, str(out)), timeout=300
+    )

@@ -26,7 +26,11 @@ LAYOUTS = {
     "zero1": {"parallel.zero_stage": 1},
     "zero2": {"parallel.zero_stage": 2},
     "zero3": {"parallel.zero_stage": 3},
-    "pp2_bf16": {"parallel.pipeline_model_parallel_size": 2, "parallel.zero_stage": 1, "train.precision": "bf16"},
+    "pp2_bf16": {
+        "parallel.pipeline_model_parallel_size": 2,
+        "parallel.zero_stage": 1,
+        "train.precision": "bf16",
+    },
 }
 
 
@@ -42,8 +46,19 @@ def _pretrain(overrides: list[str]):
 def single_rank_suite(prefix: str, tok: str, out: str, reference_overrides: list[str]) -> dict:
     variants = {}
     for emb in tuple(REGISTRY):
-        res = _pretrain(tiny_overrides(prefix, tok, Path(out) / emb, **{
-            "model.embedding": emb, "train.train_iters": 10, "train.lr": 1e-2, "train.lr_warmup_iters": 1}))
+        res = _pretrain(
+            tiny_overrides(
+                prefix,
+                tok,
+                Path(out) / emb,
+                **{
+                    "model.embedding": emb,
+                    "train.train_iters": 10,
+                    "train.lr": 1e-2,
+                    "train.lr_warmup_iters": 1,
+                },
+            )
+        )
         variants[emb] = (res.exit_code, res.losses)
     reference = _pretrain(reference_overrides)
     return {"variants": variants, "reference": reference.losses}
@@ -65,20 +80,30 @@ def _nan_step_leaves_state_untouched(stage: str, out: str) -> dict:
     tr.state.iteration = 2
     third = tr.train_step(batches)
     changed = not all(torch.equal(a, b) for a, b in zip(before, optimizer_snapshot(tr.optimizer)))
-    return {"steps": [(loss, skipped) for loss, _, skipped in (first, second, third)], "unchanged": unchanged,
-            "changed_after": changed}
+    return {
+        "steps": [(loss, skipped) for loss, _, skipped in (first, second, third)],
+        "unchanged": unchanged,
+        "changed_after": changed,
+    }
 
 
 def _preempt_one_rank_and_resume(out: str) -> dict:
     cfg = toy_config(1, iters=6)
     full = toy_trainer(cfg, os.path.join(out, "full"), init_seed=0).train()
     first = toy_trainer(cfg, os.path.join(out, "resume"), init_seed=0, signal_at=3).train()
-    second = toy_trainer(cfg, os.path.join(out, "resume"), init_seed=999)  # weights must come from the checkpoint
+    second = toy_trainer(
+        cfg, os.path.join(out, "resume"), init_seed=999
+    )  # weights must come from the checkpoint
     second.resume()
     resumed_from = second.state.iteration
     rest = second.train()
-    return {"full": full.losses, "first": (first.exit_code, first.iteration), "resumed_from": resumed_from,
-            "rest": rest.losses, "rest_exit": rest.exit_code}
+    return {
+        "full": full.losses,
+        "first": (first.exit_code, first.iteration),
+        "resumed_from": resumed_from,
+        "rest": rest.losses,
+        "rest_exit": rest.exit_code,
+    }
 
 
 def _preempted_during_startup(out: str) -> tuple[int, int]:
@@ -95,21 +120,39 @@ def _skip_limit(out: str) -> dict:
     cfg.train.max_consecutive_skips = 2
     res = toy_trainer(cfg, out, init_seed=0, nan_steps={2, 3}).train()
     ckpt = Path(out) / "ckpt"
-    return {"exit": res.exit_code, "iteration": res.iteration, "skipped": res.skipped_steps,
-            "latest": (ckpt / "latest").read_text().strip() if (ckpt / "latest").exists() else None}
+    return {
+        "exit": res.exit_code,
+        "iteration": res.iteration,
+        "skipped": res.skipped_steps,
+        "latest": (ckpt / "latest").read_text().strip() if (ckpt / "latest").exists() else None,
+    }
 
 
 def _save_and_resume(prefix: str, tok: str, out: Path, extra: dict) -> dict:
-    over = tiny_overrides(prefix, tok, out, **{"train.train_iters": 4, "train.save_interval": 2,
-                                               "train.global_batch_size": 8, "train.eval_interval": 2,
-                                               "train.eval_iters": 1, **extra})
+    over = tiny_overrides(
+        prefix,
+        tok,
+        out,
+        **{
+            "train.train_iters": 4,
+            "train.save_interval": 2,
+            "train.global_batch_size": 8,
+            "train.eval_interval": 2,
+            "train.eval_iters": 1,
+            **extra,
+        },
+    )
     full = _pretrain(over)
     if dist.get_rank() == 0:  # pretend the save at iteration 4 was killed half-way: no completion marker
         (out / "ckpt" / "iter_0000004" / "complete").unlink()
     dist.barrier()
     resumed = _pretrain(over)
-    result = {"full": full.losses, "resumed": resumed.losses, "codes": (full.exit_code, resumed.exit_code),
-              "latest": (out / "ckpt" / "latest").read_text().strip()}
+    result = {
+        "full": full.losses,
+        "resumed": resumed.losses,
+        "codes": (full.exit_code, resumed.exit_code),
+        "latest": (out / "ckpt" / "latest").read_text().strip(),
+    }
     if dist.get_rank() == 0:
         result["logged"] = train_losses(out)
         result["valid"] = read_metrics(out / "metrics.jsonl", kind="valid")
@@ -119,9 +162,13 @@ def _save_and_resume(prefix: str, tok: str, out: Path, extra: dict) -> dict:
 def two_rank_suite(prefix: str, tok: str, out: str) -> dict:
     out = Path(out)
     return {
-        "nan": {stage: _nan_step_leaves_state_untouched(stage, str(out / f"nan{stage}")) for stage in NAN_STAGES},
+        "nan": {
+            stage: _nan_step_leaves_state_untouched(stage, str(out / f"nan{stage}")) for stage in NAN_STAGES
+        },
         "preempt": _preempt_one_rank_and_resume(str(out / "preempt")),
         "skip_limit": _skip_limit(str(out / "skip_limit")),
         "early_signal": _preempted_during_startup(str(out / "early")),
-        "layouts": {name: _save_and_resume(prefix, tok, out / name, extra) for name, extra in LAYOUTS.items()},
+        "layouts": {
+            name: _save_and_resume(prefix, tok, out / name, extra) for name, extra in LAYOUTS.items()
+        },
     }

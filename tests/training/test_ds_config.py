@@ -1,4 +1,5 @@
-"""DeepSpeed JSON is filled from the run config; conflicting templates and impossible combinations are refused."""
+"""DeepSpeed JSON is filled from the run config; conflicting templates and impossible combinations are
+refused."""
 
 from __future__ import annotations
 
@@ -23,29 +24,45 @@ def _cfg(**over) -> RunConfig:
 
 def test_every_shipped_template_is_valid_json_without_run_owned_keys():
     names = sorted(p.name for p in DS_CONFIG_DIR.glob("*.json"))
-    assert {"zero1.json", "zero2.json", "zero3.json", "zero3_offload.json", "bf16_pipeline.json",
-            "fp32.json"} <= set(names)
+    assert {
+        "zero1.json",
+        "zero2.json",
+        "zero3.json",
+        "zero3_offload.json",
+        "bf16_pipeline.json",
+        "fp32.json",
+    } <= set(names)
     for name in names:
         data = json.loads((DS_CONFIG_DIR / name).read_text())
         assert "optimizer" not in data and "train_batch_size" not in data, name
 
 
-@pytest.mark.parametrize("over,expected", [
-    ({"parallel.zero_stage": 1}, "zero1.json"),
-    ({"parallel.zero_stage": 2}, "zero2.json"),
-    ({"parallel.zero_stage": 3}, "zero3.json"),
-    ({"parallel.zero_stage": 3, "parallel.cpu_offload": "true"}, "zero3_offload.json"),
-    ({"parallel.zero_stage": 0}, "fp32.json"),
-    ({"parallel.zero_stage": 0, "train.precision": "bf16"}, "zero0.json"),
-    ({"parallel.pipeline_model_parallel_size": 2, "train.precision": "bf16"}, "bf16_pipeline.json"),
-])
+@pytest.mark.parametrize(
+    "over,expected",
+    [
+        ({"parallel.zero_stage": 1}, "zero1.json"),
+        ({"parallel.zero_stage": 2}, "zero2.json"),
+        ({"parallel.zero_stage": 3}, "zero3.json"),
+        ({"parallel.zero_stage": 3, "parallel.cpu_offload": "true"}, "zero3_offload.json"),
+        ({"parallel.zero_stage": 0}, "fp32.json"),
+        ({"parallel.zero_stage": 0, "train.precision": "bf16"}, "zero0.json"),
+        ({"parallel.pipeline_model_parallel_size": 2, "train.precision": "bf16"}, "bf16_pipeline.json"),
+    ],
+)
 def test_template_is_chosen_by_stage_precision_and_pipeline(over, expected):
     assert default_template(_cfg(**over)).name == expected
 
 
 def test_batch_sizes_clipping_precision_and_stage_come_from_the_run():
-    cfg = _cfg(**{"train.micro_batch_size": 2, "train.global_batch_size": 16, "train.clip_grad": 0.5,
-                  "parallel.zero_stage": 2, "train.precision": "bf16"})
+    cfg = _cfg(
+        **{
+            "train.micro_batch_size": 2,
+            "train.global_batch_size": 16,
+            "train.clip_grad": 0.5,
+            "parallel.zero_stage": 2,
+            "train.precision": "bf16",
+        }
+    )
     ds = build_ds_config(cfg, world_size=4)
     assert ds["train_micro_batch_size_per_gpu"] == 2
     assert ds["gradient_accumulation_steps"] == 2  # 16 / (2 x DP 4)
@@ -57,7 +74,9 @@ def test_batch_sizes_clipping_precision_and_stage_come_from_the_run():
 
 
 def test_bf16_pipeline_gets_fp32_gradient_accumulation():
-    cfg = _cfg(**{"parallel.pipeline_model_parallel_size": 2, "train.precision": "bf16", "model.num_layers": 2})
+    cfg = _cfg(
+        **{"parallel.pipeline_model_parallel_size": 2, "train.precision": "bf16", "model.num_layers": 2}
+    )
     ds = build_ds_config(cfg, world_size=2)
     assert ds["data_types"]["grad_accum_dtype"] == "fp32"
     assert ds["zero_optimization"]["stage"] == 1
@@ -69,15 +88,21 @@ def test_cpu_offload_is_filled_and_uses_torch_adamw():
     assert ds["zero_force_ds_cpu_optimizer"] is False
 
 
-@pytest.mark.parametrize("template,message", [
-    ({"train_micro_batch_size_per_gpu": 8}, "remove the key"),
-    ({"bf16": {"enabled": True}}, "train.precision"),
-    ({"zero_optimization": {"stage": 3}}, "parallel.zero_stage"),
-    ({"gradient_clipping": 0.3}, "train.clip_grad"),
-    ({"optimizer": {"type": "Adam"}}, "remove the 'optimizer' block"),
-    ({"scheduler": {"type": "WarmupLR"}}, "remove the 'scheduler' block"),
-    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "parallel.cpu_offload=true"),
-])
+@pytest.mark.parametrize(
+    "template,message",
+    [
+        ({"train_micro_batch_size_per_gpu": 8}, "remove the key"),
+        ({"bf16": {"enabled": True}}, "train.precision"),
+        ({"zero_optimization": {"stage": 3}}, "parallel.zero_stage"),
+        ({"gradient_clipping": 0.3}, "train.clip_grad"),
+        ({"optimizer": {"type": "Adam"}}, "remove the 'optimizer' block"),
+        ({"scheduler": {"type": "WarmupLR"}}, "remove the 'scheduler' block"),
+        (
+            {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+            "parallel.cpu_offload=true",
+        ),
+    ],
+)
 def test_a_template_that_disagrees_with_the_run_is_refused(template, message):
     cfg = _cfg(**{"train.micro_batch_size": 4, "parallel.zero_stage": 1})
     with pytest.raises(ConfigError, match=message):
@@ -86,38 +111,58 @@ def test_a_template_that_disagrees_with_the_run_is_refused(template, message):
 
 def test_a_template_that_agrees_is_accepted():
     cfg = _cfg(**{"train.micro_batch_size": 4, "parallel.zero_stage": 1})
-    ds = build_ds_config(cfg, 2, template={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}})
+    ds = build_ds_config(
+        cfg, 2, template={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}}
+    )
     assert ds["train_batch_size"] == 8
 
 
 def test_ds_config_file_by_name_and_missing_file():
-    assert build_ds_config(_cfg(**{"train.ds_config": "zero2", "parallel.zero_stage": 2}), 2)[
-        "zero_optimization"]["stage"] == 2
+    assert (
+        build_ds_config(_cfg(**{"train.ds_config": "zero2", "parallel.zero_stage": 2}), 2)[
+            "zero_optimization"
+        ]["stage"]
+        == 2
+    )
     with pytest.raises(ConfigError, match="no such file"):
         build_ds_config(_cfg(**{"train.ds_config": "nope.json"}), 2)
 
 
-@pytest.mark.parametrize("over,world,cuda,message", [
-    ({"parallel.pipeline_model_parallel_size": 2, "parallel.zero_stage": 2}, 2, False,
-     "cannot be combined with pipeline parallelism"),
-    ({"parallel.pipeline_model_parallel_size": 2, "parallel.zero_stage": 0, "train.precision": "bf16"}, 2, False,
-     "needs parallel.zero_stage=1"),
-    ({"train.micro_batch_size": 4, "train.global_batch_size": 12}, 2, False, "not divisible"),
-    ({"train.precision": "fp16"}, 1, False, "fp16 needs CUDA"),
-    ({"train.chinchilla": "true", "train.train_tokens": 1000}, 1, False, "keep one"),
-    ({"train.eval_interval": 10, "data.split": "100,0,0"}, 1, False, "no validation part"),
-    ({"data.data_path": "[]"}, 1, False, "data.data_path is empty"),
-    ({"parallel.distributed_backend": "nccl"}, 1, False, "needs CUDA"),
-    ({"parallel.tensor_model_parallel_size": 2}, 3, False, "not divisible by tensor x pipeline"),
-])
+@pytest.mark.parametrize(
+    "over,world,cuda,message",
+    [
+        (
+            {"parallel.pipeline_model_parallel_size": 2, "parallel.zero_stage": 2},
+            2,
+            False,
+            "cannot be combined with pipeline parallelism",
+        ),
+        (
+            {"parallel.pipeline_model_parallel_size": 2, "parallel.zero_stage": 0, "train.precision": "bf16"},
+            2,
+            False,
+            "needs parallel.zero_stage=1",
+        ),
+        ({"train.micro_batch_size": 4, "train.global_batch_size": 12}, 2, False, "not divisible"),
+        ({"train.precision": "fp16"}, 1, False, "fp16 needs CUDA"),
+        ({"train.chinchilla": "true", "train.train_tokens": 1000}, 1, False, "keep one"),
+        ({"train.eval_interval": 10, "data.split": "100,0,0"}, 1, False, "no validation part"),
+        ({"data.data_path": "[]"}, 1, False, "data.data_path is empty"),
+        ({"parallel.distributed_backend": "nccl"}, 1, False, "needs CUDA"),
+        ({"parallel.tensor_model_parallel_size": 2}, 3, False, "not divisible by tensor x pipeline"),
+    ],
+)
 def test_impossible_combinations_are_refused_with_what_to_change(over, world, cuda, message):
     with pytest.raises(ConfigError, match=message):
         validate_training(_cfg(**over), world, cuda=cuda)
 
 
 def test_a_sound_config_validates():
-    validate_training(_cfg(**{"parallel.zero_stage": 3, "train.global_batch_size": 8, "train.micro_batch_size": 2}),
-                      2, cuda=False)
+    validate_training(
+        _cfg(**{"parallel.zero_stage": 3, "train.global_batch_size": 8, "train.micro_batch_size": 2}),
+        2,
+        cuda=False,
+    )
 
 
 def test_model_vocab_must_cover_the_tokenizer():

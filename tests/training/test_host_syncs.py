@@ -34,12 +34,26 @@ def _tiny(embedding: str):
     from megatron_lev.training.trainer import Trainer
     from tests.training.conftest import TINY
 
-    cfg = load_config([TINY], [
-        f"model.embedding={embedding}", "model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
-        f"model.seq_length={SEQ}", "model.lev.d_seed=8", "model.lev.heads=2", "model.lev.rank=4",
-        "model.lev.kappa=4", f"train.micro_batch_size={MICRO}", f"train.global_batch_size={2 * MICRO}",
-        f"train.train_iters={STEPS}", "logging.progress_bar=false", "logging.tensorboard=false",
-        f"logging.log_interval={LOG_INTERVAL}"])
+    cfg = load_config(
+        [TINY],
+        [
+            f"model.embedding={embedding}",
+            "model.num_layers=1",
+            "model.hidden_size=32",
+            "model.num_attention_heads=2",
+            f"model.seq_length={SEQ}",
+            "model.lev.d_seed=8",
+            "model.lev.heads=2",
+            "model.lev.rank=4",
+            "model.lev.kappa=4",
+            f"train.micro_batch_size={MICRO}",
+            f"train.global_batch_size={2 * MICRO}",
+            f"train.train_iters={STEPS}",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+            f"logging.log_interval={LOG_INTERVAL}",
+        ],
+    )
     engine, optimizer = build_engine(cfg, build_model(cfg, VOCAB), build_ds_config(cfg, 1), pipeline=False)
     gen = torch.Generator().manual_seed(0)
 
@@ -48,10 +62,23 @@ def _tiny(embedding: str):
             tokens = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=gen)
             yield tokens[:, :-1], tokens[:, 1:]
 
-    return Trainer(cfg, engine, optimizer, Budget(STEPS, 2 * MICRO * SEQ, "test"), pipeline=False, world_size=1,
-                   device=torch.device("cpu"), train_batches=batches, valid_batches=None, flops_per_token=1e6,
-                   writer=MetricsWriter(tempfile.mkdtemp(), True, False), gas=2, global_batch=2 * MICRO,
-                   save_dir=None, load_dir=None)
+    return Trainer(
+        cfg,
+        engine,
+        optimizer,
+        Budget(STEPS, 2 * MICRO * SEQ, "test"),
+        pipeline=False,
+        world_size=1,
+        device=torch.device("cpu"),
+        train_batches=batches,
+        valid_batches=None,
+        flops_per_token=1e6,
+        writer=MetricsWriter(tempfile.mkdtemp(), True, False),
+        gas=2,
+        global_batch=2 * MICRO,
+        save_dir=None,
+        load_dir=None,
+    )
 
 
 def count_reads() -> dict:
@@ -70,14 +97,26 @@ def count_reads() -> dict:
         for _ in range(3):
             with HostReads() as reads:
                 tr.device_step(batches)
-            steps.append({"ours": reads.count(OURS), "deepspeed": reads.count(os.sep + "deepspeed" + os.sep),
-                          "total": reads.total, "guard_calls": tr.optimizer.calls, "sites": reads.summary()})
+            steps.append(
+                {
+                    "ours": reads.count(OURS),
+                    "deepspeed": reads.count(os.sep + "deepspeed" + os.sep),
+                    "total": reads.total,
+                    "guard_calls": tr.optimizer.calls,
+                    "sites": reads.summary(),
+                }
+            )
         loop = _tiny(embedding)
         with HostReads() as reads:
             result = loop.train()
-        out[embedding] = {"steps": steps, "loop_ours": reads.count(OURS), "loop_sites": reads.summary(),
-                          "loop_guard_calls": loop.optimizer.calls, "losses": sorted(result.losses),
-                          "exit": result.exit_code}
+        out[embedding] = {
+            "steps": steps,
+            "loop_ours": reads.count(OURS),
+            "loop_sites": reads.summary(),
+            "loop_guard_calls": loop.optimizer.calls,
+            "losses": sorted(result.losses),
+            "exit": result.exit_code,
+        }
     return out
 
 
@@ -93,7 +132,9 @@ def reads():
 def test_a_step_reads_only_the_guard_flag(reads, embedding):
     for step in reads[embedding]["steps"]:
         assert step["guard_calls"] >= 1
-        assert step["ours"] == step["guard_calls"], step["sites"]  # one flag per optimizer.step(), nothing else
+        assert step["ours"] == step["guard_calls"], step[
+            "sites"
+        ]  # one flag per optimizer.step(), nothing else
         assert step["total"] == step["ours"] + step["deepspeed"], step["sites"]  # no other library reads
 
 

@@ -22,8 +22,13 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 
 def _launch(overrides: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(train_command(1, overrides), cwd=ROOT, env=train_env(), stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        train_command(1, overrides),
+        cwd=ROOT,
+        env=train_env(),
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _wait_for(proc: subprocess.Popen, condition, timeout: float = 150) -> None:
@@ -41,8 +46,9 @@ def _logged_iterations(out: Path) -> int:
     return max(train_losses(out), default=0) if (out / "metrics.jsonl").exists() else 0
 
 
-def test_sigkill_resume_then_sigterm_matches_uninterrupted(single_rank_results, minipile_prefix,
-                                                               tokenizer_path, tmp_path):
+def test_sigkill_resume_then_sigterm_matches_uninterrupted(
+    single_rank_results, minipile_prefix, tokenizer_path, tmp_path
+):
     out = tmp_path / "run"
     over = kill_overrides(minipile_prefix, tokenizer_path, out)
     ckpt = out / "ckpt"

@@ -31,7 +31,16 @@ def test_metrics_and_config_are_written(single_rank_results):
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["iteration"] for r in train] == list(range(1, 11))
     assert train[0]["input_embedding_rms"] > 0
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "skipped_steps", "tokens"):
+    for key in (
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "tflops_per_device",
+        "mfu",
+        "skipped_steps",
+        "tokens",
+    ):
         assert key in train[-1], key
     assert train[-1]["tokens"] == 10 * 2 * 32
     assert (run / "config.yaml").is_file() and "embedding: lev" in (run / "config.yaml").read_text()
@@ -46,7 +55,9 @@ def test_two_ranks_train_save_and_resume(two_rank_results, layout):
     tol = 1e-2 if "bf16" in layout else 1e-6
     for it in (3, 4):
         assert r["resumed"][it] == pytest.approx(r["full"][it], abs=tol), (it, r)
-        assert r["logged"][it] == pytest.approx(r["resumed"][it], abs=1e-9)  # metrics.jsonl: the resumed line wins
+        assert r["logged"][it] == pytest.approx(
+            r["resumed"][it], abs=1e-9
+        )  # metrics.jsonl: the resumed line wins
     assert r["latest"] == "iter_0000004"
     assert two_rank_results[1]["layouts"][layout]["resumed"] == r["resumed"]  # both ranks log the mean loss
 

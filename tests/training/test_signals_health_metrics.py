@@ -85,10 +85,19 @@ def test_guarded_adamw_skips_non_finite_and_forced_steps():
 
 
 def test_launcher_environments():
-    tr = read_dist_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "9"})
+    tr = read_dist_env(
+        {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "9"}
+    )
     assert (tr.rank, tr.world_size, tr.local_rank, tr.source) == (3, 4, 1, "torchrun")
-    sl = read_dist_env({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0",
-                        "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "17"})
+    sl = read_dist_env(
+        {
+            "SLURM_PROCID": "2",
+            "SLURM_NTASKS": "4",
+            "SLURM_LOCALID": "0",
+            "SLURM_JOB_NODELIST": "n[1-2]",
+            "SLURM_JOB_ID": "17",
+        }
+    )
     assert (sl.rank, sl.world_size, sl.master_addr, sl.source) == (2, 4, "n1", "slurm")
     assert read_dist_env({}).world_size == 1
     with pytest.raises(ValueError, match="MASTER_ADDR"):

@@ -34,7 +34,9 @@ class ToyLM(nn.Module):
         logits = self.head(self.norm(self.embed(input_ids)))  # (B, S, V)
         if labels is None:
             return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(
+            labels
+        )
 
 
 def toy_batches(seed: int, micro_batch: int, seq: int, vocab: int = 64, start: int = 0):
@@ -57,8 +59,11 @@ def toy_config(stage: int, iters: int) -> RunConfig:
     return cfg
 
 
-def toy_trainer(cfg: RunConfig, out: str, init_seed: int, nan_steps=(), signal_at: int | None = None) -> Trainer:
-    """A Trainer over a DeepSpeed engine of ToyLM; rank 1 sends itself SIGUSR1 during iteration `signal_at`."""
+def toy_trainer(
+    cfg: RunConfig, out: str, init_seed: int, nan_steps=(), signal_at: int | None = None
+) -> Trainer:
+    """A Trainer over a DeepSpeed engine of ToyLM; rank 1 sends itself SIGUSR1 during iteration
+    `signal_at`."""
     disable_cpu_shm_comm()
     world, rank = dist.get_world_size(), dist.get_rank()
     if not state.is_initialized() or state.get_data_parallel_world_size() != world:
@@ -73,11 +78,24 @@ def toy_trainer(cfg: RunConfig, out: str, init_seed: int, nan_steps=(), signal_a
                 os.kill(os.getpid(), signal.SIGUSR1)
             yield b
 
-    return Trainer(cfg, engine, optimizer, Budget(cfg.train.train_iters, global_batch * SEQ, "test"),
-                   pipeline=False, world_size=world, device=torch.device("cpu"), train_batches=batches,
-                   valid_batches=None, flops_per_token=None, writer=MetricsWriter(out, rank == 0, False), gas=gas,
-                   global_batch=global_batch, save_dir=os.path.join(out, "ckpt"), load_dir=os.path.join(out, "ckpt"),
-                   nan_steps=set(nan_steps))
+    return Trainer(
+        cfg,
+        engine,
+        optimizer,
+        Budget(cfg.train.train_iters, global_batch * SEQ, "test"),
+        pipeline=False,
+        world_size=world,
+        device=torch.device("cpu"),
+        train_batches=batches,
+        valid_batches=None,
+        flops_per_token=None,
+        writer=MetricsWriter(out, rank == 0, False),
+        gas=gas,
+        global_batch=global_batch,
+        save_dir=os.path.join(out, "ckpt"),
+        load_dir=os.path.join(out, "ckpt"),
+        nan_steps=set(nan_steps),
+    )
 
 
 def optimizer_snapshot(optimizer) -> list[torch.Tensor]:

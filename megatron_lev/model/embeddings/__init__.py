@@ -23,14 +23,17 @@ from megatron_lev.model.embeddings.baselines import (
 )
 from megatron_lev.model.embeddings.lev import LevEmbedding, lev_parameter_count
 
-REGISTRY: dict[str, type[InputEmbedding]] = {cls.name: cls for cls in (
-    TiedEmbedding,
-    UntiedEmbedding,
-    AlbertEmbedding,
-    FlatMlpEmbedding,
-    FactorizedMlpEmbedding,
-    LevEmbedding,
-)}
+REGISTRY: dict[str, type[InputEmbedding]] = {
+    cls.name: cls
+    for cls in (
+        TiedEmbedding,
+        UntiedEmbedding,
+        AlbertEmbedding,
+        FlatMlpEmbedding,
+        FactorizedMlpEmbedding,
+        LevEmbedding,
+    )
+}
 
 
 def embedding_class(name: str) -> type[InputEmbedding]:
@@ -45,25 +48,45 @@ def build_input_embedding(model_cfg: ModelConfig, vocab_size: int) -> InputEmbed
 
 
 def _with_width(model_cfg: ModelConfig, hidden_size: int) -> ModelConfig:
-    return model_cfg if hidden_size == model_cfg.hidden_size else dataclasses.replace(model_cfg, hidden_size=hidden_size)
+    return (
+        model_cfg
+        if hidden_size == model_cfg.hidden_size
+        else dataclasses.replace(model_cfg, hidden_size=hidden_size)
+    )
 
 
-def parameter_counts(variant: str, vocab_size: int, hidden_size: int, model_cfg: ModelConfig) -> dict[str, int]:
-    """`{"input", "output", "total_embedding"}`: output is the dense `V x D` head (0 when the head is tied)."""
+def parameter_counts(
+    variant: str, vocab_size: int, hidden_size: int, model_cfg: ModelConfig
+) -> dict[str, int]:
+    """`{"input", "output", "total_embedding"}`: output is the dense `V x D` head (0 when the head is
+    tied)."""
     cls = embedding_class(variant)
     inp = cls.parameter_count(_with_width(model_cfg, hidden_size), vocab_size)
     out = 0 if cls.ties_output_head else vocab_size * hidden_size
     return {"input": inp, "output": out, "total_embedding": inp + out}
 
 
-def baseline_sizes(variant: str, vocab_size: int, hidden_size: int, model_cfg: ModelConfig) -> tuple[int, int]:
+def baseline_sizes(
+    variant: str, vocab_size: int, hidden_size: int, model_cfg: ModelConfig
+) -> tuple[int, int]:
     """`(e, hidden)` of a compressed baseline (its class's `widths`)."""
     cls = embedding_class(variant)
     if not hasattr(cls, "widths"):
-        raise ConfigError(f"model.embedding={variant!r} has no sizes to match (only "
-                          f"{', '.join(n for n, c in REGISTRY.items() if hasattr(c, 'widths'))})")
+        raise ConfigError(
+            f"model.embedding={variant!r} has no sizes to match (only "
+            f"{', '.join(n for n, c in REGISTRY.items() if hasattr(c, 'widths'))})"
+        )
     return cls.widths(_with_width(model_cfg, hidden_size), vocab_size)
 
 
-__all__ = ["REGISTRY", "InputEmbedding", "LevEmbedding", "baseline_sizes", "build_input_embedding", "check_token_ids",
-           "embedding_class", "lev_parameter_count", "parameter_counts"]
+__all__ = [
+    "REGISTRY",
+    "InputEmbedding",
+    "LevEmbedding",
+    "baseline_sizes",
+    "build_input_embedding",
+    "check_token_ids",
+    "embedding_class",
+    "lev_parameter_count",
+    "parameter_counts",
+]

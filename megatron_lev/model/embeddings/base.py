@@ -87,5 +87,7 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
-        raise IndexError(f"token id {bad} is outside the vocabulary [0, {vocab_size}); check that the "
-                         "tokenizer matches model.vocab_size")
+        raise IndexError(
+            f"token id {bad} is outside the vocabulary [0, {vocab_size}); check that the "
+            "tokenizer matches model.vocab_size"
+        )

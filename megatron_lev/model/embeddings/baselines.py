@@ -178,8 +178,9 @@ class FactorizedMlpEmbedding(_CompressedEmbedding):
 
     name, label = "factorized_mlp", "FACT-MLP"
 
-    def __init__(self, vocab_size: int, hidden_size: int, k: int, d_seed: int, hidden: int,
-                 init_std: float = 0.02):
+    def __init__(
+        self, vocab_size: int, hidden_size: int, k: int, d_seed: int, hidden: int, init_std: float = 0.02
+    ):
         super().__init__()
         self.vocab_size, self.hidden_size, self.hidden = vocab_size, hidden_size, hidden
         self.codebooks = Codebooks(vocab_size, k, d_seed, init_std)  # replicated
@@ -197,7 +198,9 @@ class FactorizedMlpEmbedding(_CompressedEmbedding):
         lev, D = model_cfg.lev, model_cfg.hidden_size
         target = lev_parameter_count(vocab_size, D, lev)
         rows = cls._codebook_rows(model_cfg, vocab_size)
-        return lev.d_seed, model_cfg.baseline_hidden or max(1, round((target - rows * lev.d_seed) / (lev.d_seed + D)))
+        return lev.d_seed, model_cfg.baseline_hidden or max(
+            1, round((target - rows * lev.d_seed) / (lev.d_seed + D))
+        )
 
     @classmethod
     def parameter_count(cls, model_cfg: ModelConfig, vocab_size: int) -> int:

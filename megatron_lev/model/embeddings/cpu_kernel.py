@@ -40,8 +40,16 @@ ENV_SWITCH = "MEGATRON_LEV_CPU_KERNEL"  # "0": never build or use the kernel
 ENV_CACHE = "MEGATRON_LEV_KERNEL_CACHE"  # where built libraries are kept
 # No -ffast-math: NaN/inf checks must keep their meaning. Reassociation only, so that the
 # r-wide dot products vectorise.
-CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math"]
+CFLAGS = [
+    "-O3",
+    "-std=c11",
+    "-fPIC",
+    "-shared",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+]
 ARCH_FLAGS = {"x86_64": ["-march=native"], "aarch64": ["-mcpu=native"]}
 TASKS_PER_THREAD = 4  # finer ranges than threads: even out uneven tasks
 
@@ -130,8 +138,12 @@ def build(directory: Path | None = None) -> Path:
     if problem is not None:
         private = Path(tempfile.mkdtemp(prefix="megatron_lev-kernel-"))  # mode 0700, ours
         atexit.register(shutil.rmtree, private, True)
-        log.warning("LEV CPU kernel: not loading from %s: it %s; building in the private directory %s instead",
-                    directory, problem, private)
+        log.warning(
+            "LEV CPU kernel: not loading from %s: it %s; building in the private directory %s instead",
+            directory,
+            problem,
+            private,
+        )
         return _compile(cc, private / name)
     return _compile(cc, target)
 
@@ -140,8 +152,9 @@ def _compile(cc: str, target: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".lev_cpu-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_flags(), str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              check=False)
+        proc = subprocess.run(
+            [cc, *_flags(), str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=False
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed on {SOURCE.name}:\n{proc.stderr.strip()}")
         os.chmod(tmp, 0o755)  # whatever the umask: nobody else may write a library we load
@@ -180,7 +193,9 @@ def library() -> ctypes.CDLL | None:
                 except OSError as exc:  # e.g. a read-only home on compute nodes: build in the temp dir
                     # (a name another user can guess: build() checks it is ours and private before using it)
                     fallback = Path(tempfile.gettempdir()) / f"megatron_lev-kernels-{os.getuid()}"
-                    log.info("LEV CPU kernel: cannot write %s (%s); building in %s", cache_dir(), exc, fallback)
+                    log.info(
+                        "LEV CPU kernel: cannot write %s (%s); building in %s", cache_dir(), exc, fallback
+                    )
                     path = build(fallback)
                 lib = _bind(ctypes.CDLL(str(path)))
                 _state["path"] = path
@@ -241,8 +256,24 @@ def forward(u: torch.Tensor, shifted: torch.Tensor):
     kappa, r = shifted.shape[2], shifted.shape[3]
     log_abs, sign, out = (u.new_empty(n, h, r) for _ in range(3))
     fn = getattr(lib, f"lev_forward_{_suffix(u.dtype)}")
-    _run_tasks(fn, n * h, lambda t0, t1: (u.data_ptr(), shifted.data_ptr(), n, h, d, kappa, r, t0, t1,
-                                          log_abs.data_ptr(), sign.data_ptr(), out.data_ptr()))
+    _run_tasks(
+        fn,
+        n * h,
+        lambda t0, t1: (
+            u.data_ptr(),
+            shifted.data_ptr(),
+            n,
+            h,
+            d,
+            kappa,
+            r,
+            t0,
+            t1,
+            log_abs.data_ptr(),
+            sign.data_ptr(),
+            out.data_ptr(),
+        ),
+    )
     return out, log_abs, sign
 
 
@@ -257,7 +288,24 @@ def backward(u, shifted, log_abs, grad_m, signed_grad, need_u: bool, need_delta:
     grad_d = torch.zeros_like(shifted) if need_delta else None
     fn = getattr(lib, f"lev_backward_{_suffix(u.dtype)}")
     tasks = h * -(-d // GROUP)
-    _run_tasks(fn, tasks, lambda t0, t1: (u.data_ptr(), shifted.data_ptr(), log_abs.data_ptr(), grad_m.data_ptr(),
-                                          signed_grad.data_ptr(), n, h, d, kappa, r, t0, t1, _ptr(grad_u),
-                                          _ptr(grad_d)))
+    _run_tasks(
+        fn,
+        tasks,
+        lambda t0, t1: (
+            u.data_ptr(),
+            shifted.data_ptr(),
+            log_abs.data_ptr(),
+            grad_m.data_ptr(),
+            signed_grad.data_ptr(),
+            n,
+            h,
+            d,
+            kappa,
+            r,
+            t0,
+            t1,
+            _ptr(grad_u),
+            _ptr(grad_d),
+        ),
+    )
     return grad_u, grad_d

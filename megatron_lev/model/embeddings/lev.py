@@ -48,7 +48,7 @@ def digit_base(vocab_size: int, k: int) -> int:
     if vocab_size < 1 or k < 1:
         raise ValueError(f"need vocab_size >= 1 and k >= 1, got {vocab_size}, {k}")
     b = max(1, int(round(vocab_size ** (1.0 / k))))
-    while b ** k < vocab_size:
+    while b**k < vocab_size:
         b += 1
     while b > 1 and (b - 1) ** k >= vocab_size:
         b -= 1
@@ -96,7 +96,9 @@ class _PhiBlocks:
     def __init__(self, w, idx, delta, mode):
         self.w, self.idx, self.mode = w, idx, mode
         self.h, self.d, self.kappa, self.r = delta.shape
-        self.shifted = delta + 1.0  # phi = sum_m B_m (1 + delta_m), as the spec writes it: no separate "+1" pass
+        self.shifted = (
+            delta + 1.0
+        )  # phi = sum_m B_m (1 + delta_m), as the spec writes it: no separate "+1" pass
         if mode == "gather":
             heads_coords = torch.arange(self.h * self.d, device=w.device).view(self.h, self.d, 1, 1)
             self.offsets = heads_coords * self.kappa  # (h, d, 1, 1): first delta row of (l, j)
@@ -114,10 +116,12 @@ class _PhiBlocks:
             basis.view(h, j, nb, self.kappa).scatter_add_(-1, ib, wb)  # (h*j, nb, kappa)
             return torch.bmm(basis, dblk).view(h, j, nb, self.r), (basis, ib)
         flat = ib + self.offsets[:, s:e]
-        gathered = [self.rows.index_select(0, flat[..., a].reshape(-1)).view(h, j, nb, self.r) for a in range(3)]
+        gathered = [
+            self.rows.index_select(0, flat[..., a].reshape(-1)).view(h, j, nb, self.r) for a in range(3)
+        ]
         phi = gathered[0] * wb[..., 0:1]
         for a in (1, 2):
-            phi.addcmul_(wb[..., a:a + 1], gathered[a])
+            phi.addcmul_(wb[..., a : a + 1], gathered[a])
         return phi, (gathered, flat)
 
     def backward(self, gphi, saved, s, e, n0, n1, dblk, grad_w, grad_delta):
@@ -139,7 +143,7 @@ class _PhiBlocks:
             if grad_w is not None:
                 grad_w[:, s:e, n0:n1, a] = (gphi * gathered[a]).sum(-1)
             if rows is not None:
-                rows.index_add_(0, flat[..., a].reshape(-1), (gphi * wb[..., a:a + 1]).reshape(-1, r))
+                rows.index_add_(0, flat[..., a].reshape(-1), (gphi * wb[..., a : a + 1]).reshape(-1, r))
 
 
 def _group_product(phi):
@@ -274,8 +278,9 @@ def default_phi_mode(device: torch.device) -> str:
     return mode
 
 
-def separable_product(weight: torch.Tensor, index: torch.Tensor, delta: torch.Tensor,
-                      mode: str | None = None) -> torch.Tensor:
+def separable_product(
+    weight: torch.Tensor, index: torch.Tensor, delta: torch.Tensor, mode: str | None = None
+) -> torch.Tensor:
     """See `SeparableProduct`: basis (weight, index) `(N,h,d,3)`, delta `(h,d,kappa,r)` -> `(N,h,r)`.
 
     Without autograd (eval, `materialize`) nothing is saved and blocks are larger.
@@ -313,8 +318,10 @@ def spline_product(u: torch.Tensor, delta: torch.Tensor, kappa: int, mode: str |
     from megatron_lev.model.embeddings import cpu_kernel
 
     if u.device.type != "cpu" or not cpu_kernel.available():
-        raise RuntimeError(f"phi mode 'kernel' needs CPU tensors and a built CPU kernel (device {u.device.type}; "
-                           f"a C compiler, and {cpu_kernel.ENV_SWITCH} not set to 0)")
+        raise RuntimeError(
+            f"phi mode 'kernel' needs CPU tensors and a built CPU kernel (device {u.device.type}; "
+            f"a C compiler, and {cpu_kernel.ENV_SWITCH} not set to 0)"
+        )
     if delta.shape[2] != kappa:
         raise ValueError(f"delta has {delta.shape[2]} knots, kappa is {kappa}")
     return KernelProduct.apply(u, delta)  # without autograd (eval, materialize) nothing is kept for backward
@@ -325,13 +332,16 @@ class LevEmbedding(InputEmbedding):
 
     name, label = "lev", "LEV"
 
-    def __init__(self, vocab_size: int, hidden_size: int, lev: LevConfig, init_std: float = 0.02,
-                 dedupe: bool = True):
+    def __init__(
+        self, vocab_size: int, hidden_size: int, lev: LevConfig, init_std: float = 0.02, dedupe: bool = True
+    ):
         super().__init__()
         tp, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
         if lev.heads % tp:
-            raise ConfigError(f"model.lev.heads={lev.heads} is not divisible by the tensor-parallel size {tp}: "
-                              "LEV heads are split across tensor-parallel ranks")
+            raise ConfigError(
+                f"model.lev.heads={lev.heads} is not divisible by the tensor-parallel size {tp}: "
+                "LEV heads are split across tensor-parallel ranks"
+            )
         self.vocab_size, self.hidden_size, self.lev = vocab_size, hidden_size, lev
         self.dedupe = dedupe  # compute G once per unique id of the batch (False: once per token)
         h, d, r = lev.heads, lev.d_seed, lev.rank
@@ -376,7 +386,9 @@ class LevEmbedding(InputEmbedding):
     def latent(self, z: torch.Tensor) -> torch.Tensor:
         """Per head `u_l = sigmoid(LayerNorm_l(W_l z))`: `(N, d_seed)` -> `(N, h, d_seed)` in [0, 1]."""
         y = torch.einsum("nd,hed->nhe", z, self.proj.to(z.dtype))  # (N, h, d)
-        y = F.layer_norm(y, (y.shape[-1],), eps=LN_EPS) * self.norm_weight.to(z.dtype) + self.norm_bias.to(z.dtype)
+        y = F.layer_norm(y, (y.shape[-1],), eps=LN_EPS) * self.norm_weight.to(z.dtype) + self.norm_bias.to(
+            z.dtype
+        )
         return torch.sigmoid(y).clamp(0.0, 1.0)  # bounded latent coordinates
 
     def heads(self, seed: torch.Tensor, recompute: bool = False) -> torch.Tensor:
@@ -432,5 +444,10 @@ class LevEmbedding(InputEmbedding):
         """
         step = chunk_size or self.lev.chunk_size
         device = self.delta.device
-        return torch.cat([self.embed_ids(torch.arange(s, min(s + step, self.vocab_size), device=device))
-                          for s in range(0, self.vocab_size, step)], dim=0)
+        return torch.cat(
+            [
+                self.embed_ids(torch.arange(s, min(s + step, self.vocab_size), device=device))
+                for s in range(0, self.vocab_size, step)
+            ],
+            dim=0,
+        )

@@ -114,15 +114,30 @@ if triton is not None:
         return phi, row0, row1, row2, i0, i1, i2, w0, w1, w2, dw0, dw1, dw2
 
     @triton.jit
-    def _factor(u_rows, delta_l, j, D, n_ok, rho, tile_ok, K: tl.constexpr, R: tl.constexpr, ACC: tl.constexpr):
+    def _factor(
+        u_rows, delta_l, j, D, n_ok, rho, tile_ok, K: tl.constexpr, R: tl.constexpr, ACC: tl.constexpr
+    ):
         """phi alone (see `_phi`)."""
         phi, row0, row1, row2, i0, i1, i2, w0, w1, w2, dw0, dw1, dw2 = _phi(
-            u_rows, delta_l, j, D, n_ok, rho, tile_ok, K, R, ACC)
+            u_rows, delta_l, j, D, n_ok, rho, tile_ok, K, R, ACC
+        )
         return phi
 
     @triton.jit
-    def _group_start(u_rows, delta_l, j0, D, n_ok, rho, tile_ok, K: tl.constexpr, R: tl.constexpr,
-                     ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    def _group_start(
+        u_rows,
+        delta_l,
+        j0,
+        D,
+        n_ok,
+        rho,
+        tile_ok,
+        K: tl.constexpr,
+        R: tl.constexpr,
+        ACC: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+    ):
         """Product and smallest |phi| over the group starting at j0, and which entries are bad."""
         prod = tl.full((BLOCK_N, BLOCK_R), 1.0, ACC)
         smallest = tl.full((BLOCK_N, BLOCK_R), float("inf"), ACC)
@@ -135,9 +150,22 @@ if triton is not None:
         return prod, size, bad
 
     @triton.jit
-    def _lev_forward(u_ptr, delta_ptr, out_ptr, log_ptr, sign_ptr, N, H, D,
-                     K: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                     ACC: tl.constexpr, SAVE: tl.constexpr):
+    def _lev_forward(
+        u_ptr,
+        delta_ptr,
+        out_ptr,
+        log_ptr,
+        sign_ptr,
+        N,
+        H,
+        D,
+        K: tl.constexpr,
+        R: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        ACC: tl.constexpr,
+        SAVE: tl.constexpr,
+    ):
         """Program (id block, head): out (and, if SAVE, log|M| and sign) for BLOCK_N ids, all modes."""
         head = tl.program_id(1)
         n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -149,7 +177,9 @@ if triton is not None:
         logsum = tl.zeros((BLOCK_N, BLOCK_R), ACC)
         sign = tl.full((BLOCK_N, BLOCK_R), 1.0, ACC)
         for j0 in range(0, D, _GROUP):
-            prod, size, bad = _group_start(u_rows, delta_l, j0, D, n_ok, rho, tile_ok, K, R, ACC, BLOCK_N, BLOCK_R)
+            prod, size, bad = _group_start(
+                u_rows, delta_l, j0, D, n_ok, rho, tile_ok, K, R, ACC, BLOCK_N, BLOCK_R
+            )
             logsum += tl.where(bad, 0.0, tl.log(tl.where(bad, 1.0, size)))  # one log per group
             sign = tl.where(~bad & (prod < 0), -sign, sign)
             if tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) > 0:  # rare: the per-factor form
@@ -165,9 +195,26 @@ if triton is not None:
             tl.store(sign_ptr + offs, sign.to(tl.int8), mask=tile_ok)
 
     @triton.jit
-    def _lev_backward(u_ptr, delta_ptr, log_ptr, sign_ptr, grad_ptr, grad_u_ptr, partial_ptr, N, H, D,
-                      K: tl.constexpr, R: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_R: tl.constexpr, ACC: tl.constexpr, NEED_U: tl.constexpr, NEED_DELTA: tl.constexpr):
+    def _lev_backward(
+        u_ptr,
+        delta_ptr,
+        log_ptr,
+        sign_ptr,
+        grad_ptr,
+        grad_u_ptr,
+        partial_ptr,
+        N,
+        H,
+        D,
+        K: tl.constexpr,
+        R: tl.constexpr,
+        KP: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        ACC: tl.constexpr,
+        NEED_U: tl.constexpr,
+        NEED_DELTA: tl.constexpr,
+    ):
         """Program (group g, head, split s): for the id blocks s, s + S, ..., grad u at the group's
         coordinates, and their share of grad delta into partial[s, head, group] (owned: no atomics)."""
         g, head, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -187,25 +234,33 @@ if triton is not None:
             signed = signed * tl.load(sign_ptr + offs, mask=tile_ok, other=1).to(ACC)  # dLoss/dM * sign
             log_abs = tl.load(log_ptr + offs, mask=tile_ok, other=0.0)
             grad_m = signed * tl.exp(log_abs)  # dLoss/dM * M
-            prod, size, bad = _group_start(u_rows, delta_l, j0, D, n_ok, rho, tile_ok, K, R, ACC, BLOCK_N, BLOCK_R)
+            prod, size, bad = _group_start(
+                u_rows, delta_l, j0, D, n_ok, rho, tile_ok, K, R, ACC, BLOCK_N, BLOCK_R
+            )
             any_bad = tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) > 0
             for jj in range(_GROUP):
                 j = j0 + jj
                 phi, row0, row1, row2, i0, i1, i2, w0, w1, w2, dw0, dw1, dw2 = _phi(
-                    u_rows, delta_l, j, D, n_ok, rho, tile_ok, K, R, ACC)
+                    u_rows, delta_l, j, D, n_ok, rho, tile_ok, K, R, ACC
+                )
                 gphi = grad_m / tl.where(bad, 1.0, phi)  # M / phi_j: |phi_j| >= SAFE_FACTOR in plain groups
                 if any_bad:
                     others = signed * tl.exp(log_abs - tl.log(tl.abs(phi) + _LOG_EPS))
                     gphi = tl.where(bad, tl.where(phi < 0, -others, others), gphi)
                 if NEED_U:
-                    gu = (tl.sum(gphi * row0, axis=1) * dw0 + tl.sum(gphi * row1, axis=1) * dw1
-                          + tl.sum(gphi * row2, axis=1) * dw2)
+                    gu = (
+                        tl.sum(gphi * row0, axis=1) * dw0
+                        + tl.sum(gphi * row1, axis=1) * dw1
+                        + tl.sum(gphi * row2, axis=1) * dw2
+                    )
                     tl.store(grad_u_ptr + (n * H + head) * D + j, gu, mask=n_ok & (n * 0 + j < D))
                 if NEED_DELTA:
                     col = knots[None, :]
-                    basis = (tl.where(col == i0[:, None], w0[:, None], 0.0)
-                             + tl.where(col == i1[:, None], w1[:, None], 0.0)
-                             + tl.where(col == i2[:, None], w2[:, None], 0.0))  # (BLOCK_N, KP), dense
+                    basis = (
+                        tl.where(col == i0[:, None], w0[:, None], 0.0)
+                        + tl.where(col == i1[:, None], w1[:, None], 0.0)
+                        + tl.where(col == i2[:, None], w2[:, None], 0.0)
+                    )  # (BLOCK_N, KP), dense
                     share = tl.dot(tl.trans(basis), gphi, input_precision="ieee")  # (KP, BLOCK_R)
                     ptrs = part + (j * K + knots)[:, None] * R + rho[None, :]
                     ok = (knots + K * j < K * D)[:, None] & (knots < K)[:, None] & (rho < R)[None, :]
@@ -235,12 +290,16 @@ def _device(t: torch.Tensor):
 
 def _check(u: torch.Tensor, delta: torch.Tensor) -> None:
     if not available():
-        raise RuntimeError(f"the LEV Triton kernel needs triton >= {'.'.join(map(str, MIN_VERSION))} "
-                           f"and {ENV_SWITCH} not set to 0")
+        raise RuntimeError(
+            f"the LEV Triton kernel needs triton >= {'.'.join(map(str, MIN_VERSION))} "
+            f"and {ENV_SWITCH} not set to 0"
+        )
     if u.device != delta.device:
         raise ValueError(f"u is on {u.device}, delta on {delta.device}")
     if not u.is_cuda and not interpreted():
-        raise RuntimeError("the LEV Triton kernel runs on CUDA tensors (on CPU only under TRITON_INTERPRET=1)")
+        raise RuntimeError(
+            "the LEV Triton kernel runs on CUDA tensors (on CPU only under TRITON_INTERPRET=1)"
+        )
     for t in (u, delta):
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             raise TypeError(f"LEV Triton kernel: floating-point inputs only, got {t.dtype}")
@@ -261,14 +320,28 @@ def forward(u: torch.Tensor, delta: torch.Tensor, save: bool = True):
     block_n, block_r = _blocks(r)
     with _device(u):
         _lev_forward[(triton.cdiv(n, block_n), h)](
-            u, delta, out, log_abs if save else out, sign if save else out, n, h, d,
-            K=kappa, R=r, BLOCK_N=block_n, BLOCK_R=block_r, ACC=_tl_dtype(acc), SAVE=save,
-            num_warps=NUM_WARPS["forward"])
+            u,
+            delta,
+            out,
+            log_abs if save else out,
+            sign if save else out,
+            n,
+            h,
+            d,
+            K=kappa,
+            R=r,
+            BLOCK_N=block_n,
+            BLOCK_R=block_r,
+            ACC=_tl_dtype(acc),
+            SAVE=save,
+            num_warps=NUM_WARPS["forward"],
+        )
     return out, log_abs, sign
 
 
-def backward(u, delta, log_abs, sign, grad_out, need_u: bool = True, need_delta: bool = True,
-             splits: int | None = None):
+def backward(
+    u, delta, log_abs, sign, grad_out, need_u: bool = True, need_delta: bool = True, splits: int | None = None
+):
     """Gradients for u (N,h,d) and delta (h,d,kappa,r), None where not needed. `splits`: how many
     partial grad-delta buffers the ids are spread over (default: enough programs for the GPU)."""
     n, h, d = u.shape
@@ -288,10 +361,26 @@ def backward(u, delta, log_abs, sign, grad_out, need_u: bool = True, need_delta:
     partial = torch.zeros((splits, h, d, kappa, r), dtype=acc, device=u.device) if need_delta else None
     with _device(u):
         _lev_backward[(groups, h, splits)](
-            u, delta, log_abs, sign, grad_out, grad_u if need_u else u, partial if need_delta else log_abs,
-            n, h, d, K=kappa, R=r, KP=max(16, triton.next_power_of_2(kappa)), BLOCK_N=block_n,
-            BLOCK_R=block_r, ACC=_tl_dtype(acc), NEED_U=need_u, NEED_DELTA=need_delta,
-            num_warps=NUM_WARPS["backward"])
+            u,
+            delta,
+            log_abs,
+            sign,
+            grad_out,
+            grad_u if need_u else u,
+            partial if need_delta else log_abs,
+            n,
+            h,
+            d,
+            K=kappa,
+            R=r,
+            KP=max(16, triton.next_power_of_2(kappa)),
+            BLOCK_N=block_n,
+            BLOCK_R=block_r,
+            ACC=_tl_dtype(acc),
+            NEED_U=need_u,
+            NEED_DELTA=need_delta,
+            num_warps=NUM_WARPS["backward"],
+        )
     if not need_delta:
         return grad_u, None
     return grad_u, (partial[0] if splits == 1 else partial.sum(0)).to(delta.dtype)
