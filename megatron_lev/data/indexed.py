@@ -12,6 +12,7 @@ instead of training on garbage.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
@@ -311,10 +312,8 @@ class IndexedDatasetBuilder:
     def abort(self) -> None:
         """Drop the partial output (used when a run fails)."""
         if not self._out.closed:
-            try:
+            with contextlib.suppress(OSError):  # e.g. the disk is full: the partial file goes anyway
                 self._out.close()
-            except OSError:  # e.g. the disk is full: the partial file goes anyway
-                pass
         self._tmp_bin.unlink(missing_ok=True)
 
 

@@ -15,6 +15,7 @@ raises the same error (no rank waits at a barrier for one that failed).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -266,10 +267,8 @@ def _remember(path: Path, digest: str) -> None:
     if len(cache) > 2000:  # forget files that are gone
         cache = {k: v for k, v in cache.items() if os.path.exists(k)}
     cache[key] = [st.st_size, st.st_mtime_ns, digest]
-    try:
+    with contextlib.suppress(OSError):  # an unwritable home only costs a re-hash next time
         atomic_write_json(_cache_file(), cache)
-    except OSError:  # an unwritable home only costs a re-hash next time
-        pass
 
 
 def cached_sha256(path: str | os.PathLike) -> str:

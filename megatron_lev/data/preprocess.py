@@ -16,6 +16,7 @@ that the new set does not have are removed after.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import multiprocessing as mp
@@ -166,10 +167,8 @@ def tokenize_chunk(chunk: Chunk, opts: PreprocessOptions, tok) -> ChunkResult:
 def _die_with_parent(parent_pid: int) -> None:
     """End this worker when the main process ends, however it ends (SIGKILL included)."""
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
@@ -286,10 +285,8 @@ class _Pool:
         """Stop the workers: politely after success, at once otherwise; never leave one running."""
         for proc, conn, _ in self.workers:
             if ok and proc.is_alive():
-                try:
+                with contextlib.suppress(OSError):
                     conn.send(None)
-                except OSError:
-                    pass
         deadline = time.monotonic() + (10 if ok else 0)
         for proc, conn, _ in self.workers:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -54,9 +54,9 @@ class Tokenizer(ABC):
 
 
 def _write_json(path: Path, obj) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    from megatron_lev.utils.io import atomic_write_text
+
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
     return path
 
 

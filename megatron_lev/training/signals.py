@@ -14,6 +14,7 @@ start within milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -49,16 +50,12 @@ def _exit_at_startup(signum: int, frame: FrameType | None) -> None:
         f"megatron-lev train: preempted ({name}) during start-up, before the first step; nothing to save, "
         f"exiting with status {PREEMPTED_EXIT_CODE} so the job is requeued\n"
     )
-    try:
+    with contextlib.suppress(OSError):
         os.write(2, msg.encode())
-    except OSError:
-        pass
     report_exit_code(PREEMPTED_EXIT_CODE)
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # a stream may be mid-write; exiting matters more
             stream.flush()
-        except Exception:  # noqa: BLE001 - a stream may be mid-write; exiting matters more
-            pass
     os._exit(PREEMPTED_EXIT_CODE)  # mid-import: unwinding could run half-initialised code
 
 
