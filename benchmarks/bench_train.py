@@ -83,40 +83,30 @@ def bare_loop(args, cfg, vocab: int, device) -> tuple[float, float]:
 
 
 def trainer_loop(args, cfg, vocab: int, device, out: str) -> tuple[float, float]:
+    from megatron_lev.engine.config import build_ds_config
+    from megatron_lev.engine.deepspeed_engine import build_engine
     from megatron_lev.model.build import build_model
-    from megatron_lev.training.ds_config import build_ds_config
-    from megatron_lev.training.engine import build_engine
     from megatron_lev.training.metrics import MetricsWriter
     from megatron_lev.training.schedule import Budget
-    from megatron_lev.training.trainer import Trainer
+    from megatron_lev.training.trainer import TrainData, Trainer
 
-    engine, optimizer = build_engine(cfg, build_model(cfg, vocab), build_ds_config(cfg, 1), pipeline=False)
+    engine = build_engine(cfg, build_model(cfg, vocab), 1, build_ds_config(cfg, 1))
     tokens = args.micro_batch * args.seq
     trainer = Trainer(
         cfg,
         engine,
-        optimizer,
         Budget(args.steps + args.warmup, tokens, "bench"),
-        pipeline=False,
+        TrainData(None, None, args.micro_batch),
         world_size=1,
         device=device,
-        train_batches=None,
-        valid_batches=None,
-        flops_per_token=None,
-        writer=MetricsWriter(out, True, False),
-        gas=1,
-        global_batch=args.micro_batch,
-        save_dir=None,
-        load_dir=None,
     )
+    writer = MetricsWriter(out, True, False)
     batches = _batches(args, vocab, device)
 
     def step():
         loss, norm, skipped = trainer.train_step(batches)
         trainer.state.iteration += 1
-        trainer.writer.record(
-            "train", trainer.state.iteration, {"loss": loss, "grad_norm": norm, "skipped": skipped}
-        )
+        writer.record("train", trainer.state.iteration, {"loss": loss, "grad_norm": norm, "skipped": skipped})
 
     return _timed(step, args.steps, args.warmup)
 
@@ -141,7 +131,7 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
 
-    from megatron_lev.training.engine import disable_cpu_shm_comm
+    from megatron_lev.engine.deepspeed_engine import disable_cpu_shm_comm
     from megatron_lev.training.launch import device as current_device
     from megatron_lev.training.launch import init_distributed
 

@@ -118,8 +118,8 @@ class Report:
 
 
 def _ctx(args) -> dict:
+    from megatron_lev.engine.deepspeed_engine import disable_cpu_shm_comm
     from megatron_lev.parallel import state
-    from megatron_lev.training.engine import disable_cpu_shm_comm
     from megatron_lev.training.launch import init_distributed
 
     dev = torch.device(args.device)
@@ -164,32 +164,20 @@ def _config(model_file: Path, overrides: list[str]):
 
 
 def _trainer(cfg, vocab: int, device, micro: int, steps: int, world: int = 1):
+    from megatron_lev.engine.config import build_ds_config
+    from megatron_lev.engine.deepspeed_engine import build_engine
     from megatron_lev.model.build import build_model
-    from megatron_lev.training.ds_config import build_ds_config
-    from megatron_lev.training.engine import build_engine
-    from megatron_lev.training.metrics import MetricsWriter
     from megatron_lev.training.schedule import Budget as StepBudget
-    from megatron_lev.training.trainer import Trainer
+    from megatron_lev.training.trainer import TrainData, Trainer
 
-    engine, optimizer = build_engine(
-        cfg, build_model(cfg, vocab), build_ds_config(cfg, world), pipeline=False
-    )
+    engine = build_engine(cfg, build_model(cfg, vocab), world, build_ds_config(cfg, world))
     return Trainer(
         cfg,
         engine,
-        optimizer,
         StepBudget(steps, micro * world * cfg.model.seq_length, "acceptance"),
-        pipeline=False,
+        TrainData(None, None, micro * world),
         world_size=world,
         device=device,
-        train_batches=None,
-        valid_batches=None,
-        flops_per_token=None,
-        writer=MetricsWriter(tempfile.gettempdir(), False, False),
-        gas=1,
-        global_batch=micro * world,
-        save_dir=None,
-        load_dir=None,
     )
 
 
@@ -395,8 +383,8 @@ def _dp_worker(rank: int, world: int, backend: str, port: int, tiny: bool, out: 
     )
     if backend == "gloo":
         os.environ.update({"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
+    from megatron_lev.engine.deepspeed_engine import disable_cpu_shm_comm
     from megatron_lev.parallel import state
-    from megatron_lev.training.engine import disable_cpu_shm_comm
     from megatron_lev.training.launch import device as current_device
     from megatron_lev.training.launch import init_distributed
     from megatron_lev.training.trainer import _read

@@ -140,6 +140,8 @@ NONEMPTY_STRINGS = (
     "train.save",
     "train.load",
     "logging.output_dir",
+    "logging.wandb_project",
+    "logging.wandb_group",
 )
 
 
@@ -390,9 +392,14 @@ class LoggingConfig:
     log_all_ranks: bool = False  # every rank also writes logs/rank{N}.log
     peak_tflops: float = 989.0  # per device, for MFU (H100 dense bf16)
     progress_bar: bool = True
+    wandb_project: str | None = None  # mirror the logged values to Weights & Biases (needs `wandb`)
+    wandb_group: str | None = None
+    wandb_mode: str = "online"  # "offline": write the run under output_dir/wandb, `wandb sync` it later
 
     def validate(self) -> None:
         check_ranges(self, "logging")
+        if self.wandb_mode not in ("online", "offline"):
+            raise ConfigError(f"logging.wandb_mode={self.wandb_mode!r}: must be 'online' or 'offline'")
 
 
 @dataclass
@@ -430,12 +437,10 @@ class RunConfig:
             raise ConfigError(
                 f"model ffn size {m.ffn_size} is not divisible by parallel.tensor_model_parallel_size={tp}"
             )
-        if m.embedding in ("lev", "factorized_mlp") and m.lev.heads % tp:
-            raise ConfigError(
-                f"model.lev.heads={m.lev.heads} is not divisible by "
-                f"parallel.tensor_model_parallel_size={tp}: "
-                "LEV heads are split across tensor-parallel ranks; set model.lev.heads to a multiple of TP"
-            )
+        # the variant's own rules (and the error for an unknown model.embedding) come from its class
+        from megatron_lev.model.embeddings import embedding_class
+
+        embedding_class(m.embedding).check_config(m, tp)
         if p.pipeline_model_parallel_size > m.num_layers:
             raise ConfigError(
                 f"parallel.pipeline_model_parallel_size={p.pipeline_model_parallel_size} exceeds "

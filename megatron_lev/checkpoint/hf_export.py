@@ -28,12 +28,6 @@ from pathlib import Path
 
 import torch
 
-from megatron_lev.checkpoint.ds_reader import (
-    CheckpointError,
-    find_run_config,
-    resolve_tag_dir,
-    stored_config_path,
-)
 from megatron_lev.checkpoint.hf_writer import (
     DEFAULT_MAX_SHARD_BYTES,
     SafetensorsShardWriter,
@@ -49,6 +43,12 @@ from megatron_lev.checkpoint.validate import (
     hf_stages,
     source_stages,
     validation_ids,
+)
+from megatron_lev.engine.checkpoint_files import (
+    CheckpointError,
+    find_run_config,
+    resolve_tag_dir,
+    stored_config_path,
 )
 from megatron_lev.errors import UserError
 from megatron_lev.logging import get_logger

@@ -6,7 +6,7 @@ The source is merged into canonical full tensors (`source.iter_canonical`); then
 target layout is started as `TP x PP x DP` gloo processes on this machine, each builds
 its part of the model with `build_model`, copies in its TP shard of every tensor
 (vocabulary rows re-padded for the new TP size), wraps it in DeepSpeed exactly as the
-trainer does (`training.engine.build_engine`, `training.ds_config.build_ds_config`) and
+trainer does (`engine.deepspeed_engine.build_engine`, `engine.config.build_ds_config`) and
 saves through `training.checkpointing.save_checkpoint`, so the result is a native
 checkpoint the trainer resumes from (model weights, iteration, client state such as
 the data position, hence the learning-rate schedule).
@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 
-from megatron_lev.checkpoint.ds_reader import CheckpointError, load_file
 from megatron_lev.checkpoint.llama_names import pad_rows
 from megatron_lev.checkpoint.merge import split_full
-from megatron_lev.checkpoint.optimizer_state import OptimizerState, load_into_engine, read_optimizer_state
+from megatron_lev.checkpoint.optimizer_state import OptimizerState, read_optimizer_state
 from megatron_lev.checkpoint.source import SourceCheckpoint, iter_canonical, open_checkpoint
 from megatron_lev.config import RunConfig, from_dict
+from megatron_lev.engine.checkpoint_files import CheckpointError, load_file
 from megatron_lev.model.build import padded_vocab_size
 from megatron_lev.model.canonical import canonical_state_dict_spec
 
@@ -112,11 +112,11 @@ def reshard_worker(
     """Collective on the target layout: build, fill, save, and (optionally) reload and measure the loss."""
     import yaml
 
+    from megatron_lev.engine.config import build_ds_config
+    from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
     from megatron_lev.model.build import build_model
     from megatron_lev.parallel import state
     from megatron_lev.training.checkpointing import load_checkpoint, save_checkpoint, tag_for
-    from megatron_lev.training.ds_config import build_ds_config
-    from megatron_lev.training.engine import build_engine, disable_cpu_shm_comm
 
     disable_cpu_shm_comm()
     cfg = from_dict(RunConfig, yaml.safe_load(cfg_yaml), prefix="")
@@ -129,18 +129,18 @@ def reshard_worker(
         model = build_model(cfg, src.vocab_size)
         local = fill_from_source(model, src, cfg)
         ds_config = build_ds_config(cfg, world)
-        engine, _ = build_engine(cfg, model, ds_config, pipeline=pp > 1)
+        engine = build_engine(cfg, model, world, ds_config)
         if optim is not None:
-            load_into_engine(engine, optimizer_shards(local, optim, src, cfg), optim.step)
+            engine.load_optimizer_moments(optimizer_shards(local, optim, src, cfg), optim.step)
         client, iteration = _client_state(src)
         engine.global_steps = iteration
         save_checkpoint(engine, out_root, iteration, client, keep_last=10**6, config_yaml=cfg.to_yaml())
         if check_ids is None:
             return None
         torch.manual_seed(cfg.train.seed)
-        fresh, _ = build_engine(cfg, build_model(cfg, src.vocab_size), ds_config, pipeline=pp > 1)
+        fresh = build_engine(cfg, build_model(cfg, src.vocab_size), world, ds_config)
         load_checkpoint(fresh, out_root, tag_for(iteration))
-        return forward_loss(fresh, check_ids, pipeline=pp > 1)
+        return fresh.loss(check_ids[:, :-1], check_ids[:, 1:])
     finally:
         state.destroy_model_parallel()
 
@@ -150,17 +150,21 @@ def fill_from_source(
 ) -> dict[str, list[torch.nn.Parameter]]:
     """Copy this rank's TP shard of every merged source tensor into the (plain or pipeline) model;
     returns the model's parameters by canonical name (a tied table's copies under one name)."""
-    from megatron_lev.model.pipeline import canonical_name
     from megatron_lev.parallel import state
 
     tp, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     padded = padded_vocab_size(src.vocab_size, cfg.model, tp)
     specs = canonical_state_dict_spec(cfg.model, padded)
-    pipeline = cfg.parallel.pipeline_model_parallel_size > 1
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        from megatron_lev.engine.pipeline import stage_modules
+
+        parts = stage_modules(model)  # each stage names its parameters canonically
+    else:
+        parts = [model]
     local: dict[str, list[torch.Tensor]] = {}
-    for name, param in model.state_dict(keep_vars=True).items():
-        key = canonical_name(name, cfg.model.num_layers) if pipeline else name
-        local.setdefault(key, []).append(param)
+    for part in parts:
+        for name, param in part.state_dict(keep_vars=True).items():
+            local.setdefault(name, []).append(param)
     filled = set()
     for name, full in iter_canonical(src, progress=False):
         if name not in local:
@@ -196,16 +200,6 @@ def optimizer_shards(
         }
         out.update({p: shard for p in params if isinstance(p, torch.nn.Parameter)})
     return out
-
-
-def forward_loss(engine, ids: torch.Tensor, pipeline: bool) -> float:
-    """Mean per-token loss of `ids (B, S + 1)` without a training step."""
-    x, y = ids[:, :-1], ids[:, 1:]
-    if pipeline:
-        return float(engine.eval_batch(iter([((x,), y)])))
-    engine.eval()
-    with torch.no_grad():
-        return float(engine(x, y).float().mean())
 
 
 def reference_loss(src: SourceCheckpoint, cfg: RunConfig, ids: torch.Tensor) -> float:

@@ -6,8 +6,9 @@
 Files are read one at a time (pipeline: one layer's TP shards; plain/ZeRO-3: one TP
 rank after the other) and each tensor is dropped once merged, so memory stays around
 one copy of the model. TP shards are merged with the model's own rules (fused
-QKV / gate-up parts, vocabulary rows); pipeline names are mapped with
-`model.pipeline.canonical_name`; ZeRO-3 weights are gathered from their fp32 partitions.
+QKV / gate-up parts, vocabulary rows); a pipeline's layer files already hold canonical
+names (each stage registers its parameters under its `GPTModel` prefix, `model.stages`);
+ZeRO-3 weights are gathered from their fp32 partitions.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megatron_lev.checkpoint.ds_reader import (
+from megatron_lev.checkpoint.merge import merge_shards
+from megatron_lev.config import RunConfig
+from megatron_lev.engine.checkpoint_files import (
     CheckpointError,
     CheckpointFiles,
     find_files,
@@ -31,12 +34,10 @@ from megatron_lev.checkpoint.ds_reader import (
     resolve_tag_dir,
     zero3_module_state,
 )
-from megatron_lev.checkpoint.merge import merge_shards
-from megatron_lev.config import RunConfig
 from megatron_lev.model.build import padded_vocab_size
 from megatron_lev.model.canonical import ParamSpec, canonical_state_dict_spec
 from megatron_lev.model.embeddings import InputEmbedding, embedding_class
-from megatron_lev.model.pipeline import canonical_name
+from megatron_lev.model.stages import stage_specs
 
 COMPLETE_MARKER = "complete"  # written by the trainer once every rank has saved
 TRAINER_TAG = re.compile(r"^iter_\d+$")  # the trainer's tag names (always get a marker)
@@ -59,6 +60,20 @@ class SourceCheckpoint:
     def embedding(self) -> type[InputEmbedding]:
         """The class of the checkpoint's input-embedding variant (what it ties, what it exports)."""
         return embedding_class(self.cfg.model.embedding)
+
+    def layer_state(self, path: Path) -> dict[str, torch.Tensor]:
+        """One pipeline layer file of this checkpoint, by canonical name (`load_layer_file`)."""
+        return load_layer_file(path, self.specs)
+
+    def shared_layers(self) -> dict[int, int]:
+        """{pipeline layer: the first layer holding the same module} for the layers of a shared (tied)
+        stage: the last stage's copy of a tied table is read from the first stage's file."""
+        first: dict[str, int] = {}
+        out = {}
+        for idx, spec in enumerate(stage_specs(self.cfg.model, self.padded_vocab, self.cfg.train.seed)):
+            if spec.tied_key is not None:
+                out[idx] = first.setdefault(spec.tied_key, idx)
+        return out
 
 
 def open_checkpoint(
@@ -90,7 +105,26 @@ def open_checkpoint(
     vocab = vocab_size or _vocab_size(cfg)
     padded = padded_vocab_size(vocab, cfg.model, cfg_tp)
     specs = canonical_state_dict_spec(cfg.model, padded)
+    if files.kind == "pipeline":  # refuse an older layout before reading anything large
+        load_layer_file(
+            min((r[0] for r in files.layer_files.values()), key=lambda p: p.stat().st_size), specs
+        )
     return SourceCheckpoint(tag_dir, files, cfg, vocab, padded, specs)
+
+
+def load_layer_file(path: Path, specs: dict[str, ParamSpec]) -> dict[str, torch.Tensor]:
+    """One pipeline layer file, whose keys are canonical names; a file of the older layout (names
+    relative to the layer, e.g. `attention.qkv.weight`) is refused."""
+    state = load_file(path)
+    roots = {name.split(".", 1)[0] for name in specs}
+    stray = [key for key in state if key.split(".", 1)[0] not in roots]
+    if stray:
+        raise CheckpointError(
+            f"{path} holds {stray[0]!r}, not a canonical parameter name: this checkpoint was written by "
+            "an older megatron-lev (pipeline layer files without canonical names); convert it with that "
+            "version"
+        )
+    return state
 
 
 def _vocab_size(cfg: RunConfig) -> int:
@@ -138,15 +172,13 @@ def iter_canonical(src: SourceCheckpoint, progress: bool = True) -> Iterator[tup
 
 
 def _pipeline(src: SourceCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
-    last = src.num_layers + 2
-    tied = src.embedding.ties_output_head
+    shared = src.shared_layers()
     for idx, by_rank in sorted(src.files.layer_files.items()):
-        if tied and idx == last:
-            continue  # the last stage's copy of the tied table (kept identical by DeepSpeed)
-        shards = [load_file(by_rank[r]) for r in range(src.files.tp)]
-        for key in list(shards[0]):
-            name = canonical_name(f"{idx}.{key}", src.num_layers)
-            parts = [s.pop(key) for s in shards]
+        if shared.get(idx, idx) != idx:
+            continue  # a second copy of a tied table (kept identical by DeepSpeed)
+        shards = [load_layer_file(by_rank[r], src.specs) for r in range(src.files.tp)]
+        for name in list(shards[0]):
+            parts = [s.pop(name) for s in shards]
             if name in src.specs:
                 parts = [merge_shards(parts, src.specs[name])]
             yield name, parts[0]

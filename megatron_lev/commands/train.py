@@ -47,7 +47,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from megatron_lev.commands.config_cmd import config_files_and_overrides
     from megatron_lev.config import load_config
-    from megatron_lev.training.ds_config import validate_training
+    from megatron_lev.engine.config import validate_training
     from megatron_lev.training.launch import read_dist_env
 
     files, overrides = config_files_and_overrides(args)

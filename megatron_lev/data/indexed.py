@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_lev.errors import DataError
-from megatron_lev.utils.io import temp_path
+from megatron_lev.utils.io import atomic_open, temp_path
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -72,28 +72,20 @@ def write_index(path: Path, dtype: np.dtype, sizes: np.ndarray, doc_idx: np.ndar
     if len(sizes) > 1:
         np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
     pointers *= dtype.itemsize
-    tmp = _tmp(path)
     digest = hashlib.sha256()
-    try:
-        with open(tmp, "wb") as f:
-            for part in (
-                MAGIC,
-                struct.pack("<Q", VERSION),
-                struct.pack("<B", CODES[dtype]),
-                struct.pack("<Q", len(sizes)),
-                struct.pack("<Q", len(doc_idx)),
-                sizes.astype("<i4").tobytes(),
-                pointers.astype("<i8").tobytes(),
-                doc_idx.astype("<i8").tobytes(),
-            ):
-                f.write(part)
-                digest.update(part)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "wb") as f:
+        for part in (
+            MAGIC,
+            struct.pack("<Q", VERSION),
+            struct.pack("<B", CODES[dtype]),
+            struct.pack("<Q", len(sizes)),
+            struct.pack("<Q", len(doc_idx)),
+            sizes.astype("<i4").tobytes(),
+            pointers.astype("<i8").tobytes(),
+            doc_idx.astype("<i8").tobytes(),
+        ):
+            f.write(part)
+            digest.update(part)
     return digest.hexdigest()
 
 

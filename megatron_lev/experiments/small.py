@@ -77,7 +77,7 @@ class SmallGrid:
                 raise ConfigError(f"{flag} {value}: must be an integer >= {lo}")
         import torch
 
-        from megatron_lev.training.ds_config import validate_training
+        from megatron_lev.engine.config import validate_training
 
         for variant in self.variants:  # the trainer's own checks, before hours of work start
             validate_training(self.run_config(variant), self.nproc, cuda=torch.cuda.is_available())

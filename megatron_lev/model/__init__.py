@@ -1,1 +1,1 @@
-"""Model code: the LEV layer and baseline input embeddings, Llama-style blocks, the GPT pipeline."""
+"""Model code: the LEV layer and baseline input embeddings, Llama-style blocks, the GPT model, its stages."""

@@ -1,4 +1,5 @@
-"""Entry point from a run config to a model: `GPTModel` (PP = 1) or a DeepSpeed `PipelineModule`."""
+"""Entry point from a run config to a model: `GPTModel` (PP = 1) or a DeepSpeed `PipelineModule`
+(`engine.pipeline`, built from the same stages)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,6 @@ def build_model(cfg: RunConfig, vocab_size: int, topology=None) -> nn.Module:
     padded = padded_vocab_size(vocab_size, cfg.model, tp)
     if pp == 1:
         return GPTModel(cfg.model, padded, seed=cfg.train.seed, true_vocab_size=vocab_size)
-    from megatron_lev.model.pipeline import build_pipeline
+    from megatron_lev.engine.pipeline import build_pipeline
 
     return build_pipeline(cfg, padded, topology, true_vocab_size=vocab_size)

@@ -1,8 +1,8 @@
 """Layout-independent parameter names, shapes and shard rules (for checkpoint conversion and tests).
 
 The canonical name of a parameter is its name in `GPTModel` (`embedding.*`, `layers.{i}.*`,
-`final_norm.weight`, `output_head.weight`), whatever the TP/PP layout it was trained in.
-`pipeline.canonical_name` maps `PipelineModule` names to it. For each parameter the spec
+`final_norm.weight`, `output_head.weight`), whatever the TP/PP layout it was trained in; a
+pipeline stage's own names are already canonical (`model.stages`). For each parameter the spec
 gives the full (TP = 1) shape, the dimension it is split along across TP ranks (None:
 replicated) and, for fused column-parallel weights, the full sizes of the fused parts:
 TP rank r holds its slice of *each* part, concatenated in order (QKV: `[q_r; k_r; v_r]`,

@@ -6,8 +6,10 @@
 Packed documents (optional, `model.documents`): `position_ids (B, S)` restart RoPE at each
 document, `document_ids (B, S)` keep attention inside each document.
 
-Every part is built from its own seed (`layer_seed`), so the pipeline-parallel model
-(`model.pipeline`) starts from exactly the same weights as this one.
+The network is defined once, as the stage list `GPTModel.stages` (`model.stages`): this model
+adopts the stages' modules under their own names, and the pipeline-parallel model
+(`engine.pipeline`) builds the same stages, so both start from exactly the same weights and
+their parameters carry the same (canonical) names.
 """
 
 from __future__ import annotations
@@ -16,40 +18,11 @@ import torch
 from torch import nn
 
 from megatron_lev.config import ModelConfig
-from megatron_lev.model.block import TransformerBlock, checkpointed
+from megatron_lev.model.block import checkpointed
 from megatron_lev.model.documents import Documents
-from megatron_lev.model.embeddings.base import InputEmbedding
 from megatron_lev.model.head import VocabParallelHead
-from megatron_lev.model.norm import RMSNorm
+from megatron_lev.model.stages import StageSpec, stage_specs
 from megatron_lev.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_lev.parallel.random import seeded
-
-
-def layer_seed(base_seed: int, part: str, index: int = 0) -> int:
-    """Seed of one part: "embedding" -> base, "block" i -> base + 1 + i, "head" (norm + head) -> base - 1."""
-    return {"embedding": base_seed, "block": base_seed + 1 + index, "head": base_seed - 1}[part]
-
-
-def build_embedding(model_cfg: ModelConfig, vocab_size: int, seed: int) -> InputEmbedding:
-    """The configured input-embedding variant (from the embeddings registry), built from its seed."""
-    from megatron_lev.model.embeddings import build_input_embedding
-
-    with seeded(layer_seed(seed, "embedding")):
-        return build_input_embedding(model_cfg, vocab_size)
-
-
-def build_final_norm_and_head(
-    model_cfg: ModelConfig, vocab_size: int, seed: int, true_vocab_size: int | None = None
-) -> tuple[RMSNorm, VocabParallelHead]:
-    from megatron_lev.model.embeddings import embedding_class
-
-    tied = embedding_class(model_cfg.embedding).ties_output_head
-    with seeded(layer_seed(seed, "head")):
-        norm = RMSNorm(model_cfg.hidden_size, model_cfg.norm_eps)
-        head = VocabParallelHead(
-            model_cfg.hidden_size, vocab_size, model_cfg.init_std, tied=tied, true_vocab_size=true_vocab_size
-        )
-    return norm, head
 
 
 class GPTModel(nn.Module):
@@ -64,17 +37,43 @@ class GPTModel(nn.Module):
     ):
         super().__init__()
         self.cfg, self.vocab_size = model_cfg, vocab_size
-        self.embedding = build_embedding(model_cfg, vocab_size, seed)
-        self.layers = nn.ModuleList(
-            TransformerBlock(model_cfg, i, layer_seed(seed, "block", i)) for i in range(model_cfg.num_layers)
-        )
-        self.final_norm, self.output_head = build_final_norm_and_head(
-            model_cfg, vocab_size, seed, true_vocab_size
-        )
-        if self.output_head.tied and self.embedding.tied_output_weight() is None:
-            raise ValueError(
-                f"model.embedding={model_cfg.embedding!r} has no table to tie the output head to"
+        modules: dict[str, nn.Module] = {}  # in stage order: embedding, layers, final_norm, output_head
+        built: set[str] = set()
+        for spec in self.stages(model_cfg, vocab_size, seed, true_vocab_size):
+            if spec.tied_key is not None:
+                if spec.tied_key in built:
+                    continue  # a second use of a shared stage: the tied head, below
+                built.add(spec.tied_key)
+            for name, child in spec.build().named_children():
+                if isinstance(child, nn.ModuleDict):  # a block stage's {str(i): block i}, in order of i
+                    modules.setdefault(name, nn.ModuleList()).extend(child.values())
+                else:
+                    modules[name] = child
+        for name, module in modules.items():
+            setattr(self, name, module)
+        if "output_head" not in modules:  # tied: the head holds no weight and uses the embedding's table
+            self.output_head = VocabParallelHead(
+                model_cfg.hidden_size,
+                vocab_size,
+                model_cfg.init_std,
+                tied=True,
+                true_vocab_size=true_vocab_size,
             )
+            if self.embedding.tied_output_weight() is None:
+                raise ValueError(
+                    f"model.embedding={model_cfg.embedding!r} has no table to tie the output head to"
+                )
+
+    @staticmethod
+    def stages(
+        model_cfg: ModelConfig,
+        vocab_size: int,
+        seed: int,
+        true_vocab_size: int | None = None,
+        document_inputs: tuple[str, ...] = (),
+    ) -> list[StageSpec]:
+        """The model's stages in order, unbuilt (`model.stages.stage_specs`)."""
+        return stage_specs(model_cfg, vocab_size, seed, true_vocab_size, document_inputs)
 
     def forward(
         self,

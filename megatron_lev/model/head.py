@@ -11,6 +11,12 @@ from megatron_lev.parallel.layers import init_sharded_, vocab_range
 from megatron_lev.parallel.mappings import copy_to_tensor_parallel_region
 
 
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`(B, S, D)` hidden states and this rank's rows `(V/tp, D)` -> logits `(B, S, V/tp)`."""
+    # the hidden state is replicated on TP ranks: its gradient is the sum over vocabulary shards
+    return F.linear(copy_to_tensor_parallel_region(hidden), weight)
+
+
 class VocabParallelHead(nn.Module):
     """`(B, S, D) -> (B, S, V/tp)`. Untied: owns `weight (V/tp, D)`; tied: uses the table it is given.
 
@@ -49,5 +55,4 @@ class VocabParallelHead(nn.Module):
         weight = tied_weight if self.tied else self.weight
         if weight is None:
             raise ValueError("a tied output head needs the embedding's table (tied_weight)")
-        # the hidden state is replicated on TP ranks: its gradient is the sum over vocabulary shards
-        return F.linear(copy_to_tensor_parallel_region(hidden), weight)  # (B, S, V/tp)
+        return vocab_parallel_logits(hidden, weight)  # (B, S, V/tp)

@@ -32,11 +32,6 @@ class MicroBatch:
     document_ids: torch.Tensor | None = None  # (B, S) attention within documents (data.reset_attention_mask)
     loss_mask: torch.Tensor | None = None  # (B, S) float 0/1 (data.eod_mask_loss)
 
-    def pipeline(self) -> tuple:
-        """DeepSpeed's pipeline form `((input_ids, *document tensors), labels or (labels, loss_mask))`."""
-        inputs = (self.input_ids, *(t for t in (self.position_ids, self.document_ids) if t is not None))
-        return inputs, self.labels if self.loss_mask is None else (self.labels, self.loss_mask)
-
 
 def make_loader(
     dataset: Dataset,
@@ -85,16 +80,6 @@ def token_batches(
             yield input_ids, labels
         else:
             yield MicroBatch(input_ids, labels, **documents(input_ids))
-
-
-def pipeline_batches(batches: Iterator[tuple[torch.Tensor, torch.Tensor] | MicroBatch]) -> Iterator[tuple]:
-    """The `((inputs,), labels)` form DeepSpeed's pipeline engine expects (see `MicroBatch.pipeline`)."""
-    for batch in batches:
-        if isinstance(batch, MicroBatch):
-            yield batch.pipeline()
-        else:
-            input_ids, labels = batch
-            yield (input_ids,), labels
 
 
 def micro_batch_loss(model, batch: tuple[torch.Tensor, torch.Tensor] | MicroBatch) -> torch.Tensor:

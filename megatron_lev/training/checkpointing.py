@@ -1,8 +1,8 @@
-"""Checkpoint directories: save through DeepSpeed, mark completion, keep the last few, resume safely.
+"""Checkpoint directories: save through the engine, mark completion, keep the last few, resume safely.
 
 Layout under `train.save`:
 
-    iter_0000100/            DeepSpeed's files + rng_state_rank{R}.pt + config.yaml
+    iter_0000100/            the engine's files + rng_state_rank{R}.pt + config.yaml
     iter_0000100/started     written by rank 0 before the save: this directory is ours
     iter_0000100/complete    written by rank 0 after every rank finished: size and sha256 of every file
     latest                   the newest complete tag (same format as DeepSpeed's `latest`)
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_lev.engine.checkpoint_files import ENGINE_HELPER_FILES
 from megatron_lev.errors import CheckpointDataError
 from megatron_lev.logging import get_logger
 from megatron_lev.training import resume_config
@@ -49,7 +50,6 @@ COMPLETE_MARKER = "complete"
 STARTED_MARKER = "started"
 LATEST_FILE = "latest"
 CONFIG_FILE = "config.yaml"
-DEEPSPEED_HELPERS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies these into the save directory
 RUN_OUTPUTS = (
     "config.yaml",
     "metrics.jsonl",
@@ -311,7 +311,7 @@ def _foreign_entries(root: Path, cfg=None) -> list[str]:
     found = []
     for child in sorted(root.iterdir()):
         name = child.name
-        if TEMP_MARK in name or name in DEEPSPEED_HELPERS or name in outputs:
+        if TEMP_MARK in name or name in ENGINE_HELPER_FILES or name in outputs:
             continue
         if iteration_of(name) is not None and child.is_dir():
             if (child / COMPLETE_MARKER).is_file():
@@ -553,8 +553,8 @@ def save_checkpoint(
     keep_last: int,
     config_yaml: str | None = None,
 ) -> Path:
-    """Collective: save via DeepSpeed, then (after a barrier) checksum every file into the completion
-    marker, point `latest`, prune. A step that fails on one rank raises on every rank."""
+    """Collective: save through the engine (`Engine.save`), then (after a barrier) checksum every file
+    into the completion marker, point `latest`, prune. A step that fails on one rank raises on every rank."""
     root = Path(root)
     tag = tag_for(iteration)
     path = root / tag
@@ -582,7 +582,7 @@ def save_checkpoint(
                 error = _save_error(exc, root, path)
     _raise_on_every_rank(error)  # also the barrier: `started` is on disk before any rank writes
     try:
-        engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+        engine.save(root, tag, client_state)
         atomic_save_torch(capture_rng_state(), path / f"rng_state_rank{_rank()}.pt")
         if _rank() == 0 and config_yaml is not None:
             atomic_write_text(path / CONFIG_FILE, config_yaml)
@@ -659,27 +659,12 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int, current: str | No
 
 
 def load_checkpoint(engine, root: str | os.PathLike, tag: str) -> dict[str, Any]:
-    """Collective: load model/optimizer through DeepSpeed and this rank's RNG; returns the client state.
-
-    DeepSpeed's loader unpickles its files (`weights_only=False`): load only checkpoints from a
-    trusted source. The project's own files (RNG states) are read with `weights_only=True`."""
+    """Collective: load model/optimizer through the engine (`Engine.load`) and this rank's RNG; returns
+    the client state. The project's own files (RNG states) are read with `weights_only=True`."""
     root = Path(root)
     rng_path = root / tag / f"rng_state_rank{_rank()}.pt"
     rng = load_rng_file(rng_path) if rng_path.is_file() else None  # before DeepSpeed touches anything
-    try:
-        path, client_state = engine.load_checkpoint(
-            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
-        )
-    except Exception as exc:  # noqa: BLE001 - a file DeepSpeed cannot read is a checkpoint problem
-        raise CheckpointDataError(
-            f"DeepSpeed could not load checkpoint {root / tag} ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); move it away to "
-            "resume from an older one"
-        ) from exc
-    if path is None:
-        raise CheckpointDataError(
-            f"DeepSpeed could not load checkpoint {root / tag}; move it away to resume from an older one"
-        )
+    client_state = engine.load(root, tag)
     if rng is not None:
         restore_rng_state(rng)
     else:

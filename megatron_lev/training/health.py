@@ -1,4 +1,4 @@
-"""Non-finite steps: count them, stop after too many in a row; plus fault injectors for tests.
+"""Non-finite steps: count them, stop after too many in a row (fault injectors: `testing.faults`).
 
 A step whose loss or gradients are inf/NaN is skipped by the optimizer guard
 (`optim.GuardedAdamW`); this module keeps the tally the trainer logs and checkpoints,
@@ -8,17 +8,11 @@ the fused finiteness test both use, and the error for weights an update made non
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from megatron_lev.errors import UserError
-
-INJECT_NAN_ENV = "MEGATRON_LEV_INJECT_NAN_AT_STEP"  # forward output NaN (the loss is NaN)
-INJECT_NAN_GRAD_ENV = "MEGATRON_LEV_INJECT_NAN_GRAD_AT_STEP"  # finite loss, NaN gradients
-INJECT_INF_WEIGHTS_ENV = "MEGATRON_LEV_INJECT_INF_WEIGHTS_AT_STEP"  # the update writes inf into a weight
 
 
 class TooManySkippedSteps(UserError, RuntimeError):
@@ -89,55 +83,3 @@ def all_finite(tensors) -> torch.Tensor:
         for group in groups.values()
     ]
     return torch.isfinite(torch.stack(maxima).amax())
-
-
-def injected_nan_steps(environ: dict | None = None, name: str = INJECT_NAN_ENV) -> set[int]:
-    """Testing aid: iterations (1-based, comma-separated) listed in the variable `name` (a fault each)."""
-    raw = (os.environ if environ is None else environ).get(name, "").strip()
-    if not raw:
-        return set()
-    try:
-        return {int(x) for x in raw.split(",") if x.strip()}
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} must be iteration numbers, e.g. 3 or 3,4") from None
-
-
-class _NaNGradient(torch.autograd.Function):
-    """Identity forward; the gradient that flows back is NaN."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * float("nan")
-
-
-def _poison(t, grad: bool):
-    if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
-        return t
-    return _NaNGradient.apply(t) if grad else t * float("nan")
-
-
-class NaNInjector:
-    """Forward hook that makes a module's output NaN while armed (testing aid).
-
-    `grad=True` keeps the output (and the loss) finite and makes its gradient NaN instead.
-    """
-
-    def __init__(self, module: nn.Module, grad: bool = False) -> None:
-        self.armed, self.grad = False, grad
-        self._handle = module.register_forward_hook(self._hook)
-
-    def _hook(self, module, inputs, output):
-        if not self.armed:
-            return None
-        if isinstance(output, torch.Tensor):
-            return _poison(output, self.grad)
-        if isinstance(output, tuple):
-            return tuple(_poison(o, self.grad) for o in output)
-        return None
-
-    def remove(self) -> None:
-        self._handle.remove()

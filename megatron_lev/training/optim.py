@@ -55,7 +55,6 @@ class GuardedAdamW(torch.optim.AdamW):
 
     def __init__(self, params, **kwargs) -> None:
         super().__init__(params, **kwargs)
-        self.corrupt_update = False  # testing aid: the next applied update writes inf into a weight
         self.begin_iteration()
 
     def begin_iteration(self, force_skip: bool | torch.Tensor = False) -> None:
@@ -86,10 +85,4 @@ class GuardedAdamW(torch.optim.AdamW):
         if bad.item() > 0:
             self.skipped_calls += 1
             return None
-        out = super().step(closure)
-        if self.corrupt_update:
-            self.corrupt_update = False
-            target = next((p for g in self.param_groups for p in g["params"] if p.numel()), None)
-            if target is not None:
-                target.view(-1)[0] = float("inf")
-        return out
+        return super().step(closure)

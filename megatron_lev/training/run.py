@@ -13,19 +13,27 @@ import torch
 from torch import nn
 
 from megatron_lev.config import ConfigError, RunConfig
+from megatron_lev.engine.config import batch_layout, build_ds_config, validate_training
+from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
 from megatron_lev.logging import get_logger, setup_logging
 from megatron_lev.parallel import state
 from megatron_lev.training import checkpointing
-from megatron_lev.training.batches import make_loader, pipeline_batches, token_batches
-from megatron_lev.training.ds_config import batch_layout, build_ds_config, validate_training
-from megatron_lev.training.engine import build_engine, disable_cpu_shm_comm
-from megatron_lev.training.health import injected_nan_steps
+from megatron_lev.training.batches import make_loader, token_batches
+from megatron_lev.training.callbacks import (
+    Callback,
+    Checkpointer,
+    EmbeddingProbe,
+    MetricsLogger,
+    NonFiniteGuard,
+    Preemption,
+    Validation,
+)
 from megatron_lev.training.launch import device as current_device
 from megatron_lev.training.launch import init_distributed
 from megatron_lev.training.metrics import MetricsWriter
 from megatron_lev.training.schedule import training_budget
 from megatron_lev.training.signals import PreemptionWatcher
-from megatron_lev.training.trainer import Trainer, TrainResult
+from megatron_lev.training.trainer import TrainData, Trainer, TrainResult
 
 log = get_logger(__name__)
 
@@ -40,19 +48,6 @@ def check_vocab(cfg: RunConfig, tokenizer_vocab: int) -> int:
             "unset model.vocab_size (it is taken from the tokenizer) or use the matching tokenizer"
         )
     return want if want is not None else tokenizer_vocab
-
-
-class FirstOutputRMS:
-    """Records the RMS of a module's output at its first forward (the input-embedding scale, LEV.md)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.value: float | None = None
-        self._handle = module.register_forward_hook(self._hook)
-
-    def _hook(self, module, inputs, output) -> None:
-        if self.value is None and isinstance(output, torch.Tensor):
-            self.value = float(output.detach().float().pow(2).mean().sqrt())
-            self._handle.remove()
 
 
 def find_input_embedding(model: nn.Module) -> nn.Module | None:
@@ -104,14 +99,8 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
         log.info("resolved config saved to %s", cfg.save(out))
 
     model_parallel_manual_seed(cfg.train.seed)
-    topology = None
-    if pp > 1:
-        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-
-        topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
     true_vocab = check_vocab(cfg, tokenizer.vocab_size)
-    model = build_model(cfg, true_vocab, topology=topology)
-    pipeline = pp > 1
+    model = build_model(cfg, true_vocab)
     n_params = parameter_count(cfg.model, vocab)["total"]
     micro, gas, global_batch = batch_layout(cfg, world)
     budget = training_budget(cfg.train, global_batch, cfg.model.seq_length, n_params)
@@ -127,10 +116,9 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
         budget.source,
     )
     embedding = find_input_embedding(model)
-    probe = FirstOutputRMS(embedding) if embedding is not None else None
+    probe = EmbeddingProbe(embedding) if embedding is not None else None
 
-    ds_config = build_ds_config(cfg, world)
-    engine, optimizer = build_engine(cfg, model, ds_config, pipeline)
+    engine = build_engine(cfg, model, world, build_ds_config(cfg, world))
 
     n_valid = cfg.train.eval_iters * global_batch if cfg.train.eval_interval else 0
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
@@ -143,33 +131,25 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
 
     def train_batches(consumed: int):
         loader = make_loader(train_ds, consumed, micro, dp_rank, dp, cfg.data.num_workers)
-        batches = token_batches(loader, dev, true_vocab, documents)
-        return pipeline_batches(batches) if pipeline else batches
+        return token_batches(loader, dev, true_vocab, documents)
 
     def valid_batches():
-        batches = token_batches(make_loader(valid_ds, 0, micro, dp_rank, dp, 0), dev, true_vocab, documents)
-        return pipeline_batches(batches) if pipeline else batches
+        return token_batches(make_loader(valid_ds, 0, micro, dp_rank, dp, 0), dev, true_vocab, documents)
 
     writer = MetricsWriter(out, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
+    callbacks = default_callbacks(cfg, writer, save_dir, load_dir, flops_per_token(cfg.model, vocab), watcher)
+    callbacks += [cb for cb in (probe, wandb_callback(cfg, rank), fault_injection()) if cb is not None]
+    data = TrainData(train_batches, valid_batches if valid_ds is not None else None, global_batch)
     trainer = Trainer(
         cfg,
         engine,
-        optimizer,
         budget,
-        pipeline=pipeline,
+        data,
+        callbacks,
         world_size=world,
         device=dev,
-        train_batches=train_batches,
-        valid_batches=valid_batches if valid_ds is not None else None,
-        flops_per_token=flops_per_token(cfg.model, vocab),
-        writer=writer,
-        gas=gas,
-        global_batch=global_batch,
         save_dir=save_dir,
         load_dir=load_dir,
-        nan_steps=injected_nan_steps(),
-        embedding_probe=probe,
-        watcher=watcher,
     )
     try:
         trainer.resume(plan)
@@ -197,3 +177,38 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
         return result
     finally:
         writer.close()
+
+
+def default_callbacks(
+    cfg: RunConfig,
+    writer: MetricsWriter,
+    save_dir: str | None,
+    load_dir: str | None,
+    flops_per_token: float | None = None,
+    watcher: PreemptionWatcher | None = None,
+) -> list[Callback]:
+    """The callbacks every run has: guard, checkpoints, validation, metrics and progress, preemption."""
+    t, lg = cfg.train, cfg.logging
+    return [
+        NonFiniteGuard(t.max_consecutive_skips),
+        Checkpointer(save_dir, load_dir, t.save_interval, t.keep_last),
+        Validation(t.eval_interval),
+        MetricsLogger(writer, lg.log_interval, lg.progress_bar, flops_per_token, lg.peak_tflops),
+        Preemption(watcher),
+    ]
+
+
+def wandb_callback(cfg: RunConfig, rank: int) -> Callback | None:
+    """The Weights & Biases mirror when `logging.wandb_project` is set (rank 0 only)."""
+    if not cfg.logging.wandb_project or rank != 0:
+        return None
+    from megatron_lev.training.wandb_logger import WandbLogger
+
+    return WandbLogger(cfg)
+
+
+def fault_injection() -> Callback | None:
+    """The test-only fault injectors, when their environment variables are set (`testing.faults`)."""
+    from megatron_lev.testing.faults import FaultInjection
+
+    return FaultInjection.from_environ()

@@ -80,10 +80,11 @@ def make_checkpoints(root: str, tokenizer: str, text: str) -> dict:
     """Collective over 4 ranks; returns {variant: {"eval_loss", "tp", "pp", "zero"}} (same on every rank)."""
     import deepspeed
 
+    from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, disable_cpu_shm_comm
+    from megatron_lev.engine.mpu import TensorParallelMPU
     from megatron_lev.model.build import build_model
     from megatron_lev.parallel import state
     from megatron_lev.training.checkpointing import save_checkpoint
-    from megatron_lev.training.engine import TensorParallelMPU, disable_cpu_shm_comm
 
     disable_cpu_shm_comm()
     train, held_out = text_batches(tokenizer, text)
@@ -102,7 +103,12 @@ def make_checkpoints(root: str, tokenizer: str, text: str) -> dict:
         engine.train_batch(iter([((train[:, :-1],), train[:, 1:])]))
         loss = engine.eval_batch(iter([((held_out[:, :-1],), held_out[:, 1:])]))
         save_checkpoint(
-            engine, Path(root) / variant, iteration=1, client_state={}, keep_last=2, config_yaml=cfg.to_yaml()
+            DeepSpeedEngine(engine, None, cfg, pipeline=True, gas=1),
+            Path(root) / variant,
+            iteration=1,
+            client_state={},
+            keep_last=2,
+            config_yaml=cfg.to_yaml(),
         )
         results[variant] = {"eval_loss": float(loss), "tp": 2, "pp": 2, "zero": 1}
     state.destroy_model_parallel()
@@ -125,7 +131,7 @@ def make_checkpoints(root: str, tokenizer: str, text: str) -> dict:
     engine.backward(loss)
     engine.step()
     save_checkpoint(
-        engine,
+        DeepSpeedEngine(engine, None, cfg, pipeline=False, gas=1),
         Path(root) / ZERO3_VARIANT,
         iteration=1,
         client_state={},

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lev.checkpoint import hf_export
-from megatron_lev.checkpoint.ds_reader import CheckpointError
 from megatron_lev.checkpoint.hf_export import export_to_hf, source_model
 from megatron_lev.checkpoint.source import open_checkpoint
 from megatron_lev.cli import main as cli_main
+from megatron_lev.engine.checkpoint_files import CheckpointError
 from tests.checkpoint.ds_checkpoints import text_batches
 
 pytestmark = pytest.mark.multiprocess
@@ -121,6 +121,30 @@ def test_missing_shard_and_missing_marker(ds_checkpoints, tmp_path):
     with pytest.raises(CheckpointError, match="layer 2 has files for TP ranks \\[1\\]"):
         export_to_hf(root, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def _unprefixed(name: str) -> str:
+    """The older layer-file name: `layers.0.mlp.down.weight` -> `mlp.down.weight`, `final_norm.weight` ->
+    `weight`."""
+    if name.startswith("layers."):
+        return name.split(".", 2)[2]
+    return name.removeprefix("final_norm.").removeprefix("output_head.")
+
+
+def test_layer_files_of_the_older_layout_are_refused(ds_checkpoints, tmp_path):
+    """Older pipeline layer files named parameters relative to their layer (`attention.qkv.weight`)."""
+    root, tag = _copy(ds_checkpoints, tmp_path)
+    (tag / "complete").write_text("{}")  # no checksums: the files below are rewritten
+    for path in tag.glob("layer_*-model_states.pt"):
+        state = torch.load(path, weights_only=True)
+        torch.save({_unprefixed(k): v for k, v in state.items()}, path)
+    with pytest.raises(CheckpointError, match="older megatron-lev .pipeline layer files without canonical"):
+        export_to_hf(root, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    from megatron_lev.checkpoint.reshard import reshard
+
+    with pytest.raises(CheckpointError, match="older megatron-lev"):
+        reshard(root, tmp_path / "tp1", tp=1, pp=1)
 
 
 def test_wrong_config_is_refused(ds_checkpoints, tmp_path):

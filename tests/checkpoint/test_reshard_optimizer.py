@@ -30,10 +30,10 @@ def _batches(n: int, offset: int) -> list[torch.Tensor]:
 
 
 def _engine(cfg):
+    from megatron_lev.engine.config import build_ds_config
+    from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
     from megatron_lev.model.build import build_model
     from megatron_lev.parallel import state
-    from megatron_lev.training.ds_config import build_ds_config
-    from megatron_lev.training.engine import build_engine, disable_cpu_shm_comm
 
     disable_cpu_shm_comm()
     p = cfg.parallel
@@ -41,24 +41,12 @@ def _engine(cfg):
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, VOCAB)
     world = torch.distributed.get_world_size()
-    engine, _ = build_engine(
-        cfg, model, build_ds_config(cfg, world), pipeline=p.pipeline_model_parallel_size > 1
-    )
-    return engine
+    return build_engine(cfg, model, world, build_ds_config(cfg, world))
 
 
-def _train(engine, pipeline: bool, batches: list[torch.Tensor]) -> list[float]:
-    losses = []
-    for ids in batches:
-        x, y = ids[:, :-1], ids[:, 1:]
-        if pipeline:
-            loss = engine.train_batch(iter([((x,), y)]))
-        else:
-            loss = engine(x, y).float().mean()
-            engine.backward(loss)
-            engine.step()
-        losses.append(float(loss.detach()))
-    return losses
+def _train(engine, batches: list[torch.Tensor]) -> list[float]:
+    """One optimizer step per batch `(B, S + 1)`; this rank's losses."""
+    return [float(engine.train_batch(iter([(ids[:, :-1], ids[:, 1:])])).loss) for ids in batches]
 
 
 def train_and_save(root: str, tokenizer: str, zero: int) -> None:
@@ -70,7 +58,7 @@ def train_and_save(root: str, tokenizer: str, zero: int) -> None:
 
     cfg = run_config("tied", tokenizer, 2, 2, zero)
     engine = _engine(cfg)
-    _train(engine, True, _batches(TRAINED, 0))
+    _train(engine, _batches(TRAINED, 0))
     client = {"train_state": {"iteration": TRAINED, "consumed_samples": 4 * TRAINED, "consumed_tokens": 0}}
     save_checkpoint(engine, Path(root), TRAINED, client, keep_last=2, config_yaml=cfg.to_yaml())
     state.destroy_model_parallel()
@@ -87,7 +75,7 @@ def resume_and_train(root: str) -> tuple[list[float], dict]:
     cfg = load_config([Path(root) / tag / "config.yaml"])
     engine = _engine(cfg)
     client = load_checkpoint(engine, root, tag)
-    losses = _train(engine, cfg.parallel.pipeline_model_parallel_size > 1, _batches(CONTINUED, 1))
+    losses = _train(engine, _batches(CONTINUED, 1))
     state.destroy_model_parallel()
     return losses, client
 

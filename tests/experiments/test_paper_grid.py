@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_lev.config import load_config
+from megatron_lev.engine.config import validate_training
 from megatron_lev.experiments.grid import (
     PAPER_DIR,
     PAPER_SIZES,
@@ -23,7 +24,6 @@ from megatron_lev.experiments.grid import (
     submission_script,
 )
 from megatron_lev.model.embeddings import REGISTRY
-from megatron_lev.training.ds_config import validate_training
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = {

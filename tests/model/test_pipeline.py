@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from megatron_lev.config import ConfigError, load_config
+from megatron_lev.engine.pipeline import stage_modules
 from megatron_lev.model.build import build_model
 from megatron_lev.model.canonical import canonical_state_dict_spec
-from megatron_lev.model.pipeline import canonical_name
 from megatron_lev.testing import run_distributed
 
 VOCAB = 208  # a multiple of 8 x TP for TP 1 and 2, so every layout pads it alike
@@ -76,8 +76,8 @@ def _pipeline_worker(tp, pp, embeddings, extra=()):
         cfg = _config(embedding, tp, pp, extra)
         pipe = build_model(cfg, VOCAB)
         spec = canonical_state_dict_spec(cfg.model, VOCAB)  # names and TP-local shapes must map onto it
-        for name, param in pipe.named_parameters():
-            entry = spec[canonical_name(name, cfg.model.num_layers)]
+        for name, param in (kv for stage in stage_modules(pipe) for kv in stage.named_parameters()):
+            entry = spec[name]
             local = list(entry.shape)
             if entry.partition_dim is not None:
                 local[entry.partition_dim] //= tp

@@ -371,7 +371,7 @@ def _our_partial(root: Path) -> None:
     d.mkdir(parents=True)
     (d / ck.STARTED_MARKER).write_text("{}")
     (d / MODEL).write_bytes(b"half")
-    for name in ck.DEEPSPEED_HELPERS:
+    for name in ck.ENGINE_HELPER_FILES:
         (root / name).write_text("# helper")
     (root / f".latest{ck.TEMP_MARK}123").write_text("x")
 
@@ -424,7 +424,7 @@ def test_prune_never_removes_unmarked_directories(tmp_path):
 class StubEngine:
     """Writes one small file per rank where DeepSpeed would write its model and optimizer files."""
 
-    def save_checkpoint(self, root, tag, client_state, save_latest):
+    def save(self, root, tag, client_state):
         rank = ck._rank()
         d = Path(root) / tag
         d.mkdir(parents=True, exist_ok=True)
@@ -984,7 +984,7 @@ def test_save_never_overwrites_a_directory_it_did_not_write(tmp_path):
     _unmarked(root)
 
     class NoEngine:  # the guard runs before DeepSpeed is asked to write anything
-        def save_checkpoint(self, *a, **k):
+        def save(self, *a, **k):
             raise AssertionError("DeepSpeed must not be called")
 
     with pytest.raises(CheckpointDataError, match=r"iter_0000004 exists and was not written by this trainer"):

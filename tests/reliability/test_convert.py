@@ -1087,7 +1087,7 @@ SAFE_LOAD = [  # (functions taken away, file, check of the loaded state or fragm
 def test_deepspeed_files_load_without_running_code_on_every_supported_torch(
     missing, make, expect, tmp_path, monkeypatch
 ):
-    from megatron_lev.checkpoint.ds_reader import CheckpointError, load_file, safe_globals
+    from megatron_lev.engine.checkpoint_files import CheckpointError, load_file, safe_globals
 
     serialization = torch.serialization
     saved = list(serialization.get_safe_globals())

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from megatron_lev.config import load_config
 from megatron_lev.model.embeddings import REGISTRY
+from megatron_lev.testing.faults import FaultInjection
+from megatron_lev.training.callbacks import Control
 from megatron_lev.training.metrics import read_metrics
 from megatron_lev.training.signals import PreemptionWatcher
 from tests.training.conftest import TINY, tiny_overrides, train_losses
@@ -71,15 +73,23 @@ def _nan_step_leaves_state_untouched(stage: str, out: str) -> dict:
     cfg = toy_config(int(stage[0]), iters=4)
     cfg.parallel.cpu_offload = stage.endswith("offload")
     tr = toy_trainer(cfg, out, init_seed=0, nan_steps={2})
-    batches = tr.make_train_batches(0)
-    first = tr.train_step(batches)
-    tr.state.iteration = 1
-    before = optimizer_snapshot(tr.optimizer)
-    second = tr.train_step(batches)
-    unchanged = all(torch.equal(a, b) for a, b in zip(before, optimizer_snapshot(tr.optimizer)))
-    tr.state.iteration = 2
-    third = tr.train_step(batches)
-    changed = not all(torch.equal(a, b) for a, b in zip(before, optimizer_snapshot(tr.optimizer)))
+    faults = tr.callback(FaultInjection)
+    faults.on_train_begin(tr, Control())
+    batches = tr.data.train(0)
+
+    def step(iteration: int):
+        faults.on_step_begin(tr, iteration)
+        out = tr.train_step(batches)
+        faults.on_step_end(tr, iteration, Control())
+        tr.state.iteration = iteration
+        return out
+
+    first = step(1)
+    before = optimizer_snapshot(tr.engine.optimizer)
+    second = step(2)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, optimizer_snapshot(tr.engine.optimizer)))
+    third = step(3)
+    changed = not all(torch.equal(a, b) for a, b in zip(before, optimizer_snapshot(tr.engine.optimizer)))
     return {
         "steps": [(loss, skipped) for loss, _, skipped in (first, second, third)],
         "unchanged": unchanged,
@@ -107,11 +117,10 @@ def _preempt_one_rank_and_resume(out: str) -> dict:
 
 
 def _preempted_during_startup(out: str) -> tuple[int, int]:
-    tr = toy_trainer(toy_config(1, iters=4), out, init_seed=0)
-    tr.watcher = PreemptionWatcher()  # installed by pretrain() before start-up in real runs
+    watcher = PreemptionWatcher()  # installed by pretrain() before start-up in real runs
     if dist.get_rank() == 1:
-        tr.watcher.received = signal.SIGUSR1  # the notice reached rank 1 while it was still building
-    res = tr.train()
+        watcher.received = signal.SIGUSR1  # the notice reached rank 1 while it was still building
+    res = toy_trainer(toy_config(1, iters=4), out, init_seed=0, watcher=watcher).train()
     return res.exit_code, res.iteration
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from megatron_lev.config import ConfigError, RunConfig, load_config
-from megatron_lev.training.ds_config import (
+from megatron_lev.engine.config import (
     DS_CONFIG_DIR,
     batch_layout,
     build_ds_config,

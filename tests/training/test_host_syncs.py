@@ -26,12 +26,13 @@ OURS = os.sep + "megatron_lev" + os.sep
 
 def _tiny(embedding: str):
     from megatron_lev.config import load_config
+    from megatron_lev.engine.config import build_ds_config
+    from megatron_lev.engine.deepspeed_engine import build_engine
     from megatron_lev.model.build import build_model
-    from megatron_lev.training.ds_config import build_ds_config
-    from megatron_lev.training.engine import build_engine
     from megatron_lev.training.metrics import MetricsWriter
+    from megatron_lev.training.run import default_callbacks
     from megatron_lev.training.schedule import Budget
-    from megatron_lev.training.trainer import Trainer
+    from megatron_lev.training.trainer import TrainData, Trainer
     from tests.training.conftest import TINY
 
     cfg = load_config(
@@ -54,7 +55,7 @@ def _tiny(embedding: str):
             f"logging.log_interval={LOG_INTERVAL}",
         ],
     )
-    engine, optimizer = build_engine(cfg, build_model(cfg, VOCAB), build_ds_config(cfg, 1), pipeline=False)
+    engine = build_engine(cfg, build_model(cfg, VOCAB), 1, build_ds_config(cfg, 1))
     gen = torch.Generator().manual_seed(0)
 
     def batches(consumed: int = 0):
@@ -62,36 +63,29 @@ def _tiny(embedding: str):
             tokens = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=gen)
             yield tokens[:, :-1], tokens[:, 1:]
 
+    writer = MetricsWriter(tempfile.mkdtemp(), True, False)
     return Trainer(
         cfg,
         engine,
-        optimizer,
         Budget(STEPS, 2 * MICRO * SEQ, "test"),
-        pipeline=False,
+        TrainData(batches, None, 2 * MICRO),
+        default_callbacks(cfg, writer, None, None, flops_per_token=1e6),
         world_size=1,
         device=torch.device("cpu"),
-        train_batches=batches,
-        valid_batches=None,
-        flops_per_token=1e6,
-        writer=MetricsWriter(tempfile.mkdtemp(), True, False),
-        gas=2,
-        global_batch=2 * MICRO,
-        save_dir=None,
-        load_dir=None,
     )
 
 
 def count_reads() -> dict:
     """Runs in a spawned gloo process: reads per step and over a whole `train()`, by origin."""
+    from megatron_lev.engine.deepspeed_engine import disable_cpu_shm_comm
     from megatron_lev.parallel import state
-    from megatron_lev.training.engine import disable_cpu_shm_comm
 
     disable_cpu_shm_comm()
     state.initialize_model_parallel(1, 1)
     out = {}
     for embedding in ("lev", "tied"):
         tr = _tiny(embedding)
-        batches = tr.make_train_batches(0)
+        batches = tr.data.train(0)
         tr.device_step(batches)  # the first step creates the optimizer state
         steps = []
         for _ in range(3):
@@ -102,7 +96,7 @@ def count_reads() -> dict:
                     "ours": reads.count(OURS),
                     "deepspeed": reads.count(os.sep + "deepspeed" + os.sep),
                     "total": reads.total,
-                    "guard_calls": tr.optimizer.calls,
+                    "guard_calls": tr.engine.optimizer.calls,
                     "sites": reads.summary(),
                 }
             )
@@ -113,7 +107,7 @@ def count_reads() -> dict:
             "steps": steps,
             "loop_ours": reads.count(OURS),
             "loop_sites": reads.summary(),
-            "loop_guard_calls": loop.optimizer.calls,
+            "loop_guard_calls": loop.engine.optimizer.calls,
             "losses": sorted(result.losses),
             "exit": result.exit_code,
         }

@@ -11,12 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lev.config import RunConfig
+from megatron_lev.engine.config import batch_layout, build_ds_config
+from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
 from megatron_lev.parallel import state
-from megatron_lev.training.ds_config import batch_layout, build_ds_config
-from megatron_lev.training.engine import build_engine, disable_cpu_shm_comm
+from megatron_lev.testing.faults import FaultInjection
 from megatron_lev.training.metrics import MetricsWriter
+from megatron_lev.training.run import default_callbacks
 from megatron_lev.training.schedule import Budget
-from megatron_lev.training.trainer import Trainer
+from megatron_lev.training.trainer import TrainData, Trainer
 
 SEQ = 8
 
@@ -60,16 +62,16 @@ def toy_config(stage: int, iters: int) -> RunConfig:
 
 
 def toy_trainer(
-    cfg: RunConfig, out: str, init_seed: int, nan_steps=(), signal_at: int | None = None
+    cfg: RunConfig, out: str, init_seed: int, nan_steps=(), signal_at: int | None = None, watcher=None
 ) -> Trainer:
-    """A Trainer over a DeepSpeed engine of ToyLM; rank 1 sends itself SIGUSR1 during iteration
-    `signal_at`."""
+    """A Trainer (with the run's default callbacks) over a DeepSpeed engine of ToyLM; rank 1 sends
+    itself SIGUSR1 during iteration `signal_at`; `nan_steps` get a NaN loss (`FaultInjection`)."""
     disable_cpu_shm_comm()
     world, rank = dist.get_world_size(), dist.get_rank()
     if not state.is_initialized() or state.get_data_parallel_world_size() != world:
         state.initialize_model_parallel(1, 1)
     torch.manual_seed(init_seed)
-    engine, optimizer = build_engine(cfg, ToyLM(), build_ds_config(cfg, world), pipeline=False)
+    engine = build_engine(cfg, ToyLM(), world, build_ds_config(cfg, world))
     micro, gas, global_batch = batch_layout(cfg, world)
 
     def batches(consumed: int):
@@ -78,23 +80,20 @@ def toy_trainer(
                 os.kill(os.getpid(), signal.SIGUSR1)
             yield b
 
+    ckpt = os.path.join(out, "ckpt")
+    callbacks = default_callbacks(cfg, MetricsWriter(out, rank == 0, False), ckpt, ckpt, watcher=watcher)
+    if nan_steps:
+        callbacks.append(FaultInjection(nan_steps=nan_steps))
     return Trainer(
         cfg,
         engine,
-        optimizer,
         Budget(cfg.train.train_iters, global_batch * SEQ, "test"),
-        pipeline=False,
+        TrainData(batches, None, global_batch),
+        callbacks,
         world_size=world,
         device=torch.device("cpu"),
-        train_batches=batches,
-        valid_batches=None,
-        flops_per_token=None,
-        writer=MetricsWriter(out, rank == 0, False),
-        gas=gas,
-        global_batch=global_batch,
-        save_dir=os.path.join(out, "ckpt"),
-        load_dir=os.path.join(out, "ckpt"),
-        nan_steps=set(nan_steps),
+        save_dir=ckpt,
+        load_dir=ckpt,
     )
 
 

@@ -46,6 +46,11 @@ class InputEmbedding(nn.Module, abc.ABC):
     def parameter_count(cls, model_cfg: ModelConfig, vocab_size: int) -> int:
         """Parameters of this input embedding alone (the full model, summed over TP ranks)."""
 
+    @classmethod
+    def check_config(cls, model_cfg: ModelConfig, tensor_parallel: int) -> None:
+        """Raise ConfigError, naming the keys, when this variant cannot run `model_cfg` at this TP size
+        (`RunConfig.validate` calls it; the rule lives only here)."""
+
     @abc.abstractmethod
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
         """Embed `input_ids`; implementations call `check_token_ids` first."""

@@ -327,21 +327,29 @@ def spline_product(u: torch.Tensor, delta: torch.Tensor, kappa: int, mode: str |
     return KernelProduct.apply(u, delta)  # without autograd (eval, materialize) nothing is kept for backward
 
 
+def _check_heads(heads: int, tp: int) -> None:
+    if heads % tp:
+        raise ConfigError(
+            f"model.lev.heads={heads} is not divisible by parallel.tensor_model_parallel_size={tp}: "
+            "LEV heads are split across tensor-parallel ranks; set model.lev.heads to a multiple of TP"
+        )
+
+
 class LevEmbedding(InputEmbedding):
     """The LEV input layer (spec: LEV.md). Per-head parameters hold this TP rank's heads (dim 0)."""
 
     name, label = "lev", "LEV"
+
+    @classmethod
+    def check_config(cls, model_cfg: ModelConfig, tensor_parallel: int) -> None:
+        _check_heads(model_cfg.lev.heads, tensor_parallel)
 
     def __init__(
         self, vocab_size: int, hidden_size: int, lev: LevConfig, init_std: float = 0.02, dedupe: bool = True
     ):
         super().__init__()
         tp, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
-        if lev.heads % tp:
-            raise ConfigError(
-                f"model.lev.heads={lev.heads} is not divisible by the tensor-parallel size {tp}: "
-                "LEV heads are split across tensor-parallel ranks"
-            )
+        _check_heads(lev.heads, tp)
         self.vocab_size, self.hidden_size, self.lev = vocab_size, hidden_size, lev
         self.dedupe = dedupe  # compute G once per unique id of the batch (False: once per token)
         h, d, r = lev.heads, lev.d_seed, lev.rank

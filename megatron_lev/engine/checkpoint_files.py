@@ -3,7 +3,7 @@
 Layouts understood (DeepSpeed 0.19 file names):
 
 - pipeline: `layer_XX-model_YY-model_states.pt` (layer XX of the PipelineModule, TP rank YY;
-  `layer_XX-model_states.pt` without a model axis);
+  `layer_XX-model_states.pt` without a model axis), keyed by canonical parameter names;
 - plain ZeRO 0-2: `mp_rank_YY_model_states.pt` whose `module` holds TP rank YY's weights;
 - ZeRO-3: `zero_pp_rank_D_mp_rank_YY_model_states.pt` + `..._optim_states.pt`; weights are
   rebuilt from the fp32 partitions with DeepSpeed's `zero_to_fp32` helpers, per TP rank.
@@ -31,6 +31,9 @@ _LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _MP = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _ZERO3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+ENGINE_HELPER_FILES = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies these into a save directory
 
 
 class CheckpointError(CheckpointDataError):

@@ -152,10 +152,7 @@ def build_ds_config(
 
 def validate_training(cfg: RunConfig, world_size: int, cuda: bool) -> None:
     """Checks beyond `RunConfig.validate` that only the trainer needs (device, budget, eval split)."""
-    from megatron_lev.model.embeddings import embedding_class
-
     cfg.validate(world_size)
-    embedding_class(cfg.model.embedding)  # the variants are listed by the model's registry, not the config
     t, p = cfg.train, cfg.parallel
     if t.precision == "fp16" and not cuda:
         raise ConfigError(

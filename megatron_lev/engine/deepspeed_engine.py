@@ -1,0 +1,301 @@
+"""The DeepSpeed engine behind the small `Engine` interface the trainer and converters use.
+
+`build_engine(cfg, model, world_size, device)` runs `deepspeed.initialize` over the model
+with our AdamW (`training.optim.GuardedAdamW`, so no DeepSpeed op is compiled at start)
+and the run's DeepSpeed JSON (`engine.config`). The plain model (PP = 1) runs under
+ZeRO 0-3 (optionally CPU offload); a `PipelineModule` (PP > 1) under ZeRO 0/1. Either
+way the caller sees the same methods:
+
+    train_batch(batches) -> StepOutput   one optimizer step over `gas` micro-batches
+    eval_batch(batches)  -> tensor ()    mean loss of `gas` micro-batches, averaged over ranks
+    save(root, tag, client_state)        DeepSpeed's files for one checkpoint tag
+    load(root, tag) -> client_state
+
+`batches` yields the data side's micro-batches (`(input_ids, labels)` or a `MicroBatch`);
+the engine turns them into what its DeepSpeed engine expects.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_lev.config import RunConfig
+from megatron_lev.engine.mpu import TensorParallelMPU
+from megatron_lev.engine.pipeline import pipeline_batches
+from megatron_lev.errors import CheckpointDataError
+from megatron_lev.training.batches import micro_batch_loss
+from megatron_lev.training.optim import GuardedAdamW, param_groups
+
+GROUP_FILLER = "param_group_filler"
+_MOMENTS = ("exp_avg", "exp_avg_sq")  # what resharding carries of Adam's state
+
+
+def disable_cpu_shm_comm() -> None:
+    """Keep DeepSpeed from compiling its shared-memory all-reduce op on CPU (gloo suffices).
+
+    `MEGATRON_LEV_CPU_SHM=1` keeps the op (faster CPU all-reduce, ~40 s g++ build the first time).
+    """
+    if torch.cuda.is_available() or os.environ.get("MEGATRON_LEV_CPU_SHM") == "1":
+        return
+    import deepspeed.ops as ds_ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        ds_ops.__compatible_ops__[builder.NAME] = False
+
+
+def uses_zero_optimizer_per_group(ds_config: dict) -> bool:
+    """Whether DeepSpeed wraps the optimizer in its ZeRO-1/2 optimizer, which works group by group.
+
+    bf16 with fp32 gradient accumulation under ZeRO-1 (the pipeline template) gets DeepSpeed's
+    BF16 optimizer instead, which reduces one norm over all groups and steps once.
+    """
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    bf16 = (ds_config.get("bf16") or {}).get("enabled", False)
+    fp32_accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype") == "fp32"
+    return stage in (1, 2) and not (stage == 1 and bf16 and fp32_accum)
+
+
+def same_groups_on_every_stage(model: nn.Module, groups: list[dict]) -> list[dict]:
+    """Give an empty group a one-element zero parameter (no gradient, saved in no layer file).
+
+    DeepSpeed's ZeRO-1/2 optimizer all-reduces one gradient norm per parameter group over
+    the model-parallel group, and the guard agrees once per group: under a pipeline, a stage
+    without, say, any 1-D parameter would issue fewer collectives than the others and every
+    rank would wait forever at the first step. With the filler every stage has both groups.
+    """
+    reference = next(model.parameters())
+    for group in groups:
+        if not group["params"]:
+            filler = nn.Parameter(torch.zeros(1, dtype=reference.dtype, device=reference.device))
+            model.register_parameter(GROUP_FILLER, filler)
+            group["params"].append(filler)
+    return [g for g in groups if g["params"]]
+
+
+@dataclass
+class StepOutput:
+    """One optimizer step; everything stays on the device (the trainer reads it when it logs)."""
+
+    loss: torch.Tensor  # () this rank's mean loss over the step's micro-batches (pipeline: DP mean)
+    skipped: bool  # the update was held back (non-finite gradients or loss; the guard agreed on it)
+    scaler_overflow: bool  # DeepSpeed's fp16 loss scaler held it back (gradient overflow)
+    grad_norm: torch.Tensor | None  # () global gradient norm (inf when skipped), None if unknown
+
+
+class DeepSpeedEngine:
+    """A DeepSpeed engine (plain or pipeline) with the trainer's interface; see the module doc."""
+
+    def __init__(self, ds_engine, optimizer: GuardedAdamW, cfg: RunConfig, *, pipeline: bool, gas: int):
+        self.ds_engine, self.optimizer, self.cfg = ds_engine, optimizer, cfg
+        self.pipeline, self.gas = pipeline, gas
+        self.device = next(iter(ds_engine.module.parameters())).device
+
+    @property
+    def module(self) -> nn.Module:
+        """The model DeepSpeed wraps (`GPTModel`, or this rank's `PipelineModule` stages)."""
+        return self.ds_engine.module
+
+    def layers(self) -> list[nn.Module]:
+        """This rank's modules in forward order (pipeline: its stages; else the whole model)."""
+        if self.pipeline:
+            return [f for f in self.module.forward_funcs if isinstance(f, nn.Module)] or [self.module]
+        return [self.module]
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def train(self) -> None:
+        self.ds_engine.train()
+
+    def eval(self) -> None:
+        self.ds_engine.eval()
+
+    # ------------------------------------------------------------------ steps
+
+    def train_batch(self, batches: Iterator) -> StepOutput:
+        """One optimizer step over `gas` micro-batches from `batches`.
+
+        The only host reads are the guard's finiteness flag (one per `optimizer.step()` call)
+        and, for LEV and the other per-unique-id embeddings, `torch.unique`'s output size.
+        """
+        if self.pipeline:
+            self.optimizer.begin_iteration()
+            loss = self.ds_engine.train_batch(data_iter=pipeline_batches(batches))  # DP mean, every stage
+            loss = torch.as_tensor(loss).detach().float().reshape(()).to(self.device)
+        else:
+            total = torch.zeros((), device=self.device)
+            for micro in range(self.gas):
+                loss_mb = micro_batch_loss(self.ds_engine, next(batches))  # (B, S) per-token -> () mean
+                total += loss_mb.detach()
+                self.ds_engine.backward(loss_mb)
+                if micro == self.gas - 1:  # a non-finite loss skips the update: decided on the device
+                    self.optimizer.begin_iteration(force_skip=~torch.isfinite(total))
+                self.ds_engine.step()
+            loss = total / self.gas
+        skipped = self.optimizer.iteration_skipped  # the same on every rank (the guard agrees)
+        norm = self.ds_engine.get_global_grad_norm()  # a device tensor, a float (inf when skipped), or None
+        if isinstance(norm, torch.Tensor):
+            norm = norm.detach().to(torch.float32, copy=True).reshape(())  # the engine may reuse its buffer
+        elif norm is not None:
+            norm = torch.tensor(float(norm))
+        return StepOutput(loss, skipped, skipped and self._loss_scaler_overflow(), norm)
+
+    def _loss_scaler_overflow(self) -> bool:
+        """Whether DeepSpeed's fp16 loss scaler held this step back (gradient overflow: it lowers the
+        scale and never calls our optimizer). Its optimizers (FP16, ZeRO) flag that as `.overflow`."""
+        if self.cfg.train.precision != "fp16" or getattr(self.optimizer, "calls", 0):
+            return False
+        return bool(getattr(getattr(self.ds_engine, "optimizer", None), "overflow", False))
+
+    @torch.no_grad()
+    def eval_batch(self, batches: Iterator) -> torch.Tensor:
+        """The mean loss `()` of `gas` micro-batches, averaged over data-parallel ranks (no update).
+
+        Raises StopIteration when `batches` runs out first.
+        """
+        if self.pipeline:
+            loss = self.ds_engine.eval_batch(data_iter=pipeline_batches(batches))
+            return torch.as_tensor(loss, dtype=torch.float32, device=self.device).reshape(())
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.gas):
+            total += micro_batch_loss(self.ds_engine, next(batches)).float()
+        total /= self.gas
+        if dist.is_initialized() and dist.get_world_size() > 1:  # TP ranks hold equal copies: plain mean
+            dist.all_reduce(total)
+            total /= dist.get_world_size()
+        return total
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """Mean per-token loss of one batch `(B, S)` without a training step (every rank gets it)."""
+        self.eval()
+        try:
+            if self.pipeline:
+                return float(self.ds_engine.eval_batch(data_iter=iter([((input_ids,), labels)])))
+            with torch.no_grad():
+                return float(self.ds_engine(input_ids, labels).float().mean())
+        finally:
+            self.train()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, root: str | os.PathLike, tag: str, client_state: dict[str, Any]) -> None:
+        """Collective: this rank's DeepSpeed files of checkpoint `root/tag` (no `latest` file)."""
+        self.ds_engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+
+    def load(self, root: str | os.PathLike, tag: str) -> dict[str, Any]:
+        """Collective: model and optimizer from `root/tag`; returns the client state.
+
+        DeepSpeed's loader unpickles its files (`weights_only=False`): load only checkpoints from a
+        trusted source.
+        """
+        try:
+            path, client_state = self.ds_engine.load_checkpoint(
+                str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
+        except Exception as exc:  # noqa: BLE001 - a file DeepSpeed cannot read is a checkpoint problem
+            raise CheckpointDataError(
+                f"DeepSpeed could not load checkpoint {Path(root) / tag} ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); move it away to "
+                "resume from an older one"
+            ) from exc
+        if path is None:
+            raise CheckpointDataError(
+                f"DeepSpeed could not load checkpoint {Path(root) / tag}; move it away to resume from an "
+                "older one"
+            )
+        return client_state or {}
+
+    def load_optimizer_moments(
+        self, shards: dict[torch.nn.Parameter, dict[str, torch.Tensor]], step: torch.Tensor
+    ) -> None:
+        """Give the target engine's optimizer this rank's moments (and fp32 masters where it keeps its own).
+
+        `shards[param]` holds `exp_avg`, `exp_avg_sq` (and optionally `master`) in the parameter's shape;
+        a parameter not in `shards` (the group filler) starts from zero.
+        """
+        opt = self.ds_engine.optimizer
+        flats = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(
+            opt, "fp32_groups_flat_partition", None
+        )
+        if flats is not None:  # ZeRO-1/2 or DeepSpeed's bf16 optimizer: flat fp32 partitions per group
+            if getattr(opt, "cpu_offload", False):
+                raise CheckpointDataError(
+                    "the target layout offloads the optimizer to the CPU: resharding cannot carry "
+                    "Adam's moments there; pass --drop-optimizer to restart them from zero"
+                )
+            base = opt.optimizer
+            for flat in flats:
+                base.state[flat] = {"step": step.clone(), **{k: torch.zeros_like(flat) for k in _MOMENTS}}
+            for param, values in shards.items():
+                mapping = getattr(param, "_hp_mapping", None)
+                if mapping is None:
+                    continue  # none of this parameter lies in this DP rank's partition
+                hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
+                state = base.state[flats[mapping.param_group_index]]
+                for k in _MOMENTS:
+                    state[k].narrow(0, hp.start, hp.numel).copy_(
+                        values[k].reshape(-1).narrow(0, lp.start, lp.numel)
+                    )
+                if "master" in values:
+                    mapping.hp_fragment.data.copy_(values["master"].reshape(-1).narrow(0, lp.start, lp.numel))
+            return
+        if type(opt).__module__.startswith("deepspeed"):
+            raise CheckpointDataError(
+                f"the target layout's optimizer ({type(opt).__name__}) is not one whose moments "
+                "resharding can set (ZeRO-0/1/2); pass --drop-optimizer to restart them from zero"
+            )
+        for group in opt.param_groups:  # ZeRO-0: the torch optimizer steps the model's parameters themselves
+            for param in group["params"]:
+                values = shards.get(param)
+                opt.state[param] = {
+                    "step": step.clone(),
+                    **{
+                        k: (values[k].to(param.dtype).clone() if values else torch.zeros_like(param))
+                        for k in _MOMENTS
+                    },
+                }
+
+    @property
+    def global_steps(self) -> int:
+        return self.ds_engine.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self.ds_engine.global_steps = value
+
+
+def build_engine(cfg: RunConfig, model: nn.Module, world_size: int, ds_config: dict | None = None):
+    """`DeepSpeedEngine` over `model` for `cfg` (its DeepSpeed JSON built from the template unless given).
+
+    The optimizer is the `GuardedAdamW` DeepSpeed wraps (`engine.optimizer`).
+    """
+    import deepspeed
+
+    from megatron_lev.engine.config import batch_layout, build_ds_config
+
+    pipeline = cfg.parallel.pipeline_model_parallel_size > 1
+    if ds_config is None:
+        ds_config = build_ds_config(cfg, world_size)
+    _, gas, _ = batch_layout(cfg, world_size)
+    t = cfg.train
+    groups = param_groups(model, t.weight_decay, keep_empty=pipeline)
+    if pipeline and uses_zero_optimizer_per_group(ds_config):
+        groups = same_groups_on_every_stage(model, groups)
+    groups = [g for g in groups if g["params"]]
+    optimizer = GuardedAdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    mpu = TensorParallelMPU() if not pipeline and cfg.parallel.tensor_model_parallel_size > 1 else None
+    ds_engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=ds_config, mpu=mpu, dist_init_required=False
+    )
+    return DeepSpeedEngine(ds_engine, optimizer, cfg, pipeline=pipeline, gas=gas)

@@ -1,0 +1,158 @@
+"""The GPT model as a DeepSpeed `PipelineModule` (PP > 1), built from the model's own stage list.
+
+The layers are `GPTModel.stages(...)` (`model/stages.py`) in order; a stage's index is DeepSpeed's
+layer index (`layer_XX` in checkpoints) and its `state_dict()`, hence its layer file, holds
+canonical (`GPTModel`) names. A stage with a `tied_key` becomes a `TiedLayerSpec`: with a tied
+embedding, the first and the last stage each hold a copy of the table (the last one runs
+`EmbeddingStage.head_logits`); DeepSpeed broadcasts it at start and all-reduces its gradient
+between the two stages, so the copies stay identical.
+
+Batches are `((input_ids,), labels)`; `loss_fn` returns the mean per-token loss. Every TP rank
+of the first and last stage reads its own data iterator: feed them the same batches.
+
+Packed documents (`data.reset_position_ids`, `data.reset_attention_mask`, `data.eod_mask_loss`):
+the inputs are `(input_ids, position_ids, document_ids)`, each `(B, S)`, keeping only those
+switched on and in this order (`document_inputs`); they travel beside the hidden state from stage
+to stage, `(h, position_ids, document_ids)`, and the final norm drops them. With a loss mask the
+labels are `(labels, loss_mask)` and `loss_fn` averages over the unmasked tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from megatron_lev.config import RunConfig
+from megatron_lev.model.block import checkpointed
+from megatron_lev.model.documents import masked_mean
+from megatron_lev.model.gpt import GPTModel
+from megatron_lev.model.stages import BlockStage, StageSpec
+from megatron_lev.parallel.cross_entropy import vocab_parallel_cross_entropy
+
+TIED_WEIGHT_ATTR = "tied_weight"  # what a shared stage calls the tensor its copies share (StageSpec)
+
+
+def pipeline_loss(logits: torch.Tensor, labels, vocab_size: int | None = None) -> torch.Tensor:
+    """Mean per-token loss from vocabulary-parallel logits `(B, S, V/tp)` and labels `(B, S)`, or
+    `(labels, loss_mask)`: then the mean over the tokens the mask keeps (`masked_mean`).
+
+    `vocab_size`: the real vocabulary; the padding rows beyond it are left out of the softmax.
+    """
+    if isinstance(labels, (tuple, list)):
+        labels, loss_mask = labels
+        return masked_mean(vocab_parallel_cross_entropy(logits, labels, vocab_size), loss_mask)
+    return vocab_parallel_cross_entropy(logits, labels, vocab_size).mean()
+
+
+def document_inputs(data_cfg) -> tuple[str, ...]:
+    """Names of the document tensors that follow `input_ids` in a pipeline batch, in order."""
+    return tuple(
+        name
+        for name, on in (
+            ("position_ids", data_cfg.reset_position_ids),
+            ("document_ids", data_cfg.reset_attention_mask),
+        )
+        if on
+    )
+
+
+def layer_specs(stages: list[StageSpec]) -> list:
+    """DeepSpeed's `LayerSpec` / `TiedLayerSpec` for each stage (built later, only on the rank owning it)."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    out = []
+    for stage in stages:
+        if stage.tied_key is None:
+            out.append(LayerSpec(stage.cls, *stage.args))
+            continue
+        forward_fn = getattr(stage.cls, stage.tied_forward) if stage.tied_forward else None
+        out.append(
+            TiedLayerSpec(
+                stage.tied_key,
+                stage.cls,
+                *stage.args,
+                forward_fn=forward_fn,
+                tied_weight_attr=TIED_WEIGHT_ATTR,
+            )
+        )
+    return out
+
+
+def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None, true_vocab_size: int | None = None):
+    """A `deepspeed.pipe.PipelineModule` for `cfg` (already validated); `vocab_size` is padded.
+
+    `true_vocab_size` (the tokenizer's, default: no padding) is what the loss keeps.
+    """
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    from megatron_lev.parallel import state
+
+    _wrap_process_group()
+    m, p = cfg.model, cfg.parallel
+    if topology is None:
+        import torch.distributed as dist
+
+        dp = state.layout(dist.get_world_size(), p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+        topology = PipeModelDataParallelTopology(
+            num_pp=p.pipeline_model_parallel_size, num_mp=p.tensor_model_parallel_size, num_dp=dp
+        )
+    stages = GPTModel.stages(m, vocab_size, cfg.train.seed, true_vocab_size, document_inputs(cfg.data))
+    loss_fn = (
+        functools.partial(pipeline_loss, vocab_size=true_vocab_size) if true_vocab_size else pipeline_loss
+    )
+    # each stage seeds itself (layer_seed), so DeepSpeed's own per-layer seeding stays off
+    return PipelineModule(
+        layers=layer_specs(stages),
+        topology=topology,
+        loss_fn=loss_fn,
+        partition_method=_partition_method(p.partition_method),
+        activation_checkpoint_interval=m.checkpoint_num_layers if m.activation_checkpointing else 0,
+        activation_checkpoint_func=checkpointed,
+        checkpointable_layers=[BlockStage.__name__],
+        seed_layers=False,
+    )
+
+
+def stage_modules(pipe: nn.Module) -> list[nn.Module]:
+    """This rank's stage modules (a shared one once); their `state_dict()` names are canonical."""
+    return [*pipe.tied_modules.values(), *(m for name, m in pipe.named_children() if name.isdigit())]
+
+
+def _wrap_process_group() -> None:
+    """Let DeepSpeed's comm layer adopt an already initialised torch.distributed group (no re-init)."""
+    import deepspeed
+    import deepspeed.comm as ds_dist
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "pipeline parallelism needs torch.distributed initialised (e.g. by the launcher) first"
+        )
+    if not ds_dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=None)
+
+
+def _partition_method(name: str) -> str:
+    # "parameters": balance trainable parameter counts (DeepSpeed's own method);
+    # "uniform": the same number of blocks per stage (embedding on the first, norm + head on the last)
+    return {"parameters": "parameters", "uniform": f"type:^{BlockStage.__name__}$"}[name]
+
+
+def pipeline_batches(batches: Iterator) -> Iterator[tuple]:
+    """DeepSpeed's pipeline form of the data side's micro-batches: `((input_ids, *document tensors),
+    labels)`, with a loss mask `((...), (labels, loss_mask))`; the document tensors in the order of
+    `document_inputs`."""
+    from megatron_lev.training.batches import MicroBatch
+
+    for batch in batches:
+        if isinstance(batch, MicroBatch):
+            extra = (t for t in (batch.position_ids, batch.document_ids) if t is not None)
+            labels = batch.labels if batch.loss_mask is None else (batch.labels, batch.loss_mask)
+            yield (batch.input_ids, *extra), labels
+        else:
+            input_ids, labels = batch
+            yield (input_ids,), labels

@@ -1,0 +1,502 @@
+"""What the training loop does besides stepping, as callbacks.
+
+The `Trainer` runs steps and calls every callback at fixed points; each callback asks for work
+through the step's `Control` (read the pending losses and log, validate, save, stop) and does
+its own part. Callbacks run in `order` (lower first), then in list order:
+
+    NonFiniteGuard   (-10)  skip counting and limit, finite weights before every save
+    Checkpointer      (10)  resume, periodic saves, the final save
+    Validation              periodic and final validation
+    MetricsLogger           log lines, `metrics.jsonl` / TensorBoard, the progress bar
+    Preemption              SIGTERM/SIGUSR1: save and exit with status 75
+    EmbeddingProbe          the input-embedding RMS at the first step
+    WandbLogger             optional Weights & Biases mirror of the logged values
+
+Hook points, in the order the loop reaches them:
+
+    on_train_begin(trainer, control)      before the first step (control.stop: exit at once)
+    on_step_begin(trainer, iteration)     before each step
+    on_step_end(trainer, iteration, control)   after each step, values still on the device
+    on_step_values(trainer, record, control)   each step's values, once the host has read them
+    metrics(trainer, iteration) -> dict   values for a log line (merged over callbacks)
+    on_log(trainer, iteration, values)
+    on_validation(trainer, iteration, metrics)
+    on_save(trainer)                      save now (Checkpointer; the guard checks first)
+    on_train_end(trainer, result)         after the loop (also after a stop)
+    on_close(trainer)                     always, also on an exception
+
+A callback with a `state_key` has `state_dict()`/`load_state_dict()`: its state travels in
+the checkpoint's `train_state[state_key]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megatron_lev.logging import get_logger
+from megatron_lev.training import checkpointing
+from megatron_lev.training.health import AllStepsSkipped, NonFiniteWeights, SkipTracker, TooManySkippedSteps
+from megatron_lev.training.metrics import MetricsWriter, memory_stats, throughput
+from megatron_lev.training.schedule import learning_rate
+from megatron_lev.training.signals import PREEMPTED_EXIT_CODE, PreemptionWatcher
+
+if TYPE_CHECKING:
+    from megatron_lev.training.trainer import Trainer, TrainResult
+
+SKIP_LIMIT_EXIT_CODE = 3
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Control:
+    """What the loop does after a step (callbacks set these in `on_step_end` / `on_step_values`)."""
+
+    read: bool = False  # read the pending steps' values now (every other flag implies it)
+    log: bool = False
+    evaluate: bool = False
+    save: bool = False
+    stop: bool = False
+    exit_code: int = 0
+    reason: str = ""
+
+    def request_stop(self, exit_code: int, reason: str, save: bool = True) -> None:
+        if not self.stop:  # the first reason wins
+            self.stop, self.exit_code, self.reason = True, exit_code, reason
+        self.save = self.save or save
+
+    @property
+    def any(self) -> bool:
+        return self.read or self.log or self.evaluate or self.save or self.stop
+
+
+@dataclass
+class StepRecord:
+    """One step's values as numbers (after the host read)."""
+
+    iteration: int
+    loss: float  # mean over the step's micro-batches and the data-parallel ranks
+    grad_norm: float | None
+    skipped: bool  # the update was held back (non-finite loss or gradients, or the fp16 scaler)
+    scaler_overflow: bool  # the fp16 loss scaler held it back
+    weights_bad: bool  # the update made a weight inf/NaN on some rank
+
+
+class Callback:
+    order = 0
+    state_key: str | None = None
+
+    def on_train_begin(self, trainer: Trainer, control: Control) -> None:
+        pass
+
+    def on_step_begin(self, trainer: Trainer, iteration: int) -> None:
+        pass
+
+    def on_step_end(self, trainer: Trainer, iteration: int, control: Control) -> None:
+        pass
+
+    def on_step_values(self, trainer: Trainer, record: StepRecord, control: Control) -> None:
+        pass
+
+    def metrics(self, trainer: Trainer, iteration: int) -> dict[str, Any]:
+        return {}
+
+    def on_log(self, trainer: Trainer, iteration: int, values: dict[str, Any]) -> None:
+        pass
+
+    def on_validation(self, trainer: Trainer, iteration: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def on_save(self, trainer: Trainer) -> None:
+        pass
+
+    def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
+        pass
+
+    def on_close(self, trainer: Trainer) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------- the non-finite guard
+
+
+class NonFiniteGuard(Callback):
+    """Counts skipped updates (exit 3 at `max_consecutive_skips` in a row), stops at the first update
+    that made a weight inf/NaN, refuses to start from or save non-finite weights, and fails a run
+    whose every step was skipped."""
+
+    order = -10
+    state_key = "skips"
+
+    def __init__(self, max_consecutive_skips: int) -> None:
+        self.skips = SkipTracker(max_consecutive_skips)
+        self._run = self._applied = self._scaler = 0
+        self._started_at = 0
+
+    def on_train_begin(self, trainer: Trainer, control: Control) -> None:
+        self._run = self._applied = self._scaler = 0
+        self._started_at = trainer.state.iteration  # 0: this process trains from scratch
+        if trainer.state.iteration < trainer.budget.train_iters:
+            where = f" (loaded from {trainer.load_dir})" if trainer.state.iteration else ""
+            self.check_weights(trainer, f"before the first step{where}")
+
+    def on_step_end(self, trainer: Trainer, iteration: int, control: Control) -> None:
+        if trainer.pending and trainer.pending[-1].skipped:
+            control.read = True  # the skip limit counts at once
+
+    def on_step_values(self, trainer: Trainer, record: StepRecord, control: Control) -> None:
+        if record.weights_bad:
+            raise NonFiniteWeights(
+                f"iteration {record.iteration}: the update made the weights non-finite (inf/NaN) "
+                "although the gradients were finite; nothing was saved, so the newest checkpoint in "
+                f"{trainer.save_dir} holds the last good weights: resume from it with a lower train.lr "
+                "or a higher train.adam_eps, or use train.precision=fp32"
+            )
+        self._run += 1
+        self._applied += int(not record.skipped)
+        self._scaler += int(record.skipped and record.scaler_overflow and math.isfinite(record.loss))
+        if record.skipped:
+            log.warning(
+                "iteration %d: non-finite loss (%s) or gradient norm (%s): update skipped",
+                record.iteration,
+                record.loss,
+                record.grad_norm,
+            )
+        try:
+            self.skips.update(record.skipped, record.iteration)
+        except TooManySkippedSteps as exc:
+            if not control.stop:
+                log.error("%s", exc)
+            control.log = True
+            control.request_stop(SKIP_LIMIT_EXIT_CODE, "too many skipped steps")
+
+    def metrics(self, trainer: Trainer, iteration: int) -> dict[str, Any]:
+        return {"skipped_steps": self.skips.total}
+
+    def on_save(self, trainer: Trainer) -> None:
+        self.check_weights(trainer, f"refusing to save a checkpoint to {trainer.save_dir}")
+
+    def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
+        result.skipped_steps = self.skips.total
+        # a resumed run's short tail may be all skipped (the run before it learnt); and overflow
+        # steps whose loss scale the fp16 scaler lowers are its normal work, not a failure
+        if result.exit_code == 0 and self._started_at == 0 and self._run > self._scaler and not self._applied:
+            it = trainer.state.iteration
+            raise AllStepsSkipped(
+                f"all {self._run} steps (iterations {it - self._run + 1}-{it}) had a non-finite loss or "
+                "gradients and were skipped: the run learnt nothing and saved nothing; check the data, "
+                "lower train.lr, or use train.precision=fp32 to find the cause"
+            )
+
+    def check_weights(self, trainer: Trainer, what: str) -> None:
+        """Raise NonFiniteWeights on every rank when any rank holds a non-finite weight (one all-reduce)."""
+        if trainer.any_rank_flag(trainer.weights_bad()):
+            raise NonFiniteWeights(
+                f"{what}: the weights at iteration {trainer.state.iteration} are not finite "
+                "(inf/NaN); use an earlier checkpoint, and lower train.lr or use "
+                "train.precision=fp32 to find the cause"
+            )
+
+    def state_dict(self) -> dict:
+        return self.skips.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skips.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+class Checkpointer(Callback):
+    """Resumes from `load_dir`, saves to `save_dir` every `save_interval` steps, before a stop and at the
+    end (never twice for one iteration), keeping the newest `keep_last`."""
+
+    order = 10
+
+    def __init__(self, save_dir: str | None, load_dir: str | None, save_interval: int, keep_last: int):
+        self.save_dir, self.load_dir = save_dir, load_dir
+        self.save_interval, self.keep_last = save_interval, keep_last
+        self.saved_at = -1
+
+    def resume(
+        self, trainer: Trainer, plan: checkpointing.ResumePlan | None = None, allow_changes=()
+    ) -> None:
+        """Load the checkpoint `plan` names (by default the newest one that verifies)."""
+        from megatron_lev.training.trainer import TrainState
+
+        if not self.load_dir and not self.save_dir:
+            return
+        if plan is None:
+            plan = checkpointing.plan_resume(self.load_dir, self.save_dir, trainer.cfg, allow_changes)
+        if plan.tag is None:
+            return
+        client = checkpointing.load_checkpoint(trainer.engine, plan.root, plan.tag)
+        st = client.get("train_state", {})
+        trainer.state = TrainState(
+            iteration=int(st["iteration"]),
+            consumed_samples=int(st["consumed_samples"]),
+            consumed_tokens=int(st.get("consumed_tokens", 0)),
+        )
+        for cb in trainer.callbacks:
+            if cb.state_key is not None:
+                cb.load_state_dict(st.get(cb.state_key, {}))
+        self.saved_at = trainer.state.iteration  # a resumed state is already on disk
+
+    def on_train_begin(self, trainer: Trainer, control: Control) -> None:
+        if trainer.state.iteration == 0:
+            self.saved_at = -1
+
+    def on_step_end(self, trainer: Trainer, iteration: int, control: Control) -> None:
+        if self.save_interval and iteration % self.save_interval == 0:
+            control.save = True
+
+    def due(self, trainer: Trainer) -> bool:
+        """Whether a save now would write anything (a save directory, and this iteration not saved)."""
+        return bool(self.save_dir) and self.saved_at != trainer.state.iteration
+
+    def on_save(self, trainer: Trainer) -> None:
+        if not self.due(trainer):
+            return
+        train_state = {k: v for k, v in vars(trainer.state).items()}
+        for cb in trainer.callbacks:
+            if cb.state_key is not None:
+                train_state[cb.state_key] = cb.state_dict()
+        client = {"train_state": train_state, "config": trainer.cfg.to_dict()}
+        checkpointing.save_checkpoint(
+            trainer.engine,
+            self.save_dir,
+            trainer.state.iteration,
+            client,
+            self.keep_last,
+            config_yaml=trainer.cfg.to_yaml(),
+        )
+        self.saved_at = trainer.state.iteration
+
+    def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
+        if result.exit_code == 0:
+            trainer.save()
+
+
+# ---------------------------------------------------------------------- validation
+
+
+class Validation(Callback):
+    """Validates every `eval_interval` steps and once more at the end (unless the last step did)."""
+
+    def __init__(self, eval_interval: int) -> None:
+        self.eval_interval = eval_interval
+
+    def on_step_end(self, trainer: Trainer, iteration: int, control: Control) -> None:
+        if self.eval_interval and iteration % self.eval_interval == 0:
+            control.evaluate = True
+
+    def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
+        it = trainer.state.iteration
+        if result.exit_code == 0 and self.eval_interval and it % self.eval_interval:
+            trainer.validate(it)
+
+
+# ---------------------------------------------------------------------- metrics and progress
+
+
+@dataclass
+class _Window:
+    """Accumulates the iterations between two log lines."""
+
+    loss_sum: float = 0.0
+    finite: int = 0
+    skipped_now: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    last_norm: float | None = None
+
+    def add(self, record: StepRecord) -> None:
+        if math.isfinite(record.loss) and not record.skipped:
+            self.loss_sum += record.loss
+            self.finite += 1
+        self.skipped_now += int(record.skipped)
+        if record.grad_norm is not None:
+            self.last_norm = record.grad_norm
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.finite if self.finite else float("nan")
+
+
+class MetricsLogger(Callback):
+    """Log lines (rank 0), `metrics.jsonl` and TensorBoard (`MetricsWriter`), and the progress bar.
+
+    Asks for a log line every `log_interval` steps and at the last one: the host reads the step
+    values only then (and when another callback asks).
+    """
+
+    def __init__(
+        self,
+        writer: MetricsWriter,
+        log_interval: int,
+        progress_bar: bool = False,
+        flops_per_token: float | None = None,
+        peak_tflops: float = 989.0,
+    ) -> None:
+        self.writer, self.log_interval, self.progress_bar = writer, log_interval, progress_bar
+        self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
+        self.window = _Window()
+        self._bar = None
+        self._redirect: contextlib.AbstractContextManager | None = None
+
+    def on_train_begin(self, trainer: Trainer, control: Control) -> None:
+        self.window = _Window()
+        if trainer.rank == 0 and self.progress_bar:
+            from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._bar = tqdm(
+                total=trainer.budget.train_iters,
+                initial=trainer.state.iteration,
+                desc="train",
+                unit="it",
+                dynamic_ncols=True,
+            )
+            self._redirect = logging_redirect_tqdm(loggers=[logging.getLogger("megatron_lev")])
+            self._redirect.__enter__()  # log lines above the bar
+
+    def on_step_end(self, trainer: Trainer, iteration: int, control: Control) -> None:
+        self.window.seconds += trainer.last_step_seconds
+        self.window.tokens += trainer.budget.tokens_per_iter
+        if self._bar is not None:
+            self._bar.update(1)
+        if iteration % self.log_interval == 0 or iteration == trainer.budget.train_iters:
+            control.log = True
+
+    def on_step_values(self, trainer: Trainer, record: StepRecord, control: Control) -> None:
+        self.window.add(record)
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{record.loss:.4f}", refresh=False)
+
+    def metrics(self, trainer: Trainer, iteration: int) -> dict[str, Any]:
+        w, self.window = self.window, _Window()
+        w.seconds += trainer.read_seconds  # the device work the host read waited for
+        trainer.read_seconds = 0.0
+        tp = throughput(w.tokens, w.seconds, self.flops_per_token, trainer.world_size, self.peak_tflops)
+        return {
+            "loss": w.mean_loss,
+            "lr": learning_rate(iteration - 1, trainer.cfg.train, trainer.budget.train_iters),
+            "grad_norm": w.last_norm if w.last_norm is not None else float("nan"),
+            "skipped_in_window": w.skipped_now,
+            **tp,
+            **memory_stats(),
+        }
+
+    def on_log(self, trainer: Trainer, iteration: int, values: dict[str, Any]) -> None:
+        self.writer.record("train", iteration, values, tokens=trainer.state.consumed_tokens)
+        if trainer.rank != 0:
+            return
+        line = (
+            f"iter {iteration}/{trainer.budget.train_iters} | loss {values['loss']:.4f} | "
+            f"lr {values['lr']:.3e} | grad norm {values['grad_norm']:.3f} | "
+            f"{values['tokens_per_s']:,.0f} tok/s"
+        )
+        if "mfu" in values:
+            line += f" | {values['tflops_per_device']:.3g} TFLOP/s/dev | MFU {100 * values['mfu']:.2f}%"
+        mem = values.get("mem_peak_gib", values.get("mem_rss_gib"))
+        if mem is not None:
+            line += f" | mem {mem:.1f} GiB"
+        if "skipped_steps" in values:
+            line += f" | skipped {values['skipped_steps']}"
+        log.info(line)
+
+    def on_validation(self, trainer: Trainer, iteration: int, metrics: dict[str, float]) -> None:
+        self.writer.record("valid", iteration, metrics, tokens=trainer.state.consumed_tokens)
+        if trainer.rank == 0:
+            log.info(
+                "validation at iteration %d: loss %.4f | perplexity %.2f",
+                iteration,
+                metrics["loss"],
+                metrics["ppl"],
+            )
+
+    def on_close(self, trainer: Trainer) -> None:
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+# ---------------------------------------------------------------------- preemption
+
+
+class Preemption(Callback):
+    """On SIGTERM/SIGUSR1 (Slurm's notice) on any rank: save at the next step boundary and exit 75.
+
+    `watcher` may be installed by the caller before the slow start-up (a notice may come early);
+    without one, this callback installs its own for the duration of `train()`.
+    """
+
+    def __init__(self, watcher: PreemptionWatcher | None = None) -> None:
+        self.watcher, self._own = watcher, watcher is None
+
+    def on_train_begin(self, trainer: Trainer, control: Control) -> None:
+        if self._own:
+            self.watcher = PreemptionWatcher().install()
+        if self.watcher.should_stop(trainer.device):  # the notice came during start-up: nothing to save
+            log.warning("preempted before the first step: exiting with status %d", PREEMPTED_EXIT_CODE)
+            control.request_stop(PREEMPTED_EXIT_CODE, "preempted", save=False)
+
+    def on_step_end(self, trainer: Trainer, iteration: int, control: Control) -> None:
+        if self.watcher.should_stop(trainer.device):
+            control.request_stop(PREEMPTED_EXIT_CODE, "preempted")
+
+    def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
+        if result.reason == "preempted" and result.iteration > 0 and trainer.steps_run:
+            log.warning(
+                "preempted at iteration %d: checkpoint saved, exiting with status %d",
+                result.iteration,
+                PREEMPTED_EXIT_CODE,
+            )
+
+    def on_close(self, trainer: Trainer) -> None:
+        if self._own and self.watcher is not None:
+            self.watcher.uninstall()
+            self.watcher = None
+
+
+# ---------------------------------------------------------------------- probes
+
+
+class EmbeddingProbe(Callback):
+    """Logs the RMS of `module`'s output at its first forward (the input-embedding scale, LEV.md)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.value: float | None = None
+        self._logged = False
+        self._handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, module, inputs, output) -> None:
+        if self.value is None and isinstance(output, torch.Tensor):
+            self.value = float(output.detach().float().pow(2).mean().sqrt())
+            self._handle.remove()
+
+    def metrics(self, trainer: Trainer, iteration: int) -> dict[str, Any]:
+        if self._logged or self.value is None:
+            return {}
+        self._logged = True
+        if trainer.rank == 0:
+            log.info("input-embedding RMS at the first step: %.4f", self.value)
+        return {"input_embedding_rms": self.value}
+
+    def on_close(self, trainer: Trainer) -> None:
+        self._handle.remove()
