@@ -162,8 +162,6 @@ def validate_training(cfg: RunConfig, world_size: int, cuda: bool) -> None:
         raise ConfigError("parallel.distributed_backend=nccl needs CUDA; use gloo on CPU")
     if t.chinchilla and t.train_tokens is not None:
         raise ConfigError("train.chinchilla=true and train.train_tokens both set a token budget: keep one")
-    if p.cpu_offload and p.pipeline_model_parallel_size > 1:
-        raise ConfigError("parallel.cpu_offload needs ZeRO-3, which cannot run with pipeline parallelism")
     if t.eval_interval > 0 and not cfg.data.valid_data_path:
         valid_weight = float(cfg.data.split.split(",")[1])
         if valid_weight <= 0:

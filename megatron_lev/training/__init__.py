@@ -1,8 +1,9 @@
-"""Pretraining on DeepSpeed: config building, the loop, checkpoints, preemption and logging.
+"""Pretraining: the loop, its callbacks, checkpoint directories, preemption and logging.
 
 `run.pretrain(cfg)` is the entry point (used by `megatron-lev train`); `trainer.Trainer`
-is the loop; `ds_config`, `schedule`, `checkpointing`, `signals`, `health`, `metrics`,
-`optim`, `engine`, `batches` and `launch` are its parts, one idea each.
+is the loop and `callbacks` what it does besides stepping; `schedule`, `checkpointing`,
+`signals`, `health`, `metrics`, `optim`, `batches`, `launch` and `wandb_logger` are its
+parts, one idea each. The engine that runs the steps (DeepSpeed) is `megatron_lev.engine`.
 """
 
 from megatron_lev.training.signals import PREEMPTED_EXIT_CODE
