@@ -45,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=None, help="CPU threads per process (default: cores/nproc)"
     )
     small.add_argument(
-        "--zero-shot-subset", default="Wikipedia (en)", help="subset (meta.pile_set_name) held out for zero-shot"
+        "--zero-shot-subset",
+        default="Wikipedia (en)",
+        help="subset (meta.pile_set_name) held out for zero-shot",
     )
     small.add_argument("--max-chars-per-subset", type=int, default=1_000_000)
     small.add_argument("--valid-every", type=int, default=20, help="every N-th document is validation")
