@@ -5,8 +5,8 @@
 `fn(*args)` runs on every rank after `torch.distributed` is initialised (gloo,
 a free port on 127.0.0.1) and its return values come back as a list indexed by
 rank. A failing rank's traceback is re-raised in the parent; a hung group is
-killed after `timeout` seconds. `fn` must be importable (module level), since
-processes are spawned.
+killed after `timeout` seconds. Ranks are forked when that is safe (`start_method`), else
+spawned; `fn` must be importable (module level) for the spawned case.
 """
 
 from __future__ import annotations
@@ -65,6 +65,28 @@ def _worker(
                 dist.destroy_process_group()
 
 
+START_METHOD_ENV = "MEGATRON_LEV_TEST_START_METHOD"  # "fork" or "spawn"; default: fork when safe
+
+
+def start_method() -> str:
+    """ "fork" when it is safe here, else "spawn".
+
+    A forked rank starts in milliseconds with everything the parent imported (torch, DeepSpeed, the
+    test module); a spawned one re-imports them (seconds). Fork is safe on Linux while the parent
+    has no other threads and has not touched CUDA; `MEGATRON_LEV_TEST_START_METHOD` overrides.
+    """
+    import sys
+    import threading
+
+    import torch
+
+    chosen = os.environ.get(START_METHOD_ENV, "").strip()
+    if chosen in ("fork", "spawn"):
+        return chosen
+    safe = sys.platform == "linux" and threading.active_count() == 1 and not torch.cuda.is_initialized()
+    return "fork" if safe else "spawn"
+
+
 def run_distributed(
     fn: Callable,
     world_size: int,
@@ -76,7 +98,7 @@ def run_distributed(
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method())
     queue = ctx.SimpleQueue()
     port = find_free_port()
     base_env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
