@@ -41,6 +41,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_lev.commands.compare",
         "compare runs against TIED: perplexity changes and tokens-to-target",
     ),
+    "geometry": (
+        "megatron_lev.commands.geometry",
+        "embedding geometry (eps, mean cosine, effective rank) of every checkpoint of runs",
+    ),
     "lm-eval-tasks": (
         "megatron_lev.commands.lm_eval_tasks",
         "write offline lm-eval task YAMLs for local downstream data",

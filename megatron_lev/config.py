@@ -90,6 +90,7 @@ RANGES: dict[str, Range] = {
     "model.make_vocab_size_divisible_by": _count(),
     "model.baseline_dim": _count("or null to size it like LEV"),
     "model.baseline_hidden": _count("or null to size it like LEV"),
+    "model.min_compressed_width": _count("the narrowest width a compressed baseline may have"),
     "model.rope_theta": Range(0, lo_open=True, why="the RoPE base, e.g. 10000"),
     "model.norm_eps": Range(0, lo_open=True, why="added to the RMS before dividing, e.g. 1e-5"),
     "model.init_std": Range(0, lo_open=True, why="standard deviation of the initial weights, e.g. 0.02"),
@@ -103,6 +104,9 @@ RANGES: dict[str, Range] = {
     "model.lev.rank": _count(),
     "model.lev.chunk_size": _count(),
     "model.lev.w_out_init_scale": Range(0, why="multiplies the init std of W_out"),
+    "model.input_init_rms": Range(
+        0, lo_open=True, why="the input embedding's initial output RMS, or null for each variant's own init"
+    ),
     "parallel.tensor_model_parallel_size": _count(),
     "parallel.pipeline_model_parallel_size": _count(),
     "parallel.zero_stage": Range(0, 3, why="the ZeRO stage 0, 1, 2 or 3"),
@@ -195,6 +199,7 @@ class LevConfig:
     chunk_size: int = 4096  # unique ids processed per chunk
     recompute: bool = True  # recompute chunks in backward instead of storing activations
     w_out_init_scale: float = 1.0  # multiplies the spec's N(0, 0.02/sqrt(h)) init of W_out
+    centred: bool = False  # G = sum_l (M_l - 1) W_out_l: drops the all-ones mode's shared vector
 
 
 @dataclass
@@ -212,9 +217,15 @@ class ModelConfig:
     lev: LevConfig = field(default_factory=LevConfig)
     baseline_dim: int | None = None  # albert/flat_mlp bottleneck e; None: sized to match LEV
     baseline_hidden: int | None = None  # MLP hidden width of the MLP baselines; None: sized to match LEV
+    # a compressed baseline narrower than this (code width e or MLP hidden) is refused: a degenerate
+    # bottleneck (e = 1) is not a fair comparison; the paper grid allows its parameter-matched widths
+    min_compressed_width: int = 16
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # the input embedding's output RMS over the vocabulary at init (its final linear map rescaled;
+    # `InputEmbedding.rescale_output_`); None: each variant's own initialisation
+    input_init_rms: float | None = None
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     activation_checkpointing: bool = False

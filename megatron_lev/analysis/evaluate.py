@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from megatron_lev.analysis.corpora import TextTokenizer, TokenizedCorpus, indexed_documents, sequence_batches
-from megatron_lev.analysis.perplexity import DEFAULT_EDGES, evaluation_result, per_token_losses
+from megatron_lev.analysis.perplexity import DEFAULT_EDGES, RecordLengths, evaluation_result, per_token_losses
 from megatron_lev.errors import DataError, UserError
 
 
@@ -159,16 +159,20 @@ def evaluate_model(
     """
     results = []
     for prefix in data_prefixes:
-        batches = _checked(
-            sequence_batches(indexed_documents(prefix, max_docs, split), seq_len, batch_size),
-            str(prefix),
-            vocab_size,
-        )
+        docs = RecordLengths(indexed_documents(prefix, max_docs, split))  # per-document sums (bootstrap)
+        batches = _checked(sequence_batches(docs, seq_len, batch_size), str(prefix), vocab_size)
         losses = _losses(batches, model_fn, returns_loss=returns_loss, device=device, progress=progress)
         results.append(
             _finite(
                 evaluation_result(
-                    losses, name, counts, edges, corpus=str(prefix), corpus_kind="mmidx", seq_len=seq_len
+                    losses,
+                    name,
+                    counts,
+                    edges,
+                    corpus=str(prefix),
+                    corpus_kind="mmidx",
+                    seq_len=seq_len,
+                    doc_lengths=docs.lengths,
                 ),
                 str(prefix),
             )
@@ -179,7 +183,8 @@ def evaluate_model(
         if tokenizer is None:
             raise UserError("evaluating a text corpus needs a tokenizer (--tokenizer)")
         corpus = TokenizedCorpus([path], tokenizer, max_docs)
-        batches = _checked(sequence_batches(corpus, seq_len, batch_size), str(path), vocab_size)
+        docs = RecordLengths(corpus)
+        batches = _checked(sequence_batches(docs, seq_len, batch_size), str(path), vocab_size)
         losses = _losses(batches, model_fn, returns_loss=returns_loss, device=device, progress=progress)
         results.append(
             _finite(
@@ -194,8 +199,40 @@ def evaluate_model(
                     corpus_kind="text",
                     documents=corpus.n_docs,
                     seq_len=seq_len,
+                    doc_lengths=docs.lengths,
                 ),
                 str(path),
             )
         )
+    return results
+
+
+def evaluate_zero_shot(
+    model_fn: Callable,
+    name: str,
+    tokenizer: TextTokenizer,
+    lambada: dict[str, list] | None = None,
+    wikitext: dict[str, list] | None = None,
+    seq_len: int = 1024,
+    batch_size: int = 4,
+    device: str = "cpu",
+    stride: int | None = None,
+    detokenize: bool = False,
+    progress: bool = True,
+    vocab_size: int | None = None,
+) -> list[dict]:
+    """One result per LAMBADA file (`{path: passages}`, from `data.zero_shot.read_lambada`) and per
+    Wikitext file (`{path: documents}`, from `split_wikitext`); a non-finite result is refused."""
+    from megatron_lev.analysis.zero_shot import evaluate_lambada, evaluate_wikitext
+
+    common = dict(batch_size=batch_size, device=device, vocab_size=vocab_size, progress=progress)
+    results = []
+    for path, passages in (lambada or {}).items():
+        res = evaluate_lambada(model_fn, passages, tokenizer, seq_len, source=str(path), **common)
+        results.append(_finite({"name": name, **res, "corpus": str(path), "corpus_kind": "lambada"}, path))
+    for path, docs in (wikitext or {}).items():
+        res = evaluate_wikitext(
+            model_fn, docs, tokenizer, seq_len, stride, detokenize, source=str(path), **common
+        )
+        results.append(_finite({"name": name, **res, "corpus": str(path), "corpus_kind": "wikitext"}, path))
     return results

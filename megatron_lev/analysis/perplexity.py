@@ -101,6 +101,15 @@ def bucket_labels(edges: tuple[float, ...]) -> list[str]:
     return [f"< {edges[0]:.0e}", *inner, f">= {edges[-1]:.0e}"]
 
 
+def target_buckets(losses: TokenLosses, counts: np.ndarray, edges: tuple[float, ...]) -> np.ndarray:
+    """The frequency bucket (0 = rarest) of every predicted token; ids beyond `counts` have frequency 0."""
+    freq = counts / counts.sum()
+    tgt_freq = np.zeros(len(losses.targets))
+    inside = losses.targets < len(counts)
+    tgt_freq[inside] = freq[losses.targets[inside]]
+    return np.searchsorted(tuple(float(e) for e in edges), tgt_freq, side="right")
+
+
 def frequency_buckets(
     losses: TokenLosses, counts: np.ndarray, edges: tuple[float, ...] = DEFAULT_EDGES
 ) -> list[dict]:
@@ -114,10 +123,7 @@ def frequency_buckets(
         raise ValueError(f"bucket edges must be positive and increasing, got {edges}")
     freq = counts / counts.sum()  # (V,)
     vocab_bucket = np.searchsorted(edges, freq, side="right")  # 0: below edges[0]
-    tgt_freq = np.zeros(len(losses.targets))
-    inside = losses.targets < len(counts)
-    tgt_freq[inside] = freq[losses.targets[inside]]
-    tgt_bucket = np.searchsorted(edges, tgt_freq, side="right")  # (N,)
+    tgt_bucket = target_buckets(losses, counts, edges)  # (N,)
     bounds = (0.0, *edges, math.inf)
     out = []
     for b, label in enumerate(bucket_labels(edges)):
@@ -138,6 +144,91 @@ def frequency_buckets(
     return out
 
 
+class RecordLengths:
+    """Passes documents through unchanged and records each one's length in tokens (`lengths`), so
+    the evaluation can attribute every predicted token to its document: wrap the documents given
+    to `sequence_batches` and hand `lengths` to `evaluation_result(doc_lengths=...)`."""
+
+    def __init__(self, documents: Iterable[np.ndarray]):
+        self.documents = documents
+        self.lengths: list[int] = []
+
+    def __iter__(self):
+        for doc in self.documents:
+            self.lengths.append(len(doc))
+            yield doc
+
+
+MAX_UNITS = 10_000  # per-document arrays beyond this are merged into groups of consecutive documents
+
+
+def _token_units(n_predicted: int, doc_lengths, unit_tokens: int) -> tuple[np.ndarray, str]:
+    """The unit (document, else evaluation window) of every predicted token, in stream order.
+
+    The evaluation concatenates documents and predicts every token but the first once, in order,
+    so predicted token j is stream position j + 1.
+    """
+    if doc_lengths is not None:
+        ends = np.cumsum(np.asarray(doc_lengths, dtype=np.int64))
+        if len(ends) == 0 or ends[-1] != n_predicted + 1:
+            raise ValueError(
+                f"document lengths add up to {int(ends[-1]) if len(ends) else 0} tokens but "
+                f"{n_predicted} tokens were predicted (expected {n_predicted + 1} tokens in all)"
+            )
+        return np.searchsorted(ends, np.arange(1, n_predicted + 1), side="right"), "document"
+    if unit_tokens < 1:
+        raise ValueError(f"unit_tokens must be >= 1, got {unit_tokens}")
+    return np.arange(n_predicted) // unit_tokens, "window"
+
+
+def per_document_sums(
+    losses: TokenLosses,
+    doc_lengths: Iterable[int] | None = None,
+    bucket_of_token: np.ndarray | None = None,
+    n_buckets: int = 0,
+    unit_tokens: int = 1024,
+    max_units: int = MAX_UNITS,
+) -> dict:
+    """Token counts and NLL sums per document (overall and per frequency bucket), for resampling
+    documents in `compare`'s bootstrap.
+
+    Without `doc_lengths` the unit is the evaluation window of `unit_tokens` predicted tokens. Over
+    `max_units` units, consecutive units are merged into equal groups (`group` units each) to keep
+    the JSON small. NLL sums are rounded to 1e-6 nats.
+    """
+    n = len(losses.nll)
+    doc_lengths = None if doc_lengths is None else [int(x) for x in doc_lengths]
+    unit, kind = _token_units(n, doc_lengths, unit_tokens)
+    n_units = len(doc_lengths) if doc_lengths is not None else (int(unit[-1]) + 1 if n else 0)
+    group = max(1, math.ceil(n_units / max_units))
+    unit = unit // group
+    n_units = math.ceil(n_units / group)
+
+    def sums(sel: np.ndarray | None) -> tuple[list[int], list[float]]:
+        u = unit if sel is None else unit[sel]
+        nll = losses.nll if sel is None else losses.nll[sel]
+        tokens = np.bincount(u, minlength=n_units)
+        total = np.bincount(u, weights=nll, minlength=n_units)
+        return tokens.astype(int).tolist(), [round(float(x), 6) for x in total]
+
+    tokens, nll_sum = sums(None)
+    out = {
+        "unit": kind,
+        "group": group,
+        "count": n_units,
+        "tokens": tokens,
+        "nll_sum": nll_sum,
+        "note": "predicted tokens and their NLL sum (nats) per "
+        + (f"group of {group} consecutive {kind}s" if group > 1 else kind)
+        + ", in corpus order; the bootstrap of `megatron-lev compare` resamples these",
+    }
+    if bucket_of_token is not None:
+        per_bucket = [sums(bucket_of_token == b) for b in range(n_buckets)]
+        out["bucket_tokens"] = [t for t, _ in per_bucket]
+        out["bucket_nll_sum"] = [s for _, s in per_bucket]
+    return out
+
+
 def evaluation_result(
     losses: TokenLosses,
     name: str,
@@ -145,9 +236,11 @@ def evaluation_result(
     edges: tuple[float, ...] = DEFAULT_EDGES,
     n_bytes: int | None = None,
     tokenizer: str | None = None,
+    doc_lengths: Iterable[int] | None = None,
     **extra,
 ) -> dict:
-    """The JSON-ready result `compare` reads: overall perplexity, buckets, normalisation stated."""
+    """The JSON-ready result `compare` reads: overall perplexity, buckets, normalisation stated, and
+    per-document sums (`per_document`; per evaluation window when `doc_lengths` is not given)."""
     total_nats = float(losses.nll.sum())
     res = {
         "name": name,
@@ -165,9 +258,19 @@ def evaluation_result(
         res["normalisation"] += (
             "; bits_per_byte = total NLL in bits / UTF-8 bytes of the text, comparable across tokenizers"
         )
+    bucket_of_token = None
     if counts is not None:
         res["bucket_edges"] = list(edges)
         res["buckets"] = frequency_buckets(losses, counts, edges)
+        bucket_of_token = target_buckets(losses, counts, edges)
+    if len(losses.nll):
+        res["per_document"] = per_document_sums(
+            losses,
+            doc_lengths,
+            bucket_of_token,
+            len(edges) + 1,
+            unit_tokens=int(extra.get("seq_len") or 1024),
+        )
     return res
 
 

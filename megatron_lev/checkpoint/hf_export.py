@@ -314,6 +314,7 @@ def lev_config(src: SourceCheckpoint) -> dict:
         "lev_kappa": lev.kappa,
         "lev_rank": lev.rank,
         "lev_residual": lev.residual,
+        "lev_centred": lev.centred,
         "lev_chunk_size": 256,
     }
 
@@ -350,15 +351,6 @@ def validate_export(
     return report
 
 
-# the embedding's output is linear in these (first match wins): the probe scales them
-_EMBEDDING_OUTPUT = (
-    ("embedding.out_proj", "embedding.residual.weight"),
-    ("embedding.proj.weight",),
-    ("embedding.mlp.down.weight",),
-    ("embedding.table.weight",),
-)
-
-
 def probe_model(src: SourceCheckpoint, ids: torch.Tensor, seed: int = 0) -> torch.nn.Module:
     """The source's `GPTModel` with large random weights: matrices of gain `PROBE_GAIN` (sharp attention,
     so rope_theta and the head layout matter), norm gains 1 +- 0.5, and the input embedding scaled to
@@ -378,9 +370,9 @@ def probe_model(src: SourceCheckpoint, ids: torch.Tensor, seed: int = 0) -> torc
                 p.copy_(noise)
             elif not name.startswith("embedding."):
                 p.copy_(noise * PROBE_GAIN / p.shape[-1] ** 0.5)
-        names = next((g for g in _EMBEDDING_OUTPUT if any(n in params for n in g)), ())
+        names = [f"embedding.{n}" for n in src.embedding.output_parameters]  # the output is linear in these
         rms = model.embedding(ids).float().pow(2).mean().sqrt().item()
-        if names and 0 < rms < float("inf"):
+        if any(n in params for n in names) and 0 < rms < float("inf"):
             for n in names:
                 if n in params:
                     params[n].mul_(src.cfg.model.norm_eps**0.5 / rms)

@@ -11,21 +11,31 @@ the `datasets.save_to_disk` layout:
     data_dir/hellaswag/none/validation/...
     data_dir/winogrande/winogrande_xl/validation/...
 
+`local_lambada` is lm-eval's `lambada_openai` (last-word accuracy and perplexity) on a local
+file: a `.jsonl` with a `text` per passage (the `lambada_openai` layout) is read where it is;
+plain text (one passage per line), or passages whose last word is not after a single space, are
+first written as `local_lambada.jsonl` beside the task files, so lm-eval's template splits every
+passage as `megatron-lev evaluate --lambada` does.
+
 Task names carry a `local_` prefix so they never clash with lm-eval's built-ins;
-the group `local_downstream` runs all five.
+the group `local_downstream` runs all the tasks written (ARC x 2, PIQA, HellaSwag, WinoGrande,
+and LAMBADA where given: the paper's six).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import yaml
 
 from megatron_lev.config import atomic_write_text
+from megatron_lev.data.zero_shot import is_jsonl, read_lambada
 from megatron_lev.errors import UserError
 
 GROUP = "local_downstream"
+LAMBADA_TASK = "local_lambada"
 
 _ACC = [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]
 _ACC_NORM = _ACC + [{"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}]
@@ -128,26 +138,73 @@ def task_config(name: str, data_file: Path) -> dict:
     return cfg
 
 
+def lambada_task_config(data_file: Path) -> dict:
+    """lm-eval's `lambada_openai` definition (prompt, target, metrics) reading `data_file` (JSONL)."""
+    return {
+        "task": LAMBADA_TASK,
+        "tag": [GROUP + "_tasks"],
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data_file)}},
+        "output_type": "loglikelihood",
+        "training_split": None,
+        "validation_split": None,
+        "test_split": "test",
+        "doc_to_text": "{{text.split(' ')[:-1]|join(' ')}}",
+        "doc_to_target": "{{' '+text.split(' ')[-1]}}",
+        "metric_list": [
+            {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+        ],
+        "metadata": {"version": 1.0},
+    }
+
+
+def lambada_data_file(src: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """The JSONL file the LAMBADA task reads: `src` itself where lm-eval's template splits each of its
+    passages as `read_lambada` does, else `out_dir/local_lambada.jsonl` with the passages normalised.
+    A file `read_lambada` refuses is refused here too (DataError naming the file and line)."""
+    src = Path(src)
+    passages = read_lambada(src)
+    consecutive = all(p.line == i + 1 for i, p in enumerate(passages))  # no blank lines between
+    if is_jsonl(src) and consecutive and all(p.text == p.normalised for p in passages):
+        return src.resolve()
+    path = Path(out_dir) / f"{LAMBADA_TASK}.jsonl"
+    atomic_write_text(path, "".join(json.dumps({"text": p.normalised}) + "\n" for p in passages))
+    return path.resolve()
+
+
 def write_lm_eval_tasks(
-    data_dir: str | os.PathLike, out_dir: str | os.PathLike, tasks: list[str] | None = None
+    data_dir: str | os.PathLike | None,
+    out_dir: str | os.PathLike,
+    tasks: list[str] | None = None,
+    lambada: str | os.PathLike | None = None,
 ) -> list[Path]:
-    """Write one YAML per task plus the group file into `out_dir`; returns the written paths."""
-    names = list(TASKS) if tasks is None else tasks
+    """Write one YAML per task plus the group file into `out_dir`; returns the written paths.
+
+    `data_dir=None` writes none of the arrow tasks; `lambada` (a LAMBADA file) adds `local_lambada`.
+    """
+    names = (list(TASKS) if tasks is None else tasks) if data_dir is not None else []
     unknown = [n for n in names if n not in TASKS]
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; available: {', '.join(TASKS)}")
-    data_dir = Path(data_dir).resolve()
+    if not names and lambada is None:
+        raise UserError("no task to write: give the downstream data directory and/or a LAMBADA file")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    configs = []
+    if names:
+        data_dir = Path(data_dir).resolve()
+        configs = [task_config(name, arrow_file(data_dir, TASKS[name][0])) for name in names]
+    if lambada is not None:
+        configs.append(lambada_task_config(lambada_data_file(lambada, out)))
     written = []
-    for name in names:
-        cfg = task_config(name, arrow_file(data_dir, TASKS[name][0]))
-        path = out / f"{name}.yaml"
+    for cfg in configs:
+        path = out / f"{cfg['task']}.yaml"
         atomic_write_text(path, yaml.safe_dump(cfg, sort_keys=False, allow_unicode=True, width=1000))
         written.append(path)
     group = {
         "group": GROUP,
-        "task": names,
+        "task": [cfg["task"] for cfg in configs],
         "aggregate_metric_list": [{"metric": "acc", "aggregation": "mean", "weight_by_size": False}],
         "metadata": {"version": 1.0},
     }

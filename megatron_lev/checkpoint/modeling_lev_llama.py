@@ -5,7 +5,8 @@ transformers (not on megatron_lev), so an exported model keeps training LEV anyw
 The math follows the LEV spec: compositional digits -> summed codebooks (seed z) -> per head
 `u = sigmoid(LayerNorm(W z))` -> normalised quadratic B-spline basis on `kappa` knots ->
 `phi = sum_m B_m(u) (1 + delta_m)` -> rank-r separable product over the seed coordinates
-(`sign * exp(sum log(|phi| + 1e-9))`) -> `sum_l M_l @ W_out_l` (+ optional `W_res z`).
+(`sign * exp(sum log(|phi| + 1e-9))`) -> `sum_l M_l @ W_out_l` (+ optional `W_res z`); with
+`lev_centred`, `sum_l (M_l - 1) @ W_out_l`.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ class LevLlamaConfig(LlamaConfig):
         lev_rank: int = 64,
         lev_residual: bool = False,
         lev_chunk_size: int = 256,
+        lev_centred: bool = False,
         **kwargs,
     ):
+        self.lev_centred = lev_centred
         self.lev_k, self.lev_base, self.lev_d_seed, self.lev_heads = lev_k, lev_base, lev_d_seed, lev_heads
         self.lev_kappa, self.lev_rank, self.lev_residual, self.lev_chunk_size = (
             lev_kappa,
@@ -73,6 +76,7 @@ class LevEmbedding(nn.Module):
         super().__init__()
         h, d, r, kappa = config.lev_heads, config.lev_d_seed, config.lev_rank, config.lev_kappa
         self.kappa, self.chunk = kappa, config.lev_chunk_size
+        self.centred = getattr(config, "lev_centred", False)
         self.codebooks = _Codebooks(config.lev_k, config.lev_base, d)
         self.proj = nn.Parameter(torch.zeros(h, d, d))
         self.norm_weight = nn.Parameter(torch.ones(h, d))
@@ -89,6 +93,8 @@ class LevEmbedding(nn.Module):
         phi = torch.einsum("nhdk,hdkr->nhdr", basis, 1.0 + self.delta.float())  # (N, h, d, r)
         negative = (phi < 0).sum(dim=2) % 2  # (N, h, r): parity of negative factors
         modes = (1.0 - 2.0 * negative) * torch.exp(torch.log(phi.abs() + LOG_EPS).sum(dim=2))  # (N, h, r)
+        if self.centred:  # (M_l - 1) @ W_out_l
+            modes = modes - 1.0
         out = modes.flatten(1) @ self.out_proj.float().flatten(0, 1)  # (N, D)
         if self.residual is not None:
             out = out + self.residual(z.to(self.residual.weight.dtype)).float()

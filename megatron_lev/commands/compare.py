@@ -23,12 +23,38 @@ def _named(items: list[str], what: str) -> dict[str, str]:
     return out
 
 
+def _seeded(items: list[str]) -> dict[str, tuple[bool, list[str]]]:
+    """[NAME=]PATH[,PATH...] arguments: the evaluation results of each run, one per seed, in order.
+
+    A repeated NAME adds seeds to that run; a comma list without NAME is one run named later from
+    its JSON.
+    """
+    out: dict[str, tuple[bool, list[str]]] = {}
+    for item in items:
+        name, sep, paths = item.partition("=")
+        if not sep:
+            name, paths = "", item
+        parts = paths.split(",")
+        if not paths or not all(parts):
+            raise UserError(f"results: empty path in {item!r}; give NAME=PATH[,PATH...]")
+        key = name or paths
+        if not name and key in out:
+            raise UserError(f"results: {key!r} is given twice; give each run once")
+        _, seen = out.setdefault(key, (bool(name), []))
+        for path in parts:
+            if path in seen:
+                raise UserError(f"results: {path!r} is given twice for {key!r}; give each seed's result once")
+            seen.append(path)
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "results",
         nargs="+",
-        metavar="[NAME=]EVAL_JSON",
-        help="evaluate results (eval.json); NAME defaults to the name inside",
+        metavar="[NAME=]EVAL_JSON[,EVAL_JSON...]",
+        help="evaluate results (eval.json), one per seed (comma list or repeated NAME=); seed i of a run "
+        "is paired with seed i of the baseline; NAME defaults to the name inside",
     )
     parser.add_argument(
         "--curves",
@@ -46,6 +72,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokens-per-step", type=float, default=None, help="tokens per step when the log has no tokens tag"
     )
+    parser.add_argument(
+        "--bootstrap",
+        type=int,
+        default=None,
+        metavar="N",
+        help="document-bootstrap resamples (default 1000, skipped with a note when a result has no "
+        "per-document losses; given explicitly, such a result is an error; 0: no bootstrap)",
+    )
+    parser.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the document resamples")
+    parser.add_argument(
+        "--decomposition",
+        action="store_true",
+        help="require the gain decomposition (ALBERT, FLAT-MLP, FACT-MLP, LEV); it is computed "
+        "whenever those runs are present",
+    )
     parser.add_argument("--out", default="compare_results", help="output directory")
 
 
@@ -57,15 +98,18 @@ def main(args: argparse.Namespace) -> int:
 
     if args.tokens_per_step is not None:
         check_number(args.tokens_per_step, "--tokens-per-step", 0, above=True)
-    results = {}
-    for name, path in _named(args.results, "results").items():
-        r = load_result(path, args.corpus)
-        if name == path and not isinstance(r.get("name"), str):
-            raise UserError(f"{path}: the result has no 'name'; name it on the command line: NAME={path}")
-        run = name if name != path else r["name"]
+    if args.bootstrap is not None:
+        check_number(args.bootstrap, "--bootstrap", 0, integer=True)
+    check_number(args.bootstrap_seed, "--bootstrap-seed", 0, integer=True)
+    results, sources = {}, {}
+    for key, (named, paths) in _seeded(args.results).items():
+        seeds = [load_result(path, args.corpus) for path in paths]
+        if not named and not isinstance(seeds[0].get("name"), str):
+            raise UserError(f"{paths[0]}: the result has no 'name'; name it on the command line: NAME={key}")
+        run = key if named else seeds[0]["name"]
         if run in results:
-            raise UserError(f"results: two results are named {run!r} ({path}); name them NAME=PATH")
-        results[run] = r
+            raise UserError(f"results: two results are named {run!r} ({key}); name them NAME=PATH")
+        results[run], sources[run] = seeds, paths
     curves = {
         name: read_curve(path, args.tag, args.tokens_tag, args.tokens_per_step)
         for name, path in _named(args.curves, "--curves").items()
@@ -76,7 +120,16 @@ def main(args: argparse.Namespace) -> int:
             f"--curves: {', '.join(unknown)} has a curve but no evaluation result; use the names "
             f"of the results ({', '.join(results)})"
         )
-    cmp = compare_results(results, curves, args.baseline)
+    cmp = compare_results(
+        results,
+        curves,
+        args.baseline,
+        sources=sources,
+        bootstrap=1000 if args.bootstrap is None else args.bootstrap,
+        bootstrap_seed=args.bootstrap_seed,
+        require_bootstrap=bool(args.bootstrap),
+        decomposition=True if args.decomposition else None,
+    )
     out = output_dir(args.out, "--out")
     table = compare_markdown(cmp)
     atomic_write_json(out / "compare.json", cmp)

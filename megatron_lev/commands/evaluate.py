@@ -1,5 +1,6 @@
-"""`megatron-lev evaluate`: perplexity (overall, by token frequency, bits per byte) of a Hugging Face
-model or of a training checkpoint of any parallel layout (the same numbers for both)."""
+"""`megatron-lev evaluate`: perplexity (overall, by token frequency, bits per byte), LAMBADA last-word
+accuracy and document-level Wikitext perplexity of a Hugging Face model or of a training checkpoint
+of any parallel layout (the same numbers for both)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="zero-shot corpora: .jsonl / .jsonl.zst (Pile format) or plain text",
     )
     parser.add_argument(
+        "--lambada",
+        nargs="*",
+        default=[],
+        metavar="FILE",
+        help="LAMBADA last-word prediction (accuracy, perplexity): .jsonl with a 'text' per passage "
+        "(the lambada_openai layout) or plain text, one passage per line",
+    )
+    parser.add_argument(
+        "--wikitext",
+        nargs="*",
+        default=[],
+        metavar="FILE",
+        help="document-level perplexity (per word, per byte, per token) of raw Wikitext-103 files, "
+        "split into articles at ' = Title = ' headings",
+    )
+    parser.add_argument(
+        "--detokenize",
+        action="store_true",
+        help="--wikitext: undo the ' @-@ ', ' @,@ ', ' @.@ ' and punctuation spacing before scoring, "
+        "as lm-eval's wikitext task does",
+    )
+    parser.add_argument(
+        "--stride",
+        type=int,
+        default=None,
+        help="--wikitext: tokens newly scored per window after the first, the rest being context "
+        "(default: the window length, no overlap)",
+    )
+    parser.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer.json or directory for --text (default: the model directory)",
+        help="tokenizer.json or directory for --text/--lambada/--wikitext (default: the model directory)",
     )
     parser.add_argument(
         "--counts",
@@ -58,7 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per window (default: the model's training sequence length)",
     )
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--max-docs", type=int, default=None, help="evaluate only the first N documents")
+    parser.add_argument(
+        "--max-docs",
+        type=int,
+        default=None,
+        help="evaluate only the first N documents (LAMBADA passages, Wikitext articles) of each input",
+    )
     parser.add_argument("--name", default=None, help="run name in the results (default: model dir name)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
@@ -79,9 +114,14 @@ def _check_flags(args: argparse.Namespace) -> None:
         ("--batch-size", args.batch_size),
         ("--max-docs", args.max_docs),
         ("--threads", args.threads),
+        ("--stride", args.stride),
     ):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
+    if args.stride is not None and args.seq_len is not None and args.stride > args.seq_len:
+        raise UserError(f"--stride {args.stride} must be <= --seq-len {args.seq_len}")
+    if (args.stride is not None or args.detokenize) and not args.wikitext:
+        raise UserError("--stride and --detokenize apply to --wikitext; give --wikitext FILE")
 
 
 def _check_tokenizer(tokenizer, model: str, is_hf: bool, vocab: int | None, tag: str | None) -> None:
@@ -167,20 +207,29 @@ def main(args: argparse.Namespace) -> int:
     from megatron_lev.analysis.evaluate import (
         checkpoint_model_fn,
         evaluate_model,
+        evaluate_zero_shot,
         hf_model_fn,
         hf_sequence_length,
         hf_vocab_size,
         is_hf_model_dir,
     )
     from megatron_lev.analysis.perplexity import DEFAULT_EDGES, load_counts, result_markdown
+    from megatron_lev.analysis.zero_shot import zero_shot_markdown
     from megatron_lev.config import atomic_write_json, atomic_write_text
+    from megatron_lev.data.zero_shot import read_lambada, split_wikitext
     from megatron_lev.errors import DataError, UserError
 
-    if not args.data and not args.text:
-        raise UserError("give --data PREFIX... and/or --text FILE...")
+    if not (args.data or args.text or args.lambada or args.wikitext):
+        raise UserError("give --data PREFIX..., --text FILE..., --lambada FILE... and/or --wikitext FILE...")
     _check_flags(args)
-    if args.text and not args.tokenizer and not is_hf_model_dir(args.model):
-        raise UserError("--text with a training checkpoint needs --tokenizer (the run's tokenizer file)")
+    text_flags = [f for f in ("--text", "--lambada", "--wikitext") if getattr(args, f[2:])]
+    if text_flags and not args.tokenizer and not is_hf_model_dir(args.model):
+        raise UserError(
+            f"{'/'.join(text_flags)} with a training checkpoint needs --tokenizer (the run's tokenizer file)"
+        )
+    # the task files are read before the model is loaded, so bad input is refused at once
+    lambada = {path: read_lambada(path, args.max_docs) for path in args.lambada}
+    wikitext = {path: split_wikitext(path, args.max_docs) for path in args.wikitext}
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     name = args.name or Path(args.model).name
     hf = is_hf_model_dir(args.model)
@@ -195,9 +244,12 @@ def main(args: argparse.Namespace) -> int:
                 "directory; export it again (megatron-lev convert) or add its config.json"
             )
         model_fn, seq_len, vocab = checkpoint_model_fn(args.model, args.tag, args.device)
+    window = args.seq_len or seq_len
+    if args.stride is not None and args.stride > window:
+        raise UserError(f"--stride {args.stride} must be <= the window of {window} tokens (--seq-len)")
     tokenizer_type, reference = _model_tokenizer(args.model, hf, args.tag)
     _check_shard_tokenizers(args.data, reference, tokenizer_type)
-    tokenizer = load_tokenizer(args.tokenizer or args.model) if args.text else None
+    tokenizer = load_tokenizer(args.tokenizer or args.model) if text_flags else None
     if tokenizer is not None:
         _check_tokenizer(tokenizer, args.model, hf, vocab, args.tag)
     try:
@@ -213,15 +265,31 @@ def main(args: argparse.Namespace) -> int:
         tokenizer,
         counts,
         tuple(args.edges or DEFAULT_EDGES),
-        args.seq_len or seq_len,
+        window,
         args.batch_size,
         args.max_docs,
         args.device,
         split=split,
         vocab_size=vocab,
     )
+    results += evaluate_zero_shot(
+        model_fn,
+        name,
+        tokenizer,
+        lambada,
+        wikitext,
+        window,
+        args.batch_size,
+        args.device,
+        stride=args.stride,
+        detokenize=args.detokenize,
+        vocab_size=vocab,
+    )
     out = Path(args.out)
-    table = result_markdown(results)
+    perplexities = [r for r in results if "task" not in r]
+    table = result_markdown(perplexities) if perplexities else ""
+    tasks = zero_shot_markdown(results)
+    table += ("\n" if table and tasks else "") + tasks
     atomic_write_json(out / "eval.json", {"name": name, "model": str(args.model), "results": results})
     atomic_write_text(out / "eval.md", table)
     print(table, end="")

@@ -11,14 +11,22 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from megatron_lev.experiments.grid import PAPER_SIZES
-    from megatron_lev.experiments.small import DEFAULT_TOKENIZER
+    from megatron_lev.experiments.grid import DEFAULT_VOCAB, PAPER_SIZES, VOCABS
     from megatron_lev.model.embeddings import REGISTRY
 
     parser.add_argument("--grid", choices=("paper", "small"), required=True)
     parser.add_argument("--variants", nargs="+", choices=list(REGISTRY), default=list(REGISTRY))
     paper = parser.add_argument_group("paper grid (Slurm)")
     paper.add_argument("--sizes", nargs="+", choices=list(PAPER_SIZES), default=list(PAPER_SIZES))
+    paper.add_argument(
+        "--vocab",
+        nargs="+",
+        choices=list(VOCABS),
+        default=[DEFAULT_VOCAB],
+        help=f"vocabularies (default {DEFAULT_VOCAB}, the paper's); neox / cl100k_base: the vocabulary "
+        "study, the same configs with another tokenizer, read from $PILE_DATA_NEOX, ... "
+        "(docs/experiments.md)",
+    )
     paper.add_argument(
         "--print-sbatch",
         action="store_true",
@@ -38,7 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     small = parser.add_argument_group("small grid (this machine)")
     small.add_argument("--data-dir", default=None, help="Pile-format corpus directory (*.jsonl[.zst])")
     small.add_argument("--out", default="runs/small_grid", help="grid directory (data, runs, results)")
-    small.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="GPT-NeoX-20B tokenizer.json")
+    small.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizer file to use instead of the SentencePiece model the grid trains "
+        "(tokenizer.json, .model or a tiktoken file; model.vocab_size is then taken from it)",
+    )
     small.add_argument("--config", default=None, help="run config (default: the small grid's config)")
     small.add_argument("--nproc", type=int, default=1, help="training processes per run (torchrun when > 1)")
     small.add_argument(
@@ -73,7 +86,7 @@ def _paper(args: argparse.Namespace) -> int:
         submission_script,
     )
 
-    runs = paper_runs(args.sizes, args.variants)
+    runs = paper_runs(args.sizes, args.variants, args.vocab)
     if args.write:
         out = output_dir(args.write, "--write")
         atomic_write_text(out / "submit_all.sh", submission_script(runs))
@@ -103,7 +116,7 @@ def _small(args: argparse.Namespace) -> int:
     grid = SmallGrid(
         Path(args.data_dir),
         Path(args.out),
-        Path(args.tokenizer),
+        Path(args.tokenizer) if args.tokenizer else None,
         list(args.variants),
         overrides=list(args.overrides),
         nproc=args.nproc,

@@ -26,6 +26,11 @@ TIKTOKEN_PATTERN = (
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 TIKTOKEN_EOD = "<|endoftext|>"
+# Vocabulary sizes by name, as `build_tokenizer` reports them (for sizing without the file): the
+# GPT-NeoX-20B tokenizer.json; a tiktoken file's ranks plus the one `<|endoftext|>` added above
+# (cl100k_base: 100,256 ranks; o200k_base: 199,998). The encodings' own special tokens reach
+# 100,277 and 200,019, which pad to the same sizes at TP 1 to 8 (100,352 and 200,064 at TP 1).
+KNOWN_VOCABULARIES = {"neox": 50277, "cl100k_base": 100257, "o200k_base": 199999}
 
 
 class TokenizerError(DataError):

@@ -328,6 +328,7 @@ TRAINING_ONLY_MODEL_KEYS = {
     "lev.chunk_size",
     "lev.recompute",
     "lev.w_out_init_scale",
+    "input_init_rms",
 }
 
 

@@ -3,6 +3,10 @@
 Every run of a size shares one config file (`pretrain/configs/experiments/paper/<size>.yaml`);
 a variant differs only in `model.embedding`. The data locations are not in the files: the
 commands read them from shell variables the user exports before submitting.
+
+The grid's vocabulary is `o200k_base` (the paper's ~200k; its UNTIED is 611M at 400M). The
+vocabulary study (50k GPT-NeoX, 100k cl100k_base) runs the same configs with another tokenizer
+(`PaperRun.vocab`): same model body and token budget, its own data variables.
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ PAPER_DIR = Path("pretrain/configs/experiments/paper")
 SMALL_CONFIG = Path("pretrain/configs/experiments/small/small.yaml")
 GPUS_PER_NODE = 8
 TOKENS_PER_STEP = 256 * 2048  # global batch x sequence of every paper config
-NEOX_VOCAB = 50277  # GPT-NeoX-20B tokenizer
+
+# vocabulary -> (data.tokenizer_type, suffix of its shell variables); the first is the grid's own
+VOCABS: dict[str, tuple[str, str]] = {
+    "o200k_base": ("tiktoken", ""),
+    "cl100k_base": ("tiktoken", "_CL100K"),
+    "neox": ("hf", "_NEOX"),
+}
+DEFAULT_VOCAB = "o200k_base"
 # size -> nodes of 8 GPUs the size's config is laid out for (global batch 256 = micro x DP x accumulation)
 PAPER_SIZES: dict[str, int] = {"200m": 1, "400m": 2, "1.2b": 4}
 # Shell variables the paper commands read; the user exports them before the submission loop.
@@ -34,7 +45,8 @@ DATA_VARIABLES = {
     "PILE_DATA": "preprocessed Pile training prefix(es), e.g. data/pile/pile_train_text_document "
     "(a list: '[0.5,a_text_document,0.5,b_text_document]')",
     "PILE_VALID": "preprocessed Pile validation prefix, e.g. data/pile/pile_val_text_document",
-    "PILE_TOKENIZER": "the GPT-NeoX-20B tokenizer.json",
+    "PILE_TOKENIZER": "the tokenizer file: o200k_base.tiktoken (cl100k_base.tiktoken for the 100k study, "
+    "the GPT-NeoX-20B tokenizer.json for the 50k one)",
 }
 # Optional for the evaluation jobs: training token counts (<train prefix>.counts.npy) for frequency buckets.
 COUNTS_VARIABLE = "PILE_COUNTS"
@@ -46,10 +58,22 @@ class PaperRun:
 
     size: str
     variant: str  # a model.embedding value
+    vocab: str = DEFAULT_VOCAB  # a key of VOCABS
 
     @property
     def name(self) -> str:
-        return f"{self.size}-{self.variant}"
+        return (
+            f"{self.group}-{self.variant}" if self.vocab != DEFAULT_VOCAB else f"{self.size}-{self.variant}"
+        )
+
+    @property
+    def group(self) -> str:
+        """The runs compared with each other: a size, or a size of the vocabulary study."""
+        return self.size if self.vocab == DEFAULT_VOCAB else f"{self.size}-{self.vocab}"
+
+    def variable(self, name: str) -> str:
+        """The shell variable of this run's vocabulary: `PILE_DATA`, or e.g. `PILE_DATA_NEOX`."""
+        return name + VOCABS[self.vocab][1]
 
     @property
     def nodes(self) -> int:
@@ -65,11 +89,17 @@ class PaperRun:
 
     def overrides(self, save_root: str = "ckpt/paper", runs_root: str = "runs/paper") -> list[str]:
         """The run's dotted overrides; data paths are left as `$VARIABLE` references for the shell."""
+        tokenizer_type = VOCABS[self.vocab][0]
         return [
             f"model.embedding={self.variant}",
-            "data.data_path=$PILE_DATA",
-            "data.valid_data_path=$PILE_VALID",
-            "data.tokenizer_path=$PILE_TOKENIZER",
+            f"data.data_path=${self.variable('PILE_DATA')}",
+            f"data.valid_data_path=${self.variable('PILE_VALID')}",
+            f"data.tokenizer_path=${self.variable('PILE_TOKENIZER')}",
+            *(
+                [f"data.tokenizer_type={tokenizer_type}"]
+                if tokenizer_type != VOCABS[DEFAULT_VOCAB][0]
+                else []
+            ),
             f"train.save={save_root}/{self.name}",
             f"logging.output_dir={runs_root}/{self.name}",
         ]
@@ -93,37 +123,57 @@ class PaperRun:
 
     def convert_eval_command(self, save_root: str = "ckpt/paper") -> str:
         """The follow-up export + evaluation job (slurm/convert_eval.sbatch) for this run."""
+        counts = self.variable(COUNTS_VARIABLE)
         return (
-            f'CHECKPOINT={save_root}/{self.name} EVAL_DATA="$PILE_VALID" '
+            f'CHECKPOINT={save_root}/{self.name} EVAL_DATA="${self.variable("PILE_VALID")}" '
             f'EVAL_ARGS="--name {variant_label(self.variant)} --seq-len 2048'
-            f'${{{COUNTS_VARIABLE}:+ --counts ${COUNTS_VARIABLE}}}" '
+            f'${{{counts}:+ --counts ${counts}}}" '
             f"sbatch --job-name=eval-{self.name} slurm/convert_eval.sbatch"
         )
 
 
-def chinchilla_tokens(size: str, vocab_size: int = NEOX_VOCAB, tokens_per_param: int = 20) -> int:
-    """20 tokens per parameter of the size's TIED model: the one budget every variant of the size
-    trains on."""
+def chinchilla_tokens(size: str, vocab: str = DEFAULT_VOCAB, tokens_per_param: int = 20) -> int:
+    """20 tokens per parameter of the size's TIED model at the grid's vocabulary: the one budget every
+    variant of the size trains on (the vocabulary study too)."""
     from megatron_lev.config import load_config
+    from megatron_lev.data.tokenizers import KNOWN_VOCABULARIES
     from megatron_lev.model.build import padded_vocab_size
     from megatron_lev.model.flops import parameter_count
 
     cfg = load_config(config_path(PAPER_DIR / f"{size}.yaml"), validate=False)
+    vocab_size = KNOWN_VOCABULARIES[vocab]
     vocab = padded_vocab_size(vocab_size, cfg.model, cfg.parallel.tensor_model_parallel_size)
     return tokens_per_param * parameter_count(cfg.model, vocab, "tied")["total"]
 
 
-def paper_runs(sizes: list[str] | None = None, variants: list[str] | None = None) -> list[PaperRun]:
-    """The 18 runs (or a subset), size-major in the paper's order."""
+def paper_runs(
+    sizes: list[str] | None = None, variants: list[str] | None = None, vocabs: list[str] | None = None
+) -> list[PaperRun]:
+    """The 18 runs (or a subset), size-major in the paper's order; `vocabs` adds the vocabulary study's
+    runs (vocabulary-major, the grid's own first)."""
     sizes = list(sizes or PAPER_SIZES)
     variants = list(variants or REGISTRY)
+    vocabs = list(vocabs or [DEFAULT_VOCAB])
+    for v in vocabs:
+        if v not in VOCABS:
+            raise ValueError(f"unknown vocabulary {v!r}; the paper grid has {', '.join(VOCABS)}")
     for s in sizes:
         if s not in PAPER_SIZES:
             raise ValueError(f"unknown size {s!r}; the paper grid has {', '.join(PAPER_SIZES)}")
     for v in variants:
         if v not in REGISTRY:
             raise ValueError(f"unknown variant {v!r}; choose from {', '.join(REGISTRY)}")
-    return [PaperRun(s, v) for s in sizes for v in variants]
+    return [PaperRun(s, v, vocab) for vocab in vocabs for s in sizes for v in variants]
+
+
+def data_variables(runs: list[PaperRun]) -> dict[str, str]:
+    """The shell variables `runs` read, with what each holds."""
+    out = {}
+    for suffix in dict.fromkeys(VOCABS[r.vocab][1] for r in runs):
+        vocab = next(k for k, v in VOCABS.items() if v[1] == suffix)
+        for var, what in DATA_VARIABLES.items():
+            out[var + suffix] = what if not suffix else f"{what} ({vocab} tokenisation)"
+    return out
 
 
 def submission_script(runs: list[PaperRun]) -> str:
@@ -134,7 +184,7 @@ def submission_script(runs: list[PaperRun]) -> str:
         "# Generated by `megatron-lev grid --grid paper --print-sbatch`; do not edit by hand.",
         "set -euo pipefail",
     ]
-    for var, what in DATA_VARIABLES.items():
+    for var, what in data_variables(runs).items():
         lines.append(f': "${{{var}:?export {var}: {what}}}"')
     lines += [run.sbatch_command() for run in runs]
     return "\n".join(lines) + "\n"
@@ -147,13 +197,18 @@ def evaluation_script(runs: list[PaperRun]) -> str:
         "# After training: export and evaluate every run of the paper grid (slurm/convert_eval.sbatch).",
         "# Generated by `megatron-lev grid --grid paper --print-eval`; do not edit by hand.",
         "set -euo pipefail",
-        ': "${PILE_VALID:?export PILE_VALID: the preprocessed Pile validation prefix}"',
-        f"# optional: export {COUNTS_VARIABLE}=<train prefix>.counts.npy for perplexity by token frequency",
     ]
+    for suffix in dict.fromkeys(VOCABS[r.vocab][1] for r in runs):
+        lines += [
+            f': "${{PILE_VALID{suffix}:?export PILE_VALID{suffix}: '
+            'the preprocessed Pile validation prefix}"',
+            f"# optional: export {COUNTS_VARIABLE}{suffix}=<train prefix>.counts.npy for perplexity by token "
+            "frequency",
+        ]
     lines += [run.convert_eval_command() for run in runs]
     lines.append("# when the jobs have finished, the paper's table per size:")
-    for size in dict.fromkeys(r.size for r in runs):
-        of_size = [r for r in runs if r.size == size]
+    for size in dict.fromkeys(r.group for r in runs):
+        of_size = [r for r in runs if r.group == size]
         results = " ".join(
             f"{variant_label(r.variant)}=ckpt/paper/{r.name}/hf/eval/eval.json" for r in of_size
         )

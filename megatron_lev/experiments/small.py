@@ -1,5 +1,6 @@
-"""The paper's grid at CPU scale: split and tokenise a Pile-format corpus, then train, convert and
-evaluate every variant with one seed, data order and token budget, and compare them against TIED.
+"""The paper's grid at CPU scale: split a Pile-format corpus, train a SentencePiece tokenizer of the
+config's `model.vocab_size` on the training split and tokenise, then train, convert and evaluate every
+variant with one seed, data order and token budget, and compare them against TIED.
 
 Every step is a `megatron-lev` command run through `StepRunner`, so an interrupted grid resumes
 where it stopped (finished steps are skipped; a half-finished training resumes from its checkpoint).
@@ -19,7 +20,11 @@ from megatron_lev.experiments.grid import SMALL_CONFIG, variant_label
 from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.resources import config_path
 
-DEFAULT_TOKENIZER = "../shared/data/tokenizers/gpt-neox-20b.json"
+
+def tokenizer_type_of(path: Path) -> str:
+    """The `data.tokenizer_type` of a tokenizer file, by its name: .model, .json, else tiktoken."""
+    suffix = Path(path).suffix
+    return {".model": "sentencepiece", ".json": "hf"}.get(suffix, "tiktoken")
 
 
 @dataclass
@@ -28,7 +33,7 @@ class SmallGrid:
 
     data_dir: Path
     out: Path
-    tokenizer: Path = Path(DEFAULT_TOKENIZER)
+    tokenizer: Path | None = None  # None: train a SentencePiece model of the config's model.vocab_size
     variants: list[str] = field(default_factory=lambda: list(REGISTRY))
     config: Path = SMALL_CONFIG
     overrides: list[str] = field(default_factory=list)  # applied to every variant's training
@@ -59,9 +64,12 @@ class SmallGrid:
                 f"--data-dir {self.data_dir}: no *.jsonl or *.jsonl.zst files in it (Pile format: "
                 'one {"text": ..., "meta": {"pile_set_name": ...}} per line)'
             )
-        if not Path(self.tokenizer).is_file():
+        if self.tokenizer is not None and not Path(self.tokenizer).is_file():
+            raise ConfigError(f"--tokenizer {self.tokenizer}: file not found")
+        if self.tokenizer is None and not self.vocab_size:
             raise ConfigError(
-                f"--tokenizer {self.tokenizer}: file not found (the GPT-NeoX-20B tokenizer.json)"
+                f"{self.config} sets no model.vocab_size: the grid trains a SentencePiece tokenizer of "
+                "that size (or give --tokenizer)"
             )
         if Path(self.out).exists() and not Path(self.out).is_dir():
             raise ConfigError(f"--out {self.out}: exists and is not a directory; give a directory")
@@ -80,7 +88,34 @@ class SmallGrid:
         from megatron_lev.engine.config import validate_training
 
         for variant in self.variants:  # the trainer's own checks, before hours of work start
-            validate_training(self.run_config(variant), self.nproc, cuda=torch.cuda.is_available())
+            cfg = self.run_config(variant)
+            validate_training(cfg, self.nproc, cuda=torch.cuda.is_available())
+            if self.tokenizer is not None:  # the vocabulary is the file's: the variant's width rules
+                self._check_vocab(cfg)
+
+    def _check_vocab(self, cfg) -> None:
+        from megatron_lev.data.tokenizers import build_tokenizer
+        from megatron_lev.model.build import padded_vocab_size
+        from megatron_lev.model.embeddings import embedding_class
+
+        vocab = build_tokenizer(tokenizer_type_of(self.tokenizer), self.tokenizer).vocab_size
+        tp = cfg.parallel.tensor_model_parallel_size
+        embedding_class(cfg.model.embedding).check_vocab(cfg.model, padded_vocab_size(vocab, cfg.model, tp))
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The vocabulary of the SentencePiece model the grid trains: the config's model.vocab_size."""
+        return load_config(self.config, validate=False).model.vocab_size
+
+    @property
+    def tokenizer_file(self) -> Path:
+        return (
+            Path(self.tokenizer) if self.tokenizer is not None else self.data / f"spm{self.vocab_size}.model"
+        )
+
+    @property
+    def tokenizer_type(self) -> str:
+        return tokenizer_type_of(self.tokenizer_file)
 
     # ------------------------------------------------------------------ paths
 
@@ -109,12 +144,14 @@ class SmallGrid:
             f"model.embedding={variant}",
             f"data.data_path=[{self.prefix('train')}]",
             f"data.valid_data_path=[{self.prefix('valid')}]",
-            f"data.tokenizer_path={self.tokenizer}",
+            f"data.tokenizer_path={self.tokenizer_file}",
             f"data.cache_dir={self.out / 'index-cache'}",
             f"train.save={run / 'checkpoints'}",
             f"logging.output_dir={run}",
             "logging.progress_bar=false",
         ]
+        if self.tokenizer is not None:  # the model covers the given tokenizer's vocabulary
+            base += [f"data.tokenizer_type={self.tokenizer_type}", "model.vocab_size=null"]
         if self.nproc > 1:  # the same global batch (and so the same data order) over nproc ranks
             micro = load_config(self.config, validate=False).train.micro_batch_size
             if micro % self.nproc:
@@ -162,11 +199,33 @@ class SmallGrid:
                 lambda: [self.data / f"{p}.jsonl" for p in ("train", "valid", "zero_shot")],
             )
         ]
+        if self.tokenizer is None:
+            prefix = self.tokenizer_file.with_suffix("")
+            steps.append(
+                Step(
+                    "tokenizer",
+                    f"train a {self.vocab_size}-piece SentencePiece tokenizer on the training split",
+                    lambda: self._python(
+                        "megatron_lev",
+                        "train-tokenizer",
+                        "--input",
+                        str(self.data / "train.jsonl"),
+                        "--model-prefix",
+                        str(prefix),
+                        "--vocab-size",
+                        str(self.vocab_size),
+                        "--threads",
+                        "1",
+                    ),
+                    lambda: [self.tokenizer_file],
+                    env,
+                )
+            )
         for part in ("train", "valid"):
             steps.append(
                 Step(
                     f"preprocess-{part}",
-                    f"tokenise the {part} documents (GPT-NeoX-20B)",
+                    f"tokenise the {part} documents ({self.tokenizer_file.name})",
                     lambda part=part: self._python(
                         "megatron_lev",
                         "preprocess",
@@ -175,7 +234,9 @@ class SmallGrid:
                         "--output-prefix",
                         str(self.prefix(part)),
                         "--tokenizer",
-                        str(self.tokenizer),
+                        str(self.tokenizer_file),
+                        "--tokenizer-type",
+                        self.tokenizer_type,
                         "--workers",
                         "1",
                         "--no-progress",

@@ -66,6 +66,8 @@ class EmbeddingStage(nn.Module):
         super().__init__()
         with seeded(layer_seed(seed, "embedding")):
             self.embedding = build_input_embedding(model_cfg, vocab_size)
+        if model_cfg.input_init_rms is not None:  # equal-scale init: a deterministic rescale, no RNG
+            self.embedding.rescale_output_(model_cfg.input_init_rms)
 
     @property
     def tied_weight(self) -> torch.Tensor | None:

@@ -478,10 +478,17 @@ class Preemption(Callback):
 
 
 class EmbeddingProbe(Callback):
-    """Logs the RMS of `module`'s output at its first forward (the input-embedding scale, LEV.md)."""
+    """Logs the RMS of `module`'s output at its first forward (the input-embedding scale, LEV.md):
+    over the first batch (`input_embedding_rms`) and, for an `InputEmbedding`, over the vocabulary
+    as `model.input_init_rms` measures it (`input_embedding_table_rms`, `InputEmbedding.output_rms`).
+
+    The vocabulary RMS runs the embedding again inside the hook (collective under TP, where every
+    rank runs the same hook); it is skipped where ZeRO-3 partitions the parameters (`ds_id`).
+    """
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.value: float | None = None
+        self.table_value: float | None = None
         self._logged = False
         self._handle = module.register_forward_hook(self._hook)
 
@@ -489,14 +496,20 @@ class EmbeddingProbe(Callback):
         if self.value is None and isinstance(output, torch.Tensor):
             self.value = float(output.detach().float().pow(2).mean().sqrt())
             self._handle.remove()
+            if hasattr(module, "output_rms") and not any(hasattr(p, "ds_id") for p in module.parameters()):
+                self.table_value = module.output_rms()
 
     def metrics(self, trainer: Trainer, iteration: int) -> dict[str, Any]:
         if self._logged or self.value is None:
             return {}
         self._logged = True
+        out = {"input_embedding_rms": self.value}
+        if self.table_value is not None:
+            out["input_embedding_table_rms"] = self.table_value
         if trainer.rank == 0:
-            log.info("input-embedding RMS at the first step: %.4f", self.value)
-        return {"input_embedding_rms": self.value}
+            table = f" (over the vocabulary: {self.table_value:.4f})" if self.table_value is not None else ""
+            log.info("input-embedding RMS at the first step: %.4f%s", self.value, table)
+        return out
 
     def on_close(self, trainer: Trainer) -> None:
         self._handle.remove()

@@ -43,6 +43,7 @@ FREE_KEYS = frozenset(
         "model.attention_dropout",
         "model.init_std",
         "model.lev.w_out_init_scale",
+        "model.input_init_rms",
     }
 )
 EXACT_KEYS = frozenset({"model.seq_length"})  # under a fixed prefix, yet allowed by --allow-change

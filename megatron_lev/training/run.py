@@ -71,6 +71,7 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
     from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
     from megatron_lev.data.tokenizers import build_tokenizer
     from megatron_lev.model.build import build_model, padded_vocab_size
+    from megatron_lev.model.embeddings import embedding_class
     from megatron_lev.model.flops import flops_per_token, parameter_count
     from megatron_lev.parallel.random import model_parallel_manual_seed
     from megatron_lev.resources import checkout_root
@@ -91,6 +92,8 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
 
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_path)
     vocab = padded_vocab_size(check_vocab(cfg, tokenizer.vocab_size), cfg.model, tp)
+    # the variant's rules that need the vocabulary (e.g. a compressed baseline's minimum width)
+    embedding_class(cfg.model.embedding).check_vocab(cfg.model, vocab)
     # which checkpoint (verified, config compared), or a fresh start that loses nothing: before the model
     save_dir = cfg.train.save or str(out / "checkpoints")
     load_dir = cfg.train.load or save_dir

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import yaml
@@ -90,3 +91,71 @@ def test_missing_data_is_a_clear_error(tmp_path):
         write_lm_eval_tasks(tmp_path, tmp_path / "out")
     with pytest.raises(ValueError, match="unknown task"):
         write_lm_eval_tasks(tmp_path, tmp_path / "out", tasks=["arc_easy"])
+
+
+# ------------------------------------------------------------------------------------------ LAMBADA
+
+LAMBADA_TEXTS = [
+    "she looked at the old map and pointed to the harbour",
+    "one",
+    "he wrote \u201cthe end\u201d on the last page",
+]
+
+
+def _lambada_task(path):
+    task = _task(path)
+    return task, list(task.test_docs())
+
+
+def test_lambada_task_reads_a_clean_jsonl_in_place(tmp_path, monkeypatch_module):
+    from megatron_lev.checkpoint.lm_eval_tasks import LAMBADA_TASK
+    from megatron_lev.data.zero_shot import read_lambada
+
+    src = tmp_path / "lambada_test.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in LAMBADA_TEXTS))
+    written = write_lm_eval_tasks(None, tmp_path / "tasks", lambada=src)
+    assert [p.name for p in written] == [f"{LAMBADA_TASK}.yaml", f"{GROUP}.yaml"]
+    cfg = yaml.safe_load(written[0].read_text())
+    assert cfg["dataset_kwargs"]["data_files"]["test"] == str(src.resolve())  # the file itself
+    assert cfg["output_type"] == "loglikelihood"
+    assert [m["metric"] for m in cfg["metric_list"]] == ["perplexity", "acc"]
+    assert yaml.safe_load(written[1].read_text())["task"] == [LAMBADA_TASK]
+    task, docs = _lambada_task(written[0])
+    passages = read_lambada(src)
+    assert task.OUTPUT_TYPE == "loglikelihood" and len(docs) == len(passages) == 3
+    for doc, p in zip(docs, passages):
+        assert (task.doc_to_text(doc), task.doc_to_target(doc)) == (p.context, p.target)
+
+
+def test_lambada_plain_text_is_normalised_for_lm_eval(tmp_path, monkeypatch_module):
+    from megatron_lev.data.zero_shot import read_lambada
+
+    src = tmp_path / "lambada.txt"
+    src.write_text("a passage whose last word follows\ttwo  spaces\n\nanother passage ends here  \n")
+    (task_yaml, _) = write_lm_eval_tasks(None, tmp_path / "tasks", lambada=src)
+    data = yaml.safe_load(task_yaml.read_text())["dataset_kwargs"]["data_files"]["test"]
+    assert data == str((tmp_path / "tasks" / "local_lambada.jsonl").resolve())
+    task, docs = _lambada_task(task_yaml)
+    passages = read_lambada(src)
+    assert [p.target for p in passages] == [" spaces", " here"]
+    assert [(task.doc_to_text(d), task.doc_to_target(d)) for d in docs] == [
+        (p.context, p.target) for p in passages
+    ]
+
+
+def test_lambada_joins_the_downstream_group(shared_data, tmp_path, monkeypatch_module):
+    src = tmp_path / "l.txt"
+    src.write_text("\n".join(LAMBADA_TEXTS) + "\n")
+    out = tmp_path / "tasks"
+    argv = [
+        "lm-eval-tasks",
+        "--data-dir",
+        str(shared_data / "eval"),
+        "--lambada",
+        str(src),
+        "--out",
+        str(out),
+    ]
+    assert cli_main(argv) == 0
+    group = yaml.safe_load((out / f"{GROUP}.yaml").read_text())
+    assert group["task"] == [*TASKS, "local_lambada"]  # the paper's six downstream tasks

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = {
     "$PILE_DATA": "data/pile_train_text_document",
     "$PILE_VALID": "data/pile_val_text_document",
-    "$PILE_TOKENIZER": "tokenizers/gpt-neox-20b.json",
+    "$PILE_TOKENIZER": "tokenizers/o200k_base.tiktoken",
 }
 
 
@@ -38,7 +38,7 @@ def _resolved(run):
     overrides = []
     for item in run.overrides():
         key, _, value = item.partition("=")
-        overrides.append(f"{key}={DATA.get(value, value)}")
+        overrides.append(f"{key}={DATA.get(value, value) if value.startswith('$') else value}")
     return load_config(ROOT / run.config, overrides, world_size=run.world_size)
 
 
@@ -116,3 +116,44 @@ def test_submission_script_submits_every_run_with_expanded_data(tmp_path):
     missing = {k: v for k, v in env.items() if k != "PILE_VALID"}
     proc = subprocess.run(["bash", str(script)], env=missing, cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode != 0 and "PILE_VALID" in proc.stderr
+
+
+def _padded(run, cfg):
+    from megatron_lev.data.tokenizers import KNOWN_VOCABULARIES
+    from megatron_lev.model.build import padded_vocab_size
+
+    return padded_vocab_size(
+        KNOWN_VOCABULARIES[run.vocab], cfg.model, cfg.parallel.tensor_model_parallel_size
+    )
+
+
+def test_paper_grid_is_sized_for_o200k_and_its_baselines_pass_the_width_rule():
+    """TIED near 200M / 400M / 1.2B and UNTIED near the paper's 611M at 400M with o200k_base; every
+    compressed baseline of the grid and of the vocabulary study passes its config's minimum width."""
+    from megatron_lev.model.embeddings import embedding_class
+    from megatron_lev.model.flops import parameter_count
+
+    totals = {}
+    for run in paper_runs(vocabs=["o200k_base", "cl100k_base", "neox"]):
+        cfg = _resolved(run)
+        assert cfg.data.tokenizer_type == ("hf" if run.vocab == "neox" else "tiktoken")
+        embedding_class(run.variant).check_vocab(cfg.model, _padded(run, cfg))  # would raise
+        if run.vocab == "o200k_base":
+            assert _padded(run, cfg) == 200_064
+            totals[run.size, run.variant] = parameter_count(cfg.model, 200_064, run.variant)["total"]
+    for size, target in (("200m", 200e6), ("400m", 400e6), ("1.2b", 1.2e9)):
+        assert abs(totals[size, "tied"] / target - 1) < 0.025, size
+    assert totals["400m", "untied"] == pytest.approx(611e6, rel=0.005)
+    assert totals["400m", "untied"] - totals["400m", "tied"] == 200_064 * 1024
+
+
+def test_vocabulary_study_runs_read_their_own_data_variables():
+    runs = paper_runs(["400m"], ["tied", "lev"], ["o200k_base", "neox"])
+    assert [r.name for r in runs] == ["400m-tied", "400m-lev", "400m-neox-tied", "400m-neox-lev"]
+    neox = runs[3].overrides()
+    assert "data.data_path=$PILE_DATA_NEOX" in neox and "data.tokenizer_type=hf" in neox
+    assert not any("tokenizer_type" in o for o in runs[0].overrides())
+    script = submission_script(runs)
+    assert ': "${PILE_TOKENIZER_NEOX:?' in script and ': "${PILE_TOKENIZER:?' in script
+    evals = evaluation_script(runs)
+    assert 'EVAL_DATA="$PILE_VALID_NEOX"' in evals and "results/paper/400m-neox" in evals

@@ -64,25 +64,38 @@ def test_split_holds_out_a_subset_and_every_nth_document(tmp_path):
 
 def _grid(tmp_path: Path, **kw) -> SmallGrid:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    tok = tmp_path / "tok.json"
-    tok.write_text("{}")
-    return SmallGrid(_pile_dir(tmp_path), tmp_path / "grid", tok, **kw)
+    return SmallGrid(_pile_dir(tmp_path), tmp_path / "grid", **kw)
 
 
 def test_every_variant_trains_the_same_run_but_for_the_embedding(tmp_path):
     grid = _grid(tmp_path)
     grid.check()
     names = [s.name for s in grid.steps()]
-    assert names[:3] == ["split", "preprocess-train", "preprocess-valid"]
+    assert names[:4] == ["split", "tokenizer", "preprocess-train", "preprocess-valid"]
     assert names[-3:] == ["compare-validation", "compare-zero-shot", "compare-training"]
-    assert names[3:6] == ["train-tied", "convert-tied", "evaluate-tied"] and len(names) == 3 + 6 * 3 + 3
+    assert names[4:7] == ["train-tied", "convert-tied", "evaluate-tied"] and len(names) == 4 + 6 * 3 + 3
     commands = {s.name: s.command() for s in grid.steps()}
+    spm = str(grid.data / "spm2048.model")
+    assert commands["tokenizer"][3:] == [
+        "train-tokenizer",
+        "--input",
+        str(grid.data / "train.jsonl"),
+        "--model-prefix",
+        str(grid.data / "spm2048"),
+        "--vocab-size",
+        "2048",
+        "--threads",
+        "1",
+    ]
+    cmd = commands["preprocess-train"]
+    assert cmd[cmd.index("--tokenizer") :][:4] == ["--tokenizer", spm, "--tokenizer-type", "sentencepiece"]
     assert commands["compare-training"][-2:] == ["--tag", "train/loss"]
     assert commands["compare-validation"][-2:] == ["--tag", "valid/loss"]
     cfgs = {v: grid.run_config(v).to_dict() for v in grid.variants}
     for v, d in cfgs.items():
         assert d["model"].pop("embedding") == v
         assert d["data"]["valid_data_path"] == [str(grid.prefix("valid"))]
+        assert (d["data"]["tokenizer_path"], d["data"]["tokenizer_type"]) == (spm, "sentencepiece")
         for section, key in (("train", "save"), ("logging", "output_dir")):
             assert v in d[section].pop(key)
     assert all(d == cfgs["tied"] for d in cfgs.values())
@@ -178,3 +191,49 @@ def test_a_finished_step_with_another_command_is_refused_but_compare_reruns(tmp_
     grid.overrides = ["train.lr=1e-3"]
     with pytest.raises(ConfigError, match="(?s)'train-lev' already finished.*train.lr=1e-3"):
         check_finished_steps(state, grid.steps())
+
+
+def _small_counts(vocab: int):
+    from megatron_lev.model.build import padded_vocab_size
+    from megatron_lev.model.embeddings import REGISTRY, embedding_class
+    from megatron_lev.model.flops import parameter_count
+
+    cfg = load_config(ROOT / "pretrain/configs/experiments/small/small.yaml", world_size=1).model
+    padded = padded_vocab_size(vocab, cfg, 1)
+    totals = {v: parameter_count(cfg, padded, v)["total"] for v in REGISTRY}
+    widths = {
+        v: embedding_class(v).widths(cfg, padded) for v in REGISTRY if hasattr(embedding_class(v), "widths")
+    }
+    return cfg, totals, widths
+
+
+def test_small_grid_baselines_are_wide_enough_and_parameter_matched():
+    """At the grid's own 2,048-piece vocabulary: every compressed width >= 16, every variant but UNTIED
+    (one more V x D table by definition) within 1% of TIED, and no more training FLOPs than 1.2x the
+    old 50k-vocabulary grid's."""
+    from megatron_lev.model.flops import flops_per_token
+
+    cfg, totals, widths = _small_counts(cfg_vocab := 2048)
+    assert cfg.vocab_size == cfg_vocab and cfg.min_compressed_width == 16
+    assert all(w >= 16 for pair in widths.values() for w in pair if w), widths
+    assert widths == {"albert": (29, 0), "flat_mlp": (17, 88), "factorized_mlp": (32, 166)}
+    for variant, total in totals.items():
+        if variant != "untied":
+            assert abs(total / totals["tied"] - 1) <= 0.01, (variant, total)
+    assert totals["tied"] == 7_867_776 and totals["lev"] == 7_937_888
+    assert flops_per_token(cfg, 2048) < 0.06e9  # the 50k grid (width 128 x 4): 0.045e9
+
+
+def test_a_given_tokenizer_too_large_for_the_baselines_is_refused_before_any_step(tmp_path, shared_data):
+    tok = shared_data / "tokenizers" / "gpt-neox-20b.json"
+    grid = _grid(tmp_path, tokenizer=tok)
+    cfg = grid.run_config("tied")
+    assert cfg.model.vocab_size is None and cfg.data.tokenizer_type == "hf"
+    assert "tokenizer" not in [s.name for s in grid.steps()]
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.embedding=albert: its table width e .* is 1, below model\."
+        r"min_compressed_width=16.*model\.lev\.heads=",
+    ):
+        grid.check()
+    _grid(tmp_path / "ok", tokenizer=tok, variants=["tied", "lev", "factorized_mlp"]).check()

@@ -78,3 +78,48 @@ def test_dense_counts_and_unknown_variant():
     cfg.embedding = "dense"
     with pytest.raises(ConfigError, match="model.embedding='dense'"):
         build_input_embedding(cfg, 128)
+
+
+def _narrow_cfg(**kw) -> ModelConfig:
+    kw.setdefault("lev", LevConfig(k=3, d_seed=32, heads=4, kappa=16, rank=16))
+    return ModelConfig(hidden_size=128, num_attention_heads=4, **kw)
+
+
+@pytest.mark.parametrize("variant", ["albert", "flat_mlp"])
+def test_a_degenerate_bottleneck_is_refused_and_the_message_says_what_fits(variant):
+    """The tiny shape with GPT-NeoX's vocabulary: LEV has 48,864 parameters, so the matched ALBERT /
+    FLAT-MLP tables are 1 wide. The smallest `model.lev.heads` named in the message does fit."""
+    cls = embedding_class(variant)
+    cfg = _narrow_cfg()
+    assert cls.widths(cfg, 50304)[0] == 1 and cls.narrow_widths(cfg, 50304)[0][1] == 1
+    with pytest.raises(ConfigError) as info:
+        cls.check_vocab(cfg, 50304)
+    msg = str(info.value)
+    for fragment in (f"model.embedding={variant}", "is 1, below model.min_compressed_width=16", "50,304"):
+        assert fragment in msg, msg
+    heads = int(msg.split("model.lev.heads=")[1].split()[0])
+    fits = _narrow_cfg()
+    fits.lev.heads = heads
+    cls.check_vocab(fits, 50304)
+    fits.lev.heads = heads - 1
+    with pytest.raises(ConfigError):
+        cls.check_vocab(fits, 50304)
+    cls.check_vocab(_narrow_cfg(min_compressed_width=1), 50304)  # the key lowers the bar
+    cls.check_vocab(cfg, 1024)  # a small vocabulary: LEV's budget buys wider tables
+
+
+def test_the_width_rule_names_the_key_to_raise_and_skips_dense_and_lev():
+    with pytest.raises(
+        ConfigError, match=r"seed width e \(model\.lev\.d_seed\) is 8.*set model\.lev\.d_seed to at least 16"
+    ):
+        embedding_class("factorized_mlp").check_vocab(_narrow_cfg(lev=LevConfig(d_seed=8)), 2048)
+    with pytest.raises(ConfigError, match=r"is 4, below.*set model\.baseline_dim to at least 16"):
+        embedding_class("albert").check_vocab(_narrow_cfg(baseline_dim=4), 2048)
+    for variant in ("tied", "untied", "lev"):
+        embedding_class(variant).check_vocab(_narrow_cfg(), 50304)  # no widths: nothing to refuse
+    # with model.vocab_size set the config itself is refused; unset, the trainer checks the tokenizer's
+    from megatron_lev.config import load_config
+
+    with pytest.raises(ConfigError, match="model.embedding=albert"):
+        load_config(None, ["model.embedding=albert", "model.vocab_size=50277", "model.lev.heads=1"])
+    load_config(None, ["model.embedding=albert", "model.lev.heads=1"])

@@ -10,17 +10,36 @@ from megatron_lev.testing import run_distributed
 VOCAB = 48  # divisible by 4 for the vocab-parallel tables
 
 
-def _cfg(variant):
+TARGET_RMS = 0.05
+# every variant, then the options: "lev+centred" (model.lev.centred) and "<variant>+rms" (equal-scale
+# init: `rescale_output_` measures the full table, so every layout must scale by the same factor)
+CASES = (*REGISTRY, "lev+centred", *(f"{v}+rms" for v in REGISTRY))
+
+
+def _cfg(case):
     # recompute is off: torch.utils.checkpoint's first call imports torch._dynamo (seconds per process);
     # recompute == stored is tested single-process in test_lev.py (the checkpoint is local to each rank)
-    lev = LevConfig(k=2, d_seed=6, heads=4, kappa=5, rank=3, chunk_size=5, residual=True, recompute=False)
+    variant, _, option = case.partition("+")
+    lev = LevConfig(
+        k=2,
+        d_seed=6,
+        heads=4,
+        kappa=5,
+        rank=3,
+        chunk_size=5,
+        residual=True,
+        recompute=False,
+        centred=option == "centred",
+    )
     return ModelConfig(hidden_size=8, embedding=variant, lev=lev)
 
 
-def _run(variant, ids, probe):
+def _run(case, ids, probe):
     """Build with seed 0, forward, backward of <out, probe>; return out and per-parameter grads."""
     torch.manual_seed(0)
-    emb = build_input_embedding(_cfg(variant), VOCAB).double()
+    emb = build_input_embedding(_cfg(case), VOCAB).double()
+    if case.endswith("+rms"):
+        emb.rescale_output_(TARGET_RMS)
     out = emb(ids)
     (out * probe).sum().backward()
     grads = {n: (p.grad, getattr(p, "tensor_model_parallel", False)) for n, p in emb.named_parameters()}
@@ -39,7 +58,7 @@ def _tp_worker(tp, ids, probe):
     from megatron_lev.parallel import state
 
     state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    results = {variant: _to_numpy(_run(variant, ids, probe)) for variant in REGISTRY}
+    results = {case: _to_numpy(_run(case, ids, probe)) for case in CASES}
     try:
         LevEmbedding(VOCAB, 8, LevConfig(heads=tp + 1))
         results["bad_heads_error"] = None
@@ -56,8 +75,10 @@ def test_tensor_parallel_matches_single_process(tp):
     ids = torch.randint(0, VOCAB, (2, 9), generator=gen)
     probe = torch.randn(2, 9, 8, generator=gen, dtype=torch.float64)
     ranks = run_distributed(_tp_worker, world_size=tp, args=(tp, ids, probe), timeout=240)
-    for variant in REGISTRY:
+    for variant in CASES:
         ref_out, ref_grads, ref_table = _run(variant, ids, probe)
+        if variant.endswith("+rms"):
+            assert float(ref_table.pow(2).mean().sqrt()) == pytest.approx(TARGET_RMS, rel=1e-12)
         for rank in ranks:
             out, grads, table = (torch.from_numpy(x) if not isinstance(x, dict) else x for x in rank[variant])
             torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12, msg=f"{variant} output")

@@ -28,12 +28,17 @@ def test_parameter_count_equals_the_built_model(embedding):
 
 
 def test_paper_sizes_tied_within_five_percent():
-    table = {(r["size"], r["variant"]): r for r in rows(["200m", "400m", "1.2b"], 50277, 1, tuple(REGISTRY))}
+    """The sizes are derived for o200k_base (the paper's ~200k vocabulary)."""
+    table = {(r["size"], r["variant"]): r for r in rows(["200m", "400m", "1.2b"], 199999, 1, tuple(REGISTRY))}
     for size, target in (("200m", 200e6), ("400m", 400e6), ("1.2b", 1.2e9)):
         assert abs(table[size, "tied"]["total"] / target - 1) < 0.05, size
-        assert table[size, "tied"]["vocab"] == 50304
-    assert table["200m", "lev"]["input"] == 1_720_192  # LEV.md: the spec's count at D = 1024
+        assert table[size, "tied"]["vocab"] == 200064
+    assert table["400m", "untied"]["total"] == 612_140_032  # the paper: 611M
+    assert table["400m", "tied"]["embedding_share"] == pytest.approx(0.503, abs=1e-3)  # "about half"
+    assert table["400m", "flat_mlp"]["widths"] == (4, 903) and table["400m", "flat_mlp"]["narrow"] == [4]
     assert 0 < table["1.2b", "lev"]["vs_tied"] < 0.005  # "grows by only 0.2%"
+    neox = {(r["size"], r["variant"]): r for r in rows(["400m"], 50277, 1, ("lev",))}
+    assert neox["400m", "lev"]["input"] == 1_720_192  # LEV.md: the spec's count at D = 1024, V = 50,277
 
 
 def test_padding_and_flops():
@@ -51,7 +56,18 @@ def test_params_command_prints_every_variant(capsys):
     out = capsys.readouterr().out
     for variant in tuple(REGISTRY):
         assert f" {variant} " in out
-    assert "205,038,464" in out  # 200m lev
+    assert "vocabulary o200k_base (199,999)" in out and "203,935,232" in out  # 200m lev
+    assert cli_main(["params", "--sizes", "400m", "--vocab-size", "neox", "cl100k_base", "o200k_base"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(" padded")[0] for line in out.splitlines() if line.startswith("vocabulary ")] == [
+        "vocabulary neox (50,277)",
+        "vocabulary cl100k_base (100,257)",
+        "vocabulary o200k_base (199,999)",
+    ]
+    assert "e=17 h=831" in out and "e=4 h=903 <16!" in out and "50.3%" in out
+    assert "below model.min_compressed_width" in out and "400m flat_mlp at o200k_base" in out
+    assert cli_main(["params", "--vocab-size", "p50k"]) == 1
+    assert "--vocab-size p50k: give a number or one of neox" in capsys.readouterr().err
     assert cli_main(["params", "--sizes", "nope"]) == 2
     assert "no model config named 'nope'" in capsys.readouterr().err
 

@@ -69,16 +69,18 @@ def _reference(emb: LevEmbedding, ids: list[int]) -> torch.Tensor:
             )
             basis = raw / raw.sum(-1, keepdim=True)
             phi = torch.einsum("jm,jmr->jr", basis, 1 + emb.delta[h].detach())  # (d, r)
-            g += phi.prod(dim=0) @ emb.out_proj[h].detach()
+            modes = phi.prod(dim=0) - (1.0 if lev.centred else 0.0)  # centred: (M_l - 1) W_out_l
+            g += modes @ emb.out_proj[h].detach()
         if emb.residual is not None:
             g += emb.residual.weight.detach() @ z
         rows.append(g)
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("centred", [False, True])
 @pytest.mark.parametrize("residual", [False, True])
-def test_forward_matches_reference_implementation(residual):
-    emb = make_lev(residual=residual)
+def test_forward_matches_reference_implementation(residual, centred):
+    emb = make_lev(residual=residual, centred=centred)
     with torch.no_grad():  # larger delta so phi moves far from 1 and some factors turn negative
         emb.delta.normal_(0.0, 1.5)
         emb.norm_bias.normal_(0.0, 2.0)
@@ -96,8 +98,19 @@ def test_separable_product_gradcheck_with_negative_factors():
     assert torch.autograd.gradcheck(separable_product, (weight, index, delta))
 
 
-def test_lev_layer_gradcheck():
-    emb = make_lev(vocab=20, hidden=3, residual=True, chunk_size=3, recompute=True, d_seed=3, kappa=4, rank=2)
+@pytest.mark.parametrize("centred", [False, True])
+def test_lev_layer_gradcheck(centred):
+    emb = make_lev(
+        vocab=20,
+        hidden=3,
+        residual=True,
+        chunk_size=3,
+        recompute=True,
+        d_seed=3,
+        kappa=4,
+        rank=2,
+        centred=centred,
+    )
     names = [n for n, _ in emb.named_parameters()]
     ids = torch.tensor([[0, 3, 19, 3, 7, 12]])
 
@@ -121,22 +134,24 @@ def _value_and_grads(emb, ids, seed=3):
     [dict(dedupe=False), dict(chunk_size=1000), dict(recompute=True)],
     ids=["unique-vs-full", "chunked-vs-unchunked", "recompute-vs-stored"],
 )
-def test_execution_paths_agree(change):
+@pytest.mark.parametrize("centred", [False, True])
+def test_execution_paths_agree(change, centred):
     ids = torch.randint(0, 40, (3, 11), generator=torch.Generator().manual_seed(0))
-    ref_out, ref_grads = _value_and_grads(make_lev(), ids)
+    ref_out, ref_grads = _value_and_grads(make_lev(centred=centred), ids)
     if "dedupe" in change:
-        emb = make_lev()
+        emb = make_lev(centred=centred)
         emb.dedupe = False
     else:
-        emb = make_lev(**change)
+        emb = make_lev(centred=centred, **change)
     out, grads = _value_and_grads(emb, ids)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
-def test_forward_equals_lookup_into_materialized_table():
-    emb = make_lev(residual=True)
+@pytest.mark.parametrize("centred", [False, True])
+def test_forward_equals_lookup_into_materialized_table(centred):
+    emb = make_lev(residual=True, centred=centred)
     table = emb.materialize(chunk_size=7)
     assert table.shape == (40, 8) and not table.requires_grad
     ids = torch.randint(0, 40, (2, 9))
@@ -149,6 +164,12 @@ def test_parameter_count_matches_spec_formula():
     count = sum(p.numel() for p in emb.parameters())
     assert count == lev_parameter_count(50277, 1024, LevConfig()) == 1_720_192
     assert lev_parameter_count(50277, 1024, LevConfig(residual=True)) == 1_720_192 + 128 * 1024
+    centred = LevEmbedding(50277, 1024, LevConfig(centred=True))  # centring adds no parameter
+    assert (
+        sum(p.numel() for p in centred.parameters())
+        == lev_parameter_count(50277, 1024, LevConfig(centred=True))
+        == 1_720_192
+    )
 
 
 def test_init_scale_and_w_out_init_scale():
@@ -264,11 +285,12 @@ def test_grouped_product_falls_back_per_factor_exactly_where_needed(case, expect
         assert bool(bad[0, :, 1].all()) and int(bad.sum()) == 5  # only head 0, rank 1 (coordinate 3)
 
 
-def test_phi_modes_agree_in_the_layer():
+@pytest.mark.parametrize("centred", [False, True])
+def test_phi_modes_agree_in_the_layer(centred):
     ids = torch.randint(0, 40, (3, 11), generator=torch.Generator().manual_seed(0))
     results = {}
     for mode in ("gather", "dense", "kernel"):
-        emb = make_lev()
+        emb = make_lev(centred=centred)
         with torch.no_grad():
             emb.delta.normal_(0.0, 1.5)
         import megatron_lev.model.embeddings.lev as lev_module
@@ -291,3 +313,25 @@ def test_unknown_phi_mode_is_refused():
     weight, index, delta = _basis_case("mixed")
     with pytest.raises(ValueError, match="phi mode must be one of"):
         separable_product(weight, index, delta, "sparse")
+
+
+def test_centred_is_the_default_minus_the_all_ones_term():
+    """Same parameters: centred G = default G - sum_l 1^T W_out_l (one constant vector for every id)."""
+    default, centred = make_lev(residual=True), make_lev(residual=True, centred=True)
+    centred.load_state_dict(default.state_dict())
+    shift = default.out_proj.detach().sum(dim=(0, 1))  # (D,)
+    torch.testing.assert_close(centred.materialize(), default.materialize() - shift, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_centred_table_has_far_lower_mean_pairwise_cosine_at_init(seed):
+    """The spec's layer at D = 128 (spec defaults otherwise): its rows share one dominant direction
+    (mean pairwise cosine ~0.56); without the all-ones term they mostly do not (~0.15)."""
+    from megatron_lev.analysis.cosine import gram_moments
+
+    means = {}
+    for centred in (False, True):
+        torch.manual_seed(seed)
+        emb = LevEmbedding(4096, 128, LevConfig(centred=centred))
+        means[centred] = gram_moments(emb.materialize())[0]
+    assert means[False] > 0.4 and means[True] < 0.2, means

@@ -28,6 +28,8 @@ RANGE_CASES = [
     ("model.norm_eps=0", [r"model\.norm_eps=0", r"> 0"]),
     ("model.init_std=nan", [r"model\.init_std=nan", r"> 0"]),
     ("model.init_std=0", [r"model\.init_std=0"]),
+    ("model.input_init_rms=0", [r"model\.input_init_rms=0", r"> 0"]),
+    ("model.input_init_rms=nan", [r"model\.input_init_rms=nan", r"finite"]),
     ("train.train_iters=-5", [r"train\.train_iters=-5", r"integer >= 1"]),
     ("train.train_iters=0", [r"train\.train_iters=0", r">= 1"]),
     ("train.train_tokens=-1", [r"train\.train_tokens=-1", r">= 1"]),
@@ -60,6 +62,7 @@ RANGE_CASES = [
     ("model.vocab_size=0", [r"model\.vocab_size=0"]),
     ("model.baseline_dim=0", [r"model\.baseline_dim=0"]),
     ("model.baseline_hidden=-1", [r"model\.baseline_hidden=-1"]),
+    ("model.min_compressed_width=0", [r"model\.min_compressed_width=0", r">= 1"]),
     ("model.make_vocab_size_divisible_by=0", [r"model\.make_vocab_size_divisible_by=0"]),
     ("model.hidden_dropout=1", [r"model\.hidden_dropout=1", r"\[0, 1\)"]),
     ("model.attention_dropout=nan", [r"model\.attention_dropout=nan"]),
@@ -113,6 +116,16 @@ SHAPE_CASES = [
         ["model.hidden_size=96", "model.num_attention_heads=32"],
         [r"model\.hidden_size / model\.num_attention_heads = 3", r"even head width"],
         id="odd-head-width",
+    ),
+    pytest.param(
+        ["model.embedding=flat_mlp", "model.vocab_size=50277"],
+        [
+            r"model\.embedding=flat_mlp: its table width e \(model\.baseline_dim\) is 12",
+            r"below model\.min_compressed_width=16",
+            r"padded vocabulary 50,304",
+            r"model\.lev\.heads=11 or more",
+        ],
+        id="compressed-baseline-too-narrow",
     ),
     pytest.param(["--world-size", "0"], [r"world size 0", r">= 1"], id="world-size-zero"),
     pytest.param(["--world-size", "-2"], [r"world size -2"], id="world-size-negative"),
@@ -170,6 +183,9 @@ def test_shipped_configs_and_boundary_values_still_validate():
             "data.data_path=[0.5, a, 0, b]",
             "train.save=null",
             "model.num_kv_heads=null",
+            "model.input_init_rms=null",
+            "model.input_init_rms=1e-3",
+            "model.lev.centred=true",
         ],
         world_size=1,
     )
@@ -318,11 +334,14 @@ def inputs(tmp_path_factory) -> Path:
     (d / "no_events").mkdir()
     (d / "a_file").write_text("not a directory\n")
     (d / "empty_corpus").mkdir()
+    (d / "cut_run" / "checkpoints" / "iter_0000002").mkdir(parents=True)  # a save without its marker
     with open(d / "corpus.jsonl", "w") as f:
         for i in range(60):
             f.write(json.dumps({"text": f"document {i}: the quick brown fox jumps over the lazy dog"}) + "\n")
     (d / "not_pile.jsonl").write_text('{"body": "no text key"}\nnot json at all\n')
     (d / "bad.yaml").write_bytes(b"\xff\xfebinary")
+    (d / "empty.jsonl").write_text("")
+    (d / "lambada_no_text.jsonl").write_text('{"text": "a b c"}\n{"passage": "d e f"}\n')
     return d
 
 
@@ -487,6 +506,48 @@ COMMAND_CASES = [
         ["out"],
     ),
     (
+        "compare-mismatched-seed-counts",
+        ["compare", "TIED={i}/tied.json,{i}/lev.json", "LEV={i}/lev.json", "--out", "{t}/out"],
+        [r"LEV has 1 seed\(s\) but TIED has 2", r"same number of eval\.json"],
+        1,
+        ["out"],
+    ),
+    (
+        "compare-seed-given-twice",
+        ["compare", "TIED={i}/tied.json", "TIED={i}/tied.json", "--out", "{t}/out"],
+        [r"tied\.json' is given twice for 'TIED'"],
+        1,
+        ["out"],
+    ),
+    (
+        "compare-empty-seed-path",
+        ["compare", "TIED={i}/tied.json,", "--out", "{t}/out"],
+        [r"empty path in 'TIED=.*tied\.json,'"],
+        1,
+        ["out"],
+    ),
+    (
+        "compare-bootstrap-without-per-document-losses",
+        ["compare", "TIED={i}/tied.json", "LEV={i}/lev.json", "--bootstrap", "200", "--out", "{t}/out"],
+        [r"tied\.json: no per-document losses", r"rerun `megatron-lev evaluate`", r"--bootstrap 0"],
+        1,
+        ["out"],
+    ),
+    (
+        "compare-negative-bootstrap",
+        ["compare", "TIED={i}/tied.json", "--bootstrap", "-5", "--out", "{t}/out"],
+        [r"--bootstrap -5"],
+        1,
+        ["out"],
+    ),
+    (
+        "compare-decomposition-without-its-runs",
+        ["compare", "TIED={i}/tied.json", "LEV={i}/lev.json", "--decomposition", "--out", "{t}/out"],
+        [r"--decomposition needs", r"missing: ALBERT, FLAT-MLP, FACT-MLP"],
+        1,
+        ["out"],
+    ),
+    (
         "compare-out-is-a-file",
         ["compare", "TIED={i}/tied.json", "--out", "{i}/a_file"],
         [r"--out .*a_file: exists and is not a directory"],
@@ -519,6 +580,48 @@ COMMAND_CASES = [
         "lm-eval-data-dir-is-file",
         ["lm-eval-tasks", "--data-dir", "{i}/a_file", "--out", "{t}/tasks"],
         [r"--data-dir .*a_file: not a directory"],
+        1,
+        ["tasks"],
+    ),
+    (
+        "lm-eval-nothing-to-write",
+        ["lm-eval-tasks", "--out", "{t}/tasks"],
+        [r"--data-dir", r"--lambada"],
+        1,
+        ["tasks"],
+    ),
+    (
+        "lm-eval-lambada-missing",
+        ["lm-eval-tasks", "--lambada", "{t}/nope.jsonl", "--out", "{t}/tasks"],
+        [r"nope\.jsonl: LAMBADA file not found"],
+        1,
+        ["tasks"],
+    ),
+    (
+        "lm-eval-lambada-empty",
+        ["lm-eval-tasks", "--lambada", "{i}/empty.jsonl", "--out", "{t}/tasks"],
+        [r"empty\.jsonl: no passages"],
+        1,
+        ["tasks"],
+    ),
+    (
+        "lm-eval-lambada-line-without-text",
+        ["lm-eval-tasks", "--lambada", "{i}/lambada_no_text.jsonl", "--out", "{t}/tasks"],
+        [r"lambada_no_text\.jsonl:2: no 'text' field"],
+        1,
+        ["tasks"],
+    ),
+    (
+        "lm-eval-lambada-is-a-directory",
+        ["lm-eval-tasks", "--lambada", "{i}/empty_corpus", "--out", "{t}/tasks"],
+        [r"empty_corpus: LAMBADA file is a directory"],
+        1,
+        ["tasks"],
+    ),
+    (
+        "lm-eval-tasks-without-data-dir",
+        ["lm-eval-tasks", "--lambada", "{i}/corpus.jsonl", "--tasks", "local_piqa", "--out", "{t}/tasks"],
+        [r"--tasks", r"--data-dir"],
         1,
         ["tasks"],
     ),
@@ -815,6 +918,28 @@ COMMAND_CASES = [
         [r"--out .*a_file: exists and is not a directory"],
         2,
         [],
+    ),
+    # geometry
+    (
+        "geometry-run-without-checkpoints",
+        ["geometry", "{i}/no_events", "--out", "{t}/geo"],
+        [r"no_events: no complete training checkpoint", r"iter_XXXXXXX"],
+        1,
+        ["geo"],
+    ),
+    (
+        "geometry-only-an-interrupted-save",
+        ["geometry", "{i}/cut_run", "--out", "{t}/geo"],
+        [r"cut_run: no complete training checkpoint", r"cut_run/checkpoints"],
+        1,
+        ["geo"],
+    ),
+    (
+        "geometry-missing-run",
+        ["geometry", "{t}/nope", "--out", "{t}/geo"],
+        [r"nope: not a directory"],
+        1,
+        ["geo"],
     ),
     # config
     (

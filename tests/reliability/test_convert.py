@@ -483,6 +483,19 @@ def ev_text(content: str | bytes, name: str = "corpus.txt"):
     return lambda c: ev("--text", write(c.tmp / name, content), "--tokenizer", c.tokenizer)(c)
 
 
+WIKI = " = Title = \n \n Some text @-@ here , and more . \n = = Part = = \n Last line . \n"
+
+
+def ev_task(flag: str, content: str | bytes | None, name: str, *extra):
+    """evaluate with `flag` FILE (the run's tokenizer); `content` None: the file does not exist."""
+
+    def make(c: Ctx) -> list:
+        path = c.tmp / name if content is None else write(c.tmp / name, content)
+        return ev(flag, path, "--tokenizer", c.tokenizer, *extra)(c)
+
+    return make
+
+
 def shard(c: Ctx, ids) -> Path:
     from megatron_lev.data.indexed import IndexedDatasetBuilder
 
@@ -709,6 +722,59 @@ EVALUATE = [
         id="counts-not-npy",
     ),
     pytest.param(Case(lambda c: ev()(c), ("--data", "--text"), 1, no_eval), id="nothing-to-evaluate"),
+    pytest.param(
+        Case(ev_task("--lambada", None, "gone.jsonl"), ("gone.jsonl", "LAMBADA file not found"), 1, no_eval),
+        id="lambada-missing",
+    ),
+    pytest.param(
+        Case(ev_task("--lambada", "", "l.jsonl"), (r"l\.jsonl: no passages", "empty file"), 1, no_eval),
+        id="lambada-empty",
+    ),
+    pytest.param(
+        Case(
+            ev_task("--lambada", '{"text": "a b c"}\n{"passage": "d e f"}\n', "l.jsonl"),
+            (r"l\.jsonl:2: no 'text' field",),
+            1,
+            no_eval,
+        ),
+        id="lambada-line-without-text",
+    ),
+    pytest.param(
+        Case(ev_task("--lambada", b"caf\xe9 au lait\n", "l.txt"), (r"l\.txt:1: not UTF-8",), 1, no_eval),
+        id="lambada-not-utf8",
+    ),
+    pytest.param(
+        Case(ev_task("--wikitext", None, "gone.raw"), ("gone.raw", "Wikitext file not found"), 1, no_eval),
+        id="wikitext-missing",
+    ),
+    pytest.param(
+        Case(ev_task("--wikitext", " \n \n", "w.raw"), (r"w\.raw: no text to evaluate",), 1, no_eval),
+        id="wikitext-empty",
+    ),
+    pytest.param(
+        Case(
+            ev_task("--wikitext", "just prose, no headings\n", "w.raw"),
+            (r"w\.raw: no article heading", "--text"),
+            1,
+            no_eval,
+        ),
+        id="wikitext-without-headings",
+    ),
+    pytest.param(
+        Case(
+            ev_task("--wikitext", WIKI, "w.raw", "--stride", "9"), ("--stride 9", "--seq-len 8"), 1, no_eval
+        ),
+        id="stride-above-window",
+    ),
+    pytest.param(
+        Case(
+            ev_task("--lambada", "a b c\n", "l.txt", "--detokenize"),
+            ("--detokenize", "--wikitext"),
+            1,
+            no_eval,
+        ),
+        id="detokenize-without-wikitext",
+    ),
 ]
 
 
@@ -1264,6 +1330,30 @@ def test_keep_lev_export_evaluates_with_trust_remote_code(ctx, capsys):
     )
     result = json.loads((ctx.tmp / "ev" / "eval.json").read_text())["results"][0]
     assert np.isfinite(result["perplexity"]) and result["tokens"] > 8
+
+
+def test_zero_shot_tasks_give_the_same_numbers_on_checkpoint_and_export(ctx, capsys):
+    lambada = write(
+        ctx.tmp / "lambada.jsonl",
+        "".join(
+            json.dumps({"text": t}) + "\n"
+            for t in ("the cat sat on the mat", "she opened the door", "we walked along the river bank")
+        ),
+    )
+    wiki = write(ctx.tmp / "wiki.raw", WIKI * 3)
+    results = {}
+    for kind, model in (("checkpoint", ctx.ckpt["tied"]), ("export", ctx.hf)):
+        argv = ["evaluate", model, "--lambada", lambada, "--wikitext", wiki, "--tokenizer", ctx.tokenizer]
+        argv += ["--seq-len", "16", "--threads", "1", "--out", ctx.tmp / kind]
+        expect_ok(run_cli(argv, capsys))
+        results[kind] = json.loads((ctx.tmp / kind / "eval.json").read_text())["results"]
+    (lam_ckpt, wiki_ckpt), (lam_hf, wiki_hf) = results["checkpoint"], results["export"]
+    assert lam_ckpt["count"] == 3 and wiki_ckpt["documents"] == 3 and wiki_ckpt["tokens"] > 16
+    assert lam_ckpt["acc"] == lam_hf["acc"]
+    for key in ("perplexity", "mean_nll"):
+        assert lam_ckpt[key] == pytest.approx(lam_hf[key], rel=1e-4)
+    for key in ("word_perplexity", "bits_per_byte", "token_perplexity"):
+        assert wiki_ckpt[key] == pytest.approx(wiki_hf[key], rel=1e-4)
 
 
 # ----------------------------------------------------------------------------- the CPU kernel cache

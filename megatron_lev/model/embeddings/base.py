@@ -11,6 +11,11 @@ table is a dense `(V, D)` `table.weight` (`dense_table`), how to build it
 (`from_config`) and how many parameters it has (`parameter_count`). Everything
 else (the model, the pipeline, checkpoints, sizing, the grid) asks the class.
 
+Equal-scale initialisation (`model.input_init_rms`): a variant names the parameters of its
+final linear map in `output_parameters` (its output is linear in them taken together), and
+`rescale_output_` multiplies them so that the output RMS over the vocabulary (`output_rms`)
+equals the target. Nothing new is stored: checkpoints and exports are unchanged.
+
 Adding a variant: subclass `InputEmbedding` in one file of this package and add
 one line to `REGISTRY` in `megatron_lev/model/embeddings/__init__.py`.
 """
@@ -18,11 +23,15 @@ one line to `REGISTRY` in `megatron_lev/model/embeddings/__init__.py`.
 from __future__ import annotations
 
 import abc
+import math
 
 import torch
 from torch import nn
 
-from megatron_lev.config import ModelConfig
+from megatron_lev.config import ConfigError, ModelConfig
+
+RMS_SAMPLE_IDS = 65536  # larger vocabularies: `output_rms` averages over this many fixed-seed ids
+RMS_SAMPLE_SEED = 0
 
 
 class InputEmbedding(nn.Module, abc.ABC):
@@ -32,6 +41,10 @@ class InputEmbedding(nn.Module, abc.ABC):
     label: str  # the paper's name of the variant (tables, plots, grid runs)
     ties_output_head: bool = False  # the output head reuses this table (`tied_output_weight()`)
     dense_table: bool = False  # the input table is a dense `(V, D)` `table.weight`, exported as is
+
+    # dotted names of the final linear map's parameters (absent ones are skipped): the output is
+    # linear in them taken together, so scaling them all by c scales the output by c
+    output_parameters: tuple[str, ...] = ()
 
     vocab_size: int
     hidden_size: int
@@ -51,6 +64,12 @@ class InputEmbedding(nn.Module, abc.ABC):
         """Raise ConfigError, naming the keys, when this variant cannot run `model_cfg` at this TP size
         (`RunConfig.validate` calls it; the rule lives only here)."""
 
+    @classmethod
+    def check_vocab(cls, model_cfg: ModelConfig, vocab_size: int) -> None:
+        """Raise ConfigError, naming the keys, when this variant cannot run `model_cfg` at the padded
+        `vocab_size` (the trainer calls it once the tokenizer is known; `check_config` too when
+        `model.vocab_size` is set)."""
+
     @abc.abstractmethod
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
         """Embed `input_ids`; implementations call `check_token_ids` first."""
@@ -67,6 +86,54 @@ class InputEmbedding(nn.Module, abc.ABC):
             ids = torch.arange(start, min(start + chunk_size, self.vocab_size), device=device)
             rows.append(self.forward(ids.unsqueeze(0)).squeeze(0))
         return torch.cat(rows, dim=0)
+
+    def rms_ids(self) -> torch.Tensor:
+        """The ids `output_rms` averages over: every id of the (padded) vocabulary up to
+        RMS_SAMPLE_IDS, else that many ids drawn without replacement with a fixed seed (the same
+        ids on every rank and in every run)."""
+        if self.vocab_size <= RMS_SAMPLE_IDS:
+            return torch.arange(self.vocab_size)
+        gen = torch.Generator().manual_seed(RMS_SAMPLE_SEED)
+        return torch.randperm(self.vocab_size, generator=gen)[:RMS_SAMPLE_IDS].sort().values
+
+    @torch.no_grad()
+    def output_rms(self, chunk_size: int = 8192) -> float:
+        """RMS of the output over `rms_ids()` (float64 sums), the same value on every TP rank.
+
+        It runs `forward`, which returns the full width on every rank, so under tensor parallelism
+        it is collective (every TP rank must call it) and measures the full table, not a shard.
+        """
+        device = next(self.parameters()).device
+        ids = self.rms_ids()
+        total = 0.0
+        for chunk in ids.split(chunk_size):
+            out = self.forward(chunk.to(device).unsqueeze(0))
+            total += float(out.double().square().sum())
+        return math.sqrt(total / (len(ids) * self.hidden_size))
+
+    @torch.no_grad()
+    def rescale_output_(self, target: float) -> float | None:
+        """Scale the `output_parameters` in place so that `output_rms()` equals `target`; returns the
+        factor (None on the meta device, where there is nothing to measure). Collective under TP."""
+        params = dict(self.named_parameters())
+        names = [n for n in self.output_parameters if n in params]
+        if not names:
+            raise ConfigError(
+                f"model.input_init_rms is set but model.embedding={self.name!r} names no final linear "
+                "parameter to rescale (output_parameters); set model.input_init_rms: null"
+            )
+        if any(p.is_meta for p in params.values()):
+            return None
+        rms = self.output_rms()
+        if not (0.0 < rms < math.inf):
+            raise ConfigError(
+                f"model.input_init_rms: the {self.label} embedding's initial output RMS is {rms}, "
+                "which cannot be rescaled"
+            )
+        factor = target / rms
+        for name in names:
+            params[name].mul_(factor)
+        return factor
 
     def tied_output_weight(self) -> nn.Parameter | None:
         """The (vocab-parallel) table the output head reuses when `ties_output_head`; else None."""

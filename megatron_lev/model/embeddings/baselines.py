@@ -12,12 +12,13 @@ the tables are vocab-parallel. No biases, like the transformer blocks.
 from __future__ import annotations
 
 import abc
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lev.config import ModelConfig
+from megatron_lev.config import ConfigError, ModelConfig
 from megatron_lev.model.embeddings.base import InputEmbedding, check_token_ids
 from megatron_lev.model.embeddings.lev import Codebooks, digit_base
 from megatron_lev.model.embeddings.sizing import albert_count, lev_parameter_count, mlp_count
@@ -28,6 +29,7 @@ class DenseEmbedding(InputEmbedding):
     """A dense vocab-parallel `V x D` table; `tied=True` lets the output head reuse it."""
 
     dense_table = True
+    output_parameters = ("table.weight",)  # equal-scale init (`InputEmbedding.rescale_output_`)
 
     def __init__(self, vocab_size: int, hidden_size: int, init_std: float = 0.02, tied: bool = False):
         super().__init__()
@@ -75,11 +77,73 @@ def _linear(fan_in: int, fan_out: int, init_std: float) -> nn.Linear:
 class _CompressedEmbedding(InputEmbedding):
     """A small per-token code (table row or seed) then a projection, run once per unique id."""
 
+    # what `(e, hidden)` of `widths` are, for messages ("" where there is no such width)
+    width_names: tuple[str, str] = ("table width e (model.baseline_dim)", "")
+
     @classmethod
     @abc.abstractmethod
     def widths(cls, model_cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:
         """`(e, hidden)`: the code width and the MLP hidden width (0 without an MLP); the ones
         not set in the config (`model.baseline_dim`, `model.baseline_hidden`) match LEV's count."""
+
+    @classmethod
+    def narrow_widths(cls, model_cfg: ModelConfig, vocab_size: int) -> list[tuple[str, int]]:
+        """`(what, width)` of every width below `model.min_compressed_width` at the padded `vocab_size`."""
+        least = model_cfg.min_compressed_width
+        return [
+            (what, width)
+            for what, width in zip(cls.width_names, cls.widths(model_cfg, vocab_size))
+            if what and width < least
+        ]
+
+    @classmethod
+    def check_config(cls, model_cfg: ModelConfig, tensor_parallel: int) -> None:
+        if model_cfg.vocab_size is not None:  # else the trainer checks once the tokenizer is known
+            from megatron_lev.model.build import padded_vocab_size
+
+            cls.check_vocab(model_cfg, padded_vocab_size(model_cfg.vocab_size, model_cfg, tensor_parallel))
+
+    @classmethod
+    def check_vocab(cls, model_cfg: ModelConfig, vocab_size: int) -> None:
+        """Refuse a width below `model.min_compressed_width`: a degenerate bottleneck (e = 1) makes the
+        comparison meaningless. The message names the variant, the width and the LEV size that fits."""
+        narrow = cls.narrow_widths(model_cfg, vocab_size)
+        if not narrow:
+            return
+        what, width = narrow[0]
+        least = model_cfg.min_compressed_width
+        lev = lev_parameter_count(vocab_size, model_cfg.hidden_size, model_cfg.lev)
+        raise ConfigError(
+            f"model.embedding={cls.name}: its {what} is {width}, below model.min_compressed_width={least} "
+            f"(LEV has {lev:,} parameters at the padded vocabulary {vocab_size:,} and "
+            f"model.hidden_size={model_cfg.hidden_size}); {cls._what_fits(model_cfg, vocab_size, what)}, "
+            "or lower model.min_compressed_width"
+        )
+
+    @classmethod
+    def _what_fits(cls, model_cfg: ModelConfig, vocab_size: int, what: str, max_factor: int = 256) -> str:
+        """What would fit: a larger width set in the config, or the smallest `model.lev.heads` (LEV's
+        count, which the other widths match, is linear in it) at which every width fits."""
+        lev, least = model_cfg.lev, model_cfg.min_compressed_width
+        for key, value in (
+            ("model.lev.d_seed", lev.d_seed),
+            ("model.baseline_dim", model_cfg.baseline_dim),
+            ("model.baseline_hidden", model_cfg.baseline_hidden),
+        ):
+            if key in what and value is not None:
+                return f"set {key} to at least {least}"
+        for heads in range(lev.heads + 1, lev.heads * max_factor + 1):
+            wider = dataclasses.replace(model_cfg, lev=dataclasses.replace(lev, heads=heads))
+            if not cls.narrow_widths(wider, vocab_size):
+                count = lev_parameter_count(vocab_size, model_cfg.hidden_size, wider.lev)
+                return (
+                    f"it fits with model.lev.heads={heads} or more (now {lev.heads}; LEV then has "
+                    f"{count:,} parameters), or a smaller vocabulary"
+                )
+        return (
+            f"no model.lev.heads up to {lev.heads * max_factor} fits: set model.baseline_dim / "
+            f"model.baseline_hidden to at least {model_cfg.min_compressed_width}"
+        )
 
     @abc.abstractmethod
     def code(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, e)
@@ -99,6 +163,7 @@ class AlbertEmbedding(_CompressedEmbedding):
     """`albert`: a vocab-parallel `V x e` table then a linear `e -> D` (linear compression)."""
 
     name, label = "albert", "ALBERT"
+    output_parameters = ("proj.weight",)
 
     def __init__(self, vocab_size: int, hidden_size: int, dim: int, init_std: float = 0.02):
         super().__init__()
@@ -142,6 +207,8 @@ class FlatMlpEmbedding(_CompressedEmbedding):
     """`flat_mlp`: a vocab-parallel `V x e` table then an MLP (adds non-linearity)."""
 
     name, label = "flat_mlp", "FLAT-MLP"
+    width_names = ("table width e (model.baseline_dim)", "MLP hidden width (model.baseline_hidden)")
+    output_parameters = ("mlp.down.weight",)
 
     def __init__(self, vocab_size: int, hidden_size: int, dim: int, hidden: int, init_std: float = 0.02):
         super().__init__()
@@ -177,6 +244,8 @@ class FactorizedMlpEmbedding(_CompressedEmbedding):
     """`factorized_mlp`: LEV's compositional codebook seed `z(i)` then an MLP `d_seed -> hidden -> D`."""
 
     name, label = "factorized_mlp", "FACT-MLP"
+    width_names = ("seed width e (model.lev.d_seed)", "MLP hidden width (model.baseline_hidden)")
+    output_parameters = ("mlp.down.weight",)
 
     def __init__(
         self, vocab_size: int, hidden_size: int, k: int, d_seed: int, hidden: int, init_std: float = 0.02

@@ -6,6 +6,8 @@ unique ids of the batch, in chunks, and the separable product never stores
 forward and recomputes them in backward. With `recompute` the per-chunk basis
 (projection, LayerNorm, sigmoid) is checkpointed as well.
 Tensor parallel: the heads are split across TP ranks; codebooks are replicated.
+Option `lev.centred` (default off): `G = sum_l (M_l - 1) W_out_l`, which removes the vector
+`sum_l 1 W_out_l` that the all-ones mode adds to every token (same parameters).
 """
 
 from __future__ import annotations
@@ -339,6 +341,7 @@ class LevEmbedding(InputEmbedding):
     """The LEV input layer (spec: LEV.md). Per-head parameters hold this TP rank's heads (dim 0)."""
 
     name, label = "lev", "LEV"
+    output_parameters = ("out_proj", "residual.weight")  # G is linear in these together
 
     @classmethod
     def check_config(cls, model_cfg: ModelConfig, tensor_parallel: int) -> None:
@@ -400,7 +403,12 @@ class LevEmbedding(InputEmbedding):
         return torch.sigmoid(y).clamp(0.0, 1.0)  # bounded latent coordinates
 
     def heads(self, seed: torch.Tensor, recompute: bool = False) -> torch.Tensor:
-        """Sum over this rank's heads of `M_l @ W_out_l`: `(N, d_seed)` -> `(N, D)` (fp32 inside).
+        """Sum over this rank's heads of `M_l @ W_out_l` (`(M_l - 1) @ W_out_l` with `lev.centred`):
+        `(N, d_seed)` -> `(N, D)` (fp32 inside).
+
+        Centring is applied to the modes after the product, so every phi mode, the fused kernels,
+        dedupe, chunking and recompute compute the same function; under tensor parallelism each
+        rank subtracts only its own heads' term before the reduction.
 
         With `recompute` the basis computation is checkpointed (its `(N, h, d)` intermediates
         are rebuilt in backward); the separable product recomputes its own blocks anyway, so
@@ -420,7 +428,10 @@ class LevEmbedding(InputEmbedding):
         else:
             index, weight = inputs
             modes = separable_product(weight, index, self.delta.to(cdt), mode)
-        out = modes.flatten(1) @ self.out_proj.to(cdt).flatten(0, 1)  # (N, h*r) @ (h*r, D)
+        modes = modes.flatten(1)  # (N, h*r)
+        if self.lev.centred:  # (M_l - 1) W_out_l: each rank drops its own heads' all-ones term
+            modes = modes - 1.0
+        out = modes @ self.out_proj.to(cdt).flatten(0, 1)  # (N, h*r) @ (h*r, D)
         return out.to(seed.dtype)
 
     def _chunked_heads(self, seed: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@
 set -euo pipefail
 : "${PILE_DATA:?export PILE_DATA: preprocessed Pile training prefix(es), e.g. data/pile/pile_train_text_document (a list: '[0.5,a_text_document,0.5,b_text_document]')}"
 : "${PILE_VALID:?export PILE_VALID: preprocessed Pile validation prefix, e.g. data/pile/pile_val_text_document}"
-: "${PILE_TOKENIZER:?export PILE_TOKENIZER: the GPT-NeoX-20B tokenizer.json}"
+: "${PILE_TOKENIZER:?export PILE_TOKENIZER: the tokenizer file: o200k_base.tiktoken (cl100k_base.tiktoken for the 100k study, the GPT-NeoX-20B tokenizer.json for the 50k one)}"
 sbatch --nodes=1 --job-name=lev-200m-tied slurm/pretrain.sbatch --config pretrain/configs/experiments/paper/200m.yaml model.embedding=tied data.data_path="$PILE_DATA" data.valid_data_path="$PILE_VALID" data.tokenizer_path="$PILE_TOKENIZER" train.save=ckpt/paper/200m-tied logging.output_dir=runs/paper/200m-tied
 sbatch --nodes=1 --job-name=lev-200m-untied slurm/pretrain.sbatch --config pretrain/configs/experiments/paper/200m.yaml model.embedding=untied data.data_path="$PILE_DATA" data.valid_data_path="$PILE_VALID" data.tokenizer_path="$PILE_TOKENIZER" train.save=ckpt/paper/200m-untied logging.output_dir=runs/paper/200m-untied
 sbatch --nodes=1 --job-name=lev-200m-albert slurm/pretrain.sbatch --config pretrain/configs/experiments/paper/200m.yaml model.embedding=albert data.data_path="$PILE_DATA" data.valid_data_path="$PILE_VALID" data.tokenizer_path="$PILE_TOKENIZER" train.save=ckpt/paper/200m-albert logging.output_dir=runs/paper/200m-albert
