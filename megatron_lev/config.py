@@ -377,6 +377,7 @@ class TrainConfig:
     save: str | None = None  # checkpoint directory
     load: str | None = None  # checkpoint directory to resume from (default: save)
     save_interval: int = 0  # 0: only at the end
+    save_initial: bool = False  # also save the initial weights (iteration 0), e.g. for `geometry`
     keep_last: int = 2
     eval_interval: int = 0
     eval_iters: int = 10

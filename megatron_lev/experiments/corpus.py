@@ -5,6 +5,9 @@ only for zero-shot perplexity. Of every other subset, the first documents up to 
 cap are taken, and every `valid_every`-th of them goes to a separate validation file, so the
 trainer's validation and `megatron-lev evaluate` see exactly the same held-out documents.
 Run as `python -m megatron_lev.experiments.corpus --data-dir DIR --out DIR`.
+
+`python -m megatron_lev.experiments.corpus lambada --input zero_shot.jsonl --out lambada.jsonl`
+cuts LAMBADA-format passages from the held-out documents (`lambada_passages`).
 """
 
 from __future__ import annotations
@@ -112,7 +115,104 @@ def split_corpus(
     return summary
 
 
+def _is_target(word: str) -> bool:
+    """A LAMBADA-style last word: letters only, at least two of them."""
+    return len(word) >= 2 and word.isalpha()
+
+
+def lambada_passages(
+    zero_shot: Path,
+    out: Path,
+    min_words: int = 40,
+    max_words: int = 120,
+    max_passages: int = 500,
+) -> dict:
+    """LAMBADA-format passages (`{"text": passage}` a line; the target is the last word) cut from the
+    documents of `zero_shot` (a Pile-format .jsonl), written atomically to `out`.
+
+    Deterministic: the documents are read in order and each is cut into consecutive windows of
+    at most `max_words` whitespace-separated words; a window ends at its last word that is purely
+    alphabetic and at least 2 letters long, provided the passage then has `min_words` words or more
+    (else the window is dropped), and the next window starts after it. Words are joined by single
+    spaces (line breaks are not kept). Unlike LAMBADA, passages are not filtered for needing the
+    broader context: many last words are predictable from the last sentence alone.
+    """
+    if not 2 <= min_words <= max_words:
+        raise ValueError(f"need 2 <= min_words <= max_words, got {min_words} and {max_words}")
+    if max_passages < 1:
+        raise ValueError(f"max_passages must be at least 1, got {max_passages}")
+    zero_shot, out = Path(zero_shot), Path(out)
+    passages: list[str] = []
+    docs = 0
+    for lineno, line in enumerate(read_lines(zero_shot), 1):
+        if len(passages) >= max_passages:
+            break
+        if not line.strip():
+            continue
+        try:
+            words = json.loads(line)["text"].split()
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{zero_shot}:{lineno}: not a Pile-format line ({exc})") from None
+        docs += 1
+        start = 0
+        while start + min_words <= len(words) and len(passages) < max_passages:
+            window = words[start : start + max_words]
+            end = next((k for k in range(len(window), min_words - 1, -1) if _is_target(window[k - 1])), 0)
+            if not end:
+                start += len(window)
+                continue
+            passages.append(" ".join(window[:end]))
+            start += end
+    if not passages:
+        raise ValueError(
+            f"{zero_shot}: no passage of {min_words}-{max_words} words ending in an alphabetic word; "
+            "lower --min-words"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text("".join(json.dumps({"text": t}) + "\n" for t in passages), encoding="utf-8")
+    os.replace(tmp, out)
+    lengths = [len(t.split()) for t in passages]
+    return {
+        "source": zero_shot.name,
+        "documents_read": docs,
+        "passages": len(passages),
+        "min_words": min(lengths),
+        "max_words": max(lengths),
+        "mean_words": sum(lengths) / len(lengths),
+    }
+
+
+def lambada_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_lev.experiments.corpus lambada",
+        description=lambada_passages.__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--input", required=True, help="Pile-format .jsonl[.zst] (the zero-shot part)")
+    parser.add_argument("--out", required=True, help="LAMBADA-format .jsonl to write")
+    parser.add_argument("--min-words", type=int, default=40)
+    parser.add_argument("--max-words", type=int, default=120)
+    parser.add_argument("--max-passages", type=int, default=500)
+    args = parser.parse_args(argv)
+    try:
+        summary = lambada_passages(
+            Path(args.input), Path(args.out), args.min_words, args.max_words, args.max_passages
+        )
+    except (OSError, ValueError) as exc:
+        print(f"lambada passages: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"{summary['passages']} passages of {summary['min_words']}-{summary['max_words']} words "
+        f"(mean {summary['mean_words']:.1f}) from {summary['documents_read']} documents -> {args.out}"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lambada"]:
+        return lambada_main(argv[1:])
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )

@@ -138,8 +138,12 @@ class SmallGrid:
 
     # ------------------------------------------------------------------ commands
 
-    def train_overrides(self, variant: str) -> list[str]:
-        run = self.run_dir(variant)
+    def train_overrides(
+        self, variant: str, run: Path | None = None, extra: list[str] | tuple[str, ...] = ()
+    ) -> list[str]:
+        """The training overrides of `variant` in `run` (default: the variant's run directory), then
+        the grid's own overrides, then `extra` (a study run's)."""
+        run = self.run_dir(variant) if run is None else Path(run)
         base = [
             f"model.embedding={variant}",
             f"data.data_path=[{self.prefix('train')}]",
@@ -159,10 +163,10 @@ class SmallGrid:
                     f"--nproc {self.nproc} does not divide train.micro_batch_size={micro} of {self.config}"
                 )
             base.append(f"train.micro_batch_size={micro // self.nproc}")
-        return base + list(self.overrides)
+        return base + list(self.overrides) + list(extra)
 
-    def run_config(self, variant: str):
-        return load_config(self.config, self.train_overrides(variant), world_size=self.nproc)
+    def run_config(self, variant: str, run: Path | None = None, extra: list[str] | tuple[str, ...] = ()):
+        return load_config(self.config, self.train_overrides(variant, run, extra), world_size=self.nproc)
 
     def _python(self, *args: str) -> list[str]:
         return [sys.executable, "-m", *args]
@@ -176,6 +180,13 @@ class SmallGrid:
 
     def steps(self) -> list[Step]:
         """Every step of the grid, in order: data, then train/convert/evaluate per variant, then compare."""
+        steps = self.data_steps()
+        for v in self.variants:
+            steps += self.run_steps(v, v, self.run_dir(v), label=variant_label(v))
+        return steps + self.compare_steps()
+
+    def data_steps(self) -> list[Step]:
+        """Split the corpus, train the tokenizer (unless one is given), tokenise train and valid."""
         env = self._env()
         steps = [
             Step(
@@ -245,56 +256,93 @@ class SmallGrid:
                     env,
                 )
             )
+        return steps
+
+    def run_steps(
+        self,
+        name: str,
+        variant: str,
+        run: Path,
+        extra: list[str] | tuple[str, ...] = (),
+        label: str | None = None,
+        lambada: Path | None = None,
+        geometry: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> list[Step]:
+        """train-NAME, convert-NAME, evaluate-NAME (and geometry-NAME) of one run of `variant` in `run`
+        with the overrides `extra`; evaluation on the validation shard (by frequency), the zero-shot
+        documents and, with `lambada`, LAMBADA-format passages."""
+        env = self._env() if env is None else env
+        label = label or variant_label(variant)
         seq = load_config(self.config, validate=False).model.seq_length
-        for v in self.variants:
-            run = self.run_dir(v)
-            steps += [
-                Step(
-                    f"train-{v}",
-                    f"train {variant_label(v)} ({self.nproc} process(es))",
-                    lambda v=v: self._train_command(v),
-                    lambda run=run: [run / "checkpoints" / "latest", run / "metrics.jsonl"],
-                    env,
+        extra = list(extra)
+        what = "validation (by frequency), zero-shot" + (", LAMBADA-style passages" if lambada else "")
+        steps = [
+            Step(
+                f"train-{name}",
+                f"train {label} ({self.nproc} process(es))",
+                lambda: self._train_command(variant, run, extra),
+                lambda: [run / "checkpoints" / "latest", run / "metrics.jsonl"],
+                env,
+            ),
+            Step(
+                f"convert-{name}",
+                f"export {label} to a validated Hugging Face model",
+                lambda: self._python(
+                    "megatron_lev",
+                    "convert",
+                    str(run / "checkpoints"),
+                    str(run / "hf"),
+                    "--overwrite",
+                    "--no-progress",
                 ),
+                lambda: [run / "hf" / "config.json"],
+                env,
+            ),
+            Step(
+                f"evaluate-{name}",
+                f"perplexity of {label}: {what}",
+                lambda: self._python(
+                    "megatron_lev",
+                    "evaluate",
+                    str(run / "hf"),
+                    "--data",
+                    str(self.prefix("valid")),
+                    "--text",
+                    str(self.data / "zero_shot.jsonl"),
+                    *(["--lambada", str(lambada)] if lambada is not None else []),
+                    "--counts",
+                    f"{self.prefix('train')}.counts.npy",
+                    "--seq-len",
+                    str(seq),
+                    "--name",
+                    label,
+                    "--out",
+                    str(run / "eval"),
+                    *(["--max-docs", str(self.eval_max_docs)] if self.eval_max_docs else []),
+                ),
+                lambda: [run / "eval" / "eval.json"],
+                env,
+            ),
+        ]
+        if geometry:
+            steps.append(
                 Step(
-                    f"convert-{v}",
-                    f"export {variant_label(v)} to a validated Hugging Face model",
-                    lambda run=run: self._python(
-                        "megatron_lev",
-                        "convert",
-                        str(run / "checkpoints"),
-                        str(run / "hf"),
-                        "--overwrite",
-                        "--no-progress",
+                    f"geometry-{name}",
+                    f"embedding geometry of {label} at every saved checkpoint",
+                    lambda: self._python(
+                        "megatron_lev", "geometry", str(run), "--out", str(run / "geometry")
                     ),
-                    lambda run=run: [run / "hf" / "config.json"],
+                    lambda: [run / "geometry" / "geometry.json"],
                     env,
-                ),
-                Step(
-                    f"evaluate-{v}",
-                    f"perplexity of {variant_label(v)}: validation (by frequency), zero-shot",
-                    lambda v=v, run=run: self._python(
-                        "megatron_lev",
-                        "evaluate",
-                        str(run / "hf"),
-                        "--data",
-                        str(self.prefix("valid")),
-                        "--text",
-                        str(self.data / "zero_shot.jsonl"),
-                        "--counts",
-                        f"{self.prefix('train')}.counts.npy",
-                        "--seq-len",
-                        str(seq),
-                        "--name",
-                        variant_label(v),
-                        "--out",
-                        str(run / "eval"),
-                        *(["--max-docs", str(self.eval_max_docs)] if self.eval_max_docs else []),
-                    ),
-                    lambda v=v: [self.eval_json(v)],
-                    env,
-                ),
-            ]
+                )
+            )
+        return steps
+
+    def compare_steps(self) -> list[Step]:
+        """compare-validation, compare-zero-shot, compare-training: every variant against TIED."""
+        env = self._env()
+        steps = []
         for corpus, label in (
             ("valid_text_document", "validation"),
             ("zero_shot", "zero-shot"),
@@ -317,8 +365,16 @@ class SmallGrid:
             )
         return steps
 
-    def _train_command(self, variant: str) -> list[str]:
-        args = ["megatron_lev", "train", "--config", str(self.config), *self.train_overrides(variant)]
+    def _train_command(
+        self, variant: str, run: Path | None = None, extra: list[str] | tuple[str, ...] = ()
+    ) -> list[str]:
+        args = [
+            "megatron_lev",
+            "train",
+            "--config",
+            str(self.config),
+            *self.train_overrides(variant, run, extra),
+        ]
         if self.nproc == 1:
             return self._python(*args)
         return self._python(

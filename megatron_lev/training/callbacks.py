@@ -221,13 +221,22 @@ class NonFiniteGuard(Callback):
 
 class Checkpointer(Callback):
     """Resumes from `load_dir`, saves to `save_dir` every `save_interval` steps, before a stop and at the
-    end (never twice for one iteration), keeping the newest `keep_last`."""
+    end (never twice for one iteration), keeping the newest `keep_last`; with `save_initial` also the
+    initial weights (iteration 0) before the first step."""
 
     order = 10
 
-    def __init__(self, save_dir: str | None, load_dir: str | None, save_interval: int, keep_last: int):
+    def __init__(
+        self,
+        save_dir: str | None,
+        load_dir: str | None,
+        save_interval: int,
+        keep_last: int,
+        save_initial: bool = False,
+    ):
         self.save_dir, self.load_dir = save_dir, load_dir
         self.save_interval, self.keep_last = save_interval, keep_last
+        self.save_initial = save_initial  # also save before the first step (iteration 0)
         self.saved_at = -1
 
     def resume(
@@ -255,8 +264,8 @@ class Checkpointer(Callback):
         self.saved_at = trainer.state.iteration  # a resumed state is already on disk
 
     def on_train_begin(self, trainer: Trainer, control: Control) -> None:
-        if trainer.state.iteration == 0:
-            self.saved_at = -1
+        if trainer.state.iteration == 0 and self.save_initial and not control.stop:
+            trainer.save()  # the initial weights, as iter_0000000 (skipped if resumed from it)
 
     def on_step_end(self, trainer: Trainer, iteration: int, control: Control) -> None:
         if self.save_interval and iteration % self.save_interval == 0:

@@ -24,6 +24,7 @@ FREE_KEYS = frozenset(
         "train.train_tokens",
         "train.chinchilla",
         "train.save_interval",
+        "train.save_initial",
         "train.keep_last",
         "train.eval_interval",
         "train.eval_iters",

@@ -194,7 +194,7 @@ def default_callbacks(
     t, lg = cfg.train, cfg.logging
     return [
         NonFiniteGuard(t.max_consecutive_skips),
-        Checkpointer(save_dir, load_dir, t.save_interval, t.keep_last),
+        Checkpointer(save_dir, load_dir, t.save_interval, t.keep_last, t.save_initial),
         Validation(t.eval_interval),
         MetricsLogger(writer, lg.log_interval, lg.progress_bar, flops_per_token, lg.peak_tflops),
         Preemption(watcher),

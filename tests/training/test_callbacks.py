@@ -194,3 +194,38 @@ def test_a_user_callback_sees_every_step_in_order_and_can_stop():
     events, losses, exit_code, saved = stopped
     assert exit_code == 5 and sorted(losses) == [1, 2, 3] and saved == []
     assert events[-1] == ("end", 3, 5, "user stop")
+
+
+def _initial_save_and_resume():
+    """Runs in a gloo process: save_initial writes iter_0000000; resuming from it alone (the later
+    checkpoint deleted) retrains the same losses."""
+    import shutil
+    import tempfile
+
+    from tests.training.toy import toy_config, toy_trainer
+
+    cfg = toy_config(0, iters=3)
+    cfg.train.save_initial, cfg.train.keep_last = True, 5
+    out = tempfile.mkdtemp()
+    first = toy_trainer(cfg, out, init_seed=0).train()
+    ckpt = Path(out) / "ckpt"
+    tags = sorted(p.name for p in ckpt.glob("iter_*"))
+    shutil.rmtree(ckpt / "iter_0000003")
+    (ckpt / "latest").write_text("iter_0000000\n")
+    again = toy_trainer(cfg, out, init_seed=999)  # the weights must come from iter_0000000
+    again.resume()
+    resumed_from = again.state.iteration
+    second = again.train()
+    return tags, first.losses, resumed_from, second.losses
+
+
+@pytest.mark.multiprocess
+def test_save_initial_writes_iteration_zero_and_resumes_from_it():
+    from megatron_lev.testing.distributed import run_distributed
+
+    ((tags, first, resumed_from, second),) = run_distributed(
+        _initial_save_and_resume, world_size=1, timeout=240
+    )
+    assert tags == ["iter_0000000", "iter_0000003"]
+    assert resumed_from == 0
+    assert second == first  # the initial weights were saved exactly

@@ -1,0 +1,438 @@
+"""The study: the small grid's six variants rerun with several seeds, equal-scale and centred LEV
+controls, a LAMBADA-style task and the embedding geometry at every saved checkpoint.
+
+    plan = study_plan()                              # 19 StudyRun(name, group, variant, seed, overrides)
+    run_study(Study(data_dir, out, lanes=2))         # data steps once, then the runs on 2 lanes
+    collect_study(out, raw)                          # the small raw files of every finished run
+    write_report(raw, out_dir)                       # every table of the write-up, from raw alone
+
+Every run uses the study config (`experiments/small/study.yaml`), the same data, tokenizer and data
+order (`data.seed`, fixed); a run's seed is `train.seed`, which sets the model's initialisation only
+(no dropout in these configs). Each step is a `megatron-lev` command run through `StepRunner`; the
+runs' steps are split over lanes, each a subprocess with one thread and its own `StepRunner` over
+the same output directory (distinct step names), so an interrupted study resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megatron_lev.config import ConfigError, atomic_write_json, atomic_write_text
+from megatron_lev.demo.steps import Step, StepFailed, StepRunner, read_marker
+from megatron_lev.errors import UserError
+from megatron_lev.experiments.small import SmallGrid, check_finished_steps
+
+STUDY_CONFIG = Path("pretrain/configs/experiments/small/study.yaml")
+SEEDS = (1234, 1235, 1236)
+# model.input_init_rms of both equal-scale groups: TIED's own table init (normal, std model.init_std
+# = 0.02) has an output RMS of about 0.02, so TIED-EQ is TIED at (exactly) its own scale and LEV-EQ
+# is LEV started at TIED's scale.
+EQUAL_SCALE_RMS = 0.02
+LAMBADA_MAX_PASSAGES = 500
+RUN_STEPS = ("train", "convert", "evaluate", "geometry")
+MAX_RAW_BYTES = 5_000_000  # a raw file larger than this is not a small result file
+
+# group, model.embedding, seeds, overrides beyond train.seed
+GROUPS: tuple[tuple[str, str, tuple[int, ...], tuple[str, ...]], ...] = (
+    ("TIED", "tied", SEEDS, ()),
+    ("LEV", "lev", SEEDS, ()),
+    ("UNTIED", "untied", SEEDS[:1], ()),
+    ("ALBERT", "albert", SEEDS[:1], ()),
+    ("FLAT-MLP", "flat_mlp", SEEDS[:1], ()),
+    ("FACT-MLP", "factorized_mlp", SEEDS[:1], ()),
+    ("TIED-EQ", "tied", SEEDS, (f"model.input_init_rms={EQUAL_SCALE_RMS}",)),
+    ("LEV-EQ", "lev", SEEDS, (f"model.input_init_rms={EQUAL_SCALE_RMS}",)),
+    ("LEV-C", "lev", SEEDS, ("model.lev.centred=true",)),
+)
+VARIANT_GROUPS = ("TIED", "UNTIED", "ALBERT", "FLAT-MLP", "FACT-MLP", "LEV")
+CORPORA = (
+    ("mmidx", "validation", "held-out documents of the training subsets"),
+    ("text", "zero-shot", "the held-out subset, never trained on"),
+    ("lambada", "LAMBADA-style", "last word of passages cut from the held-out subset"),
+)
+
+
+@dataclass(frozen=True)
+class StudyRun:
+    name: str  # run directory and step names: <group>-s<seed>, lower case
+    group: str
+    variant: str  # model.embedding
+    seed: int  # train.seed
+    overrides: tuple[str, ...]  # train.seed first, then the group's own
+
+
+def study_plan() -> list[StudyRun]:
+    """The study's 19 runs, in the order of GROUPS and seeds."""
+    return [
+        StudyRun(f"{group.lower()}-s{seed}", group, variant, seed, (f"train.seed={seed}", *extra))
+        for group, variant, seeds, extra in GROUPS
+        for seed in seeds
+    ]
+
+
+def select_runs(names: list[str] | None) -> list[StudyRun]:
+    """The plan's runs named (all when `names` is empty), in plan order; an unknown name is refused."""
+    plan = study_plan()
+    if not names:
+        return plan
+    known = {r.name for r in plan}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(f"--runs: unknown {unknown}; the study's runs are {', '.join(sorted(known))}")
+    return [r for r in plan if r.name in set(names)]
+
+
+def assign_lanes(runs: list[StudyRun], lanes: int) -> list[list[StudyRun]]:
+    """Runs dealt round-robin to `lanes` lanes, first seeds first: every group's first seed finishes
+    before any group's second, so a study cut short still has every variant."""
+    if lanes < 1:
+        raise ConfigError(f"--lanes {lanes}: must be an integer >= 1")
+    order = {seed: i for i, seed in enumerate(SEEDS)}
+    plan_index = {r.name: i for i, r in enumerate(study_plan())}
+    ordered = sorted(runs, key=lambda r: (order.get(r.seed, len(order)), plan_index.get(r.name, 0)))
+    return [ordered[k::lanes] for k in range(lanes)]
+
+
+def plan_markdown(runs: list[StudyRun] | None = None) -> str:
+    runs = study_plan() if runs is None else runs
+    lines = ["| run | group | model.embedding | train.seed | overrides |", "|---|---|---|---|---|"]
+    for r in runs:
+        extra = " ".join(f"`{o}`" for o in r.overrides[1:]) or "-"
+        lines.append(f"| {r.name} | {r.group} | {r.variant} | {r.seed} | {extra} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------- running
+
+
+@dataclass
+class Study:
+    """Where the study reads and writes, and which runs it runs."""
+
+    data_dir: Path
+    out: Path
+    config: Path = STUDY_CONFIG
+    lanes: int = 2
+    runs: list[str] = field(default_factory=list)  # run names; empty: all
+    lambada_max_passages: int = LAMBADA_MAX_PASSAGES
+
+    def __post_init__(self) -> None:
+        self.data_dir, self.out = Path(self.data_dir), Path(self.out)
+        self.grid = SmallGrid(
+            self.data_dir,
+            self.out,
+            variants=list(dict.fromkeys(v for _, v, _, _ in GROUPS)),
+            config=self.config,
+            threads=1,
+        )
+
+    @property
+    def selected(self) -> list[StudyRun]:
+        return select_runs(self.runs)
+
+    def run_dir(self, run: StudyRun) -> Path:
+        return self.out / "runs" / run.name
+
+    @property
+    def lambada_file(self) -> Path:
+        return self.grid.data / "lambada.jsonl"
+
+    def check(self) -> None:
+        """The grid's checks, then every selected run's config through the trainer's validation."""
+        import torch
+
+        from megatron_lev.engine.config import validate_training
+
+        if self.lanes < 1:
+            raise ConfigError(f"--lanes {self.lanes}: must be an integer >= 1")
+        self.grid.check()
+        for run in self.selected:
+            validate_training(self.run_config(run), 1, cuda=torch.cuda.is_available())
+
+    def run_config(self, run: StudyRun):
+        return self.grid.run_config(run.variant, self.run_dir(run), run.overrides)
+
+    def data_steps(self) -> list[Step]:
+        env = self.grid._env()
+        return self.grid.data_steps() + [
+            Step(
+                "lambada",
+                "cut LAMBADA-format passages from the held-out zero-shot documents",
+                lambda: self.grid._python(
+                    "megatron_lev.experiments.corpus",
+                    "lambada",
+                    "--input",
+                    str(self.grid.data / "zero_shot.jsonl"),
+                    "--out",
+                    str(self.lambada_file),
+                    "--max-passages",
+                    str(self.lambada_max_passages),
+                ),
+                lambda: [self.lambada_file],
+                env,
+            )
+        ]
+
+    def run_steps(self, run: StudyRun) -> list[Step]:
+        return self.grid.run_steps(
+            run.name,
+            run.variant,
+            self.run_dir(run),
+            run.overrides,
+            label=run.group,
+            lambada=self.lambada_file,
+            geometry=True,
+        )
+
+    def all_steps(self) -> list[Step]:
+        return self.data_steps() + [s for run in self.selected for s in self.run_steps(run)]
+
+    def lane_command(self, lane: int, runs: list[StudyRun]) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "megatron_lev",
+            "study",
+            "lane",
+            "--data-dir",
+            str(self.data_dir),
+            "--out",
+            str(self.out),
+            "--config",
+            str(self.config),
+            "--lane",
+            str(lane),
+            "--runs",
+            *(r.name for r in runs),
+        ]
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _file_log(path: Path):
+    """A StepRunner log that appends to `path` (each step's command and status)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        with open(path, "a") as f:
+            f.write(msg + "\n")
+
+    return log
+
+
+def _print(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def run_lane(study: Study, lane: int, log=_print) -> None:
+    """Run (or resume) the steps of the selected runs, one line per finished step; a failed step
+    raises StepFailed naming its run, the step and its log."""
+    os.environ["MEGATRON_LEV_DEMO_QUIET"] = "1"  # the commands' output goes to their logs only
+    runner = StepRunner(study.out, log=_file_log(study.out / "logs" / f"lane-{lane}.log"))
+    start = time.time()
+    for run in study.selected:
+        for step in study.run_steps(run):
+            skipped = runner.is_done(step)
+            try:
+                runner.run([step])
+            except StepFailed as exc:
+                raise StepFailed(f"run {run.name}: {exc}", exc.tail) from None
+            what = "already done" if skipped else f"done in {runner.timings[step.name]:.0f}s"
+            log(f"[lane {lane}] {_clock(time.time() - start)} {step.name}: {what}")
+
+
+def _relay(proc: subprocess.Popen, lane: int, log, last: dict[int, str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        if line.strip():
+            last[lane] = line
+        log(line)
+
+
+def _stop(procs: list[subprocess.Popen], grace: float = 60.0) -> None:
+    """SIGTERM to each running lane's process group (the lane and its command: a training saves a
+    checkpoint and exits), then SIGKILL after `grace` seconds."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.time() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def run_study(study: Study, log=print, poll: float = 1.0) -> list[list[StudyRun]]:
+    """Data steps here, then the selected runs on `study.lanes` lanes side by side (subprocesses with
+    OMP_NUM_THREADS=1); a failing lane stops the others and raises with its run and log."""
+    study.check()
+    runner = StepRunner(study.out, log=_file_log(study.out / "logs" / "data.log"))
+    check_finished_steps(runner.state_dir, study.all_steps())
+    start = time.time()
+    quiet = os.environ.get("MEGATRON_LEV_DEMO_QUIET")
+    os.environ["MEGATRON_LEV_DEMO_QUIET"] = "1"  # the commands' output goes to their logs only
+    try:
+        for step in study.data_steps():
+            skipped = runner.is_done(step)
+            runner.run([step])
+            what = "already done" if skipped else f"done in {runner.timings[step.name]:.0f}s"
+            log(f"[data] {_clock(time.time() - start)} {step.name}: {what}")
+    finally:
+        if quiet is None:
+            os.environ.pop("MEGATRON_LEV_DEMO_QUIET")
+        else:
+            os.environ["MEGATRON_LEV_DEMO_QUIET"] = quiet
+    lanes = [lane for lane in assign_lanes(study.selected, study.lanes) if lane]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_LEV_DEMO_QUIET": "1"}
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    procs, threads, last = [], [], {}
+    try:
+        for k, runs in enumerate(lanes, 1):
+            log(f"[lane {k}] runs: {' '.join(r.name for r in runs)}")
+            p = subprocess.Popen(
+                study.lane_command(k, runs),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+                env=env,
+                start_new_session=True,  # its own process group: stopped with its command
+            )
+            procs.append(p)
+            t = threading.Thread(target=_relay, args=(p, k, log, last), daemon=True)
+            t.start()
+            threads.append(t)
+        while True:
+            failed = [(k, p) for k, p in enumerate(procs, 1) if p.poll() not in (None, 0)]
+            if failed:
+                k, p = failed[0]
+                _stop(procs)
+                for t in threads:
+                    t.join(timeout=5)
+                raise StepFailed(
+                    f"lane {k} failed (exit status {p.returncode}): {last.get(k, 'no output')}; the other "
+                    "lanes were stopped; fix the cause and run the same command again: finished steps "
+                    "are skipped"
+                )
+            if all(p.poll() == 0 for p in procs):
+                break
+            time.sleep(poll)
+    except KeyboardInterrupt:
+        _stop(procs)
+        raise
+    for t in threads:
+        t.join(timeout=5)
+    log(f"study: {len(study.selected)} run(s) finished in {_clock(time.time() - start)}; {study.out}")
+    return lanes
+
+
+# ---------------------------------------------------------------------------------------- collecting
+
+
+def _scrub(text: str, out: Path) -> str:
+    """The output directory's absolute path written as `<study>`: raw files name no machine path."""
+    for prefix in sorted({str(out.resolve()), str(out.absolute())}, key=len, reverse=True):
+        text = text.replace(prefix, "<study>")
+    return text
+
+
+def _copy_small(src: Path, dst: Path, out: Path) -> int:
+    """Copy one small text result file (paths scrubbed); a checkpoint or a large file is refused."""
+    try:
+        parts = src.resolve().relative_to(out.resolve()).parts
+    except ValueError:
+        parts = src.parts
+    if "checkpoints" in parts or "hf" in parts or src.suffix in (".pt", ".bin", ".safetensors"):
+        raise UserError(f"{src}: a checkpoint or model file; the raw results hold small result files only")
+    size = src.stat().st_size
+    if size > MAX_RAW_BYTES:
+        raise UserError(f"{src}: {size:,} bytes, more than {MAX_RAW_BYTES:,}: not a small result file")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(dst, _scrub(src.read_text(encoding="utf-8"), out))
+    return dst.stat().st_size
+
+
+def _timing(state_dir: Path, run: StudyRun) -> dict:
+    steps = {}
+    for kind in RUN_STEPS:
+        rec = read_marker(state_dir / f"{kind}-{run.name}.json") or {}
+        command = list(rec.get("command") or [])
+        if command:
+            command[0] = "python"
+        steps[kind] = {"seconds": rec.get("seconds"), "command": command}
+    return {"run": run.name, "threads": 1, "steps": steps}
+
+
+def collect_study(out: Path, raw: Path, log=print) -> dict[str, int]:
+    """Copy the small raw files of every finished run (all four steps done) of `out` into
+    `raw/<run>/`, with the data split, the LAMBADA passages' summary and the plan; returns the bytes
+    written per file (relative name)."""
+    out, raw = Path(out), Path(raw)
+    state = out / ".steps"
+    if not state.is_dir():
+        raise UserError(f"{out}: no study here (no .steps directory); give the --out of `study run`")
+    raw_resolved = raw.resolve()
+    if raw_resolved == out.resolve() or out.resolve() in raw_resolved.parents:
+        raise UserError(f"{raw}: inside the study directory {out}; give another directory")
+    sizes: dict[str, int] = {}
+    finished = [r for r in study_plan() if all(read_marker(state / f"{k}-{r.name}.json") for k in RUN_STEPS)]
+    if not finished:
+        raise UserError(f"{out}: no finished run (train, convert, evaluate and geometry all done)")
+    for run in finished:
+        src = out / "runs" / run.name
+        files = {
+            "eval.json": src / "eval" / "eval.json",
+            "metrics.jsonl": src / "metrics.jsonl",
+            "geometry.json": src / "geometry" / "geometry.json",
+            "config.yaml": src / "config.yaml",
+        }
+        for name, path in files.items():
+            sizes[f"{run.name}/{name}"] = _copy_small(path, raw / run.name / name, out)
+        dst = raw / run.name / "timing.json"
+        atomic_write_text(dst, _scrub(json.dumps(_timing(state, run), indent=1) + "\n", out))
+        sizes[f"{run.name}/timing.json"] = dst.stat().st_size
+    split = out / "data" / "split.json"
+    if split.is_file():
+        sizes["split.json"] = _copy_small(split, raw / "split.json", out)
+    lambada = out / "data" / "lambada.jsonl"
+    if lambada.is_file():
+        lengths = [len(json.loads(line)["text"].split()) for line in lambada.read_text().splitlines()]
+        atomic_write_json(
+            raw / "lambada.json",
+            {
+                "passages": len(lengths),
+                "min_words": min(lengths),
+                "max_words": max(lengths),
+                "mean_words": round(sum(lengths) / len(lengths), 2),
+            },
+        )
+        sizes["lambada.json"] = (raw / "lambada.json").stat().st_size
+    atomic_write_json(raw / "study.json", {"runs": [asdict(r) for r in finished]})
+    sizes["study.json"] = (raw / "study.json").stat().st_size
+    missing = [r.name for r in study_plan() if r not in finished]
+    for name, size in sorted(sizes.items()):
+        log(f"{size:>10,}  {name}")
+    log(f"{sum(sizes.values()):,} bytes in {len(sizes)} files -> {raw}")
+    if missing:
+        log(f"not finished (not collected): {' '.join(missing)}")
+    return sizes

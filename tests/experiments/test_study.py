@@ -1,0 +1,355 @@
+"""The study: its plan (19 valid runs), lanes, the LAMBADA-style passages, collect (small files only)
+and a report from synthetic raw files that is deterministic and holds the expected numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_lev.errors import UserError
+from megatron_lev.experiments.corpus import lambada_passages
+from megatron_lev.experiments.study import (
+    EQUAL_SCALE_RMS,
+    SEEDS,
+    Study,
+    assign_lanes,
+    collect_study,
+    select_runs,
+    study_plan,
+)
+from megatron_lev.experiments.study_report import REPORT_PAGES, write_report
+
+ROOT = Path(__file__).resolve().parents[2]
+LABELS = ["< 1e-04", ">= 1e-04"]
+
+
+def test_plan_has_19_runs_in_9_groups_with_their_seeds_and_overrides():
+    plan = study_plan()
+    assert len(plan) == 19 and len({r.name for r in plan}) == 19
+    by_group: dict[str, list] = {}
+    for r in plan:
+        by_group.setdefault(r.group, []).append(r)
+        assert r.overrides[0] == f"train.seed={r.seed}"
+    assert {g: [r.seed for r in rs] for g, rs in by_group.items()} == {
+        "TIED": list(SEEDS),
+        "LEV": list(SEEDS),
+        "UNTIED": [1234],
+        "ALBERT": [1234],
+        "FLAT-MLP": [1234],
+        "FACT-MLP": [1234],
+        "TIED-EQ": list(SEEDS),
+        "LEV-EQ": list(SEEDS),
+        "LEV-C": list(SEEDS),
+    }
+    assert SEEDS == (1234, 1235, 1236)
+    for g in ("TIED-EQ", "LEV-EQ"):
+        assert all(r.overrides[1:] == (f"model.input_init_rms={EQUAL_SCALE_RMS}",) for r in by_group[g])
+    assert all(r.overrides[1:] == ("model.lev.centred=true",) for r in by_group["LEV-C"])
+    assert {r.variant for r in by_group["LEV-C"] + by_group["LEV-EQ"]} == {"lev"}
+    with pytest.raises(ValueError, match="unknown"):
+        select_runs(["lev-s9"])
+
+
+def test_every_run_config_passes_the_trainers_validation_and_keeps_data_order(tmp_path):
+    import torch
+
+    from megatron_lev.engine.config import validate_training
+
+    pile = tmp_path / "pile"
+    pile.mkdir()
+    (pile / "a.jsonl").write_text(json.dumps({"text": "x", "meta": {"pile_set_name": "A"}}) + "\n")
+    study = Study(pile, tmp_path / "study")
+    cfgs = {}
+    for run in study_plan():
+        cfg = study.run_config(run)
+        validate_training(cfg, 1, cuda=torch.cuda.is_available())
+        cfgs[run.name] = cfg
+        assert cfg.train.seed == run.seed and cfg.model.embedding == run.variant
+        assert cfg.train.save == str(tmp_path / "study" / "runs" / run.name / "checkpoints")
+        iters = cfg.train.train_tokens // (cfg.train.global_batch_size * cfg.model.seq_length)
+        assert cfg.train.save_interval * 5 == iters and cfg.train.keep_last >= 6
+        # at least 4x the small grid's 307,200 tokens
+        assert cfg.train.train_tokens >= 4 * 307_200
+    assert len({c.data.seed for c in cfgs.values()}) == 1  # one data order
+    assert cfgs["lev-eq-s1235"].model.input_init_rms == EQUAL_SCALE_RMS
+    assert cfgs["lev-c-s1236"].model.lev.centred and not cfgs["lev-s1236"].model.lev.centred
+    steps = [s.name for s in study.all_steps()]
+    assert steps[:5] == ["split", "tokenizer", "preprocess-train", "preprocess-valid", "lambada"]
+    assert len(steps) == 5 + 19 * 4 and len(set(steps)) == len(steps)
+    evaluate = next(s for s in study.all_steps() if s.name == "evaluate-lev-c-s1234").command()
+    for flag in ("--data", "--counts", "--text", "--lambada"):
+        assert flag in evaluate
+    train = next(s for s in study.all_steps() if s.name == "train-lev-c-s1234")
+    assert train.command()[-2:] == ["train.seed=1234", "model.lev.centred=true"]
+    assert train.env["OMP_NUM_THREADS"] == "1"
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3, 19, 25])
+def test_lanes_cover_every_run_once(lanes):
+    plan = study_plan()
+    got = assign_lanes(plan, lanes)
+    assert len(got) == lanes
+    flat = [r.name for lane in got for r in lane]
+    assert sorted(flat) == sorted(r.name for r in plan)
+    assert max(map(len, got)) - min(map(len, got)) <= 1
+    if lanes == 2:  # every group's first seed before any second seed
+        dealt = [lane[i] for i in range(10) for lane in got if i < len(lane)]  # in start order
+        assert [r.seed for r in dealt[:9]] == [1234] * 9 and dealt[9].seed == 1235
+
+
+def test_lambada_passages_end_in_an_alphabetic_word(tmp_path):
+    src = tmp_path / "zero_shot.jsonl"
+    words = [f"w{i}" if i % 7 else "alpha" for i in range(300)]  # w12 etc. are not alphabetic
+    docs = [" ".join(words), "too short a document", "a\n" + " ".join(["beta"] * 50) + " 42."]
+    src.write_text("".join(json.dumps({"text": t, "meta": {"pile_set_name": "W"}}) + "\n" for t in docs))
+    out = tmp_path / "lambada.jsonl"
+    summary = lambada_passages(src, out, min_words=40, max_words=60, max_passages=100)
+    passages = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    assert summary["passages"] == len(passages) >= 5
+    for p in passages:
+        w = p.split()
+        assert 40 <= len(w) <= 60 and w[-1].isalpha() and len(w[-1]) >= 2 and "\n" not in p
+    assert passages[0].split()[-1] == "alpha" and len(passages[0].split()) == 57  # word 56 is "alpha"
+    assert passages[-1] == " ".join(["a", *["beta"] * 50][:51])  # "42." is no target; "a" is too short
+    again = tmp_path / "again.jsonl"
+    lambada_passages(src, again, min_words=40, max_words=60, max_passages=100)
+    assert again.read_bytes() == out.read_bytes()
+    lambada_passages(src, again, min_words=40, max_words=60, max_passages=2)
+    assert len(again.read_text().splitlines()) == 2
+    # the evaluator reads them: the target is the last word
+    from megatron_lev.data.zero_shot import read_lambada
+
+    assert [p.word for p in read_lambada(out)][:1] == ["alpha"]
+
+
+# ------------------------------------------------------------------------------ synthetic raw files
+
+
+def _eval_result(kind: str, tokens: np.ndarray, nll: np.ndarray) -> dict:
+    per_bucket = nll.sum(0) / tokens.sum(0)
+    return {
+        "corpus_kind": kind,
+        "corpus": f"<study>/{kind}",
+        "perplexity": math.exp(nll.sum() / tokens.sum()),
+        "buckets": [
+            {"bucket": lab, "tokens": int(tokens[:, k].sum()), "perplexity": math.exp(per_bucket[k])}
+            for k, lab in enumerate(LABELS)
+        ],
+        "per_document": {
+            "unit": "document",
+            "group": 1,
+            "count": len(tokens),
+            "tokens": tokens.sum(1).astype(int).tolist(),
+            "nll_sum": nll.sum(1).tolist(),
+            "bucket_tokens": tokens.T.astype(int).tolist(),
+            "bucket_nll_sum": nll.T.tolist(),
+        },
+    }
+
+
+FACTORS = {  # perplexity factor against TIED of the same seed, in every document
+    "TIED": [1.0, 1.0, 1.0],
+    "LEV": [0.90, 0.92, 0.88],
+    "UNTIED": [0.95],
+    "ALBERT": [1.02],
+    "FLAT-MLP": [1.01],
+    "FACT-MLP": [0.99],
+    "TIED-EQ": [1.0, 1.0, 1.0],
+    "LEV-EQ": [0.95, 0.96, 0.94],
+    "LEV-C": [0.90 * 0.98, 0.92 * 0.98, 0.88 * 0.98],
+}
+
+
+def _raw_dir(tmp_path: Path) -> Path:
+    raw = tmp_path / "raw"
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 30, size=(20, 2)).astype(float)
+    base_nll = tokens * rng.uniform(2.0, 5.0, size=(20, 2))
+    runs = []
+    for run in study_plan():
+        k = SEEDS.index(run.seed)
+        nll = base_nll + 0.01 * k * tokens + tokens * math.log(FACTORS[run.group][k])
+        d = raw / run.name
+        d.mkdir(parents=True)
+        results = [
+            _eval_result("mmidx", tokens, nll),
+            _eval_result("text", tokens, nll + 0.5 * tokens),
+            {
+                "corpus_kind": "lambada",
+                "task": "lambada",
+                "perplexity": 50.0 * FACTORS[run.group][k],
+                "acc": 0.25 + 0.01 * k,
+            },
+        ]
+        (d / "eval.json").write_text(json.dumps({"name": run.group, "results": results}))
+        geo = [
+            {
+                "run": run.name,
+                "embedding": run.variant,
+                "iteration": it,
+                "tokens": it * 2048,
+                "matrix": m,
+                "rows": 2048,
+                "pair_rows": 2048,
+                "dim": 384,
+                "eps": 0.1 * it / 150 + (m == "output"),
+                "mu": 0.01 * k,
+                "sigma": 0.05,
+                "mean_row_ratio": 0.2,
+                "effective_rank": 100.0 + it / 150,
+                "rank_bound": 72 if run.variant == "lev" else 384,
+            }
+            for it in (150, 300, 750)
+            for m in ("input", "output")
+        ]
+        (d / "geometry.json").write_text(json.dumps({"rows": geo}))
+        steps = {"train": 1800.0 + k, "convert": 10.0, "evaluate": 170.0, "geometry": 20.0}
+        (d / "timing.json").write_text(
+            json.dumps(
+                {"run": run.name, "threads": 1, "steps": {s: {"seconds": v} for s, v in steps.items()}}
+            )
+        )
+        (d / "metrics.jsonl").write_text(
+            "".join(
+                json.dumps(r) + "\n"
+                for r in (
+                    {"kind": "event", "event": "start", "iteration": 0, "parameters": 1000},
+                    {"kind": "train", "iteration": 10, "loss": 5.0, "tokens_per_s": 900.0},
+                    {"kind": "train", "iteration": 20, "loss": 4.0, "tokens_per_s": 1000.0 + k},
+                )
+            )
+        )
+        runs.append({**run.__dict__, "overrides": list(run.overrides)})
+    (raw / "study.json").write_text(json.dumps({"runs": runs}))
+    (raw / "lambada.json").write_text(
+        json.dumps({"passages": 500, "min_words": 40, "max_words": 120, "mean_words": 82.0})
+    )
+    return raw
+
+
+def test_report_from_raw_files_is_deterministic_with_the_expected_numbers(tmp_path):
+    raw = _raw_dir(tmp_path)
+    paths = write_report(raw, tmp_path / "a", plots=True)
+    write_report(raw, tmp_path / "b", plots=False)
+    assert sorted(paths) == sorted(REPORT_PAGES)
+    for name in REPORT_PAGES:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert (tmp_path / "a" / "plots" / "seeds_validation" / "overall_rel_change.png").is_file()
+    read = lambda name: (tmp_path / "a" / name).read_text()  # noqa: E731
+    # LEV vs TIED over three seeds: -10, -8, -12 % (sd 2) on validation and on LAMBADA-style
+    seeds = read("seeds.md")
+    assert "| LEV | all | -10.00% ± 2.00 |" in seeds
+    assert "Seeds (train.seed): 1234, 1235, 1236." in seeds
+    eq = read("equal_scale.md")
+    assert "| LEV vs TIED (default init) | validation | 3 | -10.00% ± 2.00 |" in eq
+    assert "| LEV-EQ vs TIED-EQ (equal scale) | validation | 3 | -5.00% ± 1.00 |" in eq
+    assert "| LEV-EQ vs TIED-EQ (equal scale) | LAMBADA-style | 3 | -5.00% ± 1.00 |" in eq
+    assert "| TIED-EQ vs TIED (control) | validation | 3 | +0.00% ± 0.00 |" in eq
+    centred = read("centred.md")
+    assert "| LEV-C vs LEV | zero-shot | 3 | -2.00% ± 0.00 |" in centred
+    variants = read("variants.md")
+    assert (
+        "| ALBERT | all | +2.00% (1 seed) |" in variants and "| UNTIED | all | -5.00% (1 seed) |" in variants
+    )
+    dec = read("decomposition.md")
+    gain = (1 - 0.99 / 1.01) * 100  # FACT-MLP vs FLAT-MLP
+    assert f"| compositional structure | FACT-MLP vs FLAT-MLP | {gain:+.2f}% (1 seed)" in dec
+    groups = read("groups.md")
+    assert "| LEV | 3 | 1234, 1235, 1236 |" in groups and "26.00 ± 1.00%" in groups
+    assert "500 of 40-120 words" in groups
+    geometry = read("geometry.md")
+    assert "| LEV | input | first | 150 | 0.1000 ± 0.0000 | 0.0100 ± 0.0100 |" in geometry
+    assert (
+        "| LEV | input | final | 750 | 0.5000 ± 0.0000 |" in geometry and "| 105.0 ± 0.0 | 72 |" in geometry
+    )
+    assert "| UNTIED | output | final | 750 | 1.5000 | 0.0000 | 0.0500 | 0.2000 | 105.0 | 384 |" in geometry
+    cost = read("cost.md")
+    hours = (1800 + 10 + 170 + 20) / 3600
+    assert f"| tied-s1234 | TIED | 1,800 | 10 | 170 | 20 | {hours:.2f} | 1,000 |" in cost
+    total = sum((1800 + SEEDS.index(r.seed) + 200) / 3600 for r in study_plan())
+    assert f"| all 19 runs | {total:.2f} |" in cost
+
+
+def test_report_says_what_is_missing_for_a_partial_study(tmp_path):
+    raw = _raw_dir(tmp_path)
+    study = json.loads((raw / "study.json").read_text())
+    study["runs"] = [r for r in study["runs"] if r["group"] in ("TIED", "LEV")]
+    (raw / "study.json").write_text(json.dumps(study))
+    write_report(raw, tmp_path / "out", plots=False)
+    assert "not run or not collected: LEV-C" in (tmp_path / "out" / "centred.md").read_text()
+    assert "| LEV | all | -10.00% ± 2.00 |" in (tmp_path / "out" / "seeds.md").read_text()
+
+
+def _finished_study(tmp_path: Path) -> Path:
+    out = tmp_path / "study"
+    state = out / ".steps"
+    state.mkdir(parents=True)
+    run = out / "runs" / "lev-s1234"
+    for sub in ("eval", "geometry", "checkpoints/iter_0000150", "hf"):
+        (run / sub).mkdir(parents=True)
+    (run / "eval" / "eval.json").write_text(json.dumps({"results": [], "corpus": f"{out.resolve()}/data/v"}))
+    (run / "geometry" / "geometry.json").write_text('{"rows": []}')
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "config.yaml").write_text(f"train:\n  save: {out.resolve()}/runs/lev-s1234/checkpoints\n")
+    (run / "checkpoints" / "iter_0000150" / "model.pt").write_bytes(b"\0" * 1000)
+    (run / "hf" / "model.safetensors").write_bytes(b"\0" * 1000)
+    for kind in ("train", "convert", "evaluate", "geometry"):
+        (state / f"{kind}-lev-s1234.json").write_text(
+            json.dumps({"seconds": 12.5, "command": ["/some/env/bin/python", "-m", "megatron_lev", kind]})
+        )
+    (state / "train-tied-s1234.json").write_text(json.dumps({"seconds": 1.0, "command": ["x"]}))  # unfinished
+    (out / "data").mkdir()
+    (out / "data" / "split.json").write_text('{"zero_shot_subset": "W"}')
+    (out / "data" / "lambada.jsonl").write_text('{"text": "a b c"}\n{"text": "a b"}\n')
+    return out
+
+
+def test_collect_copies_small_files_of_finished_runs_and_never_checkpoints(tmp_path):
+    from megatron_lev.experiments.study import _copy_small
+
+    out = _finished_study(tmp_path)
+    raw = tmp_path / "raw"
+    sizes = collect_study(out, raw, log=lambda *_: None)
+    files = sorted(str(p.relative_to(raw)) for p in raw.rglob("*") if p.is_file())
+    assert files == [
+        "lambada.json",
+        "lev-s1234/config.yaml",
+        "lev-s1234/eval.json",
+        "lev-s1234/geometry.json",
+        "lev-s1234/metrics.jsonl",
+        "lev-s1234/timing.json",
+        "split.json",
+        "study.json",
+    ]
+    assert sizes["lev-s1234/eval.json"] == (raw / "lev-s1234" / "eval.json").stat().st_size
+    assert str(out.resolve()) not in (raw / "lev-s1234" / "config.yaml").read_text()
+    assert "<study>/runs/lev-s1234/checkpoints" in (raw / "lev-s1234" / "config.yaml").read_text()
+    timing = json.loads((raw / "lev-s1234" / "timing.json").read_text())
+    assert timing["steps"]["train"] == {"seconds": 12.5, "command": ["python", "-m", "megatron_lev", "train"]}
+    assert [r["name"] for r in json.loads((raw / "study.json").read_text())["runs"]] == ["lev-s1234"]
+    assert json.loads((raw / "lambada.json").read_text())["passages"] == 2
+    ckpt = out / "runs" / "lev-s1234" / "checkpoints" / "iter_0000150" / "model.pt"
+    with pytest.raises(UserError, match="checkpoint"):
+        _copy_small(ckpt, raw / "x.pt", out)
+    with pytest.raises(UserError, match="checkpoint"):
+        _copy_small(out / "runs" / "lev-s1234" / "hf" / "model.safetensors", raw / "y", out)
+    with pytest.raises(UserError, match="inside the study"):
+        collect_study(out, out / "raw", log=lambda *_: None)
+
+
+def test_docs_match_report(tmp_path):
+    raw = ROOT / "docs" / "results" / "study" / "raw"
+    if not raw.is_dir():
+        pytest.skip("the study has not been run yet")
+    write_report(raw, tmp_path, plots=False)
+    for name in REPORT_PAGES:
+        committed = ROOT / "docs" / "results" / "study" / name
+        assert committed.is_file(), f"{committed} is missing: regenerate with megatron-lev study report"
+        assert (tmp_path / name).read_text() == committed.read_text(), (
+            f"docs/results/study/{name} differs from the report of docs/results/study/raw; regenerate it "
+            "with `megatron-lev study report docs/results/study/raw docs/results/study`"
+        )
