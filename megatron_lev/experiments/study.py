@@ -79,7 +79,8 @@ def study_plan() -> list[StudyRun]:
 
 
 def select_runs(names: list[str] | None) -> list[StudyRun]:
-    """The plan's runs named (all when `names` is empty), in plan order; an unknown name is refused."""
+    """The plan's runs named, in the order named (a lane runs them in the order `assign_lanes` dealt
+    them); all of them, in plan order, when `names` is empty. An unknown name is refused."""
     plan = study_plan()
     if not names:
         return plan
@@ -87,7 +88,8 @@ def select_runs(names: list[str] | None) -> list[StudyRun]:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ConfigError(f"--runs: unknown {unknown}; the study's runs are {', '.join(sorted(known))}")
-    return [r for r in plan if r.name in set(names)]
+    by_name = {r.name: r for r in plan}
+    return [by_name[n] for n in dict.fromkeys(names)]
 
 
 def assign_lanes(runs: list[StudyRun], lanes: int) -> list[list[StudyRun]]:

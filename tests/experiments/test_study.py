@@ -101,6 +101,16 @@ def test_lanes_cover_every_run_once(lanes):
         assert [r.seed for r in dealt[:9]] == [1234] * 9 and dealt[9].seed == 1235
 
 
+def test_a_lane_runs_its_runs_in_the_order_dealt():
+    from megatron_lev.experiments.study import select_runs
+
+    (first, second) = assign_lanes(study_plan(), 2)
+    for lane in (first, second):
+        names = [r.name for r in lane]
+        assert [r.name for r in select_runs(names)] == names  # not re-sorted into plan order
+    assert first[0].name == "tied-s1234" and second[0].name == "lev-s1234"
+
+
 def test_lambada_passages_end_in_an_alphabetic_word(tmp_path):
     src = tmp_path / "zero_shot.jsonl"
     words = [f"w{i}" if i % 7 else "alpha" for i in range(300)]  # w12 etc. are not alphabetic
