@@ -15,6 +15,7 @@ the same output directory (distinct step names), so an interrupted study resumes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -268,19 +269,15 @@ def _stop(procs: list[subprocess.Popen], grace: float = 60.0) -> None:
     checkpoint and exits), then SIGKILL after `grace` seconds."""
     for p in procs:
         if p.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
                 os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
     deadline = time.time() + grace
     for p in procs:
         try:
             p.wait(timeout=max(0.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             p.wait()
 
 

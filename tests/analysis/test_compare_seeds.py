@@ -19,6 +19,7 @@ from megatron_lev.analysis.perplexity import (
     per_document_sums,
 )
 from megatron_lev.cli import main as cli
+from tests.analysis.synthetic import synthetic_result
 
 LABELS = ["< 1e-07", ">= 1e-07"]
 T_975_2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom
@@ -35,25 +36,7 @@ def _docs(n_docs: int = 40, seed: int = 0):
 
 def _result(name: str, tokens: np.ndarray, nll: np.ndarray) -> dict:
     """An evaluate result whose perplexities follow from its per-document sums."""
-    per_bucket = nll.sum(0) / tokens.sum(0)
-    return {
-        "name": name,
-        "corpus": "heldout",
-        "perplexity": math.exp(nll.sum() / tokens.sum()),
-        "buckets": [
-            {"bucket": lab, "tokens": int(tokens[:, k].sum()), "perplexity": math.exp(per_bucket[k])}
-            for k, lab in enumerate(LABELS)
-        ],
-        "per_document": {
-            "unit": "document",
-            "group": 1,
-            "count": len(tokens),
-            "tokens": tokens.sum(1).astype(int).tolist(),
-            "nll_sum": nll.sum(1).tolist(),
-            "bucket_tokens": tokens.T.astype(int).tolist(),
-            "bucket_nll_sum": nll.T.tolist(),
-        },
-    }
+    return synthetic_result(tokens, nll, LABELS, name=name, corpus="heldout")
 
 
 def _scaled(name: str, tokens: np.ndarray, nll: np.ndarray, factor: float) -> dict:

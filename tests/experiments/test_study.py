@@ -22,8 +22,10 @@ from megatron_lev.experiments.study import (
     study_plan,
 )
 from megatron_lev.experiments.study_report import REPORT_PAGES, write_report
+from tests.analysis.synthetic import synthetic_result
 
 ROOT = Path(__file__).resolve().parents[2]
+
 LABELS = ["< 1e-04", ">= 1e-04"]
 
 
@@ -140,25 +142,7 @@ def test_lambada_passages_end_in_an_alphabetic_word(tmp_path):
 
 
 def _eval_result(kind: str, tokens: np.ndarray, nll: np.ndarray) -> dict:
-    per_bucket = nll.sum(0) / tokens.sum(0)
-    return {
-        "corpus_kind": kind,
-        "corpus": f"<study>/{kind}",
-        "perplexity": math.exp(nll.sum() / tokens.sum()),
-        "buckets": [
-            {"bucket": lab, "tokens": int(tokens[:, k].sum()), "perplexity": math.exp(per_bucket[k])}
-            for k, lab in enumerate(LABELS)
-        ],
-        "per_document": {
-            "unit": "document",
-            "group": 1,
-            "count": len(tokens),
-            "tokens": tokens.sum(1).astype(int).tolist(),
-            "nll_sum": nll.sum(1).tolist(),
-            "bucket_tokens": tokens.T.astype(int).tolist(),
-            "bucket_nll_sum": nll.T.tolist(),
-        },
-    }
+    return synthetic_result(tokens, nll, LABELS, corpus_kind=kind, corpus=f"<study>/{kind}")
 
 
 FACTORS = {  # perplexity factor against TIED of the same seed, in every document
