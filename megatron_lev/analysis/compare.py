@@ -422,6 +422,12 @@ def _mean_sd_cell(stats: dict) -> str:
     return f"{stats['mean']:+.2f}% ± {stats['sd']:.2f}"
 
 
+def _bucket_cell(bucket: dict) -> str:
+    """A bucket's label with its target-token count: a change over a handful of tokens reads as such."""
+    n = bucket.get("tokens")
+    return bucket["bucket"] if n is None else f"{bucket['bucket']} ({n:,} tokens)"
+
+
 def _interval_cell(ci: list[float] | None, why: str) -> str:
     return f"[{ci[0]:+.2f}, {ci[1]:+.2f}]%" if ci else f"- ({why})"
 
@@ -456,7 +462,7 @@ def compare_markdown(cmp: dict) -> str:
         "",
         f"## Change against {cmp['baseline']} over {seeds} seed(s), with paired {pct} intervals",
         "",
-        f"| run | target tokens | vs {cmp['baseline']} (mean ± sd) | seed-paired {pct} | "
+        f"| run | target tokens (count) | vs {cmp['baseline']} (mean ± sd) | seed-paired {pct} | "
         f"document bootstrap {pct} |",
         "|---|---|---|---|---|",
     ]
@@ -465,7 +471,7 @@ def compare_markdown(cmp: dict) -> str:
             continue
         for label, stats in [
             ("all", r["rel_change"]),
-            *((b["bucket"], b["rel_change"]) for b in r["buckets"]),
+            *((_bucket_cell(b), b["rel_change"]) for b in r["buckets"]),
         ]:
             lines.append(
                 f"| {r['name']} | {label} | {_mean_sd_cell(stats)} | "

@@ -165,6 +165,17 @@ def evaluate_lambada(
         "truncated": int(truncated),
         "seq_len": seq_len,
         "tokenizer": tokenizer.name,
+        "per_document": {
+            "unit": "passage",
+            "count": n,
+            "group": 1,
+            "tokens": [1] * n,
+            "nll_sum": nll.tolist(),
+            "hits": hits.astype(int).tolist(),
+            "note": "per passage: the last word's total NLL (nats) and whether the greedy continuation "
+            "hit it; `tokens` is 1 per passage, as the perplexity averages over passages; the bootstrap of "
+            "`megatron-lev compare` resamples these",
+        },
         "normalisation": "acc: share of passages whose greedy continuation is exactly the last word's "
         "tokens; perplexity: exp of the mean over passages of the last word's total NLL (nats), as "
         f"lm-eval's lambada; contexts cut to the last {seq_len} tokens with the target",

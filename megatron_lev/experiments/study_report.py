@@ -369,28 +369,38 @@ def cost_markdown(raw: Raw) -> str:
         "# Study: cost",
         "",
         "Seconds of each step as the study ran it (one thread per process, two runs side by side), "
-        "from the step markers; CPU-hours = seconds x threads / 3600.",
+        "from the step markers; CPU-hours = seconds x threads / 3600. A run stopped and resumed has "
+        "more than one training segment, and its marker counts only the last one; `step s` is every "
+        "run's training time estimated the same way (its tokens / its median tokens/s), and a resumed run's "
+        "CPU-hours count the larger of the two.",
         "",
-        "| run | group | train s | convert s | evaluate s | geometry s | CPU-hours | tokens/s (median) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | group | segments | train s | step s | convert s | evaluate s | geometry s | CPU-hours "
+        "| tokens/s (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     total, by_group = 0.0, {}
     for run in raw.runs:
         timing = _read_json(raw.root / run["name"] / "timing.json")
         threads = timing.get("threads", 1)
-        secs = [
-            timing["steps"].get(k, {}).get("seconds") for k in ("train", "convert", "evaluate", "geometry")
-        ]
-        hours = sum(s or 0.0 for s in secs) * threads / 3600
+        secs = {
+            k: timing["steps"].get(k, {}).get("seconds") for k in ("train", "convert", "evaluate", "geometry")
+        }
+        try:
+            stats = run_stats(raw.root / run["name"])
+        except (DataError, OSError, KeyError):
+            stats = {}
+        tps, tokens, segments = stats.get("tokens_per_s"), stats.get("tokens"), stats.get("segments")
+        step_s = tokens / tps if tps and tokens else None
+        counted = dict(secs)
+        if segments and segments > 1 and step_s is not None:  # the marker saw the last segment only
+            counted["train"] = max(secs["train"] or 0.0, step_s)
+        hours = sum(s or 0.0 for s in counted.values()) * threads / 3600
         total += hours
         by_group[run["group"]] = by_group.get(run["group"], 0.0) + hours
-        try:
-            tps = run_stats(raw.root / run["name"])["tokens_per_s"]
-        except (DataError, OSError, KeyError):
-            tps = None
+        fmt = [secs["train"], step_s, secs["convert"], secs["evaluate"], secs["geometry"]]
         lines.append(
-            f"| {run['name']} | {run['group']} | "
-            + " | ".join("-" if s is None else f"{s:,.0f}" for s in secs)
+            f"| {run['name']} | {run['group']} | {segments or '-'} | "
+            + " | ".join("-" if s is None else f"{s:,.0f}" for s in fmt)
             + f" | {hours:.2f} | {'-' if tps is None else f'{tps:,.0f}'} |"
         )
     lines += ["", "| group | CPU-hours |", "|---|---|"]

@@ -52,6 +52,8 @@ def run_stats(run_dir: Path) -> dict:
     return {
         "parameters": starts[-1]["parameters"],
         "tokens_per_s": statistics.median(speeds) if speeds else None,
+        "tokens": train[-1].get("tokens"),
+        "segments": len(starts),
         "final_train_loss": train[-1]["loss"],
         "final_valid_loss": valid[-1]["loss"] if valid else None,
     }

@@ -177,6 +177,9 @@ def test_lambada_accuracy_and_perplexity_match_hand_scoring(
     assert res["mean_nll"] == pytest.approx(np.mean(nlls), rel=1e-5)
     assert res["perplexity"] == pytest.approx(math.exp(np.mean(nlls)), rel=1e-5)
     assert (res["truncated"] > 0) == (seq_len == 6)
+    per = res["per_document"]  # per passage, for compare's bootstrap: they add up to the result
+    assert per["unit"] == "passage" and per["count"] == len(texts) and per["tokens"] == [1] * len(texts)
+    assert per["nll_sum"] == pytest.approx(nlls, rel=1e-5) and per["hits"] == [int(h) for h in hits]
     md = (tmp_path / "out" / "eval.md").read_text()
     assert f"LAMBADA tiny-llama ({path}): acc {res['acc']:.4f}" in md
 

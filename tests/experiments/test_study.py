@@ -27,6 +27,7 @@ from tests.analysis.synthetic import synthetic_result
 ROOT = Path(__file__).resolve().parents[2]
 
 LABELS = ["< 1e-04", ">= 1e-04"]
+RESUMED = "untied-s1234"  # the synthetic study's run that was stopped and resumed
 
 
 def test_plan_has_19_runs_in_9_groups_with_their_seeds_and_overrides():
@@ -163,6 +164,7 @@ def _raw_dir(tmp_path: Path) -> Path:
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 30, size=(20, 2)).astype(float)
     base_nll = tokens * rng.uniform(2.0, 5.0, size=(20, 2))
+    passage_nll = rng.uniform(8.0, 12.0, size=10)  # LAMBADA-style: the last word's NLL per passage
     runs = []
     for run in study_plan():
         k = SEEDS.index(run.seed)
@@ -175,8 +177,13 @@ def _raw_dir(tmp_path: Path) -> Path:
             {
                 "corpus_kind": "lambada",
                 "task": "lambada",
-                "perplexity": 50.0 * FACTORS[run.group][k],
+                "perplexity": math.exp(passage_nll.mean()) * FACTORS[run.group][k],
                 "acc": 0.25 + 0.01 * k,
+                "per_document": {
+                    "unit": "passage",
+                    "tokens": [1] * len(passage_nll),
+                    "nll_sum": (passage_nll + math.log(FACTORS[run.group][k])).tolist(),
+                },
             },
         ]
         (d / "eval.json").write_text(json.dumps({"name": run.group, "results": results}))
@@ -207,16 +214,16 @@ def _raw_dir(tmp_path: Path) -> Path:
                 {"run": run.name, "threads": 1, "steps": {s: {"seconds": v} for s, v in steps.items()}}
             )
         )
-        (d / "metrics.jsonl").write_text(
-            "".join(
-                json.dumps(r) + "\n"
-                for r in (
-                    {"kind": "event", "event": "start", "iteration": 0, "parameters": 1000},
-                    {"kind": "train", "iteration": 10, "loss": 5.0, "tokens_per_s": 900.0},
-                    {"kind": "train", "iteration": 20, "loss": 4.0, "tokens_per_s": 1000.0 + k},
-                )
-            )
-        )
+        start = {"kind": "event", "event": "start", "iteration": 0, "parameters": 1000}
+        rows = [
+            start,
+            {"kind": "train", "iteration": 10, "loss": 5.0, "tokens_per_s": 900.0, "tokens": 20480},
+        ]
+        if run.name == RESUMED:  # stopped and resumed: two segments, 4,096,000 tokens at 1,000 tokens/s
+            rows += [{**start, "iteration": 10}]
+        seen = 4_096_000 if run.name == RESUMED else 40960
+        rows += [{"kind": "train", "iteration": 20, "loss": 4.0, "tokens_per_s": 1000.0 + k, "tokens": seen}]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         runs.append({**run.__dict__, "overrides": list(run.overrides)})
     (raw / "study.json").write_text(json.dumps({"runs": runs}))
     (raw / "lambada.json").write_text(
@@ -242,6 +249,10 @@ def test_report_from_raw_files_is_deterministic_with_the_expected_numbers(tmp_pa
     assert "| LEV vs TIED (default init) | validation | 3 | -10.00% ± 2.00 |" in eq
     assert "| LEV-EQ vs TIED-EQ (equal scale) | validation | 3 | -5.00% ± 1.00 |" in eq
     assert "| LEV-EQ vs TIED-EQ (equal scale) | LAMBADA-style | 3 | -5.00% ± 1.00 |" in eq
+    lambada_row = next(
+        ln for ln in eq.splitlines() if ln.startswith("| LEV-EQ vs TIED-EQ (equal scale) | LAMBADA")
+    )
+    assert "not run" not in lambada_row and lambada_row.count("[") == 2  # seed-paired and passage bootstrap
     assert "| TIED-EQ vs TIED (control) | validation | 3 | +0.00% ± 0.00 |" in eq
     centred = read("centred.md")
     assert "| LEV-C vs LEV | zero-shot | 3 | -2.00% ± 0.00 |" in centred
@@ -263,8 +274,11 @@ def test_report_from_raw_files_is_deterministic_with_the_expected_numbers(tmp_pa
     assert "| UNTIED | output | final | 750 | 1.5000 | 0.0000 | 0.0500 | 0.2000 | 105.0 | 384 |" in geometry
     cost = read("cost.md")
     hours = (1800 + 10 + 170 + 20) / 3600
-    assert f"| tied-s1234 | TIED | 1,800 | 10 | 170 | 20 | {hours:.2f} | 1,000 |" in cost
-    total = sum((1800 + SEEDS.index(r.seed) + 200) / 3600 for r in study_plan())
+    assert f"| tied-s1234 | TIED | 1 | 1,800 | 41 | 10 | 170 | 20 | {hours:.2f} | 1,000 |" in cost
+    # a resumed run: the marker's 1,800 s saw the last segment only; its CPU-hours count the step estimate
+    resumed = (4096 + 10 + 170 + 20) / 3600
+    assert f"| {RESUMED} | UNTIED | 2 | 1,800 | 4,096 | 10 | 170 | 20 | {resumed:.2f} | 1,000 |" in cost
+    total = sum((1800 + SEEDS.index(r.seed) + 200) / 3600 for r in study_plan()) + (4096 - 1800) / 3600
     assert f"| all 19 runs | {total:.2f} |" in cost
 
 
