@@ -1,8 +1,8 @@
 """Split a Pile-format corpus three ways for the small grid: training, validation, zero-shot.
 
-One Pile subset (`meta.pile_set_name`, by default Wikipedia) is held out entirely and used
-only for zero-shot perplexity. Of every other subset, the first documents up to a character
-cap are taken, and every `valid_every`-th of them goes to a separate validation file, so the
+One subset (the documents of one `meta.pile_set_name`, by default `Wikipedia (en)`) is held out
+entirely and used only for zero-shot perplexity. Of every other subset, the first documents up
+to a character cap are taken, and every `valid_every`-th of them goes to a separate validation file, so the
 trainer's validation and `megatron-lev evaluate` see exactly the same held-out documents.
 Run as `python -m megatron_lev.experiments.corpus --data-dir DIR --out DIR`.
 

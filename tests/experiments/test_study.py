@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -361,3 +362,11 @@ def test_docs_match_report(tmp_path):
             f"docs/results/study/{name} differs from the report of docs/results/study/raw; regenerate it "
             "with `megatron-lev study report docs/results/study/raw docs/results/study`"
         )
+    # the hand-written reading quotes the report: every signed two-decimal percentage and interval in
+    # it must be one the report prints (the paper's numbers are quoted with one decimal or unsigned)
+    pages = "\n".join((tmp_path / name).read_text() for name in REPORT_PAGES)
+    reading = (ROOT / "docs" / "results" / "study" / "README.md").read_text()
+    quoted = re.findall(r"\[[+-]\d+\.\d\d, [+-]\d+\.\d\d\]%|(?<![\d.])[+-]\d[\d,]*\.\d\d%", reading)
+    assert quoted, "docs/results/study/README.md quotes no number of the report"
+    missing = sorted({q for q in quoted if q not in pages})
+    assert not missing, f"docs/results/study/README.md quotes numbers the report does not print: {missing}"
