@@ -9,6 +9,7 @@ machine allows mounting one (root), else the write call is made to raise ENOSPC.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -841,7 +842,16 @@ def test_signals_never_hang_or_orphan_workers(act, rc, fragment, tmp_path, good_
         act(proc)
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
-        pytest.fail("preprocess hung after the signal")
+        # say who is still there (the main process, or a process holding its stderr open) and what
+        # the run printed, so that a hang seen once can be diagnosed
+        main = "alive" if proc.poll() is None else f"exited {proc.returncode}"
+        alive = f"main {main}, marked {marked(mark)}"
+        os.killpg(proc.pid, signal.SIGKILL)
+        for entry in marked(mark):  # "pid: cmdline"
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(entry.split(":", 1)[0]), signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(f"preprocess hung after the signal ({alive}); its stderr ends:\n{err[-1500:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
