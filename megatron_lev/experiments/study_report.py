@@ -303,8 +303,8 @@ def decomposition_markdown(raw: Raw) -> str:
     lines += [
         "",
         "Gain: % lower perplexity of the variant that adds the ingredient than the one before it, one "
-        "seed; brackets: document-bootstrap 95% interval (none for the LAMBADA-style passages, whose "
-        "result has no per-document losses). " + dec0["definition"] + ".",
+        "seed; brackets: 95% bootstrap interval over the evaluated documents (passages for the "
+        "LAMBADA-style task; none where a result has no per-document losses). " + dec0["definition"] + ".",
     ]
     return "\n".join(lines) + "\n"
 
