@@ -243,6 +243,9 @@ def plot_geometry(rows: list[GeometryRow], path: Path, x: str = "iteration") -> 
     series: dict[tuple[str, str], list[GeometryRow]] = {}
     for r in rows:
         series.setdefault((r.run, r.matrix), []).append(r)
+    runs = list(dict.fromkeys(r.run for r in rows))
+    cmap = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20")
+    colour = {run: cmap(i % cmap.N) for i, run in enumerate(runs)}  # a run's input and output share it
     for ax, metric in zip(axes[0], METRICS, strict=True):
         for (run, matrix), points in series.items():
             xs = [getattr(p, x) if getattr(p, x) is not None else p.iteration for p in points]
@@ -250,16 +253,19 @@ def plot_geometry(rows: list[GeometryRow], path: Path, x: str = "iteration") -> 
                 xs,
                 [getattr(p, metric) for p in points],
                 marker="o",
+                markersize=3,
+                color=colour[run],
                 linestyle="-" if matrix == "input" else "--",
                 label=f"{run} {matrix}",
             )
         ax.set_title(metric)
         ax.set_xlabel(x)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
     fig.tight_layout()
+    fig.legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
