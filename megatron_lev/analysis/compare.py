@@ -425,7 +425,7 @@ def _mean_sd_cell(stats: dict) -> str:
 def _bucket_cell(bucket: dict) -> str:
     """A bucket's label with its target-token count: a change over a handful of tokens reads as such."""
     n = bucket.get("tokens")
-    return bucket["bucket"] if n is None else f"{bucket['bucket']} ({n:,} tokens)"
+    return bucket["bucket"] if n is None else f"{bucket['bucket']} ({n:,} token{'' if n == 1 else 's'})"
 
 
 def _interval_cell(ci: list[float] | None, why: str) -> str:
