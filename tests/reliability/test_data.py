@@ -832,6 +832,9 @@ def test_signals_never_hang_or_orphan_workers(act, rc, fragment, tmp_path, good_
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # a suite started in the background (`make test &`) inherits SIGINT ignored, and so would the
+        # run: give it the disposition a terminal's Ctrl-C meets
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 60
