@@ -824,18 +824,23 @@ def test_signals_never_hang_or_orphan_workers(act, rc, fragment, tmp_path, good_
     mark = uuid.uuid4().hex
     env = {**os.environ, MARK_ENV: mark, FAULT_ENV: "sleep:2", "PYTHONPATH": str(ROOT)}
     argv = preprocess_argv([corpus], prefix, neox, "--workers", "2", "--chunk-mb", "0.005")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_lev", *map(str, argv)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        # a suite started in the background (`make test &`) inherits SIGINT ignored, and so would the
-        # run: give it the disposition a terminal's Ctrl-C meets
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    # A suite started in the background (`make test &`) inherits SIGINT ignored, and so would the run.
+    # A caught SIGINT is reset to the default at exec, so catching it here while the run starts gives
+    # the run the disposition a terminal's Ctrl-C meets (preexec_fn would run Python between fork and
+    # exec, which can deadlock in a process with threads).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron_lev", *map(str, argv)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         deadline = time.monotonic() + 60
         while len(_workers_of(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
