@@ -72,8 +72,8 @@ def checkpoint_model_fn(
     The shards are merged into the TP = 1 model; logits keep the tokenizer's vocabulary only
     (padding rows dropped), exactly as an export does, so both give the same numbers.
     """
-    from megatron_lev.checkpoint.hf_export import source_model
-    from megatron_lev.checkpoint.source import open_checkpoint
+    from megatron_lev.convert.hf_export import source_model
+    from megatron_lev.convert.source import open_checkpoint
 
     src = open_checkpoint(checkpoint, tag)
     model = source_model(src, progress=False).to(device)

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from megatron_lev.analysis.cosine import cosine_stats
+from megatron_lev.ckpt.layout import COMPLETE_MARKER, list_checkpoints
 from megatron_lev.errors import DataError
 
-COMPLETE_MARKER = "complete"
 METRICS = ("eps", "mu", "sigma", "mean_row_ratio", "effective_rank")
 RANK_NOTE = (
     "LEV's input table `sum_l M_l W_out_l` has rank at most h x r (plus d_seed with the residual "
@@ -90,14 +90,7 @@ def checkpoint_tags(run_dir: str | Path) -> tuple[Path, list[tuple[int, str]]]:
 
 
 def _tags(save_dir: Path) -> list[tuple[int, str]]:
-    if not save_dir.is_dir():
-        return []
-    out = [
-        (int(p.name[len("iter_") :]), p.name)
-        for p in save_dir.glob("iter_*")
-        if p.name[len("iter_") :].isdigit() and (p / COMPLETE_MARKER).is_file()
-    ]
-    return sorted(out)
+    return [(c.iteration, c.tag) for c in list_checkpoints(save_dir) if c.complete]
 
 
 def tokens_by_iteration(run_dir: Path) -> dict[int, int]:
@@ -173,8 +166,8 @@ def checkpoint_matrices(save_dir: Path, tag: str) -> tuple[object, torch.Tensor,
 
     The input table is rebuilt with the model's own code (`InputEmbedding.materialize`).
     """
-    from megatron_lev.checkpoint.hf_export import materialized_table
-    from megatron_lev.checkpoint.source import load_canonical_state, open_checkpoint
+    from megatron_lev.convert.hf_export import materialized_table
+    from megatron_lev.convert.source import load_canonical_state, open_checkpoint
 
     src = open_checkpoint(save_dir, tag=tag)
     state = load_canonical_state(src, progress=False)

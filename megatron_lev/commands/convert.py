@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_lev.checkpoint.hf_export import DTYPES, ExportError, export_to_hf
-from megatron_lev.checkpoint.validate import ValidationError
+from megatron_lev.convert.hf_export import DTYPES, ExportError, export_to_hf
+from megatron_lev.convert.validate import ValidationError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_lev.logging import setup_logging
+    from megatron_lev.log import setup_logging
 
     setup_logging()
     if args.max_shard_size <= 0 or args.max_shard_size != args.max_shard_size:

@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_lev.checkpoint.reshard import reshard
-    from megatron_lev.logging import setup_logging
+    from megatron_lev.convert.reshard import reshard
+    from megatron_lev.log import setup_logging
 
     setup_logging()
     tag_dir, ref, got = reshard(

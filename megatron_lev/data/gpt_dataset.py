@@ -23,6 +23,7 @@ from megatron_lev.data import indices as ix
 from megatron_lev.data.indexed import IndexedDataset
 from megatron_lev.data.manifest import cached_sha256, verify_shard_set
 from megatron_lev.errors import DataError
+from megatron_lev.utils import dist as ranks
 from megatron_lev.utils.io import atomic_open, atomic_write_json
 
 INDEX_VERSION = (
@@ -57,12 +58,6 @@ def _load_cache(cache_dir: Path, stem: str, marker: Path) -> dict[str, np.ndarra
         return None
 
 
-def _dist():
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed
-    return None
-
-
 def cached_arrays(cache_dir: Path, name: str, description: dict, build) -> dict[str, np.ndarray]:
     """Map the arrays `build()` returns from `<cache_dir>/<name>_<hash>_*.npy`, building them if missing.
 
@@ -84,15 +79,14 @@ def cached_arrays(cache_dir: Path, name: str, description: dict, build) -> dict[
         atomic_write_json(marker, {"arrays": sorted(arrays), "files": files, **json.loads(text)})
         return {k: np.load(cache_dir / f"{stem}_{k}.npy", mmap_mode="r") for k in arrays}
 
-    dist = _dist()
-    if dist is None:
+    if not ranks.initialized():
         return _load_cache(cache_dir, stem, marker) or build_and_save()
-    if dist.get_rank() == 0 and _load_cache(cache_dir, stem, marker) is None:
+    if ranks.rank() == 0 and _load_cache(cache_dir, stem, marker) is None:
         build_and_save()
-    dist.barrier()
+    ranks.barrier()
     if not marker.exists() and int(os.environ.get("LOCAL_RANK", 0)) == 0:
         build_and_save()  # this node does not see rank 0's files
-    dist.barrier()
+    ranks.barrier()
     return _load_cache(cache_dir, stem, marker) or build_and_save()
 
 

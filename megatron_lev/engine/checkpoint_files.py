@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_lev.ckpt.layout import COMPLETE_MARKER, verify_checkpoint
 from megatron_lev.config import RunConfig, load_config
 from megatron_lev.errors import CheckpointDataError
 
@@ -91,8 +92,6 @@ def resolve_tag_dir(path: str | os.PathLike, tag: str | None = None) -> Path:
 
 def verify_tag(tag_dir: Path) -> None:
     """Refuse a tag whose completion marker lists checksums its files no longer match."""
-    from megatron_lev.training.checkpointing import COMPLETE_MARKER, verify_checkpoint
-
     if not (tag_dir / COMPLETE_MARKER).is_file():
         return  # a tag directory saved by another tool; find_files checks what is there
     problems = verify_checkpoint(tag_dir)

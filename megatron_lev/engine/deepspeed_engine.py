@@ -1,7 +1,7 @@
 """The DeepSpeed engine behind the small `Engine` interface the trainer and converters use.
 
 `build_engine(cfg, model, world_size, device)` runs `deepspeed.initialize` over the model
-with our AdamW (`training.optim.GuardedAdamW`, so no DeepSpeed op is compiled at start)
+with our AdamW (`optim.GuardedAdamW`, so no DeepSpeed op is compiled at start)
 and the run's DeepSpeed JSON (`engine.config`). The plain model (PP = 1) runs under
 ZeRO 0-3 (optionally CPU offload); a `PipelineModule` (PP > 1) under ZeRO 0/1. Either
 way the caller sees the same methods:
@@ -28,11 +28,12 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_lev.config import RunConfig
+from megatron_lev.engine.checkpoint_files import ENGINE_HELPER_FILES
+from megatron_lev.engine.loss import micro_batch_loss
 from megatron_lev.engine.mpu import TensorParallelMPU
 from megatron_lev.engine.pipeline import pipeline_batches
 from megatron_lev.errors import CheckpointDataError
-from megatron_lev.training.batches import micro_batch_loss
-from megatron_lev.training.optim import GuardedAdamW, param_groups
+from megatron_lev.optim import GuardedAdamW, param_groups
 
 GROUP_FILLER = "param_group_filler"
 _MOMENTS = ("exp_avg", "exp_avg_sq")  # what resharding carries of Adam's state
@@ -99,6 +100,11 @@ class DeepSpeedEngine:
         self.ds_engine, self.optimizer, self.cfg = ds_engine, optimizer, cfg
         self.pipeline, self.gas = pipeline, gas
         self.device = next(iter(ds_engine.module.parameters())).device
+
+    @staticmethod
+    def owned_files() -> tuple[str, ...]:
+        """Files DeepSpeed writes into a save directory beside the tags (a fresh start may overwrite them)."""
+        return ENGINE_HELPER_FILES
 
     @property
     def module(self) -> nn.Module:

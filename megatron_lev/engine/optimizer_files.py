@@ -25,11 +25,11 @@ import re
 import torch
 
 from megatron_lev.engine.checkpoint_files import CheckpointError, load_file
+from megatron_lev.optim import NO_DECAY_NAME_PARTS
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FILLER = "param_group_filler"  # engine.deepspeed_engine.GROUP_FILLER: a zero parameter in no layer file
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-NO_DECAY_NAME_PARTS = ("norm", "bias")  # training.optim.param_groups' rule
 _STAGE_PREFIX = re.compile(r"^(?:\d+|tied_modules\.[^.]+)\.")  # a pipeline module's layer (or tied) prefix
 
 

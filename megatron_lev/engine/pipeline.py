@@ -146,7 +146,7 @@ def pipeline_batches(batches: Iterator) -> Iterator[tuple]:
     """DeepSpeed's pipeline form of the data side's micro-batches: `((input_ids, *document tensors),
     labels)`, with a loss mask `((...), (labels, loss_mask))`; the document tensors in the order of
     `document_inputs`."""
-    from megatron_lev.training.batches import MicroBatch
+    from megatron_lev.data.batches import MicroBatch
 
     for batch in batches:
         if isinstance(batch, MicroBatch):

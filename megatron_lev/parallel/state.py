@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megatron_lev.utils.dist import rank as global_rank
+
 
 class ParallelLayoutError(ValueError):
     """The world size does not factor into TP x PP x DP."""
@@ -128,30 +130,13 @@ def get_data_parallel_world_size() -> int:
     return _STATE.dp
 
 
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def get_tensor_model_parallel_rank() -> int:
-    return _STATE.tp_ranks.index(_global_rank()) if _STATE.initialized else 0
+    return _STATE.tp_ranks.index(global_rank()) if _STATE.initialized else 0
 
 
 def get_pipeline_model_parallel_rank() -> int:
-    return _STATE.pp_ranks.index(_global_rank()) if _STATE.initialized else 0
+    return _STATE.pp_ranks.index(global_rank()) if _STATE.initialized else 0
 
 
 def get_data_parallel_rank() -> int:
-    return _STATE.dp_ranks.index(_global_rank()) if _STATE.initialized else 0
-
-
-def get_tensor_model_parallel_src_rank() -> int:
-    """Global rank of TP rank 0 in this rank's TP group (for broadcasting batches)."""
-    return _STATE.tp_ranks[0]
-
-
-def is_pipeline_first_stage() -> bool:
-    return get_pipeline_model_parallel_rank() == 0
-
-
-def is_pipeline_last_stage() -> bool:
-    return get_pipeline_model_parallel_rank() == _STATE.pp - 1
+    return _STATE.dp_ranks.index(global_rank()) if _STATE.initialized else 0

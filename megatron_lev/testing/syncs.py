@@ -2,7 +2,7 @@
 
     with HostReads() as reads:
         trainer.train_step(batches)
-    reads.total, reads.by_site   # e.g. 1, {".../training/optim.py:83 item": 1}
+    reads.total, reads.by_site   # e.g. 1, {".../optim/adamw.py:83 item": 1}
 
 `.item()`, `float(t)`, `int(t)`, `bool(t)` (an `if` on a tensor), `.tolist()` and `.cpu()`
 are patched on `torch.Tensor` while the block runs, so the count works on CPU

@@ -1,9 +1,11 @@
 """Pretraining: the loop, its callbacks, checkpoint directories, preemption and logging.
 
 `run.pretrain(cfg)` is the entry point (used by `megatron-lev train`); `trainer.Trainer`
-is the loop and `callbacks` what it does besides stepping; `schedule`, `checkpointing`,
-`signals`, `health`, `metrics`, `optim`, `batches`, `launch` and `wandb_logger` are its
-parts, one idea each. The engine that runs the steps (DeepSpeed) is `megatron_lev.engine`.
+is the loop and `callbacks` what it does besides stepping; `schedule`, `resume`,
+`signals`, `health`, `metrics`, `launch` and `wandb_logger` are its parts, one idea each.
+The engine that runs the steps (DeepSpeed) is `megatron_lev.engine`; the checkpoint directory
+format is `megatron_lev.ckpt`, the optimizer `megatron_lev.optim`, the micro-batches
+`megatron_lev.data.batches`.
 """
 
 from megatron_lev.training.signals import PREEMPTED_EXIT_CODE

@@ -39,10 +39,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_lev.logging import get_logger
-from megatron_lev.training import checkpointing
+from megatron_lev.ckpt.io import load_checkpoint, save_checkpoint
+from megatron_lev.log import get_logger
 from megatron_lev.training.health import AllStepsSkipped, NonFiniteWeights, SkipTracker, TooManySkippedSteps
 from megatron_lev.training.metrics import MetricsWriter, memory_stats, throughput
+from megatron_lev.training.resume import ResumePlan, plan_resume
 from megatron_lev.training.schedule import learning_rate
 from megatron_lev.training.signals import PREEMPTED_EXIT_CODE, PreemptionWatcher
 
@@ -239,19 +240,19 @@ class Checkpointer(Callback):
         self.save_initial = save_initial  # also save before the first step (iteration 0)
         self.saved_at = -1
 
-    def resume(
-        self, trainer: Trainer, plan: checkpointing.ResumePlan | None = None, allow_changes=()
-    ) -> None:
+    def resume(self, trainer: Trainer, plan: ResumePlan | None = None, allow_changes=()) -> None:
         """Load the checkpoint `plan` names (by default the newest one that verifies)."""
         from megatron_lev.training.trainer import TrainState
 
         if not self.load_dir and not self.save_dir:
             return
         if plan is None:
-            plan = checkpointing.plan_resume(self.load_dir, self.save_dir, trainer.cfg, allow_changes)
+            plan = plan_resume(
+                self.load_dir, self.save_dir, trainer.cfg, allow_changes, trainer.engine.owned_files()
+            )
         if plan.tag is None:
             return
-        client = checkpointing.load_checkpoint(trainer.engine, plan.root, plan.tag)
+        client = load_checkpoint(trainer.engine, plan.root, plan.tag)
         st = client.get("train_state", {})
         trainer.state = TrainState(
             iteration=int(st["iteration"]),
@@ -283,7 +284,7 @@ class Checkpointer(Callback):
             if cb.state_key is not None:
                 train_state[cb.state_key] = cb.state_dict()
         client = {"train_state": train_state, "config": trainer.cfg.to_dict()}
-        checkpointing.save_checkpoint(
+        save_checkpoint(
             trainer.engine,
             self.save_dir,
             trainer.state.iteration,

@@ -2,15 +2,12 @@
 
 A step whose loss or gradients are inf/NaN is skipped by the optimizer guard
 (`optim.GuardedAdamW`); this module keeps the tally the trainer logs and checkpoints,
-the fused finiteness test both use, and the error for weights an update made non-finite.
+and the errors for runs whose steps or weights went non-finite.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-
-import torch
 
 from megatron_lev.errors import UserError
 
@@ -58,28 +55,3 @@ class NonFiniteWeights(UserError, RuntimeError):
     """An update made the weights inf/NaN, or weights about to be saved or resumed are not finite."""
 
     exit_code = 3  # like a run stopped by too many skipped steps
-
-
-def is_finite(value: float | None) -> bool:
-    return value is None or math.isfinite(value)
-
-
-def all_finite(tensors) -> torch.Tensor:
-    """One bool tensor: every element of every tensor is finite (one fused max-abs, no host sync).
-
-    The max-abs of finite numbers is finite (unlike a sum or a 2-norm, it cannot overflow), and
-    a NaN anywhere makes it NaN. `torch._foreach_norm` (one multi-tensor kernel per device and
-    dtype on CUDA) is used rather than `torch.nn.utils.get_total_norm`, which needs torch >= 2.6.
-    """
-    tensors = [t.detach() for t in tensors if t is not None and t.numel()]
-    if not tensors:
-        return torch.ones((), dtype=torch.bool)
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    device = tensors[0].device
-    maxima = [
-        torch.stack(torch._foreach_norm(group, math.inf)).amax().float().to(device)
-        for group in groups.values()
-    ]
-    return torch.isfinite(torch.stack(maxima).amax())

@@ -13,12 +13,11 @@ import torch
 from torch import nn
 
 from megatron_lev.config import ConfigError, RunConfig
+from megatron_lev.data.batches import make_loader, token_batches
 from megatron_lev.engine.config import batch_layout, build_ds_config, validate_training
-from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
-from megatron_lev.logging import get_logger, setup_logging
+from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, build_engine, disable_cpu_shm_comm
+from megatron_lev.log import get_logger, setup_logging
 from megatron_lev.parallel import state
-from megatron_lev.training import checkpointing
-from megatron_lev.training.batches import make_loader, token_batches
 from megatron_lev.training.callbacks import (
     Callback,
     Checkpointer,
@@ -31,6 +30,7 @@ from megatron_lev.training.callbacks import (
 from megatron_lev.training.launch import device as current_device
 from megatron_lev.training.launch import init_distributed
 from megatron_lev.training.metrics import MetricsWriter
+from megatron_lev.training.resume import plan_resume
 from megatron_lev.training.schedule import training_budget
 from megatron_lev.training.signals import PreemptionWatcher
 from megatron_lev.training.trainer import TrainData, Trainer, TrainResult
@@ -58,7 +58,7 @@ def find_input_embedding(model: nn.Module) -> nn.Module | None:
 
 def pretrain(cfg: RunConfig, allow_changes=()) -> TrainResult:
     """Run (or resume) the pretraining described by `cfg` on the launcher's processes; config keys
-    in `allow_changes` may differ from the resumed checkpoint's (see `training.resume_config`)."""
+    in `allow_changes` may differ from the resumed checkpoint's (see `training.resume`)."""
     watcher = PreemptionWatcher().install()  # before the slow start-up: Slurm's notice may come early
     try:
         return _pretrain(cfg, watcher, allow_changes)
@@ -97,7 +97,7 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
     # which checkpoint (verified, config compared), or a fresh start that loses nothing: before the model
     save_dir = cfg.train.save or str(out / "checkpoints")
     load_dir = cfg.train.load or save_dir
-    plan = checkpointing.plan_resume(load_dir, save_dir, cfg, allow_changes)
+    plan = plan_resume(load_dir, save_dir, cfg, allow_changes, DeepSpeedEngine.owned_files())
     if rank == 0:
         log.info("resolved config saved to %s", cfg.save(out))
 

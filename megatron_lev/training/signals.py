@@ -27,7 +27,7 @@ EXIT_DIR_ENV = "MEGATRON_LEV_EXIT_DIR"  # launchers read each rank's exit status
 
 
 def _log():
-    from megatron_lev.logging import get_logger
+    from megatron_lev.log import get_logger
 
     return get_logger(__name__)
 

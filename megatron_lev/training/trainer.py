@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_lev.config import RunConfig
-from megatron_lev.logging import get_logger
+from megatron_lev.log import get_logger
+from megatron_lev.optim import all_finite
 from megatron_lev.training.callbacks import SKIP_LIMIT_EXIT_CODE, Callback, Control, StepRecord
-from megatron_lev.training.health import NonFiniteWeights, all_finite
+from megatron_lev.training.health import NonFiniteWeights
 from megatron_lev.training.metrics import perplexity
 from megatron_lev.training.schedule import Budget, learning_rate
 

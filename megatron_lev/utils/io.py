@@ -77,11 +77,6 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs) -> Iterator[
         raise
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    with atomic_open(path, "wb") as f:
-        f.write(data)
-
-
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     with atomic_open(path, "w") as f:
         f.write(text)

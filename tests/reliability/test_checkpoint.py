@@ -3,7 +3,7 @@ changes on resume, preemption signals at start-up, a full disk during a save, pi
 
 One real tiny training (two checkpoints, iterations 2 and 4) is shared by the module and
 copied per case. Most cases call the code `megatron-lev train` runs before it builds the
-model (`checkpointing.plan_resume` and friends) in this process; the faults that need a
+model (`training.resume.plan_resume` and `ckpt.layout`) in this process; the faults that need a
 real process (signals, a full disk, torchrun, a resume that trains) run the CLI.
 
 A full disk is a real one when this user may mount a small tmpfs (root); otherwise
@@ -29,14 +29,20 @@ from pathlib import Path
 import pytest
 import zstandard
 
+from megatron_lev.ckpt import io as ckio
+from megatron_lev.ckpt import layout as ck
+from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine
 from megatron_lev.errors import CheckpointDataError
 from megatron_lev.testing.distributed import DistributedTestError, run_distributed
-from megatron_lev.training import checkpointing as ck
+from megatron_lev.training import resume
+from megatron_lev.utils import dist as ranks
+from megatron_lev.utils.io import TEMP_MARK
 from tests.reliability.harness import ROOT, expect_error, expect_ok, leftover_processes, run_cli_process
 
 pytestmark = pytest.mark.timeout(300)
 
 TINY = ROOT / "pretrain" / "configs" / "tiny.yaml"
+ENGINE_FILES = DeepSpeedEngine.owned_files()
 ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
 MODEL = "mp_rank_00_model_states.pt"
 OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -280,10 +286,10 @@ def test_damaged_checkpoint_is_named_and_skipped(run_copy, caplog, damage, expec
     caplog.set_level("WARNING", logger="megatron_lev")
     if expected is None:
         with pytest.raises(CheckpointDataError) as err:
-            ck.plan_resume(ckpt, ckpt)
+            resume.plan_resume(ckpt, ckpt)
         assert re.search(pattern, str(err.value)), str(err.value)
     else:
-        plan = ck.plan_resume(ckpt, ckpt)
+        plan = resume.plan_resume(ckpt, ckpt)
         assert plan.tag == expected
         assert re.search(pattern, caplog.text), caplog.text
         assert ck.verify_checkpoint(ckpt / plan.tag) == []
@@ -371,9 +377,9 @@ def _our_partial(root: Path) -> None:
     d.mkdir(parents=True)
     (d / ck.STARTED_MARKER).write_text("{}")
     (d / MODEL).write_bytes(b"half")
-    for name in ck.ENGINE_HELPER_FILES:
+    for name in ENGINE_FILES:
         (root / name).write_text("# helper")
-    (root / f".latest{ck.TEMP_MARK}123").write_text("x")
+    (root / f".latest{TEMP_MARK}123").write_text("x")
 
 
 FRESH = [
@@ -400,10 +406,10 @@ def test_fresh_start_refuses_a_directory_it_did_not_write(tmp_path, prepare, pat
     prepare(save)
     before = snapshot(save)
     if pattern is None:
-        assert ck.plan_resume(save, save) == ck.ResumePlan(None, None)
+        assert resume.plan_resume(save, save, engine_files=ENGINE_FILES) == resume.ResumePlan(None, None)
     else:
         with pytest.raises(CheckpointDataError) as err:
-            ck.plan_resume(save, save)
+            resume.plan_resume(save, save, engine_files=ENGINE_FILES)
         msg = str(err.value)
         assert re.search(pattern, msg) and f"train.save={save}" in msg and "move them" in msg, msg
         assert snapshot(save) == before
@@ -425,7 +431,7 @@ class StubEngine:
     """Writes one small file per rank where DeepSpeed would write its model and optimizer files."""
 
     def save(self, root, tag, client_state):
-        rank = ck._rank()
+        rank = ranks.rank()
         d = Path(root) / tag
         d.mkdir(parents=True, exist_ok=True)
         (d / f"stub_rank{rank}.pt").write_bytes(f"weights of rank {rank}".encode())
@@ -463,7 +469,7 @@ def test_prune_keeps_the_save_and_what_latest_names(
         _our_checkpoint(root, it, complete=False)
     (root / "latest").write_text(ck.tag_for(latest) + "\n")
     caplog.set_level("WARNING", logger="megatron_lev")
-    ck.save_checkpoint(StubEngine(), root, saved, {}, keep_last=keep_last)
+    ckio.save_checkpoint(StubEngine(), root, saved, {}, keep_last=keep_last)
     assert sorted(c.iteration for c in ck.list_checkpoints(root)) == list(left)
     assert ck.read_latest(root)[0] == ck.tag_for(saved)
     assert ck.verify_checkpoint(root / ck.tag_for(saved)) == []
@@ -488,11 +494,11 @@ def test_prune_without_a_save_keeps_what_latest_names(tmp_path):
 
 
 def _fail_on(rank: int, name: str, err: int):
-    """A replacement for ck.atomic_write_json that raises OSError(err) on `rank` for files named `name`."""
-    real = ck.atomic_write_json
+    """A replacement for ckio.atomic_write_json that raises OSError(err) on `rank` for files named `name`."""
+    real = ckio.atomic_write_json
 
     def write(path, obj):
-        if ck._rank() == rank and Path(path).name == name:
+        if ranks.rank() == rank and Path(path).name == name:
             raise OSError(err, os.strerror(err), str(path))
         return real(path, obj)
 
@@ -503,7 +509,7 @@ def _unreadable_on(rank: int):
     real = ck.sha256_file
 
     def digest(path):
-        if ck._rank() == rank:
+        if ranks.rank() == rank:
             raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
         return real(path)
 
@@ -521,33 +527,31 @@ RANK_FAULTS = {  # case -> (what to break, on which operation)
 
 def _rank_fault_suite(work: str) -> dict:
     """Every rank: run each fault case; record what this rank raised (or returned)."""
-    import megatron_lev.training.checkpointing as ckm
-
     out = {}
     for case, (fault, op) in RANK_FAULTS.items():
         root = Path(work) / case
-        saved = (ckm.atomic_write_json, ckm.sha256_file)
-        if fault == "foreign" and ckm._rank() == 0:
+        saved = (ckio.atomic_write_json, ck.sha256_file)
+        if fault == "foreign" and ranks.rank() == 0:
             _unmarked(root)
         if op == "verify":
-            ckm.save_checkpoint(StubEngine(), root, 4, {}, keep_last=2)
-        ckm._barrier()
+            ckio.save_checkpoint(StubEngine(), root, 4, {}, keep_last=2)
+        ranks.barrier()
         if fault == "started":
-            ckm.atomic_write_json = _fail_on(0, ckm.STARTED_MARKER, errno.ENOSPC)
+            ckio.atomic_write_json = _fail_on(0, ck.STARTED_MARKER, errno.ENOSPC)
         elif fault == "complete":
-            ckm.atomic_write_json = _fail_on(0, ckm.COMPLETE_MARKER, errno.EIO)
+            ckio.atomic_write_json = _fail_on(0, ck.COMPLETE_MARKER, errno.EIO)
         elif fault == "checksum":
-            ckm.sha256_file = _unreadable_on(1)
+            ck.sha256_file = _unreadable_on(1)
         try:
             if op == "verify":
-                out[case] = {"returned": ckm.verify_checkpoint(root / IT4)}
+                out[case] = {"returned": ck.verify_checkpoint(root / IT4)}
             else:
-                ckm.save_checkpoint(StubEngine(), root, 4, {}, keep_last=2)
+                ckio.save_checkpoint(StubEngine(), root, 4, {}, keep_last=2)
                 out[case] = {"returned": None}
         except Exception as exc:  # noqa: BLE001 - the case checks what each rank raised
             out[case] = {"raised": type(exc).__name__, "message": str(exc)}
         finally:
-            ckm.atomic_write_json, ckm.sha256_file = saved
+            ckio.atomic_write_json, ck.sha256_file = saved
     return out
 
 
@@ -622,7 +626,7 @@ def test_fresh_start_into_unmarked_checkpoints_exits_before_training(data, tmp_p
 
 def test_explicit_load_without_checkpoint_is_refused(tmp_path):
     with pytest.raises(CheckpointDataError, match=r"train.load=.*nowhere holds no complete checkpoint"):
-        ck.plan_resume(tmp_path / "nowhere", tmp_path / "ckpt")
+        resume.plan_resume(tmp_path / "nowhere", tmp_path / "ckpt")
 
 
 SAME_DIR = [  # how train.load spells the directory train.save names (absolute)
@@ -639,7 +643,7 @@ def test_load_and_save_naming_one_directory_are_the_same(tmp_path, monkeypatch, 
     (tmp_path / "sub").mkdir()
     (tmp_path / "ckpt").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert ck.plan_resume(spell(tmp_path), tmp_path / "ckpt") == ck.ResumePlan(None, None)
+    assert resume.plan_resume(spell(tmp_path), tmp_path / "ckpt") == resume.ResumePlan(None, None)
 
 
 # ------------------------------------------------------------------ config differences on resume
@@ -699,10 +703,10 @@ def test_config_differences_on_resume(run_copy, data, caplog, change, allow, ref
     cfg = load_config([TINY], overrides(data, run_copy, **change), validate=False)
     caplog.set_level("WARNING", logger="megatron_lev")
     if refusal is None:
-        assert ck.plan_resume(ckpt, ckpt, cfg, allow) == ck.ResumePlan(ckpt, IT4)
+        assert resume.plan_resume(ckpt, ckpt, cfg, allow) == resume.ResumePlan(ckpt, IT4)
     else:
         with pytest.raises(CheckpointDataError) as err:
-            ck.plan_resume(ckpt, ckpt, cfg, allow)
+            resume.plan_resume(ckpt, ckpt, cfg, allow)
         assert re.search(refusal, str(err.value)), str(err.value)
         assert "\n" not in str(err.value)
     for key, value in change.items():  # every difference is printed, with its verdict
@@ -740,9 +744,9 @@ def test_rng_file_round_trips_with_weights_only(tmp_path):
 
     from megatron_lev.utils.io import atomic_save_torch
 
-    atomic_save_torch(ck.capture_rng_state(), tmp_path / RNG)
+    atomic_save_torch(ckio.capture_rng_state(), tmp_path / RNG)
     a = (random.random(), np.random.rand(), torch.rand(2))
-    ck.restore_rng_state(ck.load_rng_file(tmp_path / RNG))
+    ckio.restore_rng_state(ckio.load_rng_file(tmp_path / RNG))
     b = (random.random(), np.random.rand(), torch.rand(2))
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
 
@@ -770,9 +774,9 @@ def test_pickle_payload_in_rng_file_is_refused_not_run(run_copy, tmp_path, resea
         with pytest.raises(
             CheckpointDataError, match=rf"{RNG} is not a plain tensor file \(refused to unpickle"
         ):
-            ck.load_rng_file(tag_dir / RNG)
+            ckio.load_rng_file(tag_dir / RNG)
     else:
-        assert ck.plan_resume(run_copy / "ckpt", run_copy / "ckpt").tag == IT2
+        assert resume.plan_resume(run_copy / "ckpt", run_copy / "ckpt").tag == IT2
     assert not target.exists(), "the payload ran"
 
 
@@ -780,7 +784,7 @@ def test_plain_pickle_in_rng_file_is_refused(tmp_path):
     target = tmp_path / "pwned"
     (tmp_path / RNG).write_bytes(pickle.dumps(_Payload(target), protocol=2))
     with pytest.raises(CheckpointDataError, match="refused to unpickle"):
-        ck.load_rng_file(tmp_path / RNG)
+        ckio.load_rng_file(tmp_path / RNG)
     assert not target.exists()
 
 
@@ -957,8 +961,8 @@ def test_disk_full_during_save_names_the_path_and_keeps_the_previous(data, tmp_p
         assert (ckpt / "latest").read_text().strip() == IT2
         assert ck.verify_checkpoint(ckpt / IT2) == []
         assert not (ckpt / IT4 / ck.COMPLETE_MARKER).exists()
-        assert ck.plan_resume(ckpt, ckpt).tag == IT2
-        assert not [p for p in ckpt.rglob("*") if ck.TEMP_MARK in p.name]
+        assert resume.plan_resume(ckpt, ckpt).tag == IT2
+        assert not [p for p in ckpt.rglob("*") if TEMP_MARK in p.name]
     finally:
         if real:
             subprocess.run(["umount", str(disk)], capture_output=True)
@@ -967,16 +971,18 @@ def test_disk_full_during_save_names_the_path_and_keeps_the_previous(data, tmp_p
 def test_disk_full_is_recognised_from_the_errno_chain(tmp_path):
     exc = RuntimeError("unexpected pos 576 vs 534")
     exc.__context__ = OSError(errno.ENOSPC, "No space left on device")
-    assert ck._disk_full(exc, tmp_path)
-    assert not ck._disk_full(RuntimeError("a bug"), tmp_path)
+    assert ckio._disk_full(exc, tmp_path)
+    assert not ckio._disk_full(RuntimeError("a bug"), tmp_path)
 
 
 def test_resuming_from_train_load_refuses_a_foreign_save_directory(run_copy, tmp_path):
     save = tmp_path / "new-save"
     _unmarked(save)
     with pytest.raises(CheckpointDataError, match=rf"train.save={save} already holds iter_0000004/"):
-        ck.plan_resume(run_copy / "ckpt", save)
-    assert ck.plan_resume(run_copy / "ckpt", tmp_path / "empty-save") == ck.ResumePlan(run_copy / "ckpt", IT4)
+        resume.plan_resume(run_copy / "ckpt", save)
+    assert resume.plan_resume(run_copy / "ckpt", tmp_path / "empty-save") == resume.ResumePlan(
+        run_copy / "ckpt", IT4
+    )
 
 
 def test_save_never_overwrites_a_directory_it_did_not_write(tmp_path):
@@ -988,5 +994,5 @@ def test_save_never_overwrites_a_directory_it_did_not_write(tmp_path):
             raise AssertionError("DeepSpeed must not be called")
 
     with pytest.raises(CheckpointDataError, match=r"iter_0000004 exists and was not written by this trainer"):
-        ck.save_checkpoint(NoEngine(), root, 4, {}, keep_last=2)
+        ckio.save_checkpoint(NoEngine(), root, 4, {}, keep_last=2)
     assert (root / IT4 / MODEL).read_bytes() == b"weights someone trained"

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from megatron_lev.utils.io import sha256_file
-from tests.checkpoint.conftest import ds_checkpoints, sample_text, tokenizer_path  # noqa: F401 (fixtures)
+from tests.convert.conftest import ds_checkpoints, sample_text, tokenizer_path  # noqa: F401 (fixtures)
 from tests.reliability.harness import expect_error, expect_ok, run_cli
 
 pytestmark = pytest.mark.multiprocess  # the shared checkpoints are made by 4 gloo processes
@@ -118,7 +118,7 @@ def flip_bytes(path: Path, n: int = 64) -> None:
 @pytest.fixture(scope="module")
 def exports(ds_checkpoints, tmp_path_factory):  # noqa: F811
     """A dense export of the tied checkpoint and a --keep-lev export of the LEV one."""
-    from megatron_lev.checkpoint.hf_export import export_to_hf
+    from megatron_lev.convert.hf_export import export_to_hf
 
     out = tmp_path_factory.mktemp("exports")
     dense = export_to_hf(ds_checkpoints["tied"][0], out / "tied", progress=False).out_dir
@@ -1226,7 +1226,7 @@ def test_file_errors_name_the_file_and_debug_shows_the_traceback(
 
 
 def _patch_config(monkeypatch, key, value):
-    from megatron_lev.checkpoint import hf_export
+    from megatron_lev.convert import hf_export
 
     real = hf_export.write_config
 
@@ -1252,7 +1252,7 @@ PROBE = [
 def test_probe_catches_a_wrong_setting_the_trained_weights_hide(
     variant, key, value, stage, ctx, monkeypatch, capsys
 ):
-    from megatron_lev.checkpoint import hf_export
+    from megatron_lev.convert import hf_export
 
     _patch_config(monkeypatch, key, value)
     real_probe = hf_export.probe_export
@@ -1285,7 +1285,7 @@ def test_disk_full_while_writing_leaves_no_partial_export(ctx, monkeypatch, caps
     """ENOSPC is simulated by making the shard writer's save raise it (no tmpfs needed)."""
     import errno
 
-    from megatron_lev.checkpoint import hf_writer
+    from megatron_lev.convert import hf_writer
 
     def full(*a, **k):
         raise OSError(

@@ -492,7 +492,7 @@ TORCH_APIS = [  # torch functions taken away to run the guard as on an older tor
 def test_guard_flag_is_one_fused_test(missing, monkeypatch):
     import importlib
 
-    from megatron_lev.training.health import all_finite
+    from megatron_lev.optim import all_finite
 
     for module, name in missing:
         monkeypatch.delattr(importlib.import_module(module), name)
@@ -509,7 +509,7 @@ def test_guard_flag_is_one_fused_test(missing, monkeypatch):
 
 
 def test_guarded_adamw_skips_and_leaves_state_untouched():
-    from megatron_lev.training.optim import GuardedAdamW
+    from megatron_lev.optim import GuardedAdamW
 
     w = torch.nn.Parameter(torch.ones(4))
     opt = GuardedAdamW([w], lr=0.1)

@@ -7,7 +7,13 @@ import random
 import numpy as np
 import torch
 
-from megatron_lev.training import checkpointing as ck
+from megatron_lev.ckpt import io as ckio
+from megatron_lev.ckpt import layout as ck
+
+
+def _resume_tag(root):
+    tags, notes = ck.resume_candidates(root)
+    return (tags[0] if tags else None), " ".join(notes)
 
 
 def _make(root, iteration, complete=True):
@@ -29,21 +35,22 @@ def test_resume_uses_latest_when_complete(tmp_path):
     _make(tmp_path, 10)
     _make(tmp_path, 20)
     (tmp_path / ck.LATEST_FILE).write_text(ck.tag_for(10) + "\n")
-    assert ck.find_resume_tag(tmp_path) == ck.tag_for(10)
+    assert _resume_tag(tmp_path)[0] == ck.tag_for(10)
 
 
-def test_a_partial_checkpoint_is_never_chosen(tmp_path, caplog):
+def test_a_partial_checkpoint_is_never_chosen(tmp_path):
     _make(tmp_path, 10)
     _make(tmp_path, 20, complete=False)  # killed while saving
     (tmp_path / ck.LATEST_FILE).write_text(ck.tag_for(20))  # even if a pointer names it
-    assert ck.find_resume_tag(tmp_path) == ck.tag_for(10)
-    assert "incomplete" in caplog.text and "instead" in caplog.text
+    tag, notes = _resume_tag(tmp_path)
+    assert tag == ck.tag_for(10)
+    assert "incomplete" in notes and "instead" in notes
 
 
 def test_no_checkpoint_means_fresh_start(tmp_path):
-    assert ck.find_resume_tag(tmp_path / "missing") is None
+    assert _resume_tag(tmp_path / "missing")[0] is None
     _make(tmp_path, 5, complete=False)
-    assert ck.find_resume_tag(tmp_path) is None
+    assert _resume_tag(tmp_path)[0] is None
 
 
 def test_prune_keeps_the_newest_complete_and_newer_partials(tmp_path):
@@ -60,8 +67,8 @@ def test_rng_state_round_trip():
     from megatron_lev.parallel.random import model_parallel_manual_seed
 
     model_parallel_manual_seed(7)
-    saved = ck.capture_rng_state()
+    saved = ckio.capture_rng_state()
     a = (random.random(), np.random.rand(), torch.rand(3))
-    ck.restore_rng_state(saved)
+    ckio.restore_rng_state(saved)
     b = (random.random(), np.random.rand(), torch.rand(3))
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])

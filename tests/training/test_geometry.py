@@ -59,8 +59,8 @@ def _direct(matrix: torch.Tensor) -> dict[str, float]:
 
 def test_geometry_of_each_checkpoint_matches_direct_computation(lev_run, capsys):
     from megatron_lev.analysis.geometry import checkpoint_matrices
-    from megatron_lev.checkpoint.source import load_canonical_state, open_checkpoint
     from megatron_lev.cli import main
+    from megatron_lev.convert.source import load_canonical_state, open_checkpoint
     from megatron_lev.model.embeddings import build_input_embedding
 
     out = lev_run.parent / "geometry_out"
@@ -108,9 +108,9 @@ def test_geometry_of_each_checkpoint_matches_direct_computation(lev_run, capsys)
 def test_keep_lev_export_of_the_centred_layer_computes_the_same_logits(lev_run, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from megatron_lev.checkpoint.hf_export import source_model
-    from megatron_lev.checkpoint.source import open_checkpoint
     from megatron_lev.cli import main
+    from megatron_lev.convert.hf_export import source_model
+    from megatron_lev.convert.source import open_checkpoint
 
     out = tmp_path / "lev_layer"
     assert main(["convert", str(lev_run / "ckpt"), str(out), "--keep-lev", "--no-progress"]) == 0

@@ -154,7 +154,7 @@ def test_host_reads_counts_and_restores():
 
 
 def test_the_loader_checks_token_ids_on_the_host():
-    from megatron_lev.training.batches import token_batches
+    from megatron_lev.data.batches import token_batches
 
     loader = [{"tokens": torch.tensor([[1, 2, 3], [4, 5, 9]])}]
     ((x, y),) = token_batches(loader, torch.device("cpu"), vocab_size=10)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_lev.training.checkpointing import list_checkpoints
+from megatron_lev.ckpt.layout import list_checkpoints
 from megatron_lev.training.signals import PREEMPTED_EXIT_CODE
 from tests.training.conftest import ROOT, kill_overrides, train_command, train_env, train_losses
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from megatron_lev.config import ConfigError, ModelConfig
+from megatron_lev.utils.tensors import check_token_ids  # noqa: F401 (part of the embedding interface)
 
 RMS_SAMPLE_IDS = 65536  # larger vocabularies: `output_rms` averages over this many fixed-seed ids
 RMS_SAMPLE_SEED = 0
@@ -138,28 +139,3 @@ class InputEmbedding(nn.Module, abc.ABC):
     def tied_output_weight(self) -> nn.Parameter | None:
         """The (vocab-parallel) table the output head reuses when `ties_output_head`; else None."""
         return None
-
-
-def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Refuse ids outside [0, vocab_size) (instead of a silent wrong row), without a host sync.
-
-    Host tensors: an IndexError naming the id. Device tensors: a device-side assert, which
-    does not make the host wait; the training loader has already checked every batch on
-    the host (`training.batches.token_batches`), so there it is a backstop.
-    """
-    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        raise TypeError(f"token ids must be an integer tensor, got {input_ids.dtype}")
-    if input_ids.numel() == 0:
-        return
-    if input_ids.device.type != "cpu":
-        inside = ((input_ids >= 0) & (input_ids < vocab_size)).all()
-        torch._assert_async(inside, f"a token id is outside the vocabulary [0, {vocab_size})")
-        return
-    ids = input_ids.detach().numpy()  # host memory: reading it waits for nothing
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab_size:
-        bad = lo if lo < 0 else hi
-        raise IndexError(
-            f"token id {bad} is outside the vocabulary [0, {vocab_size}); check that the "
-            "tokenizer matches model.vocab_size"
-        )

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_lev.checkpoint.reshard import reshard
+from megatron_lev.convert.reshard import reshard
 from megatron_lev.testing import run_distributed
 
 pytestmark = pytest.mark.multiprocess
@@ -23,7 +23,7 @@ TRAINED, CONTINUED = 2, 3
 
 
 def _batches(n: int, offset: int) -> list[torch.Tensor]:
-    from tests.checkpoint.ds_checkpoints import MICRO, SEQ
+    from tests.convert.ds_checkpoints import MICRO, SEQ
 
     g = torch.Generator().manual_seed(1234 + offset)
     return [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g) for _ in range(n)]
@@ -52,9 +52,9 @@ def _train(engine, batches: list[torch.Tensor]) -> list[float]:
 def train_and_save(root: str, tokenizer: str, zero: int) -> None:
     """Collective over 4 ranks: TP=2 x PP=2, `TRAINED` steps, saved as the trainer saves (iteration,
     data position)."""
+    from megatron_lev.ckpt.io import save_checkpoint
     from megatron_lev.parallel import state
-    from megatron_lev.training.checkpointing import save_checkpoint
-    from tests.checkpoint.ds_checkpoints import run_config
+    from tests.convert.ds_checkpoints import run_config
 
     cfg = run_config("tied", tokenizer, 2, 2, zero)
     engine = _engine(cfg)
@@ -67,9 +67,9 @@ def train_and_save(root: str, tokenizer: str, zero: int) -> None:
 def resume_and_train(root: str) -> tuple[list[float], dict]:
     """Collective: load the checkpoint in its own layout and train `CONTINUED` steps; (losses, client
     state)."""
+    from megatron_lev.ckpt.io import load_checkpoint, read_latest
     from megatron_lev.config import load_config
     from megatron_lev.parallel import state
-    from megatron_lev.training.checkpointing import load_checkpoint, read_latest
 
     tag, _ = read_latest(root)
     cfg = load_config([Path(root) / tag / "config.yaml"])

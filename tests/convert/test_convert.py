@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_lev.checkpoint import hf_export
-from megatron_lev.checkpoint.hf_export import export_to_hf, source_model
-from megatron_lev.checkpoint.source import open_checkpoint
 from megatron_lev.cli import main as cli_main
+from megatron_lev.convert import hf_export
+from megatron_lev.convert.hf_export import export_to_hf, source_model
+from megatron_lev.convert.source import open_checkpoint
 from megatron_lev.engine.checkpoint_files import CheckpointError
-from tests.checkpoint.ds_checkpoints import text_batches
+from tests.convert.ds_checkpoints import text_batches
 
 pytestmark = pytest.mark.multiprocess
 
@@ -141,7 +141,7 @@ def test_layer_files_of_the_older_layout_are_refused(ds_checkpoints, tmp_path):
     with pytest.raises(CheckpointError, match="older megatron-lev .pipeline layer files without canonical"):
         export_to_hf(root, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
-    from megatron_lev.checkpoint.reshard import reshard
+    from megatron_lev.convert.reshard import reshard
 
     with pytest.raises(CheckpointError, match="older megatron-lev"):
         reshard(root, tmp_path / "tp1", tp=1, pp=1)

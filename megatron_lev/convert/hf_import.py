@@ -10,8 +10,8 @@ import os
 
 import torch
 
-from megatron_lev.checkpoint.llama_names import from_hf
 from megatron_lev.config import ConfigError, ModelConfig
+from megatron_lev.convert.llama_names import from_hf
 from megatron_lev.model.build import padded_vocab_size
 
 

@@ -5,19 +5,40 @@ DeepSpeed wraps this optimizer (ZeRO partitions, bf16 master weights) and calls 
 about to apply with one fused test, agrees across all ranks (one all-reduce MAX per
 call), and applies nothing — parameters and Adam moments untouched — when any rank
 saw inf/NaN. Every rank must therefore call `step()` equally often: see
-`engine.same_groups_on_every_stage`.
+`engine.deepspeed_engine.same_groups_on_every_stage`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_lev.training.health import all_finite
-
 NO_DECAY_NAME_PARTS = ("norm", "bias")
 GROUP_NAMES = ("decay", "no_decay")
+
+
+def all_finite(tensors) -> torch.Tensor:
+    """One bool tensor: every element of every tensor is finite (one fused max-abs, no host sync).
+
+    The max-abs of finite numbers is finite (unlike a sum or a 2-norm, it cannot overflow), and
+    a NaN anywhere makes it NaN. `torch._foreach_norm` (one multi-tensor kernel per device and
+    dtype on CUDA) is used rather than `torch.nn.utils.get_total_norm`, which needs torch >= 2.6.
+    """
+    tensors = [t.detach() for t in tensors if t is not None and t.numel()]
+    if not tensors:
+        return torch.ones((), dtype=torch.bool)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    device = tensors[0].device
+    maxima = [
+        torch.stack(torch._foreach_norm(group, math.inf)).amax().float().to(device)
+        for group in groups.values()
+    ]
+    return torch.isfinite(torch.stack(maxima).amax())
 
 
 def param_groups(model: nn.Module, weight_decay: float, keep_empty: bool = False) -> list[dict]:

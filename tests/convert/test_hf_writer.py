@@ -6,8 +6,8 @@ import json
 
 import torch
 
-from megatron_lev.checkpoint.hf_writer import SafetensorsShardWriter, llama_config, write_config
 from megatron_lev.config import ModelConfig
+from megatron_lev.convert.hf_writer import SafetensorsShardWriter, llama_config, write_config
 
 
 def _model_cfg() -> ModelConfig:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_lev.checkpoint.merge import merge_shards
-from megatron_lev.checkpoint.source import SourceCheckpoint
+from megatron_lev.convert.merge import merge_shards
+from megatron_lev.convert.source import SourceCheckpoint
 from megatron_lev.engine.checkpoint_files import CheckpointError
 from megatron_lev.engine.optimizer_files import MOMENTS, local_states
 

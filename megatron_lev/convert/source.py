@@ -14,7 +14,6 @@ ZeRO-3 weights are gathered from their fp32 partitions.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megatron_lev.checkpoint.merge import merge_shards
+from megatron_lev.ckpt.layout import COMPLETE_MARKER, iteration_of
 from megatron_lev.config import RunConfig
+from megatron_lev.convert.merge import merge_shards
 from megatron_lev.engine.checkpoint_files import (
     CheckpointError,
     CheckpointFiles,
@@ -38,9 +38,6 @@ from megatron_lev.model.build import padded_vocab_size
 from megatron_lev.model.canonical import ParamSpec, canonical_state_dict_spec
 from megatron_lev.model.embeddings import InputEmbedding, embedding_class
 from megatron_lev.model.stages import stage_specs
-
-COMPLETE_MARKER = "complete"  # written by the trainer once every rank has saved
-TRAINER_TAG = re.compile(r"^iter_\d+$")  # the trainer's tag names (always get a marker)
 
 
 @dataclass
@@ -84,7 +81,9 @@ def open_checkpoint(
 ) -> SourceCheckpoint:
     """Locate the shard files, the run config and the vocabulary; check the checkpoint is complete."""
     tag_dir = resolve_tag_dir(path, tag)
-    trainer_layout = bool(TRAINER_TAG.match(tag_dir.name)) or any(tag_dir.parent.glob(f"*/{COMPLETE_MARKER}"))
+    trainer_layout = iteration_of(tag_dir.name) is not None or any(
+        tag_dir.parent.glob(f"*/{COMPLETE_MARKER}")
+    )
     if trainer_layout and not (tag_dir / COMPLETE_MARKER).is_file():
         raise CheckpointError(
             f"{tag_dir} has no '{COMPLETE_MARKER}' marker: the save was interrupted; convert an "

@@ -7,7 +7,7 @@ target layout is started as `TP x PP x DP` gloo processes on this machine, each 
 its part of the model with `build_model`, copies in its TP shard of every tensor
 (vocabulary rows re-padded for the new TP size), wraps it in DeepSpeed exactly as the
 trainer does (`engine.deepspeed_engine.build_engine`, `engine.config.build_ds_config`) and
-saves through `training.checkpointing.save_checkpoint`, so the result is a native
+saves through `ckpt.io.save_checkpoint`, so the result is a native
 checkpoint the trainer resumes from (model weights, iteration, client state such as
 the data position, hence the learning-rate schedule).
 
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_lev.checkpoint.llama_names import pad_rows
-from megatron_lev.checkpoint.merge import split_full
-from megatron_lev.checkpoint.optimizer_state import OptimizerState, read_optimizer_state
-from megatron_lev.checkpoint.source import SourceCheckpoint, iter_canonical, open_checkpoint
 from megatron_lev.config import RunConfig, from_dict
+from megatron_lev.convert.llama_names import pad_rows
+from megatron_lev.convert.merge import split_full
+from megatron_lev.convert.optimizer_state import OptimizerState, read_optimizer_state
+from megatron_lev.convert.source import SourceCheckpoint, iter_canonical, open_checkpoint
 from megatron_lev.engine.checkpoint_files import CheckpointError, load_file
 from megatron_lev.model.build import padded_vocab_size
 from megatron_lev.model.canonical import canonical_state_dict_spec
@@ -112,11 +112,11 @@ def reshard_worker(
     """Collective on the target layout: build, fill, save, and (optionally) reload and measure the loss."""
     import yaml
 
+    from megatron_lev.ckpt.io import load_checkpoint, save_checkpoint, tag_for
     from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
     from megatron_lev.model.build import build_model
     from megatron_lev.parallel import state
-    from megatron_lev.training.checkpointing import load_checkpoint, save_checkpoint, tag_for
 
     disable_cpu_shm_comm()
     cfg = from_dict(RunConfig, yaml.safe_load(cfg_yaml), prefix="")
@@ -239,8 +239,8 @@ def reshard(
     after it reloads with the source's loss, so a failed or interrupted reshard leaves no
     checkpoint the trainer could resume from.
     """
-    from megatron_lev.checkpoint.hf_export import ExportError, check_out_dir
     from megatron_lev.config import ConfigError
+    from megatron_lev.convert.hf_export import ExportError, check_out_dir
     from megatron_lev.testing.distributed import run_distributed
 
     for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):

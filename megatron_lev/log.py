@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
 from pathlib import Path
 
+from megatron_lev.utils.dist import launcher_rank
+
 _FORMAT = "%(asctime)s [%(levelname)s] [rank %(rank)s] %(name)s: %(message)s"
-
-
-def get_rank() -> int:
-    with contextlib.suppress(ImportError):
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
 
 
 class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = get_rank()
+        record.rank = launcher_rank()
         return True
 
 
@@ -40,7 +32,7 @@ def setup_logging(
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
         handler.close()
-    rank = get_rank()
+    rank = launcher_rank()
     fmt = logging.Formatter(_FORMAT, datefmt="%H:%M:%S")
     if rank == 0 or all_ranks_to_console:
         console = logging.StreamHandler(sys.stderr)
@@ -61,8 +53,3 @@ def get_logger(name: str) -> logging.Logger:
     if not name.startswith("megatron_lev"):
         name = f"megatron_lev.{name}"
     return logging.getLogger(name)
-
-
-def print_rank0(*args, **kwargs) -> None:
-    if get_rank() == 0:
-        print(*args, **kwargs, flush=True)

@@ -9,7 +9,7 @@ import pytest
 import zstandard
 
 from megatron_lev.testing import run_distributed
-from tests.checkpoint.ds_checkpoints import make_checkpoints
+from tests.convert.ds_checkpoints import make_checkpoints
 
 
 def _sample_text(shared_data, n_docs: int = 40) -> str:

@@ -28,15 +28,15 @@ from pathlib import Path
 
 import torch
 
-from megatron_lev.checkpoint.hf_writer import (
+from megatron_lev.convert.hf_writer import (
     DEFAULT_MAX_SHARD_BYTES,
     SafetensorsShardWriter,
     llama_config,
     write_config,
 )
-from megatron_lev.checkpoint.llama_names import to_hf
-from megatron_lev.checkpoint.source import SourceCheckpoint, iter_canonical, open_checkpoint
-from megatron_lev.checkpoint.validate import (
+from megatron_lev.convert.llama_names import to_hf
+from megatron_lev.convert.source import SourceCheckpoint, iter_canonical, open_checkpoint
+from megatron_lev.convert.validate import (
     ValidationError,
     ValidationReport,
     compare_stages,
@@ -51,7 +51,7 @@ from megatron_lev.engine.checkpoint_files import (
     stored_config_path,
 )
 from megatron_lev.errors import UserError
-from megatron_lev.logging import get_logger
+from megatron_lev.log import get_logger
 
 log = get_logger(__name__)
 

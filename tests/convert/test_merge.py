@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lev.checkpoint.merge import ShardMismatchError, merge_shards, split_full
 from megatron_lev.config import load_config
+from megatron_lev.convert.merge import ShardMismatchError, merge_shards, split_full
 from megatron_lev.model.canonical import canonical_state_dict_spec
 from megatron_lev.model.gpt import GPTModel
 from megatron_lev.parallel import state

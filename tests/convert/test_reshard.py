@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lev.checkpoint.reshard import reshard, target_config
 from megatron_lev.cli import main as cli_main
 from megatron_lev.config import ConfigError
+from megatron_lev.convert.reshard import reshard, target_config
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,9 +36,9 @@ def test_round_trip_keeps_the_loss(ds_checkpoints, tp1, tmp_path):
 def test_the_engines_own_eval_loss_survives_resharding(ds_checkpoints, tp1, tokenizer_path, sample_text):
     """The source engine's held-out loss (TP=2 x PP=2, before resharding) from the TP=1 checkpoint's
     weights."""
-    from megatron_lev.checkpoint.hf_export import source_model
-    from megatron_lev.checkpoint.source import open_checkpoint
-    from tests.checkpoint.ds_checkpoints import text_batches
+    from megatron_lev.convert.hf_export import source_model
+    from megatron_lev.convert.source import open_checkpoint
+    from tests.convert.ds_checkpoints import text_batches
 
     _, held_out = text_batches(tokenizer_path, sample_text)
     model = source_model(open_checkpoint(tp1[0].parent), progress=False)
@@ -56,7 +56,7 @@ def test_reshard_command_refuses_a_used_directory(ds_checkpoints, tp1, capsys):
 
 
 def test_invalid_target_layout_is_refused(ds_checkpoints):
-    from megatron_lev.checkpoint.source import open_checkpoint
+    from megatron_lev.convert.source import open_checkpoint
 
     cfg = open_checkpoint(ds_checkpoints["tied"][0]).cfg
     with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible"):

@@ -18,8 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from megatron_lev.data.documents import DocumentLayout
-from megatron_lev.model.documents import masked_mean
-from megatron_lev.model.embeddings.base import check_token_ids
+from megatron_lev.utils.tensors import check_token_ids
 
 
 @dataclass
@@ -80,19 +79,3 @@ def token_batches(
             yield input_ids, labels
         else:
             yield MicroBatch(input_ids, labels, **documents(input_ids))
-
-
-def micro_batch_loss(model, batch: tuple[torch.Tensor, torch.Tensor] | MicroBatch) -> torch.Tensor:
-    """The mean per-token loss `()` (fp32) of one micro-batch; with a loss mask, over the tokens it keeps.
-
-    The step averages these means over micro-batches and data-parallel ranks with equal weights
-    (as Megatron-LM and GPT-NeoX do), so a token's weight depends slightly on how many targets its
-    micro-batch masks.
-    """
-    if not isinstance(batch, MicroBatch):
-        input_ids, labels = batch
-        return model(input_ids, labels=labels).float().mean()  # (B, S) per-token -> ()
-    losses = model(
-        batch.input_ids, labels=batch.labels, position_ids=batch.position_ids, document_ids=batch.document_ids
-    )  # (B, S)
-    return masked_mean(losses, batch.loss_mask)

@@ -3,7 +3,7 @@
 `make_checkpoints` runs in 4 gloo processes: TP=2 x PP=2 (ZeRO-1, fp32) for `tied` and
 `lev`, then TP=2 x DP=2 under ZeRO-3 (bf16) for `albert`. Each trains one step on a
 fixed batch of real text, records the engine's evaluation loss on held-out text, and
-saves through `training.checkpointing.save_checkpoint` (config.yaml, `complete`, `latest`).
+saves through `ckpt.io.save_checkpoint` (config.yaml, `complete`, `latest`).
 """
 
 from __future__ import annotations
@@ -80,11 +80,11 @@ def make_checkpoints(root: str, tokenizer: str, text: str) -> dict:
     """Collective over 4 ranks; returns {variant: {"eval_loss", "tp", "pp", "zero"}} (same on every rank)."""
     import deepspeed
 
+    from megatron_lev.ckpt.io import save_checkpoint
     from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, disable_cpu_shm_comm
     from megatron_lev.engine.mpu import TensorParallelMPU
     from megatron_lev.model.build import build_model
     from megatron_lev.parallel import state
-    from megatron_lev.training.checkpointing import save_checkpoint
 
     disable_cpu_shm_comm()
     train, held_out = text_batches(tokenizer, text)

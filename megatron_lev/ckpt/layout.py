@@ -1,0 +1,252 @@
+"""The checkpoint directory format: tags, `latest`, completion markers with checksums, pruning.
+
+Layout under a save directory:
+
+    iter_0000100/            the engine's files + rng_state_rank{R}.pt + config.yaml
+    iter_0000100/started     written by rank 0 before the save: this directory is ours
+    iter_0000100/complete    written by rank 0 after every rank finished: size and sha256 of every file
+    latest                   the newest complete tag (same format as DeepSpeed's `latest`)
+
+A directory without `complete` (a save interrupted by a kill) is never loaded, and one whose
+files disagree with the checksums in `complete` is refused. Directories and files without our
+markers are never pruned. This module is the one home of the format: the engine, the trainer,
+the converters and the analyses all read it from here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_lev.errors import CheckpointDataError
+from megatron_lev.log import get_logger
+from megatron_lev.utils import dist as ranks
+from megatron_lev.utils.io import TEMP_MARK, sha256_file
+
+COMPLETE_MARKER = "complete"
+STARTED_MARKER = "started"
+LATEST_FILE = "latest"
+CONFIG_FILE = "config.yaml"
+_TAG_RE = re.compile(r"^iter_(\d+)$")
+
+log = get_logger(__name__)
+
+
+def tag_for(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def iteration_of(tag: str) -> int | None:
+    m = _TAG_RE.match(tag)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    iteration: int
+    tag: str
+    path: Path
+    complete: bool
+    ours: bool = True  # has our `started` or `complete` marker
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
+    """Every `iter_*` directory under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        it = iteration_of(child.name)
+        if it is not None and child.is_dir():
+            complete = (child / COMPLETE_MARKER).is_file()
+            found.append(
+                CheckpointInfo(
+                    it, child.name, child, complete, complete or (child / STARTED_MARKER).is_file()
+                )
+            )
+    return sorted(found, key=lambda c: c.iteration)
+
+
+def read_latest(root: str | os.PathLike) -> tuple[str | None, str | None]:
+    """(tag named by `root/latest`, problem); both None when there is no `latest`."""
+    pointer = Path(root) / LATEST_FILE
+    if not pointer.is_file():
+        return None, None
+    try:
+        text = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, f"{pointer} is unreadable ({exc})"
+    if iteration_of(text) is None:
+        return None, f"{pointer} does not name a checkpoint ({text[:40]!r})"
+    return text, None
+
+
+def resume_candidates(root: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """(complete tags to try, best first: `latest`, then newest to oldest; warnings to log)."""
+    root = Path(root)
+    ckpts = list_checkpoints(root)
+    complete = [c for c in ckpts if c.complete]
+    notes = []
+    wanted, problem = read_latest(root)
+    if problem:
+        notes.append(problem + ": ignoring it")
+    newest_partial = [
+        c for c in ckpts if not c.complete and (not complete or c.iteration > complete[-1].iteration)
+    ]
+    if newest_partial:
+        notes.append(
+            f"ignoring incomplete checkpoint(s) {', '.join(c.tag for c in newest_partial)} "
+            f"(no '{COMPLETE_MARKER}' marker: the save was interrupted)"
+        )
+    tags = [c.tag for c in reversed(complete)]
+    if wanted in tags:
+        tags.remove(wanted)
+        tags.insert(0, wanted)
+    elif wanted and tags:
+        notes.append(
+            f"{root / LATEST_FILE} points to {wanted!r}, which is missing or incomplete; "
+            f"resuming from {tags[0]} instead"
+        )
+    return tags, notes
+
+
+# ------------------------------------------------------------------ markers and checksums
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[str]:
+    """Every file of a checkpoint directory (relative, sorted), without our markers and temp files."""
+    path = Path(path)
+    names = []
+    for p in path.rglob("*"):
+        rel = p.relative_to(path).as_posix()
+        if p.is_file() and rel not in (COMPLETE_MARKER, STARTED_MARKER) and TEMP_MARK not in p.name:
+            names.append(rel)
+    return sorted(names)
+
+
+def file_checksums(path: str | os.PathLike, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Collective: `{name: {"size", "sha256"}}`; each rank hashes every world-size-th file."""
+    path = Path(path)
+    mine, error = [], None
+    try:
+        mine = [
+            (n, os.path.getsize(path / n), sha256_file(path / n))
+            for n in names[ranks.rank() :: ranks.world_size()]
+        ]
+    except OSError as exc:
+        error = CheckpointDataError(f"cannot checksum the files of checkpoint {path} ({exc})")
+        error.__cause__ = exc
+    ranks.raise_on_every_rank(error)
+    return {n: {"size": size, "sha256": digest} for n, size, digest in ranks.gather_lists(mine)}
+
+
+def read_marker(path: str | os.PathLike) -> dict[str, Any]:
+    """The completion marker of checkpoint directory `path`; ValueError if it is damaged."""
+    marker = Path(path) / COMPLETE_MARKER
+    try:
+        data = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{marker} is unreadable ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{marker} is not a JSON object")
+    return data
+
+
+def _listed_files(marker: dict[str, Any]) -> dict[str, tuple[int, str]] | None:
+    """name -> (size, sha256) from a marker; None for markers without checksums; ValueError if malformed."""
+    files = marker.get("files")
+    if files is None:
+        return None
+    try:
+        out = {str(n): (int(m["size"]), str(m["sha256"])) for n, m in files.items()}
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"its file list is malformed ({exc!r})") from exc
+    for name in out:
+        if name.startswith("/") or ".." in Path(name).parts:
+            raise ValueError(f"it lists a file outside the checkpoint ({name!r})")
+    return out
+
+
+def verify_checkpoint(path: str | os.PathLike) -> list[str]:
+    """Collective: problems with checkpoint directory `path` (damaged marker, missing, resized or
+    altered files), the same list on every rank; empty if it verifies."""
+    path = Path(path)
+    try:
+        files = _listed_files(read_marker(path))
+    except ValueError as exc:
+        msg = str(exc) if str(exc).startswith(str(path)) else f"{path / COMPLETE_MARKER}: {exc}"
+        return [msg]
+    if files is None:
+        if ranks.rank() == 0:
+            log.warning(
+                "%s records no checksums (saved by an older version): its files are not verified",
+                path / COMPLETE_MARKER,
+            )
+        return []
+    problems = []
+    for name in sorted(files)[ranks.rank() :: ranks.world_size()]:
+        size, digest = files[name]
+        p = path / name
+        try:
+            if not p.is_file():
+                problems.append(f"{p} is missing")
+            elif p.stat().st_size != size:
+                problems.append(
+                    f"{p} has {p.stat().st_size} bytes, {size} expected (truncated or overwritten)"
+                )
+            elif sha256_file(p) != digest:
+                problems.append(f"{p} does not match its checksum (the file was altered or damaged)")
+        except OSError as exc:  # a problem like the others: every rank still reaches the gather
+            problems.append(f"{p} is unreadable ({exc})")
+    return sorted(ranks.gather_lists(problems))
+
+
+# ------------------------------------------------------------------ pruning
+
+
+_warned_abandoned: set[tuple[str, str]] = set()  # (root, tags): each abandoned branch is named once
+
+
+def prune_checkpoints(root: str | os.PathLike, keep_last: int, current: str | None = None) -> list[str]:
+    """Delete all but the newest `keep_last` complete checkpoints, and our partial saves older than
+    those. Never deleted: directories without our markers, `current` (the tag just saved), the tag
+    `latest` names, and every checkpoint above `current`'s iteration. Those belong to a branch
+    this run abandoned when it resumed from an older tag (the newer one was damaged, or `latest` was
+    rolled back); they are kept, named in a warning, and not counted in `keep_last`, so they can
+    never push the run's own new checkpoints out."""
+    root = Path(root)
+    ckpts = list_checkpoints(root)
+    at = iteration_of(current) if current else None
+    ahead = [c for c in ckpts if at is not None and c.iteration > at]
+    ranked = [c for c in ckpts if c.complete and c not in ahead]
+    keep = {c.tag for c in ranked[-keep_last:]}
+    keep |= {c.tag for c in ahead}
+    latest, _ = read_latest(root)
+    keep |= {t for t in (current, latest) if t}
+    newest = ranked[-1].iteration if ranked else -1
+    removed = []
+    for c in ckpts:
+        if c.tag in keep or not c.ours or (not c.complete and c.iteration > newest):
+            continue
+        shutil.rmtree(c.path, ignore_errors=True)
+        removed.append(c.tag)
+    abandoned = [c for c in ahead if c.ours]
+    key = (str(root), ",".join(c.tag for c in abandoned))
+    if abandoned and key not in _warned_abandoned:
+        _warned_abandoned.add(key)
+        log.warning(
+            "checkpoint(s) %s under %s are newer than %s, the one just saved: left by an earlier run "
+            "this one did not continue from; they are kept and not counted in train.keep_last. Once "
+            "they are not needed, delete them (rm -r %s)",
+            ", ".join(c.tag for c in abandoned),
+            root,
+            current,
+            " ".join(str(c.path) for c in abandoned),
+        )
+    return removed

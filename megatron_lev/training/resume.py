@@ -1,0 +1,307 @@
+"""Where a run starts: the newest checkpoint that verifies and whose config matches, or a fresh
+start that loses nothing.
+
+Which config keys may differ between a checkpoint and the run that resumes it.
+
+Three kinds of key. FREE keys (budget, intervals, logging, paths, memory knobs)
+change nothing a checkpoint holds and may differ. FIXED keys (the model, the
+parallel layout, precision) describe the saved weights and optimizer states: a
+resume with other values would load them into the wrong shapes or meanings, so it
+is refused. Every other key (seeds, data, batch sizes, optimizer settings) breaks
+an exact resume: refused unless the user names it with `--allow-change KEY`.
+
+A few `model.*` keys change neither the shapes nor the meaning of the saved weights:
+dropout rates and initialisation scales (used only before the first step) are free,
+and `model.seq_length` (rotary positions: no weight depends on it) is allowed with
+`--allow-change`, since the data is then cut into other samples.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_lev.ckpt.layout import (
+    COMPLETE_MARKER,
+    CONFIG_FILE,
+    LATEST_FILE,
+    STARTED_MARKER,
+    iteration_of,
+    read_latest,
+    resume_candidates,
+    verify_checkpoint,
+)
+from megatron_lev.errors import CheckpointDataError
+from megatron_lev.log import get_logger
+from megatron_lev.utils import dist as ranks
+from megatron_lev.utils.io import TEMP_MARK
+
+RUN_OUTPUTS = (
+    "config.yaml",
+    "metrics.jsonl",
+    "logs",
+    "tensorboard",
+)  # when train.save is the output directory
+
+log = get_logger(__name__)
+
+FREE_PREFIXES = ("logging.",)
+FREE_KEYS = frozenset(
+    {
+        "train.train_iters",
+        "train.train_tokens",
+        "train.chinchilla",
+        "train.save_interval",
+        "train.save_initial",
+        "train.keep_last",
+        "train.eval_interval",
+        "train.eval_iters",
+        "train.save",
+        "train.load",
+        "train.max_consecutive_skips",
+        "data.num_workers",
+        "data.cache_dir",
+        "parallel.distributed_backend",
+        "parallel.cpu_offload",
+        "model.name",
+        "model.activation_checkpointing",
+        "model.checkpoint_num_layers",
+        "model.lev.chunk_size",
+        "model.lev.recompute",
+        "model.hidden_dropout",
+        "model.attention_dropout",
+        "model.init_std",
+        "model.lev.w_out_init_scale",
+        "model.input_init_rms",
+    }
+)
+EXACT_KEYS = frozenset({"model.seq_length"})  # under a fixed prefix, yet allowed by --allow-change
+FIXED_PREFIXES = ("model.",)
+FIXED_KEYS = frozenset(
+    {
+        "parallel.tensor_model_parallel_size",
+        "parallel.pipeline_model_parallel_size",
+        "parallel.partition_method",
+        "parallel.zero_stage",
+        "train.precision",
+    }
+)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def kind_of(key: str) -> str:
+    """ "free", "fixed" or "exact" (see the module docstring)."""
+    if key in FREE_KEYS or key.startswith(FREE_PREFIXES):
+        return "free"
+    if key in EXACT_KEYS:
+        return "exact"
+    if key in FIXED_KEYS or key.startswith(FIXED_PREFIXES):
+        return "fixed"
+    return "exact"
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if (
+        isinstance(a, (int, float))
+        and isinstance(b, (int, float))
+        and not isinstance(a, bool)
+        and not isinstance(b, bool)
+    ):
+        return float(a) == float(b)
+    return a == b
+
+
+def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint value, current value) for every key both configs have and that differs."""
+    old, new = flatten(stored), flatten(current)
+    return [(k, old[k], new[k]) for k in sorted(old.keys() & new.keys()) if not _same(old[k], new[k])]
+
+
+def judge(
+    diffs: list[tuple[str, Any, Any]], allow: frozenset[str] | set[str]
+) -> tuple[list[str], list[str], list[str]]:
+    """Split differing keys into (log lines, refused fixed keys, refused exact keys)."""
+    lines, fixed, exact = [], [], []
+    for key, old, new in diffs:
+        kind = kind_of(key)
+        if kind == "fixed":
+            fixed.append(key)
+            verdict = "refused: the checkpoint's weights or optimizer states were saved with the old value"
+        elif kind == "exact" and key not in allow:
+            exact.append(key)
+            verdict = f"refused: the resume would not be exact; pass --allow-change {key} to accept"
+        else:
+            verdict = "allowed" if kind == "free" else "allowed by --allow-change"
+        lines.append(f"  {key}: {old!r} -> {new!r} ({verdict})")
+    return lines, fixed, exact
+
+
+# ------------------------------------------------------------------ choosing what to resume
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """Where a run starts: `tag` under `root`, or from scratch (`tag` None)."""
+
+    root: Path | None
+    tag: str | None
+
+
+def _foreign_entries(root: Path, cfg=None, engine_files: Collection[str] = ()) -> list[str]:
+    """What in save directory `root` a fresh start would prune or overwrite but did not write."""
+    if not root.is_dir():
+        return []
+    outputs = ()
+    if cfg is not None and Path(cfg.logging.output_dir).resolve() == root.resolve():
+        outputs = RUN_OUTPUTS
+    found = []
+    for child in sorted(root.iterdir()):
+        name = child.name
+        if TEMP_MARK in name or name in engine_files or name in outputs:
+            continue
+        if iteration_of(name) is not None and child.is_dir():
+            if (child / COMPLETE_MARKER).is_file():
+                found.append(f"{name}/ (a complete checkpoint)")
+            elif not (child / STARTED_MARKER).is_file():
+                found.append(f"{name}/ (no '{COMPLETE_MARKER}' marker, not written by this trainer)")
+            continue
+        if name == LATEST_FILE:
+            wanted, _ = read_latest(root)
+            found.append(
+                f"{LATEST_FILE} (names {wanted or 'nothing readable'}, which is not a usable checkpoint)"
+            )
+            continue
+        found.append(name + ("/" if child.is_dir() else ""))
+    return found
+
+
+def check_fresh_start(save_dir: str | os.PathLike, cfg=None, engine_files: Collection[str] = ()) -> None:
+    """Refuse to start from scratch into a save directory holding files a fresh run would prune or
+    overwrite."""
+    root = Path(save_dir)
+    found = _foreign_entries(root, cfg, engine_files)
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise CheckpointDataError(
+            f"train.save={root} already holds {shown}, and no checkpoint there can be resumed; a fresh start "
+            "would prune or overwrite them: move them elsewhere (or delete them), or set train.save to an "
+            "empty directory"
+        )
+
+
+def check_resume_config(path: str | os.PathLike, cfg, allow=()) -> None:
+    """Print how `cfg` differs from the config stored in checkpoint `path`; refuse changes that
+    would load the weights wrongly or make the resume inexact (unless allowed by name)."""
+    import yaml
+
+    stored_file = Path(path) / CONFIG_FILE
+    if not stored_file.is_file():
+        if ranks.rank() == 0:
+            log.warning("%s not found (saved by an older version): the config is not compared", stored_file)
+        return
+    try:
+        stored = yaml.safe_load(stored_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise CheckpointDataError(
+            f"{stored_file} is unreadable ({exc}); restore it from the run's "
+            "output directory or remove the checkpoint"
+        ) from exc
+    if not isinstance(stored, dict):
+        raise CheckpointDataError(
+            f"{stored_file} is not a config mapping; restore it or remove the checkpoint"
+        )
+    diffs = differences(stored, cfg.to_dict())
+    if not diffs:
+        return
+    lines, fixed, exact = judge(diffs, frozenset(allow))
+    if ranks.rank() == 0:
+        log.warning("the config differs from the checkpoint's (%s):\n%s", stored_file, "\n".join(lines))
+    if fixed:
+        raise CheckpointDataError(
+            f"cannot resume from {path}: {', '.join(fixed)} differ from the checkpoint's config "
+            f"({stored_file}), whose weights and optimizer states were saved for the old values: "
+            "restore them, "
+            "convert or reshard the checkpoint, or start a new run with another train.save"
+        )
+    if exact:
+        flags = " ".join(f"--allow-change {k}" for k in exact)
+        raise CheckpointDataError(
+            f"cannot resume exactly from {path}: {', '.join(exact)} differ from the checkpoint's config "
+            f"({stored_file}): restore them, or pass {flags} to accept a resume that is not exact"
+        )
+
+
+def _resolved(path: str | os.PathLike) -> Path:
+    """`path` absolute with symlinks resolved (as far as it exists), to compare two spellings of a
+    directory."""
+    return Path(os.path.realpath(os.path.expanduser(os.fspath(path))))
+
+
+def plan_resume(
+    load_dir: str | os.PathLike | None,
+    save_dir: str | os.PathLike | None,
+    cfg=None,
+    allow=(),
+    engine_files: Collection[str] = (),
+) -> ResumePlan:
+    """Collective: the newest checkpoint that verifies, looked for in `save_dir` first (a requeued run
+    continues its own checkpoints), then `load_dir`; damaged ones are named and skipped. With none,
+    checks that starting from scratch loses nothing (`engine_files`: what the engine writes beside
+    its tags, `Engine.owned_files()`). Directories are compared resolved: a relative path or a
+    symlink naming `save_dir` is the same directory."""
+    roots: list[Path] = []
+    for d in (save_dir, load_dir):
+        if d and all(_resolved(d) != _resolved(r) for r in roots):
+            roots.append(Path(d))
+    for root in roots:
+        tags, notes = resume_candidates(root)
+        if ranks.rank() == 0:
+            for note in notes:
+                log.warning("%s", note)
+        if not tags:
+            continue
+        damaged = []
+        for tag in tags:
+            problems = verify_checkpoint(root / tag)
+            if not problems:
+                if damaged and ranks.rank() == 0:
+                    log.warning("resuming from %s instead of the damaged %s", root / tag, ", ".join(damaged))
+                if cfg is not None:
+                    check_resume_config(root / tag, cfg, allow)
+                if save_dir and _resolved(save_dir) != _resolved(root):  # from train.load: saves go elsewhere
+                    check_fresh_start(save_dir, cfg, engine_files)
+                return ResumePlan(root, tag)
+            damaged.append(tag)
+            if ranks.rank() == 0:
+                more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+                log.warning("checkpoint %s is damaged: %s%s; skipping it", root / tag, problems[0], more)
+        raise CheckpointDataError(
+            f"no usable checkpoint under {root}: {', '.join(damaged)} failed verification (see the warnings "
+            "above); restore them from a backup, or move the directory away to start from scratch"
+        )
+    if save_dir:
+        check_fresh_start(save_dir, cfg, engine_files)
+    if load_dir and save_dir and _resolved(load_dir) != _resolved(save_dir):
+        raise CheckpointDataError(
+            f"train.load={load_dir} holds no complete checkpoint: fix the path, or unset "
+            "train.load to start from scratch"
+        )
+    if ranks.rank() == 0:
+        log.info("no checkpoint under %s: starting from scratch", save_dir or load_dir)
+    return ResumePlan(None, None)
