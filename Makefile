@@ -6,7 +6,7 @@ export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
-.PHONY: setup system-packages demo test lint bench sync-configs
+.PHONY: setup system-packages demo test lint bench
 setup:
 	@VENV=$(VENV) scripts/setup_env.sh
 
@@ -27,11 +27,3 @@ lint: setup
 
 bench: setup
 	$(PY) benchmarks/run_all.py
-
-# pretrain/configs/ and ds_configs/ are the copies to edit; the package ships its own copies of them
-# (megatron_lev/resources/). This overwrites those with the top-level folders; tests/test_install.py
-# fails until they match.
-sync-configs:
-	rm -rf megatron_lev/resources/configs megatron_lev/resources/ds_configs
-	cp -R pretrain/configs megatron_lev/resources/configs
-	cp -R ds_configs megatron_lev/resources/ds_configs

@@ -31,9 +31,11 @@ import traceback
 import warnings
 from pathlib import Path
 
+from megatron_lev.resources import CONFIG_DIR
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu.md"
-MODELS = ROOT / "pretrain" / "configs" / "models"
+MODELS = CONFIG_DIR / "models"
 VOCAB = 50277  # GPT-NeoX-20B tokenizer
 # dense bf16 tensor-core peak per device, TFLOP/s (vendor datasheets, without sparsity)
 PEAK_TFLOPS = {

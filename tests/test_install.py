@@ -1,9 +1,10 @@
 """The package works when installed, not only from a checkout.
 
-The packaged configs and DeepSpeed templates (megatron_lev/resources/) are copies of the top-level
-pretrain/configs/ and ds_configs/; names resolve as given first, then in the package. The wheel is
-built from a copy of the sources, installed into a fresh directory, and run from elsewhere with the
-checkout out of sight: `params` and a 2-step `train` of the packaged tiny.yaml.
+The configs and DeepSpeed templates live once, in the package (megatron_lev/resources/); a checkout's
+top-level pretrain/configs and ds_configs are symbolic links to them. Names resolve as given first,
+then in the package. The wheel is built from a copy of the sources, installed into a fresh directory,
+and run from elsewhere with the checkout out of sight: `params` and a 2-step `train` of the packaged
+tiny.yaml.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -25,27 +27,25 @@ from megatron_lev.engine.config import resolve_template_path
 from tests.conftest import ROOT
 from tests.data.conftest import read_docs
 
-COPIES = {ROOT / "pretrain" / "configs": resources.CONFIG_DIR, ROOT / "ds_configs": resources.DS_CONFIG_DIR}
+LINKS = {ROOT / "pretrain" / "configs": resources.CONFIG_DIR, ROOT / "ds_configs": resources.DS_CONFIG_DIR}
 
 
-def _files(folder: Path) -> dict[str, bytes]:
-    return {
-        p.relative_to(folder).as_posix(): p.read_bytes()
+def _files(folder: Path) -> list[str]:
+    return [
+        p.relative_to(folder).as_posix()
         for p in sorted(folder.rglob("*"))
         if p.is_file() and "__pycache__" not in p.parts
-    }
+    ]
 
 
-@pytest.mark.parametrize("top, packaged", COPIES.items(), ids=["configs", "ds_configs"])
-def test_packaged_copies_match_top_level(top, packaged):
-    have, want = _files(packaged), _files(top)
-    fix = (
-        f"{top.relative_to(ROOT)}/ is the copy to edit; run `make sync-configs` to copy it into "
-        f"{packaged.relative_to(ROOT)}/"
-    )
-    assert sorted(have) == sorted(want), f"file lists differ: {fix}"
-    changed = [name for name in want if have[name] != want[name]]
-    assert not changed, f"{changed} differ: {fix}"
+@pytest.mark.parametrize("link, packaged", LINKS.items(), ids=["configs", "ds_configs"])
+def test_top_level_folders_link_to_the_package(link, packaged):
+    """One copy: the checkout's documented folders are relative links into the package, not second copies."""
+    where = f"{link.relative_to(ROOT)} -> {packaged.relative_to(ROOT)}"
+    assert link.is_symlink(), f"{where} should be a symbolic link, not a second copy"
+    assert not Path(os.readlink(link)).is_absolute(), os.readlink(link)
+    assert link.resolve() == packaged.resolve()
+    assert _files(packaged) and not any((packaged / rel).is_symlink() for rel in _files(packaged))
 
 
 def test_names_resolve_as_given_then_packaged(tmp_path, monkeypatch):
@@ -97,7 +97,8 @@ def _pip(*args: str) -> None:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
-    """A wheel built from a copy of the sources, installed into its own directory: that directory."""
+    """A wheel built from a copy of the sources (with the checkout's top-level links), installed into its
+    own directory: that directory."""
     work = tmp_path_factory.mktemp("install")
     src = work / "src"
     shutil.copytree(
@@ -107,13 +108,20 @@ def installed(tmp_path_factory) -> Path:
     )
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, src / name)
+    for link in LINKS:
+        (src / link.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+        (src / link.relative_to(ROOT)).symlink_to(os.readlink(link), target_is_directory=True)
     dist, site = work / "dist", work / "site"
     _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(dist), str(src))
     (wheel,) = dist.glob("megatron_lev-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    for top, packaged in COPIES.items():
-        for rel in _files(top):
-            assert f"megatron_lev/resources/{packaged.name}/{rel}" in names, f"{rel} is not in {wheel.name}"
+    entries = {info.filename: info for info in zipfile.ZipFile(wheel).infolist()}
+    for packaged in LINKS.values():
+        for rel in _files(packaged):
+            name = f"megatron_lev/resources/{packaged.name}/{rel}"
+            assert name in entries, f"{rel} is not in {wheel.name}"
+            mode = entries[name].external_attr >> 16
+            assert not stat.S_ISLNK(mode), f"{name} is a link in {wheel.name}, not a file"
+    assert not [n for n in entries if n.startswith(("pretrain/", "ds_configs/"))], "links packaged"
     _pip("install", "--no-deps", "--no-index", "--target", str(site), str(wheel))
     return site
 

@@ -14,7 +14,7 @@ from megatron_lev.data.tokenizers import KNOWN_VOCABULARIES
 from megatron_lev.errors import UserError
 from megatron_lev.resources import CONFIG_DIR, config_path, model_config_names
 
-MODELS_DIR = CONFIG_DIR / "models"  # the packaged copy of pretrain/configs/models
+MODELS_DIR = CONFIG_DIR / "models"  # pretrain/configs/models in a checkout
 DEFAULT_SIZES = ("tiny", "200m", "400m", "1.2b")
 DEFAULT_VOCAB = "o200k_base"  # the paper grid's vocabulary (the model sizes are derived for it)
 NEOX_VOCAB = KNOWN_VOCABULARIES["neox"]  # GPT-NeoX-20B tokenizer

@@ -20,7 +20,7 @@ from megatron_lev.config import atomic_write_json
 from megatron_lev.demo.steps import Step, StepRunner
 from megatron_lev.resources import CONFIG_DIR, config_path
 
-DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"  # the packaged copy of pretrain/configs/tiny.yaml
+DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"  # pretrain/configs/tiny.yaml in a checkout
 VALID_SPLIT = "949,50,1"  # train, valid, test by document: the demo's corpus has ~1.5k documents
 
 

@@ -1,12 +1,12 @@
 """The run configs and DeepSpeed templates shipped inside the package, and how a given name finds them.
 
-`configs/` and `ds_configs/` here are copies of the repository's `pretrain/configs/` and
-`ds_configs/`: those are the ones to read and edit; `make sync-configs` copies them here, and
-tests/test_install.py checks that both are identical. A name is looked up as given first (absolute,
-or relative to the current directory), then in the packaged folders, so `--config tiny.yaml`,
+`configs/` and `ds_configs/` here are the only copies: a checkout's top-level `pretrain/configs`
+and `ds_configs` are symbolic links to them, so the documented paths work in a checkout and there
+is nothing to keep in sync. A name is looked up as given first (absolute, or relative to the
+current directory), then in the packaged folders, so `--config tiny.yaml`,
 `--config pretrain/configs/tiny.yaml` and `train.ds_config=zero2` work from a checkout and from an
-installed wheel alike. `include:` lines are relative to the including file, so they resolve in
-either copy. This module imports nothing of the project.
+installed wheel alike. `include:` lines are relative to the including file, so they resolve
+through the links too. This module imports nothing of the project.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import os
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-CONFIG_DIR = PACKAGE_DIR / "configs"  # copy of pretrain/configs/
-DS_CONFIG_DIR = PACKAGE_DIR / "ds_configs"  # copy of ds_configs/
-# the copies' folders in a checkout: a name that starts with one is also looked up without it
+CONFIG_DIR = PACKAGE_DIR / "configs"  # a checkout's pretrain/configs links here
+DS_CONFIG_DIR = PACKAGE_DIR / "ds_configs"  # a checkout's ds_configs links here
+# the links' paths in a checkout: a name that starts with one is also looked up without it, so the
+# documented `pretrain/configs/...` and `ds_configs/...` names work for an installed package too
 CHECKOUT_CONFIG_DIR = Path("pretrain", "configs")
 CHECKOUT_DS_CONFIG_DIR = Path("ds_configs")
 
