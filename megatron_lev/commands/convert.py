@@ -5,24 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_lev.commands.args import add_checkpoint_arguments
 from megatron_lev.convert.hf_export import DTYPES, ExportError, export_to_hf
 from megatron_lev.convert.validate import ValidationError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "checkpoint", help="the run's save directory (uses 'latest') or one checkpoint tag directory"
-    )
+    add_checkpoint_arguments(parser)
     parser.add_argument("out", help="the Hugging Face model directory to write")
-    parser.add_argument(
-        "--tag", default=None, help="checkpoint tag under the save directory (default: latest)"
-    )
-    parser.add_argument(
-        "--config",
-        default=None,
-        metavar="YAML",
-        help="the run's resolved config (default: config.yaml beside the checkpoint)",
-    )
     parser.add_argument(
         "--tokenizer",
         default=None,

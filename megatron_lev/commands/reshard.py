@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_lev.commands.args import add_checkpoint_arguments
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "checkpoint", help="the run's save directory (uses 'latest') or one checkpoint tag directory"
-    )
+    add_checkpoint_arguments(parser)
     parser.add_argument("out", help="a new save directory for the resharded checkpoint")
     parser.add_argument("--tp", type=int, required=True, help="target tensor-parallel size")
     parser.add_argument("--pp", type=int, required=True, help="target pipeline-parallel size")
@@ -17,15 +17,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="target data-parallel size (DeepSpeed checks it when ZeRO state is loaded)",
-    )
-    parser.add_argument(
-        "--tag", default=None, help="checkpoint tag under the save directory (default: latest)"
-    )
-    parser.add_argument(
-        "--config",
-        default=None,
-        metavar="YAML",
-        help="the run's resolved config (default: config.yaml beside the checkpoint)",
     )
     parser.add_argument(
         "--skip-validation",
