@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_lev.model.embeddings.lev_constants import GROUP
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "lev_cpu.c"
@@ -186,8 +188,6 @@ def library() -> ctypes.CDLL | None:
         lib = None
         if os.environ.get(ENV_SWITCH, "1") != "0":
             try:
-                from megatron_lev.model.embeddings.lev import GROUP
-
                 try:
                     path = build()
                 except OSError as exc:  # e.g. a read-only home on compute nodes: build in the temp dir
@@ -200,7 +200,9 @@ def library() -> ctypes.CDLL | None:
                 lib = _bind(ctypes.CDLL(str(path)))
                 _state["path"] = path
                 if lib.lev_group_size() != GROUP:
-                    raise RuntimeError(f"{SOURCE.name} groups {lib.lev_group_size()} factors, lev.py {GROUP}")
+                    raise RuntimeError(
+                        f"{SOURCE.name} groups {lib.lev_group_size()} factors, lev_constants.py {GROUP}"
+                    )
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 log.warning("LEV CPU kernel unavailable, using the PyTorch path: %s", exc)
         _state["lib"] = lib
@@ -279,8 +281,6 @@ def forward(u: torch.Tensor, shifted: torch.Tensor):
 
 def backward(u, shifted, log_abs, grad_m, signed_grad, need_u: bool, need_delta: bool):
     """Gradients for `u` (N,h,d) and `delta` (h,d,kappa,r) (None where not needed)."""
-    from megatron_lev.model.embeddings.lev import GROUP
-
     lib = library()
     n, h, d = u.shape
     kappa, r = shifted.shape[2], shifted.shape[3]

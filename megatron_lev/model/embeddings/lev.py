@@ -21,21 +21,18 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_lev.config import ConfigError, LevConfig, ModelConfig
 from megatron_lev.model.embeddings.base import InputEmbedding, check_token_ids
+from megatron_lev.model.embeddings.lev_constants import GROUP, LOG_EPS, SAFE_FACTOR, SAFE_RANGE
 from megatron_lev.model.embeddings.spline import active_basis
 from megatron_lev.parallel import state
 from megatron_lev.parallel.layers import init_sharded_
 from megatron_lev.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 
-LOG_EPS = 1e-9  # log(|phi| + eps): keeps a zero factor finite
 LN_EPS = 1e-5
 DELTA_INIT_STD = 0.1
 # phi elements materialised at once inside the separable product: cache-sized on CPU,
 # larger on GPUs so that a chunk needs few kernel launches (~64 MB fp32 temporaries)
 _BLOCK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 24}
 NO_GRAD_BLOCK_SCALE = 4  # no-grad blocks (eval, materialize) save nothing, so they can be larger
-GROUP = 16  # factors multiplied directly before one log is taken
-SAFE_FACTOR = 1e-3  # below this |phi|, log|phi| and log(|phi| + 1e-9) differ by > 1e-6: per-factor path
-SAFE_RANGE = (1e-30, 1e30)  # a group product outside this (or not finite) is recomputed per factor
 # "kernel": the fused C kernel on CPU (cpu_kernel.py); "triton": the fused Triton kernel on CUDA
 # (triton_kernel.py); "dense": phi by bmm; "gather": the spec's 3-row gather
 PHI_MODES = ("gather", "dense", "kernel", "triton")

@@ -36,7 +36,7 @@ import os
 
 import torch
 
-from megatron_lev.model.embeddings.lev import GROUP, LOG_EPS, SAFE_FACTOR, SAFE_RANGE
+from megatron_lev.model.embeddings.lev_constants import GROUP, LOG_EPS, SAFE_FACTOR, SAFE_RANGE
 
 ENV_SWITCH = "MEGATRON_LEV_TRITON"  # "0": never use the Triton kernel (the gather path runs instead)
 MIN_VERSION = (3, 0)  # tl.dot(input_precision=...)
