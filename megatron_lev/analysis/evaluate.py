@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -157,53 +157,34 @@ def evaluate_model(
     `vocab_size`: the model's; a corpus with larger ids is refused (another tokenizer). A corpus
     with nothing to evaluate, or a non-finite result, is refused too.
     """
+
+    def measure(records: Iterable[np.ndarray], source: str) -> dict:
+        """The finite result of one corpus: an MMIDIDX shard's documents or a `TokenizedCorpus`."""
+        docs = RecordLengths(records)  # per-document sums (bootstrap)
+        batches = _checked(sequence_batches(docs, seq_len, batch_size), source, vocab_size)
+        losses = _losses(batches, model_fn, returns_loss=returns_loss, device=device, progress=progress)
+        fields = {"corpus_kind": "mmidx"}
+        if isinstance(records, TokenizedCorpus):  # bytes and documents, counted while it was read
+            fields = {
+                "n_bytes": records.n_bytes,
+                "tokenizer": tokenizer.name,
+                "corpus_kind": "text",
+                "documents": records.n_docs,
+            }
+        result = evaluation_result(
+            losses, name, counts, edges, corpus=source, **fields, seq_len=seq_len, doc_lengths=docs.lengths
+        )
+        return _finite(result, source)
+
     results = []
     for prefix in data_prefixes:
-        docs = RecordLengths(indexed_documents(prefix, max_docs, split))  # per-document sums (bootstrap)
-        batches = _checked(sequence_batches(docs, seq_len, batch_size), str(prefix), vocab_size)
-        losses = _losses(batches, model_fn, returns_loss=returns_loss, device=device, progress=progress)
-        results.append(
-            _finite(
-                evaluation_result(
-                    losses,
-                    name,
-                    counts,
-                    edges,
-                    corpus=str(prefix),
-                    corpus_kind="mmidx",
-                    seq_len=seq_len,
-                    doc_lengths=docs.lengths,
-                ),
-                str(prefix),
-            )
-        )
+        results.append(measure(indexed_documents(prefix, max_docs, split), str(prefix)))
         if split is not None:
             results[-1]["split"] = {"part": split[0], "spec": split[1]}
     for path in text_paths:
         if tokenizer is None:
             raise UserError("evaluating a text corpus needs a tokenizer (--tokenizer)")
-        corpus = TokenizedCorpus([path], tokenizer, max_docs)
-        docs = RecordLengths(corpus)
-        batches = _checked(sequence_batches(docs, seq_len, batch_size), str(path), vocab_size)
-        losses = _losses(batches, model_fn, returns_loss=returns_loss, device=device, progress=progress)
-        results.append(
-            _finite(
-                evaluation_result(
-                    losses,
-                    name,
-                    counts,
-                    edges,
-                    n_bytes=corpus.n_bytes,
-                    tokenizer=tokenizer.name,
-                    corpus=str(path),
-                    corpus_kind="text",
-                    documents=corpus.n_docs,
-                    seq_len=seq_len,
-                    doc_lengths=docs.lengths,
-                ),
-                str(path),
-            )
-        )
+        results.append(measure(TokenizedCorpus([path], tokenizer, max_docs), str(path)))
     return results
 
 
