@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_lev.convert.lm_eval_tasks import GROUP, TASKS, arrow_file, write_lm_eval_tasks
+from megatron_lev.data.lm_eval_tasks import GROUP, TASKS, arrow_file, write_lm_eval_tasks
 from megatron_lev.errors import UserError
 
 

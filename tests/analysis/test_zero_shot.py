@@ -331,7 +331,7 @@ def test_lambada_numbers_are_lm_evals(model, tok, tiny_llama, shared_data, tmp_p
     from lm_eval.tasks import TaskManager
     from transformers import PreTrainedTokenizerFast
 
-    from megatron_lev.convert.lm_eval_tasks import write_lm_eval_tasks
+    from megatron_lev.data.lm_eval_tasks import write_lm_eval_tasks
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from megatron_lev.cli import main as cli_main
-from megatron_lev.convert.lm_eval_tasks import GROUP, TASKS, TaskDataError, write_lm_eval_tasks
+from megatron_lev.data.lm_eval_tasks import GROUP, TASKS, TaskDataError, write_lm_eval_tasks
 
 N_DOCS = 60
 
@@ -108,7 +108,7 @@ def _lambada_task(path):
 
 
 def test_lambada_task_reads_a_clean_jsonl_in_place(tmp_path, monkeypatch_module):
-    from megatron_lev.convert.lm_eval_tasks import LAMBADA_TASK
+    from megatron_lev.data.lm_eval_tasks import LAMBADA_TASK
     from megatron_lev.data.zero_shot import read_lambada
 
     src = tmp_path / "lambada_test.jsonl"
