@@ -21,8 +21,8 @@ from megatron_lev.config import ModelConfig
 from megatron_lev.model.block import checkpointed
 from megatron_lev.model.documents import Documents
 from megatron_lev.model.head import VocabParallelHead
+from megatron_lev.model.loss import token_losses
 from megatron_lev.model.stages import StageSpec, stage_specs
-from megatron_lev.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
 class GPTModel(nn.Module):
@@ -96,7 +96,7 @@ class GPTModel(nn.Module):
         logits = self.output_head(self.final_norm(h), self.embedding.tied_output_weight())  # (B, S, V/tp)
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.output_head.true_vocab_size)  # (B, S) fp32
+        return token_losses(logits, labels, self.output_head.true_vocab_size)  # (B, S) fp32
 
 
 def _run_blocks(blocks, documents: Documents | None = None):

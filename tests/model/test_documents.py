@@ -11,7 +11,8 @@ from megatron_lev.data.documents import DocumentLayout, document_positions
 from megatron_lev.engine.loss import micro_batch_loss
 from megatron_lev.engine.pipeline import pipeline_batches, pipeline_loss
 from megatron_lev.model.build import build_model
-from megatron_lev.model.documents import block_causal_mask, cu_seqlens, masked_mean
+from megatron_lev.model.documents import block_causal_mask, cu_seqlens
+from megatron_lev.model.loss import masked_mean
 from megatron_lev.testing import run_distributed
 
 EOD, VOCAB, SEQ = 0, 208, 24
