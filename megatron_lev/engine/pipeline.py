@@ -1,11 +1,11 @@
 """The GPT model as a DeepSpeed `PipelineModule` (PP > 1), built from the model's own stage list.
 
-The layers are `GPTModel.stages(...)` (`model/stages.py`) in order; a stage's index is DeepSpeed's
-layer index (`layer_XX` in checkpoints) and its `state_dict()`, hence its layer file, holds
-canonical (`GPTModel`) names. A stage with a `tied_key` becomes a `TiedLayerSpec`: with a tied
-embedding, the first and the last stage each hold a copy of the table (the last one runs
-`EmbeddingStage.head_logits`); DeepSpeed broadcasts it at start and all-reduces its gradient
-between the two stages, so the copies stay identical.
+The layers are `stage_specs(...)` (`model/stages.py`) in order, the stages `GPTModel` runs; a
+stage's index is DeepSpeed's layer index (`layer_XX` in checkpoints) and its `state_dict()`, hence
+its layer file, holds canonical (`GPTModel`) names. A stage with a `tied_key` becomes a
+`TiedLayerSpec`: with a tied embedding, the first and the last stage each hold a copy of the table
+(the last one runs `EmbeddingStage.head_logits`); DeepSpeed broadcasts it at start and
+all-reduces its gradient between the two stages, so the copies stay identical.
 
 Batches are `((input_ids,), labels)`; `loss_fn` returns the mean per-token loss
 (`model.loss.lm_loss`). Every TP rank of the first and last stage reads its own data iterator:
@@ -16,6 +16,9 @@ the inputs are `(input_ids, position_ids, document_ids)`, each `(B, S)`, keeping
 switched on and in this order (`document_inputs`); they travel beside the hidden state from stage
 to stage, `(h, position_ids, document_ids)`, and the final norm drops them. With a loss mask the
 labels are `(labels, loss_mask)` and `loss_fn` averages over the unmasked tokens.
+
+Activation checkpointing is DeepSpeed's (`activation_checkpoint_interval`), recomputing through
+`engine.recompute.checkpointed` as the plain model does.
 """
 
 from __future__ import annotations
@@ -27,10 +30,9 @@ import torch
 from torch import nn
 
 from megatron_lev.config import RunConfig
-from megatron_lev.model.block import checkpointed
-from megatron_lev.model.gpt import GPTModel
+from megatron_lev.engine.recompute import checkpointed
 from megatron_lev.model.loss import lm_loss, real_vocab_size
-from megatron_lev.model.stages import BlockStage, StageSpec
+from megatron_lev.model.stages import BlockStage, StageSpec, stage_specs
 
 TIED_WEIGHT_ATTR = "tied_weight"  # what a shared stage calls the tensor its copies share (StageSpec)
 
@@ -100,7 +102,7 @@ def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None, true_vocab_si
         topology = PipeModelDataParallelTopology(
             num_pp=p.pipeline_model_parallel_size, num_mp=p.tensor_model_parallel_size, num_dp=dp
         )
-    stages = GPTModel.stages(m, vocab_size, cfg.train.seed, true_vocab_size, document_inputs(cfg.data))
+    stages = stage_specs(m, vocab_size, cfg.train.seed, document_inputs(cfg.data))
     loss_fn = functools.partial(pipeline_loss, vocab_size=real_vocab_size(vocab_size, true_vocab_size))
     # each stage seeds itself (layer_seed), so DeepSpeed's own per-layer seeding stays off
     return PipelineModule(
