@@ -64,9 +64,11 @@ def _timed(step, n: int, warmup: int) -> tuple[float, float]:
 def bare_loop(args, cfg, vocab: int, device) -> tuple[float, float]:
     import torch
 
+    from megatron_lev.engine.recompute import apply_activation_checkpointing
     from megatron_lev.model.build import build_model
 
-    model = build_model(cfg, vocab).to(device)
+    # checkpointed as the engine would (build_engine applies it), so both loops run the same model
+    model = apply_activation_checkpointing(build_model(cfg, vocab), cfg.model).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
     batches = _batches(args, vocab, device)
 

@@ -32,6 +32,7 @@ from megatron_lev.engine.checkpoint_files import ENGINE_HELPER_FILES
 from megatron_lev.engine.loss import micro_batch_loss
 from megatron_lev.engine.mpu import TensorParallelMPU
 from megatron_lev.engine.pipeline import pipeline_batches
+from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.errors import CheckpointDataError
 from megatron_lev.optim import GuardedAdamW, param_groups
 
@@ -284,13 +285,16 @@ class DeepSpeedEngine:
 def build_engine(cfg: RunConfig, model: nn.Module, world_size: int, ds_config: dict | None = None):
     """`DeepSpeedEngine` over `model` for `cfg` (its DeepSpeed JSON built from the template unless given).
 
-    The optimizer is the `GuardedAdamW` DeepSpeed wraps (`engine.optimizer`).
+    The optimizer is the `GuardedAdamW` DeepSpeed wraps (`engine.optimizer`). Activation
+    checkpointing (`model.activation_checkpointing`) is applied to the model here, from outside
+    (`engine.recompute`); a pipeline has it from `build_pipeline`.
     """
     import deepspeed
 
     from megatron_lev.engine.config import batch_layout, build_ds_config
 
     pipeline = cfg.parallel.pipeline_model_parallel_size > 1
+    model = apply_activation_checkpointing(model, cfg.model)
     if ds_config is None:
         ds_config = build_ds_config(cfg, world_size)
     _, gas, _ = batch_layout(cfg, world_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lev.data.batches import MicroBatch
-from megatron_lev.model.documents import masked_mean
+from megatron_lev.model.loss import masked_mean
 
 
 def micro_batch_loss(model, batch: tuple[torch.Tensor, torch.Tensor] | MicroBatch) -> torch.Tensor:
@@ -14,10 +14,13 @@ def micro_batch_loss(model, batch: tuple[torch.Tensor, torch.Tensor] | MicroBatc
     The step averages these means over micro-batches and data-parallel ranks with equal weights
     (as Megatron-LM and GPT-NeoX do), so a token's weight depends slightly on how many targets its
     micro-batch masks.
+
+    The model returns the per-token losses (`model.loss.token_losses`); their `masked_mean` here is
+    what a pipeline's `loss_fn` (`model.loss.lm_loss`) computes.
     """
     if not isinstance(batch, MicroBatch):
         input_ids, labels = batch
-        return model(input_ids, labels=labels).float().mean()  # (B, S) per-token -> ()
+        return masked_mean(model(input_ids, labels=labels))  # (B, S) per-token -> ()
     losses = model(
         batch.input_ids, labels=batch.labels, position_ids=batch.position_ids, document_ids=batch.document_ids
     )  # (B, S)

@@ -1,20 +1,24 @@
 """The GPT model as a DeepSpeed `PipelineModule` (PP > 1), built from the model's own stage list.
 
-The layers are `GPTModel.stages(...)` (`model/stages.py`) in order; a stage's index is DeepSpeed's
-layer index (`layer_XX` in checkpoints) and its `state_dict()`, hence its layer file, holds
-canonical (`GPTModel`) names. A stage with a `tied_key` becomes a `TiedLayerSpec`: with a tied
-embedding, the first and the last stage each hold a copy of the table (the last one runs
-`EmbeddingStage.head_logits`); DeepSpeed broadcasts it at start and all-reduces its gradient
-between the two stages, so the copies stay identical.
+The layers are `stage_specs(...)` (`model/stages.py`) in order, the stages `GPTModel` runs; a
+stage's index is DeepSpeed's layer index (`layer_XX` in checkpoints) and its `state_dict()`, hence
+its layer file, holds canonical (`GPTModel`) names. A stage with a `tied_key` becomes a
+`TiedLayerSpec`: with a tied embedding, the first and the last stage each hold a copy of the table
+(the last one runs `EmbeddingStage.head_logits`); DeepSpeed broadcasts it at start and
+all-reduces its gradient between the two stages, so the copies stay identical.
 
-Batches are `((input_ids,), labels)`; `loss_fn` returns the mean per-token loss. Every TP rank
-of the first and last stage reads its own data iterator: feed them the same batches.
+Batches are `((input_ids,), labels)`; `loss_fn` returns the mean per-token loss
+(`model.loss.lm_loss`). Every TP rank of the first and last stage reads its own data iterator:
+feed them the same batches.
 
 Packed documents (`data.reset_position_ids`, `data.reset_attention_mask`, `data.eod_mask_loss`):
 the inputs are `(input_ids, position_ids, document_ids)`, each `(B, S)`, keeping only those
 switched on and in this order (`document_inputs`); they travel beside the hidden state from stage
 to stage, `(h, position_ids, document_ids)`, and the final norm drops them. With a loss mask the
 labels are `(labels, loss_mask)` and `loss_fn` averages over the unmasked tokens.
+
+Activation checkpointing is DeepSpeed's (`activation_checkpoint_interval`), recomputing through
+`engine.recompute.checkpointed` as the plain model does.
 """
 
 from __future__ import annotations
@@ -26,25 +30,23 @@ import torch
 from torch import nn
 
 from megatron_lev.config import RunConfig
-from megatron_lev.model.block import checkpointed
-from megatron_lev.model.documents import masked_mean
-from megatron_lev.model.gpt import GPTModel
-from megatron_lev.model.stages import BlockStage, StageSpec
-from megatron_lev.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lev.engine.recompute import checkpointed
+from megatron_lev.model.loss import lm_loss, real_vocab_size
+from megatron_lev.model.stages import BlockStage, StageSpec, stage_specs
 
 TIED_WEIGHT_ATTR = "tied_weight"  # what a shared stage calls the tensor its copies share (StageSpec)
 
 
 def pipeline_loss(logits: torch.Tensor, labels, vocab_size: int | None = None) -> torch.Tensor:
-    """Mean per-token loss from vocabulary-parallel logits `(B, S, V/tp)` and labels `(B, S)`, or
-    `(labels, loss_mask)`: then the mean over the tokens the mask keeps (`masked_mean`).
+    """`lm_loss` of the last stage's logits `(B, S, V/tp)` and the batch's labels `(B, S)`, or
+    `(labels, loss_mask)` (`pipeline_batches`).
 
     `vocab_size`: the real vocabulary; the padding rows beyond it are left out of the softmax.
     """
+    loss_mask = None
     if isinstance(labels, (tuple, list)):
         labels, loss_mask = labels
-        return masked_mean(vocab_parallel_cross_entropy(logits, labels, vocab_size), loss_mask)
-    return vocab_parallel_cross_entropy(logits, labels, vocab_size).mean()
+    return lm_loss(logits, labels, vocab_size, loss_mask)
 
 
 def document_inputs(data_cfg) -> tuple[str, ...]:
@@ -100,10 +102,8 @@ def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None, true_vocab_si
         topology = PipeModelDataParallelTopology(
             num_pp=p.pipeline_model_parallel_size, num_mp=p.tensor_model_parallel_size, num_dp=dp
         )
-    stages = GPTModel.stages(m, vocab_size, cfg.train.seed, true_vocab_size, document_inputs(cfg.data))
-    loss_fn = (
-        functools.partial(pipeline_loss, vocab_size=true_vocab_size) if true_vocab_size else pipeline_loss
-    )
+    stages = stage_specs(m, vocab_size, cfg.train.seed, document_inputs(cfg.data))
+    loss_fn = functools.partial(pipeline_loss, vocab_size=real_vocab_size(vocab_size, true_vocab_size))
     # each stage seeds itself (layer_seed), so DeepSpeed's own per-layer seeding stays off
     return PipelineModule(
         layers=layer_specs(stages),

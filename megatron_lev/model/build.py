@@ -22,7 +22,10 @@ def padded_vocab_size(tokenizer_vocab_size: int, model_cfg: ModelConfig, tp: int
 def build_model(cfg: RunConfig, vocab_size: int, topology=None) -> nn.Module:
     """Validate `cfg`, pad `vocab_size` (the tokenizer's), and build the model for this rank.
 
-    The padding rows are left out of the loss (see `parallel.cross_entropy`).
+    The padding rows are left out of the loss (see `model.loss`). Activation checkpointing is
+    not applied here: it is a training policy, applied from outside by the engine that trains the
+    model (`engine.recompute.apply_activation_checkpointing`, called by `build_engine`); a
+    pipeline gets it from DeepSpeed (`engine.pipeline`).
 
     The config is checked before anything touches a process group, so a bad layout
     (heads not divisible by TP, ZeRO-2/3 with PP, ...) fails here with a message naming the key.

@@ -80,16 +80,3 @@ def documents_for(position_ids: torch.Tensor | None, document_ids: torch.Tensor 
     docs = Documents(position_ids, document_ids)
     _last = (position_ids, document_ids, docs)
     return docs
-
-
-def masked_mean(losses: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean of per-token `losses (B, S)` over the tokens `loss_mask (B, S)` keeps (all of them when None).
-
-    With a mask this is `sum(loss * mask) / sum(mask)` over the micro-batch (Megatron-LM's and
-    GPT-NeoX's per-micro-batch average); a micro-batch whose every target is masked gives 0.
-    """
-    losses = losses.float()
-    if loss_mask is None:
-        return losses.mean()
-    mask = loss_mask.to(losses.dtype)
-    return (losses * mask).sum() / mask.sum().clamp(min=1.0)

@@ -6,23 +6,26 @@
 Packed documents (optional, `model.documents`): `position_ids (B, S)` restart RoPE at each
 document, `document_ids (B, S)` keep attention inside each document.
 
-The network is defined once, as the stage list `GPTModel.stages` (`model.stages`): this model
-adopts the stages' modules under their own names, and the pipeline-parallel model
-(`engine.pipeline`) builds the same stages, so both start from exactly the same weights and
-their parameters carry the same (canonical) names.
+The network is defined once, as the stage list of `model.stages` (`stage_specs`). This model
+builds every stage, adopts the stages' modules under their own (canonical) names, and its forward
+runs the stages in order (GPT-NeoX's `to_sequential`): the same stage forwards the pipeline-parallel
+model (`engine.pipeline`) runs, from exactly the same weights. With a tied head the last stage is
+the embedding stage's `head_logits`, as in the pipeline.
+
+The model holds no training policy: activation checkpointing is applied from outside
+(`engine.recompute.apply_activation_checkpointing`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from megatron_lev.config import ModelConfig
-from megatron_lev.model.block import checkpointed
-from megatron_lev.model.documents import Documents
-from megatron_lev.model.head import VocabParallelHead
-from megatron_lev.model.stages import StageSpec, stage_specs
-from megatron_lev.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lev.model.loss import real_vocab_size, token_losses
+from megatron_lev.model.stages import DOCUMENT_TENSORS, stage_specs
 
 
 class GPTModel(nn.Module):
@@ -30,6 +33,11 @@ class GPTModel(nn.Module):
 
     `true_vocab_size` is the tokenizer's vocabulary (default: no padding): the loss masks the
     logits of the padding rows, so every TP size trains the objective of the exported model.
+
+    `stages` are the built stages in forward order: stage modules, and for a tied head the
+    embedding stage's `head_logits`. They are not registered as submodules (their modules are,
+    under the canonical names: `embedding`, `layers`, `final_norm`, `output_head`), so changing
+    the list (activation checkpointing) changes no parameter name.
     """
 
     def __init__(
@@ -37,43 +45,37 @@ class GPTModel(nn.Module):
     ):
         super().__init__()
         self.cfg, self.vocab_size = model_cfg, vocab_size
+        self.true_vocab_size = real_vocab_size(vocab_size, true_vocab_size)
         modules: dict[str, nn.Module] = {}  # in stage order: embedding, layers, final_norm, output_head
-        built: set[str] = set()
-        for spec in self.stages(model_cfg, vocab_size, seed, true_vocab_size):
+        shared: dict[str, nn.Module] = {}  # tied_key -> the stage built for its first use
+        stages: list[Callable] = []
+        for spec in stage_specs(model_cfg, vocab_size, seed, DOCUMENT_TENSORS):
+            if spec.tied_key in shared:  # a second use of a shared stage: the tied head
+                stages.append(getattr(shared[spec.tied_key], spec.tied_forward))
+                continue
+            stage = spec.build()
             if spec.tied_key is not None:
-                if spec.tied_key in built:
-                    continue  # a second use of a shared stage: the tied head, below
-                built.add(spec.tied_key)
-            for name, child in spec.build().named_children():
+                shared[spec.tied_key] = stage
+                if stage.tied_weight is None:
+                    raise ValueError(
+                        f"model.embedding={model_cfg.embedding!r} has no table to tie the output head to"
+                    )
+            stages.append(stage)
+            for name, child in stage.named_children():
                 if isinstance(child, nn.ModuleDict):  # a block stage's {str(i): block i}, in order of i
                     modules.setdefault(name, nn.ModuleList()).extend(child.values())
                 else:
                     modules[name] = child
         for name, module in modules.items():
             setattr(self, name, module)
-        if "output_head" not in modules:  # tied: the head holds no weight and uses the embedding's table
-            self.output_head = VocabParallelHead(
-                model_cfg.hidden_size,
-                vocab_size,
-                model_cfg.init_std,
-                tied=True,
-                true_vocab_size=true_vocab_size,
-            )
-            if self.embedding.tied_output_weight() is None:
-                raise ValueError(
-                    f"model.embedding={model_cfg.embedding!r} has no table to tie the output head to"
-                )
+        self.stages: list[Callable] = stages  # a plain list: not registered (see the class doc)
 
-    @staticmethod
-    def stages(
-        model_cfg: ModelConfig,
-        vocab_size: int,
-        seed: int,
-        true_vocab_size: int | None = None,
-        document_inputs: tuple[str, ...] = (),
-    ) -> list[StageSpec]:
-        """The model's stages in order, unbuilt (`model.stages.stage_specs`)."""
-        return stage_specs(model_cfg, vocab_size, seed, true_vocab_size, document_inputs)
+    def train(self, mode: bool = True) -> GPTModel:
+        super().train(mode)
+        for stage in self.stages:  # not submodules, so their mode is set here
+            if isinstance(stage, nn.Module):
+                stage.train(mode)
+        return self
 
     def forward(
         self,
@@ -82,27 +84,11 @@ class GPTModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        documents = None
+        x = input_ids  # (B, S), or with documents (input_ids, position_ids, document_ids) as DOCUMENT_TENSORS
         if position_ids is not None or document_ids is not None:
-            documents = Documents(position_ids, document_ids)  # built once, shared by every block
-        h = self.embedding(input_ids)  # (B, S, D)
-        group = self.cfg.checkpoint_num_layers
-        for start in range(0, len(self.layers), group):
-            blocks = self.layers[start : start + group]
-            if self.cfg.activation_checkpointing and self.training:
-                h = checkpointed(_run_blocks(blocks, documents), h)
-            else:
-                h = _run_blocks(blocks, documents)(h)
-        logits = self.output_head(self.final_norm(h), self.embedding.tied_output_weight())  # (B, S, V/tp)
+            x = (input_ids, position_ids, document_ids)
+        for stage in self.stages:
+            x = stage(x)
         if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.output_head.true_vocab_size)  # (B, S) fp32
-
-
-def _run_blocks(blocks, documents: Documents | None = None):
-    def run(h):
-        for block in blocks:
-            h = block(h, documents)
-        return h
-
-    return run
+            return x  # logits (B, S, V/tp)
+        return token_losses(x, labels, self.true_vocab_size)  # (B, S) fp32

@@ -1,4 +1,4 @@
-"""The GPT model as an ordered list of stages: the one definition `GPTModel` and the pipeline build from.
+"""The GPT model as an ordered list of stages: the one definition `GPTModel` and the pipeline build and run.
 
     index   stage                                   parameters (canonical names)
     0       EmbeddingStage (token ids in)           embedding.*
@@ -10,11 +10,13 @@
 `stage_specs` returns `StageSpec`s (a class and its arguments), not modules: a pipeline builds
 only the stages its rank holds. Each stage registers its parameters under its `GPTModel` prefix,
 so a stage's `state_dict()` (a pipeline's per-layer checkpoint file) holds canonical names, and
-`GPTModel` adopts the stages' modules under the same names. Every stage draws its weights from
-its own seed (`layer_seed`), so one seed gives the same weights in every layout.
+`GPTModel` adopts the stages' modules under the same names and runs the stages' forwards in order.
+Every stage draws its weights from its own seed (`layer_seed`), so one seed gives the same weights
+in every layout.
 
 Between stages: the hidden state `(B, S, D)`, or `(h, *document tensors)` with packed documents
-(`document_inputs` names them, each `(B, S)`, in order); the final norm drops them.
+(`document_inputs` names them, each `(B, S)`, in order, a subset of `DOCUMENT_TENSORS`); the final
+norm drops them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from megatron_lev.model.norm import RMSNorm
 from megatron_lev.parallel.random import seeded
 
 TIED_EMBEDDING = "embedding"  # the tied_key of the input table the head reuses
+DOCUMENT_TENSORS = ("position_ids", "document_ids")  # what may travel beside the hidden state, in order
 
 
 def layer_seed(base_seed: int, part: str, index: int = 0) -> int:
@@ -86,7 +89,10 @@ class EmbeddingStage(nn.Module):
 
 
 class BlockStage(nn.Module):
-    """Decoder block `index` as `layers[str(index)]`; `document_inputs` travel beside the hidden state."""
+    """Decoder block `index` as `layers[str(index)]`; `document_inputs` travel beside the hidden state.
+
+    Given a bare hidden state, the block runs without documents (whatever `document_inputs` says).
+    """
 
     def __init__(self, model_cfg: ModelConfig, index: int, seed: int, document_inputs: tuple[str, ...] = ()):
         super().__init__()
@@ -99,7 +105,7 @@ class BlockStage(nn.Module):
         return self.layers[str(self.index)]
 
     def forward(self, inputs):  # (B, S, D) -> (B, S, D), or ((B, S, D), *(B, S)) -> same
-        if not self.document_inputs:
+        if isinstance(inputs, torch.Tensor):
             return self.block(inputs)
         h, *extra = inputs
         named = dict(zip(self.document_inputs, extra, strict=True))
@@ -121,14 +127,10 @@ class FinalNormStage(nn.Module):
 class HeadStage(nn.Module):
     """The untied vocabulary-parallel head as `output_head`: `(B, S, D) -> (B, S, V/tp)`."""
 
-    def __init__(
-        self, model_cfg: ModelConfig, vocab_size: int, seed: int, true_vocab_size: int | None = None
-    ):
+    def __init__(self, model_cfg: ModelConfig, vocab_size: int, seed: int):
         super().__init__()
         with seeded(layer_seed(seed, "head")):
-            self.output_head = VocabParallelHead(
-                model_cfg.hidden_size, vocab_size, model_cfg.init_std, true_vocab_size=true_vocab_size
-            )
+            self.output_head = VocabParallelHead(model_cfg.hidden_size, vocab_size, model_cfg.init_std)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.output_head(hidden)
@@ -138,10 +140,12 @@ def stage_specs(
     model_cfg: ModelConfig,
     vocab_size: int,
     seed: int,
-    true_vocab_size: int | None = None,
     document_inputs: tuple[str, ...] = (),
 ) -> list[StageSpec]:
-    """The model's stages in order (see the module doc); `vocab_size` is the padded size."""
+    """The model's stages in order (see the module doc); `vocab_size` is the padded size.
+
+    `document_inputs`: the document tensors that follow the hidden state (`DOCUMENT_TENSORS`, in order).
+    """
     tied = embedding_class(model_cfg.embedding).ties_output_head
     embedding = (model_cfg, vocab_size, seed)
     specs = [StageSpec(EmbeddingStage, embedding, TIED_EMBEDDING if tied else None)]
@@ -153,5 +157,5 @@ def stage_specs(
     if tied:
         specs.append(StageSpec(EmbeddingStage, embedding, TIED_EMBEDDING, "head_logits"))
     else:
-        specs.append(StageSpec(HeadStage, (model_cfg, vocab_size, seed, true_vocab_size)))
+        specs.append(StageSpec(HeadStage, (model_cfg, vocab_size, seed)))
     return specs

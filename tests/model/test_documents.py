@@ -10,8 +10,10 @@ from megatron_lev.data.batches import MicroBatch, token_batches
 from megatron_lev.data.documents import DocumentLayout, document_positions
 from megatron_lev.engine.loss import micro_batch_loss
 from megatron_lev.engine.pipeline import pipeline_batches, pipeline_loss
+from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.model.build import build_model
-from megatron_lev.model.documents import block_causal_mask, cu_seqlens, masked_mean
+from megatron_lev.model.documents import block_causal_mask, cu_seqlens
+from megatron_lev.model.loss import masked_mean
 from megatron_lev.testing import run_distributed
 
 EOD, VOCAB, SEQ = 0, 208, 24
@@ -40,7 +42,9 @@ CASES = {
 
 
 def _model(case, extra=()):
-    return build_model(load_config(None, SMALL + CASES[case] + list(extra)), VOCAB)
+    """The plain model, checkpointed as the engine would when the case asks for it."""
+    cfg = load_config(None, SMALL + CASES[case] + list(extra))
+    return apply_activation_checkpointing(build_model(cfg, VOCAB), cfg.model)
 
 
 def _packed(lengths=(5, 9, 1, 13, 7, 8, 5), rows=2, seed=0):
@@ -238,9 +242,7 @@ def _pipeline_worker(case):
 @pytest.mark.multiprocess
 def test_pp2_with_documents_matches_single_process():
     case = "untied_gqa_ckpt"  # blocks checkpointed: the document tensors go through recomputation too
-    model = build_model(
-        load_config(None, SMALL + CASES[case] + DOCUMENTS + [f"model.seq_length={SEQ - 1}"]), VOCAB
-    )
+    model = _model(case, DOCUMENTS + [f"model.seq_length={SEQ - 1}"])
     opt, ref = _adamw(model.parameters()), []
     for step in _steps():
         opt.zero_grad()

@@ -1,8 +1,10 @@
-"""Activation checkpointing replays both RNG streams (dropout masks match); bf16 runs close to fp32."""
+"""Activation checkpointing, applied from outside the model, replays both RNG streams (dropout masks
+match) and changes no parameter name; bf16 runs close to fp32."""
 
 import torch
 
 from megatron_lev.config import load_config
+from megatron_lev.engine.recompute import CheckpointedStages, apply_activation_checkpointing
 from megatron_lev.model.build import build_model
 from megatron_lev.parallel.random import model_parallel_manual_seed
 
@@ -16,10 +18,15 @@ BASE = [
 
 
 def _loss_and_grads(overrides, ids):
-    model = build_model(load_config(None, BASE + overrides), 96)
+    cfg = load_config(None, BASE + overrides)
+    model = apply_activation_checkpointing(build_model(cfg, 96), cfg.model)
+    runs = []  # one per block forward: recomputation runs a checkpointed block again in backward
+    for block in model.layers:
+        block.register_forward_pre_hook(lambda *_: runs.append(1))
     model_parallel_manual_seed(9)  # the same dropout masks on both runs, from both streams
     loss = model(ids[:, :-1], ids[:, 1:]).mean()
     loss.backward()
+    assert len(runs) == len(model.layers) * (2 if cfg.model.activation_checkpointing else 1)
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -35,6 +42,21 @@ def test_checkpointed_blocks_equal_plain_blocks_with_dropout():
         torch.testing.assert_close(grads[name], grad, msg=lambda m, n=name: f"{n}: {m}")
     no_dropout_loss, _ = _loss_and_grads([], ids)
     assert not torch.allclose(no_dropout_loss, ref_loss)  # dropout was really active
+
+
+def test_checkpointing_groups_blocks_and_keeps_names():
+    cfg = load_config(None, BASE + ["model.activation_checkpointing=true", "model.checkpoint_num_layers=2"])
+    model = build_model(cfg, 96)
+    names, params = list(model.state_dict()), dict(model.named_parameters())
+    assert apply_activation_checkpointing(model, cfg.model) is model
+    apply_activation_checkpointing(model, cfg.model)  # a second time changes nothing
+    groups = [len(s.stages) for s in model.stages if isinstance(s, CheckpointedStages)]
+    assert groups == [2, 1]  # 3 blocks in groups of 2, from the first block
+    assert list(model.state_dict()) == names
+    after = dict(model.named_parameters())
+    assert list(after) == list(params) and all(p is params[n] for n, p in after.items())
+    model.eval()
+    assert not any(s.training for s in model.stages if isinstance(s, torch.nn.Module))
 
 
 def test_bf16_forward_backward_close_to_fp32():

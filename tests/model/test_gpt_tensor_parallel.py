@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatron_lev.config import load_config
+from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.model.build import build_model
 from megatron_lev.model.canonical import canonical_state_dict_spec, merge_tp_shards
 from megatron_lev.testing import run_distributed
@@ -41,7 +42,8 @@ def _run(case, tp, ids):
     """Logits (full vocabulary), loss and {name: grad shard} on this rank."""
     from megatron_lev.parallel.mappings import gather_from_tensor_parallel_region
 
-    model = build_model(_config(case, tp), VOCAB)
+    cfg = _config(case, tp)
+    model = apply_activation_checkpointing(build_model(cfg, VOCAB), cfg.model)
     logits = model(ids)
     loss = model(ids[:, :-1], ids[:, 1:])
     loss.mean().backward()

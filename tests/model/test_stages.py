@@ -11,7 +11,7 @@ from megatron_lev.model.build import build_model
 from megatron_lev.model.documents import Documents
 from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.model.gpt import GPTModel
-from megatron_lev.model.stages import BlockStage
+from megatron_lev.model.stages import BlockStage, stage_specs
 from megatron_lev.testing import run_distributed
 from tests.model.test_pipeline import MICRO, VOCAB, _adamw, _config
 
@@ -20,7 +20,7 @@ from tests.model.test_pipeline import MICRO, VOCAB, _adamw, _config
 def test_gpt_state_dict_is_the_union_of_its_stages(embedding):
     cfg = _config(embedding, 1, 1)
     model = GPTModel(cfg.model, VOCAB, seed=cfg.train.seed, true_vocab_size=200)
-    specs = GPTModel.stages(cfg.model, VOCAB, cfg.train.seed, true_vocab_size=200)
+    specs = stage_specs(cfg.model, VOCAB, cfg.train.seed)
     assert len(specs) == cfg.model.num_layers + 3
     union: dict[str, torch.Tensor] = {}
     for spec in specs:  # a tied table's second copy builds the same names and weights again

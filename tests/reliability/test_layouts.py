@@ -183,18 +183,20 @@ def _padded_vocab_probe(embedding: str) -> dict:
     """First loss, the loss over the tokenizer's rows only, and the gradient of the padding rows."""
     from megatron_lev.model.build import build_model
     from megatron_lev.parallel import state
+    from megatron_lev.parallel.layers import vocab_range
 
     tp = state.get_tensor_model_parallel_world_size()
     model = build_model(_tiny_model_config(embedding, tp), TOKENIZER_VOCAB)
     ids = torch.randint(0, TOKENIZER_VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
     loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
     loss.backward()
-    head = model.output_head
-    table = model.embedding.tied_output_weight() if head.tied else head.weight  # (V/tp, D)
-    pad_from = max(TOKENIZER_VOCAB - head.vocab_start, 0)
+    tied = not hasattr(model, "output_head")  # tied: the head is the embedding stage's table
+    table = model.embedding.tied_output_weight() if tied else model.output_head.weight  # (V/tp, D)
+    vocab_start, vocab_end = vocab_range(model.vocab_size, state.get_tensor_model_parallel_rank(), tp)
+    pad_from = max(TOKENIZER_VOCAB - vocab_start, 0)
     out = {
         "loss": loss.item(),
-        "padded_rows": max(head.vocab_end - max(head.vocab_start, TOKENIZER_VOCAB), 0),
+        "padded_rows": max(vocab_end - max(vocab_start, TOKENIZER_VOCAB), 0),
         "pad_grad_max": table.grad[pad_from:].abs().max().item() if pad_from < table.shape[0] else 0.0,
         "real_grad_max": table.grad[:pad_from].abs().max().item(),
     }
