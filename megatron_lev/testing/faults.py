@@ -76,8 +76,9 @@ class NaNInjector:
 
 
 class FaultInjection(Callback):
-    """Arms the injectors at the listed iterations (1-based) on this rank's last module
-    (the model, or the last stage of a pipeline) and the optimizer."""
+    """Arms the injectors at the listed iterations (1-based) on this rank's model (`engine.module`:
+    the whole model, or the stages a pipeline rank holds, so its output is what the rank passes on)
+    and on the optimizer (`engine.optimizer`, `DeepSpeedEngine`'s `GuardedAdamW`)."""
 
     def __init__(self, nan_steps=(), nan_grad_steps=(), inf_weight_steps=()) -> None:
         self.nan_steps, self.nan_grad_steps = set(nan_steps), set(nan_grad_steps)
@@ -96,7 +97,7 @@ class FaultInjection(Callback):
         return cls(*steps) if any(steps) else None
 
     def on_train_begin(self, trainer, control: Control) -> None:
-        target = trainer.engine.layers()[-1]
+        target = trainer.engine.module
         if self.nan_steps:
             self._injectors.append((NaNInjector(target), self.nan_steps))
         if self.nan_grad_steps:

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lev.config import RunConfig
+from megatron_lev.engine import Engine
 from megatron_lev.log import get_logger
-from megatron_lev.optim import all_finite
 from megatron_lev.training.callbacks import SKIP_LIMIT_EXIT_CODE, Callback, Control, StepRecord
 from megatron_lev.training.health import NonFiniteWeights
 from megatron_lev.training.metrics import perplexity
@@ -64,7 +64,7 @@ class Trainer:
     def __init__(
         self,
         cfg: RunConfig,
-        engine,
+        engine: Engine,
         budget: Budget,
         data: TrainData,
         callbacks: Sequence[Callback] = (),
@@ -117,8 +117,7 @@ class Trainer:
     def weights_bad(self) -> torch.Tensor:
         """This rank's flag (float 0/1 on the device): a weight it updates (ZeRO: its partition) is
         inf/NaN."""
-        weights = (p for g in self.engine.optimizer.param_groups for p in g["params"])
-        return (~all_finite(weights)).to(device=self.device, dtype=torch.float32)
+        return (~self.engine.weights_finite()).to(device=self.device, dtype=torch.float32)
 
     def any_rank_flag(self, flag: torch.Tensor) -> bool:
         """Whether `flag` (a device scalar > 0) is set on any rank (one all-reduce MAX, one host read)."""
