@@ -16,7 +16,7 @@ import os
 import torch
 from torch import nn
 
-from megatron_lev.training.callbacks import Callback, Control
+from megatron_lev.training.hooks import Callback, Control
 
 INJECT_NAN_ENV = "MEGATRON_LEV_INJECT_NAN_AT_STEP"
 INJECT_NAN_GRAD_ENV = "MEGATRON_LEV_INJECT_NAN_GRAD_AT_STEP"
@@ -120,7 +120,7 @@ class FaultInjection(Callback):
             injector.armed = iteration in steps
         self._corrupt_armed = iteration in self.inf_weight_steps
 
-    def on_step_end(self, trainer, iteration: int, control: Control) -> None:
+    def on_step_end(self, trainer, iteration: int, skipped: bool, control: Control) -> None:
         for injector, _ in self._injectors:
             injector.armed = False
         self._corrupt_armed = False

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lev.training.callbacks import Callback, Control
+from megatron_lev.training.hooks import Callback, Control
 from megatron_lev.training.metrics import METRICS_FILE, read_metrics
 from tests.training.conftest import run_train, tiny_overrides
 
@@ -143,7 +143,7 @@ class Recorder(Callback):
     def on_step_begin(self, trainer, iteration):
         self.events.append(("step", iteration))
 
-    def on_step_end(self, trainer, iteration, control: Control):
+    def on_step_end(self, trainer, iteration, skipped, control: Control):
         if iteration == self.stop_at:
             control.request_stop(5, "user stop", save=False)
 
@@ -202,7 +202,7 @@ def _initial_save_and_resume():
     import shutil
     import tempfile
 
-    from tests.training.toy import toy_config, toy_trainer
+    from tests.training.toy import resume, toy_config, toy_trainer
 
     cfg = toy_config(0, iters=3)
     cfg.train.save_initial, cfg.train.keep_last = True, 5
@@ -213,7 +213,7 @@ def _initial_save_and_resume():
     shutil.rmtree(ckpt / "iter_0000003")
     (ckpt / "latest").write_text("iter_0000000\n")
     again = toy_trainer(cfg, out, init_seed=999)  # the weights must come from iter_0000000
-    again.resume()
+    resume(again)
     resumed_from = again.state.iteration
     second = again.train()
     return tags, first.losses, resumed_from, second.losses

@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
+from megatron_lev.training.callbacks import SKIP_LIMIT_EXIT_CODE
 from megatron_lev.training.signals import PREEMPTED_EXIT_CODE
-from megatron_lev.training.trainer import SKIP_LIMIT_EXIT_CODE
 from tests.training.suites import NAN_STAGES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
