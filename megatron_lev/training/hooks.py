@@ -26,12 +26,20 @@ Hook points, in the order the loop reaches them:
 
 A callback with a `state_key` has `state_dict()`/`load_state_dict()`: its state travels in
 the checkpoint's `train_state[state_key]`.
+
+A run adds its own callbacks by naming them in `train.callbacks` as `"module:Class"`
+(`callbacks_from_specs` imports and builds each with no arguments), or by passing them to
+`pretrain(cfg, extra_callbacks=...)`.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from megatron_lev.config import ConfigError
 
 if TYPE_CHECKING:
     from megatron_lev.training.trainer import Trainer
@@ -135,4 +143,42 @@ class Callback:
         pass
 
 
-__all__ = ["Callback", "Control", "StepRecord", "TrainResult", "TrainState"]
+def callbacks_from_specs(specs: Sequence[str], key: str = "train.callbacks") -> list[Callback]:
+    """Import and build (with no arguments) the callback class each `"module:Class"` spec names.
+
+    A module that does not import, a missing class, or something that is not a `Callback` is a
+    one-line ConfigError naming `key` and the spec.
+    """
+    out = []
+    for spec in specs:
+        module_name, _, qualname = spec.partition(":")
+        try:
+            target: Any = importlib.import_module(module_name)
+        except Exception as exc:  # noqa: BLE001 - anything the user's module raises while importing
+            raise ConfigError(
+                f"{key}: cannot import {module_name!r} for {spec!r} ({_first_line(exc)})"
+            ) from exc
+        for part in qualname.split("."):
+            if not hasattr(target, part):
+                raise ConfigError(f"{key}: {module_name!r} has no {qualname!r} (in {spec!r})")
+            target = getattr(target, part)
+        if not (isinstance(target, type) and issubclass(target, Callback)):
+            raise ConfigError(
+                f"{key}: {spec!r} is not a Callback class (subclass megatron_lev.training.hooks.Callback)"
+            )
+        try:
+            out.append(target())
+        except Exception as exc:  # noqa: BLE001 - the user's constructor
+            raise ConfigError(
+                f"{key}: building {spec!r} failed ({_first_line(exc)}); a callback class is built with "
+                "no arguments"
+            ) from exc
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+__all__ = ["Callback", "Control", "StepRecord", "TrainResult", "TrainState", "callbacks_from_specs"]

@@ -7,6 +7,7 @@ tokenizer is checked before the model or the data indices are built.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from megatron_lev.training.callbacks import (
     Preemption,
     Validation,
 )
-from megatron_lev.training.hooks import Callback, TrainResult
+from megatron_lev.training.hooks import Callback, TrainResult, callbacks_from_specs
 from megatron_lev.training.launch import device as current_device
 from megatron_lev.training.launch import init_distributed
 from megatron_lev.training.metrics import MetricsWriter
@@ -56,17 +57,24 @@ def find_input_embedding(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if isinstance(m, InputEmbedding)), None)
 
 
-def pretrain(cfg: RunConfig, allow_changes=()) -> TrainResult:
+def pretrain(cfg: RunConfig, allow_changes=(), extra_callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Run (or resume) the pretraining described by `cfg` on the launcher's processes; config keys
-    in `allow_changes` may differ from the resumed checkpoint's (see `training.resume`)."""
+    in `allow_changes` may differ from the resumed checkpoint's (see `training.resume`).
+
+    The run has the default callbacks, then those `train.callbacks` names (built here, at start),
+    then `extra_callbacks`.
+    """
+    extra = [*callbacks_from_specs(cfg.train.callbacks), *extra_callbacks]
     watcher = PreemptionWatcher().install()  # before the slow start-up: Slurm's notice may come early
     try:
-        return _pretrain(cfg, watcher, allow_changes)
+        return _pretrain(cfg, watcher, allow_changes, extra)
     finally:
         watcher.uninstall()
 
 
-def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> TrainResult:
+def _pretrain(
+    cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=(), extra_callbacks: Sequence[Callback] = ()
+) -> TrainResult:
     from megatron_lev.data.documents import DocumentLayout
     from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
     from megatron_lev.data.tokenizers import build_tokenizer
@@ -142,7 +150,8 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
     writer = MetricsWriter(out, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
     checkpointer = Checkpointer.from_config(cfg.train, save_dir, load_dir)
     callbacks = default_callbacks(cfg, writer, checkpointer, flops_per_token(cfg.model, vocab), watcher)
-    callbacks += [cb for cb in (probe, wandb_callback(cfg, rank), fault_injection()) if cb is not None]
+    callbacks += [cb for cb in (probe, wandb_callback(cfg, rank)) if cb is not None]
+    callbacks += extra_callbacks
     data = TrainData(train_batches, valid_batches if valid_ds is not None else None, global_batch)
     trainer = Trainer(
         cfg,
@@ -210,10 +219,3 @@ def wandb_callback(cfg: RunConfig, rank: int) -> Callback | None:
     from megatron_lev.training.wandb_logger import WandbLogger
 
     return WandbLogger(cfg)
-
-
-def fault_injection() -> Callback | None:
-    """The test-only fault injectors, when their environment variables are set (`testing.faults`)."""
-    from megatron_lev.testing.faults import FaultInjection
-
-    return FaultInjection.from_environ()
