@@ -1,4 +1,5 @@
-"""Fault injection for tests: NaN losses, NaN gradients and inf weights at chosen iterations.
+"""Fault injection for tests: NaN losses, NaN gradients and inf weights at chosen iterations
+(preprocess workers that fail: `testing.preprocess_faults`).
 
 `FaultInjection` is a trainer callback; production code never builds it. A test adds it to a
 `megatron-lev train` run by naming it in the config, and says which faults through the
