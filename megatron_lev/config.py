@@ -382,9 +382,17 @@ class TrainConfig:
     eval_interval: int = 0
     eval_iters: int = 10
     max_consecutive_skips: int = 10  # non-finite steps in a row before the run stops
+    callbacks: list[str] = field(default_factory=list)  # extra trainer callbacks, "module:Class"
 
     def validate(self) -> None:
         check_ranges(self, "train")
+        for i, spec in enumerate(self.callbacks):
+            module, colon, name = spec.partition(":")
+            if not colon or not all(p.isidentifier() for p in (*module.split("."), *name.split("."))):
+                raise ConfigError(
+                    f"train.callbacks[{i}]={spec!r} must be 'module:Class' (an importable module and a "
+                    "Callback class in it), e.g. 'my_probes.grad:GradProbe'"
+                )
         check_choice("train.precision", self.precision, PRECISIONS)
         check_choice("train.lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
         if self.train_iters is None and self.train_tokens is None and not self.chinchilla:

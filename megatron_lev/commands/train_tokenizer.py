@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-MIN_VOCAB = 260
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -25,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from megatron_lev.commands.config_cmd import check_number
-    from megatron_lev.data.train_tokenizer import train_sentencepiece
+    from megatron_lev.data.train_tokenizer import MIN_VOCAB, train_sentencepiece
     from megatron_lev.errors import UserError
 
     if args.vocab_size < MIN_VOCAB:

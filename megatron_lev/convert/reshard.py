@@ -3,7 +3,8 @@
     reshard("runs/x/checkpoints", "runs/x/tp1", tp=1, pp=1, dp=8)
 
 The source is merged into canonical full tensors (`source.iter_canonical`); then the
-target layout is started as `TP x PP x DP` gloo processes on this machine, each builds
+target layout is started as `TP x PP x DP` gloo processes on this machine (`parallel.launch`;
+a failed one is a one-line error naming its rank), each builds
 its part of the model with `build_model`, copies in its TP shard of every tensor
 (vocabulary rows re-padded for the new TP size), wraps it in DeepSpeed exactly as the
 trainer does (`engine.deepspeed_engine.build_engine`, `engine.config.build_ds_config`) and
@@ -241,7 +242,7 @@ def reshard(
     """
     from megatron_lev.config import ConfigError
     from megatron_lev.convert.hf_export import ExportError, check_out_dir
-    from megatron_lev.testing.distributed import run_distributed
+    from megatron_lev.parallel.launch import run_workers
 
     for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
         if value < 1:
@@ -273,7 +274,7 @@ def reshard(
     shutil.rmtree(work, ignore_errors=True)  # a dead earlier run's
     world = tp * pp * dp
     try:
-        losses = run_distributed(
+        losses = run_workers(  # a failed worker is a one-line WorkerError naming its rank
             reshard_worker,
             world_size=world,
             timeout=timeout,

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -51,7 +52,6 @@ from megatron_lev.utils.io import (
 
 UNKNOWN_SUBSET = "unknown"
 FILE_PROBLEMS = ("truncated_file",)  # problems of a whole file, not of one line
-FAULT_ENV = "MEGATRON_LEV_PREPROCESS_FAULT"  # testing aid: "raise:N", "exit:N" or "sleep:N" at chunk N
 
 
 class PreprocessError(DataError):
@@ -180,19 +180,22 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _inject_fault(chunk_id: int) -> None:
-    kind, _, at = os.environ.get(FAULT_ENV, "").partition(":")
-    if not kind or not at.isdigit() or int(at) != chunk_id:
-        return
-    if kind == "raise":
-        raise RuntimeError(f"injected fault at chunk {chunk_id}")
-    if kind == "exit":
-        os._exit(3)
-    if kind == "sleep":
-        time.sleep(600)
+# A test aid, None in production: `hook(chunk_id)` runs in every worker before it tokenises a
+# chunk (the reliability tests make a worker raise, exit or stall there). The workers are spawned,
+# so it must pickle: a module-level function, or an instance of a module-level class.
+_chunk_hook: Callable[[int], None] | None = None
 
 
-def _worker_main(conn, opts: PreprocessOptions, parent_pid: int) -> None:
+def set_chunk_hook(hook: Callable[[int], None] | None) -> Callable[[int], None] | None:
+    """Give the workers of later runs `hook` (None: none); returns the previous hook."""
+    global _chunk_hook
+    previous, _chunk_hook = _chunk_hook, hook
+    return previous
+
+
+def _worker_main(
+    conn, opts: PreprocessOptions, parent_pid: int, chunk_hook: Callable[[int], None] | None = None
+) -> None:
     """Take chunks from `conn` one at a time and send back ("ok", result) or ("error", ...)."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
@@ -201,7 +204,8 @@ def _worker_main(conn, opts: PreprocessOptions, parent_pid: int) -> None:
     try:
         tok = build_tokenizer(opts.tokenizer_type, opts.tokenizer_path)
         while (chunk := conn.recv()) is not None:
-            _inject_fault(chunk.chunk_id)
+            if chunk_hook is not None:
+                chunk_hook(chunk.chunk_id)
             conn.send(("ok", tokenize_chunk(chunk, opts, tok)))
     except (EOFError, BrokenPipeError):
         return
@@ -222,7 +226,9 @@ class _Pool:
         self.workers = []  # [process, connection, (chunk_id, file, first_line) or None]
         for _ in range(opts.workers):
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(theirs, opts, os.getpid()), daemon=True)
+            proc = ctx.Process(
+                target=_worker_main, args=(theirs, opts, os.getpid(), _chunk_hook), daemon=True
+            )
             proc.start()
             theirs.close()
             self.workers.append([proc, mine, None])

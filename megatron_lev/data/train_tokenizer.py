@@ -17,6 +17,7 @@ from megatron_lev.data.readers import Problem, check_text, find_inputs, iter_chu
 from megatron_lev.errors import DataError
 
 EOD_PIECE = "<|endoftext|>"
+MIN_VOCAB = 260  # the smallest vocabulary to train: 256 byte pieces + <unk> + <|endoftext|> + merges
 
 
 def iter_training_lines(inputs: list[str], max_mb: float, json_key: str = "text") -> Iterator[str]:

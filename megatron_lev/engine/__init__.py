@@ -1,4 +1,8 @@
 """Everything that knows DeepSpeed: the engine, its JSON config, the pipeline module, the
 checkpoint file layout and the `mpu` shim. The rest of the package talks to `Engine`
-(`train_batch`, `eval_batch`, `save`, `load`) and never imports `deepspeed`.
+(`engine/base.py`: `train_batch`, `eval_batch`, `save`, `load`, ...) and never imports `deepspeed`.
 """
+
+from megatron_lev.engine.base import Engine
+
+__all__ = ["Engine"]

@@ -1,4 +1,4 @@
-"""The DeepSpeed engine behind the small `Engine` interface the trainer and converters use.
+"""The DeepSpeed engine behind `Engine` (`engine/base.py`), the interface the trainer and converters use.
 
 `build_engine(cfg, model, world_size, device)` runs `deepspeed.initialize` over the model
 with our AdamW (`optim.GuardedAdamW`, so no DeepSpeed op is compiled at start)
@@ -34,7 +34,7 @@ from megatron_lev.engine.mpu import TensorParallelMPU
 from megatron_lev.engine.pipeline import pipeline_batches
 from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.errors import CheckpointDataError
-from megatron_lev.optim import GuardedAdamW, param_groups
+from megatron_lev.optim import GuardedAdamW, all_finite, param_groups
 
 GROUP_FILLER = "param_group_filler"
 _MOMENTS = ("exp_avg", "exp_avg_sq")  # what resharding carries of Adam's state
@@ -95,7 +95,7 @@ class StepOutput:
 
 
 class DeepSpeedEngine:
-    """A DeepSpeed engine (plain or pipeline) with the trainer's interface; see the module doc."""
+    """A DeepSpeed engine (plain or pipeline) as an `Engine`; see the module doc."""
 
     def __init__(self, ds_engine, optimizer: GuardedAdamW, cfg: RunConfig, *, pipeline: bool, gas: int):
         self.ds_engine, self.optimizer, self.cfg = ds_engine, optimizer, cfg
@@ -112,15 +112,13 @@ class DeepSpeedEngine:
         """The model DeepSpeed wraps (`GPTModel`, or this rank's `PipelineModule` stages)."""
         return self.ds_engine.module
 
-    def layers(self) -> list[nn.Module]:
-        """This rank's modules in forward order (pipeline: its stages; else the whole model)."""
-        if self.pipeline:
-            return [f for f in self.module.forward_funcs if isinstance(f, nn.Module)] or [self.module]
-        return [self.module]
-
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+
+    def weights_finite(self) -> torch.Tensor:
+        """A device bool `()`: every weight this rank's optimizer updates (ZeRO: its partition) is finite."""
+        return all_finite(p for g in self.optimizer.param_groups for p in g["params"])
 
     def train(self) -> None:
         self.ds_engine.train()

@@ -1,1 +1,2 @@
-"""Tensor / pipeline / data parallel plumbing. Imports nothing else of the project."""
+"""Tensor / pipeline / data parallel plumbing, and the local gloo launcher offline tools run their
+ranks with (`launch.py`). Imports nothing else of the project but the base modules."""

@@ -1,8 +1,11 @@
-"""Fault injection for tests: NaN losses, NaN gradients and inf weights at chosen iterations.
+"""Fault injection for tests: NaN losses, NaN gradients and inf weights at chosen iterations
+(preprocess workers that fail: `testing.preprocess_faults`).
 
-Production code never builds these unless one of the variables below is set (the
-reliability tests set them on the `megatron-lev train` command line); `FaultInjection`
-is a trainer callback.
+`FaultInjection` is a trainer callback; production code never builds it. A test adds it to a
+`megatron-lev train` run by naming it in the config, and says which faults through the
+variables below (read when the callback is built with no arguments):
+
+    train.callbacks=[megatron_lev.testing.faults:FaultInjection]
 
     MEGATRON_LEV_INJECT_NAN_AT_STEP=3,4          the model's output is NaN (the loss is NaN)
     MEGATRON_LEV_INJECT_NAN_GRAD_AT_STEP=2        the loss is finite, the gradients NaN
@@ -16,7 +19,7 @@ import os
 import torch
 from torch import nn
 
-from megatron_lev.training.callbacks import Callback, Control
+from megatron_lev.training.hooks import Callback, Control
 
 INJECT_NAN_ENV = "MEGATRON_LEV_INJECT_NAN_AT_STEP"
 INJECT_NAN_GRAD_ENV = "MEGATRON_LEV_INJECT_NAN_GRAD_AT_STEP"
@@ -76,27 +79,26 @@ class NaNInjector:
 
 
 class FaultInjection(Callback):
-    """Arms the injectors at the listed iterations (1-based) on this rank's last module
-    (the model, or the last stage of a pipeline) and the optimizer."""
+    """Arms the injectors at the listed iterations (1-based) on this rank's model (`engine.module`:
+    the whole model, or the stages a pipeline rank holds, so its output is what the rank passes on)
+    and on the optimizer (`engine.optimizer`, `DeepSpeedEngine`'s `GuardedAdamW`)."""
 
-    def __init__(self, nan_steps=(), nan_grad_steps=(), inf_weight_steps=()) -> None:
-        self.nan_steps, self.nan_grad_steps = set(nan_steps), set(nan_grad_steps)
-        self.inf_weight_steps = set(inf_weight_steps)
+    def __init__(self, nan_steps=None, nan_grad_steps=None, inf_weight_steps=None, environ=None) -> None:
+        """The faults at the iterations given; with none given, those the variables (in `environ`,
+        default `os.environ`) name."""
+        if nan_steps is None and nan_grad_steps is None and inf_weight_steps is None:
+            nan_steps, nan_grad_steps, inf_weight_steps = (
+                injected_nan_steps(environ, name)
+                for name in (INJECT_NAN_ENV, INJECT_NAN_GRAD_ENV, INJECT_INF_WEIGHTS_ENV)
+            )
+        self.nan_steps, self.nan_grad_steps = set(nan_steps or ()), set(nan_grad_steps or ())
+        self.inf_weight_steps = set(inf_weight_steps or ())
         self._injectors: list[tuple[NaNInjector, set[int]]] = []
         self._corrupt_armed = False
         self._hook = None
 
-    @classmethod
-    def from_environ(cls, environ: dict | None = None) -> FaultInjection | None:
-        """The injection the variables ask for, or None when none is set."""
-        steps = [
-            injected_nan_steps(environ, name)
-            for name in (INJECT_NAN_ENV, INJECT_NAN_GRAD_ENV, INJECT_INF_WEIGHTS_ENV)
-        ]
-        return cls(*steps) if any(steps) else None
-
     def on_train_begin(self, trainer, control: Control) -> None:
-        target = trainer.engine.layers()[-1]
+        target = trainer.engine.module
         if self.nan_steps:
             self._injectors.append((NaNInjector(target), self.nan_steps))
         if self.nan_grad_steps:
@@ -119,7 +121,7 @@ class FaultInjection(Callback):
             injector.armed = iteration in steps
         self._corrupt_armed = iteration in self.inf_weight_steps
 
-    def on_step_end(self, trainer, iteration: int, control: Control) -> None:
+    def on_step_end(self, trainer, iteration: int, skipped: bool, control: Control) -> None:
         for injector, _ in self._injectors:
             injector.armed = False
         self._corrupt_armed = False

@@ -1,32 +1,17 @@
-"""What the training loop does besides stepping, as callbacks.
+"""What the training loop does besides stepping, as callbacks (the hook points: `training.hooks`).
 
-The `Trainer` runs steps and calls every callback at fixed points; each callback asks for work
-through the step's `Control` (read the pending losses and log, validate, save, stop) and does
-its own part. Callbacks run in `order` (lower first), then in list order:
+Each callback asks for work through the step's `Control` and does its own part. A run has, in
+`order` (lower first), then in list order:
 
     NonFiniteGuard   (-10)  skip counting and limit, finite weights before every save
-    Checkpointer      (10)  resume, periodic saves, the final save
+    Checkpointer      (10)  periodic saves, the final save (and `resume`, which `pretrain` calls)
     Validation              periodic and final validation
     MetricsLogger           log lines, `metrics.jsonl` / TensorBoard, the progress bar
     Preemption              SIGTERM/SIGUSR1: save and exit with status 75
     EmbeddingProbe          the input-embedding RMS at the first step
     WandbLogger             optional Weights & Biases mirror of the logged values
 
-Hook points, in the order the loop reaches them:
-
-    on_train_begin(trainer, control)      before the first step (control.stop: exit at once)
-    on_step_begin(trainer, iteration)     before each step
-    on_step_end(trainer, iteration, control)   after each step, values still on the device
-    on_step_values(trainer, record, control)   each step's values, once the host has read them
-    metrics(trainer, iteration) -> dict   values for a log line (merged over callbacks)
-    on_log(trainer, iteration, values)
-    on_validation(trainer, iteration, metrics)
-    on_save(trainer)                      save now (Checkpointer; the guard checks first)
-    on_train_end(trainer, result)         after the loop (also after a stop)
-    on_close(trainer)                     always, also on an exception
-
-A callback with a `state_key` has `state_dict()`/`load_state_dict()`: its state travels in
-the checkpoint's `train_state[state_key]`.
+and then the callbacks `train.callbacks` names.
 """
 
 from __future__ import annotations
@@ -42,92 +27,19 @@ import torch
 from megatron_lev.ckpt.io import load_checkpoint, save_checkpoint
 from megatron_lev.log import get_logger
 from megatron_lev.training.health import AllStepsSkipped, NonFiniteWeights, SkipTracker, TooManySkippedSteps
+from megatron_lev.training.hooks import Callback, Control, StepRecord, TrainResult, TrainState
 from megatron_lev.training.metrics import MetricsWriter, memory_stats, throughput
 from megatron_lev.training.resume import ResumePlan, plan_resume
 from megatron_lev.training.schedule import learning_rate
 from megatron_lev.training.signals import PREEMPTED_EXIT_CODE, PreemptionWatcher
 
 if TYPE_CHECKING:
-    from megatron_lev.training.trainer import Trainer, TrainResult
+    from megatron_lev.config import TrainConfig
+    from megatron_lev.training.trainer import Trainer
 
 SKIP_LIMIT_EXIT_CODE = 3
 
 log = get_logger(__name__)
-
-
-@dataclass
-class Control:
-    """What the loop does after a step (callbacks set these in `on_step_end` / `on_step_values`)."""
-
-    read: bool = False  # read the pending steps' values now (every other flag implies it)
-    log: bool = False
-    evaluate: bool = False
-    save: bool = False
-    stop: bool = False
-    exit_code: int = 0
-    reason: str = ""
-
-    def request_stop(self, exit_code: int, reason: str, save: bool = True) -> None:
-        if not self.stop:  # the first reason wins
-            self.stop, self.exit_code, self.reason = True, exit_code, reason
-        self.save = self.save or save
-
-    @property
-    def any(self) -> bool:
-        return self.read or self.log or self.evaluate or self.save or self.stop
-
-
-@dataclass
-class StepRecord:
-    """One step's values as numbers (after the host read)."""
-
-    iteration: int
-    loss: float  # mean over the step's micro-batches and the data-parallel ranks
-    grad_norm: float | None
-    skipped: bool  # the update was held back (non-finite loss or gradients, or the fp16 scaler)
-    scaler_overflow: bool  # the fp16 loss scaler held it back
-    weights_bad: bool  # the update made a weight inf/NaN on some rank
-
-
-class Callback:
-    order = 0
-    state_key: str | None = None
-
-    def on_train_begin(self, trainer: Trainer, control: Control) -> None:
-        pass
-
-    def on_step_begin(self, trainer: Trainer, iteration: int) -> None:
-        pass
-
-    def on_step_end(self, trainer: Trainer, iteration: int, control: Control) -> None:
-        pass
-
-    def on_step_values(self, trainer: Trainer, record: StepRecord, control: Control) -> None:
-        pass
-
-    def metrics(self, trainer: Trainer, iteration: int) -> dict[str, Any]:
-        return {}
-
-    def on_log(self, trainer: Trainer, iteration: int, values: dict[str, Any]) -> None:
-        pass
-
-    def on_validation(self, trainer: Trainer, iteration: int, metrics: dict[str, float]) -> None:
-        pass
-
-    def on_save(self, trainer: Trainer) -> None:
-        pass
-
-    def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
-        pass
-
-    def on_close(self, trainer: Trainer) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 # ---------------------------------------------------------------------- the non-finite guard
@@ -153,8 +65,8 @@ class NonFiniteGuard(Callback):
             where = f" (loaded from {trainer.load_dir})" if trainer.state.iteration else ""
             self.check_weights(trainer, f"before the first step{where}")
 
-    def on_step_end(self, trainer: Trainer, iteration: int, control: Control) -> None:
-        if trainer.pending and trainer.pending[-1].skipped:
+    def on_step_end(self, trainer: Trainer, iteration: int, skipped: bool, control: Control) -> None:
+        if skipped:
             control.read = True  # the skip limit counts at once
 
     def on_step_values(self, trainer: Trainer, record: StepRecord, control: Control) -> None:
@@ -186,7 +98,7 @@ class NonFiniteGuard(Callback):
     def metrics(self, trainer: Trainer, iteration: int) -> dict[str, Any]:
         return {"skipped_steps": self.skips.total}
 
-    def on_save(self, trainer: Trainer) -> None:
+    def on_before_save(self, trainer: Trainer) -> None:
         self.check_weights(trainer, f"refusing to save a checkpoint to {trainer.save_dir}")
 
     def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
@@ -221,9 +133,11 @@ class NonFiniteGuard(Callback):
 
 
 class Checkpointer(Callback):
-    """Resumes from `load_dir`, saves to `save_dir` every `save_interval` steps, before a stop and at the
-    end (never twice for one iteration), keeping the newest `keep_last`; with `save_initial` also the
-    initial weights (iteration 0) before the first step."""
+    """Resumes from `load_dir` (`resume`, before `train()`), saves to `save_dir` every `save_interval`
+    steps, when asked (`control.save`: before a stop) and at the end (never twice for one iteration),
+    keeping the newest `keep_last`; with `save_initial` also the initial weights (iteration 0) before
+    the first step. Every callback's `on_before_save` runs before it writes (the guard refuses
+    non-finite weights there)."""
 
     order = 10
 
@@ -240,10 +154,14 @@ class Checkpointer(Callback):
         self.save_initial = save_initial  # also save before the first step (iteration 0)
         self.saved_at = -1
 
-    def resume(self, trainer: Trainer, plan: ResumePlan | None = None, allow_changes=()) -> None:
-        """Load the checkpoint `plan` names (by default the newest one that verifies)."""
-        from megatron_lev.training.trainer import TrainState
+    @classmethod
+    def from_config(cls, train: TrainConfig, save_dir: str | None, load_dir: str | None) -> Checkpointer:
+        """The run's checkpointer: `train.save_interval`, `train.keep_last`, `train.save_initial`."""
+        return cls(save_dir, load_dir, train.save_interval, train.keep_last, train.save_initial)
 
+    def resume(self, trainer: Trainer, plan: ResumePlan | None = None, allow_changes=()) -> None:
+        """Load the checkpoint `plan` names (by default the newest one that verifies) into `trainer`:
+        the engine's model and optimizer, the loop's `TrainState` and the callbacks' states."""
         if not self.load_dir and not self.save_dir:
             return
         if plan is None:
@@ -268,7 +186,7 @@ class Checkpointer(Callback):
         if trainer.state.iteration == 0 and self.save_initial and not control.stop:
             trainer.save()  # the initial weights, as iter_0000000 (skipped if resumed from it)
 
-    def on_step_end(self, trainer: Trainer, iteration: int, control: Control) -> None:
+    def on_step_end(self, trainer: Trainer, iteration: int, skipped: bool, control: Control) -> None:
         if self.save_interval and iteration % self.save_interval == 0:
             control.save = True
 
@@ -279,6 +197,8 @@ class Checkpointer(Callback):
     def on_save(self, trainer: Trainer) -> None:
         if not self.due(trainer):
             return
+        for cb in trainer.callbacks:
+            cb.on_before_save(trainer)
         train_state = {k: v for k, v in vars(trainer.state).items()}
         for cb in trainer.callbacks:
             if cb.state_key is not None:
@@ -308,7 +228,7 @@ class Validation(Callback):
     def __init__(self, eval_interval: int) -> None:
         self.eval_interval = eval_interval
 
-    def on_step_end(self, trainer: Trainer, iteration: int, control: Control) -> None:
+    def on_step_end(self, trainer: Trainer, iteration: int, skipped: bool, control: Control) -> None:
         if self.eval_interval and iteration % self.eval_interval == 0:
             control.evaluate = True
 
@@ -382,7 +302,7 @@ class MetricsLogger(Callback):
             self._redirect = logging_redirect_tqdm(loggers=[logging.getLogger("megatron_lev")])
             self._redirect.__enter__()  # log lines above the bar
 
-    def on_step_end(self, trainer: Trainer, iteration: int, control: Control) -> None:
+    def on_step_end(self, trainer: Trainer, iteration: int, skipped: bool, control: Control) -> None:
         self.window.seconds += trainer.last_step_seconds
         self.window.tokens += trainer.budget.tokens_per_iter
         if self._bar is not None:
@@ -466,7 +386,7 @@ class Preemption(Callback):
             log.warning("preempted before the first step: exiting with status %d", PREEMPTED_EXIT_CODE)
             control.request_stop(PREEMPTED_EXIT_CODE, "preempted", save=False)
 
-    def on_step_end(self, trainer: Trainer, iteration: int, control: Control) -> None:
+    def on_step_end(self, trainer: Trainer, iteration: int, skipped: bool, control: Control) -> None:
         if self.watcher.should_stop(trainer.device):
             control.request_stop(PREEMPTED_EXIT_CODE, "preempted")
 

@@ -7,6 +7,7 @@ tokenizer is checked before the model or the data indices are built.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -19,7 +20,6 @@ from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, build_engine, 
 from megatron_lev.log import get_logger, setup_logging
 from megatron_lev.parallel import state
 from megatron_lev.training.callbacks import (
-    Callback,
     Checkpointer,
     EmbeddingProbe,
     MetricsLogger,
@@ -27,13 +27,14 @@ from megatron_lev.training.callbacks import (
     Preemption,
     Validation,
 )
+from megatron_lev.training.hooks import Callback, TrainResult, callbacks_from_specs
 from megatron_lev.training.launch import device as current_device
 from megatron_lev.training.launch import init_distributed
 from megatron_lev.training.metrics import MetricsWriter
 from megatron_lev.training.resume import plan_resume
 from megatron_lev.training.schedule import training_budget
 from megatron_lev.training.signals import PreemptionWatcher
-from megatron_lev.training.trainer import TrainData, Trainer, TrainResult
+from megatron_lev.training.trainer import TrainData, Trainer
 
 log = get_logger(__name__)
 
@@ -56,17 +57,24 @@ def find_input_embedding(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if isinstance(m, InputEmbedding)), None)
 
 
-def pretrain(cfg: RunConfig, allow_changes=()) -> TrainResult:
+def pretrain(cfg: RunConfig, allow_changes=(), extra_callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Run (or resume) the pretraining described by `cfg` on the launcher's processes; config keys
-    in `allow_changes` may differ from the resumed checkpoint's (see `training.resume`)."""
+    in `allow_changes` may differ from the resumed checkpoint's (see `training.resume`).
+
+    The run has the default callbacks, then those `train.callbacks` names (built here, at start),
+    then `extra_callbacks`.
+    """
+    extra = [*callbacks_from_specs(cfg.train.callbacks), *extra_callbacks]
     watcher = PreemptionWatcher().install()  # before the slow start-up: Slurm's notice may come early
     try:
-        return _pretrain(cfg, watcher, allow_changes)
+        return _pretrain(cfg, watcher, allow_changes, extra)
     finally:
         watcher.uninstall()
 
 
-def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> TrainResult:
+def _pretrain(
+    cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=(), extra_callbacks: Sequence[Callback] = ()
+) -> TrainResult:
     from megatron_lev.data.documents import DocumentLayout
     from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
     from megatron_lev.data.tokenizers import build_tokenizer
@@ -140,8 +148,10 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
         return token_batches(make_loader(valid_ds, 0, micro, dp_rank, dp, 0), dev, true_vocab, documents)
 
     writer = MetricsWriter(out, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
-    callbacks = default_callbacks(cfg, writer, save_dir, load_dir, flops_per_token(cfg.model, vocab), watcher)
-    callbacks += [cb for cb in (probe, wandb_callback(cfg, rank), fault_injection()) if cb is not None]
+    checkpointer = Checkpointer.from_config(cfg.train, save_dir, load_dir)
+    callbacks = default_callbacks(cfg, writer, checkpointer, flops_per_token(cfg.model, vocab), watcher)
+    callbacks += [cb for cb in (probe, wandb_callback(cfg, rank)) if cb is not None]
+    callbacks += extra_callbacks
     data = TrainData(train_batches, valid_batches if valid_ds is not None else None, global_batch)
     trainer = Trainer(
         cfg,
@@ -155,7 +165,7 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
         load_dir=load_dir,
     )
     try:
-        trainer.resume(plan)
+        checkpointer.resume(trainer, plan)
         writer.record(
             "event",
             trainer.state.iteration,
@@ -185,20 +195,21 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
 def default_callbacks(
     cfg: RunConfig,
     writer: MetricsWriter,
-    save_dir: str | None,
-    load_dir: str | None,
+    checkpointer: Checkpointer | None,
     flops_per_token: float | None = None,
     watcher: PreemptionWatcher | None = None,
 ) -> list[Callback]:
-    """The callbacks every run has: guard, checkpoints, validation, metrics and progress, preemption."""
+    """The callbacks every run has: guard, checkpoints (`checkpointer`; None: no checkpoints),
+    validation, metrics and progress, preemption."""
     t, lg = cfg.train, cfg.logging
-    return [
+    callbacks = [
         NonFiniteGuard(t.max_consecutive_skips),
-        Checkpointer(save_dir, load_dir, t.save_interval, t.keep_last, t.save_initial),
+        checkpointer,
         Validation(t.eval_interval),
         MetricsLogger(writer, lg.log_interval, lg.progress_bar, flops_per_token, lg.peak_tflops),
         Preemption(watcher),
     ]
+    return [cb for cb in callbacks if cb is not None]
 
 
 def wandb_callback(cfg: RunConfig, rank: int) -> Callback | None:
@@ -208,10 +219,3 @@ def wandb_callback(cfg: RunConfig, rank: int) -> Callback | None:
     from megatron_lev.training.wandb_logger import WandbLogger
 
     return WandbLogger(cfg)
-
-
-def fault_injection() -> Callback | None:
-    """The test-only fault injectors, when their environment variables are set (`testing.faults`)."""
-    from megatron_lev.testing.faults import FaultInjection
-
-    return FaultInjection.from_environ()

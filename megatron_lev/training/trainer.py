@@ -5,8 +5,8 @@
 `train_batch`, keeps each step's values on the device, and reads them (one host sync)
 only when a callback asks through the step's `Control`: to log, validate, save or stop.
 Checkpoints, metrics and progress, validation, preemption, the non-finite guard and
-probes are callbacks (`training.callbacks`); test-only fault injectors live in
-`megatron_lev.testing.faults`.
+probes are callbacks (`training.callbacks`); the loop knows them only through the hook points
+of `training.hooks` (it names none of them), so a run may add its own (`train.callbacks`).
 """
 
 from __future__ import annotations
@@ -14,40 +14,22 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron_lev.config import RunConfig
+from megatron_lev.engine import Engine
 from megatron_lev.log import get_logger
-from megatron_lev.optim import all_finite
-from megatron_lev.training.callbacks import SKIP_LIMIT_EXIT_CODE, Callback, Control, StepRecord
 from megatron_lev.training.health import NonFiniteWeights
+from megatron_lev.training.hooks import Callback, Control, StepRecord, TrainResult, TrainState
 from megatron_lev.training.metrics import perplexity
 from megatron_lev.training.schedule import Budget, learning_rate
 
-__all__ = ["SKIP_LIMIT_EXIT_CODE", "TrainData", "TrainResult", "TrainState", "Trainer"]
+__all__ = ["TrainData", "Trainer"]
 
 log = get_logger(__name__)
-
-
-@dataclass
-class TrainResult:
-    iteration: int
-    exit_code: int  # 0 done, PREEMPTED_EXIT_CODE, SKIP_LIMIT_EXIT_CODE
-    reason: str  # "completed", "preempted", "too many skipped steps"
-    skipped_steps: int = 0
-    losses: dict[int, float] = field(default_factory=dict)  # iteration -> train loss (this process's run)
-
-
-@dataclass
-class TrainState:
-    """What a checkpoint must carry besides model, optimizer and callback states to resume exactly."""
-
-    iteration: int = 0
-    consumed_samples: int = 0
-    consumed_tokens: int = 0
 
 
 @dataclass
@@ -64,7 +46,7 @@ class Trainer:
     def __init__(
         self,
         cfg: RunConfig,
-        engine,
+        engine: Engine,
         budget: Budget,
         data: TrainData,
         callbacks: Sequence[Callback] = (),
@@ -76,7 +58,7 @@ class Trainer:
     ) -> None:
         self.cfg, self.engine, self.budget, self.data = cfg, engine, budget, data
         self.world_size, self.device = world_size, device
-        self.save_dir, self.load_dir = save_dir, load_dir  # named in messages; the Checkpointer uses them
+        self.save_dir, self.load_dir = save_dir, load_dir  # named in messages (the checkpointer has its own)
         self.callbacks = sorted(callbacks, key=lambda cb: cb.order)  # stable: list order within an order
         self.state = TrainState()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -95,30 +77,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def resume(self, plan=None, allow_changes=()) -> None:
-        """Load the checkpoint `plan` names (default: the newest that verifies) through the Checkpointer."""
-        from megatron_lev.training.callbacks import Checkpointer
-
-        checkpointer = self.callback(Checkpointer)
-        if checkpointer is not None:
-            checkpointer.resume(self, plan, allow_changes)
-
     def save(self) -> None:
-        """Save now unless this iteration is saved already (the guard first refuses non-finite weights;
-        the Checkpointer writes)."""
-        from megatron_lev.training.callbacks import Checkpointer
-
-        checkpointer = self.callback(Checkpointer)
-        if checkpointer is not None and checkpointer.due(self):
-            self._call("on_save")
+        """Ask the callbacks to save now (`on_save`); the one that writes checkpoints saves each
+        iteration once, after every callback's `on_before_save` (the guard refuses non-finite weights)."""
+        self._call("on_save")
 
     # ------------------------------------------------------------------ one step
 
     def weights_bad(self) -> torch.Tensor:
         """This rank's flag (float 0/1 on the device): a weight it updates (ZeRO: its partition) is
         inf/NaN."""
-        weights = (p for g in self.engine.optimizer.param_groups for p in g["params"])
-        return (~all_finite(weights)).to(device=self.device, dtype=torch.float32)
+        return (~self.engine.weights_finite()).to(device=self.device, dtype=torch.float32)
 
     def any_rank_flag(self, flag: torch.Tensor) -> bool:
         """Whether `flag` (a device scalar > 0) is set on any rank (one all-reduce MAX, one host read)."""
@@ -202,7 +171,7 @@ class Trainer:
                 self.steps_run += 1
                 self.last_step_seconds = time.perf_counter() - start
                 control = Control()
-                self._call("on_step_end", it, control)
+                self._call("on_step_end", it, self.pending[-1].skipped, control)
                 if not control.any:
                     continue
                 self._settle(control, result)

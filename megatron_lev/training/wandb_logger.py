@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_lev.config import ConfigError, RunConfig
-from megatron_lev.training.callbacks import Callback, Control
+from megatron_lev.training.hooks import Callback, Control
 
 
 def run_id(output_dir: str) -> str:

@@ -61,3 +61,30 @@ def test_invalid_target_layout_is_refused(ds_checkpoints):
     cfg = open_checkpoint(ds_checkpoints["tied"][0]).cfg
     with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible"):
         target_config(cfg, tp=3, pp=1, dp=1)
+
+
+def test_a_failing_worker_is_one_line_from_the_command(ds_checkpoints, tmp_path, capfd):
+    """A damaged file that only the workers read (the engine state with the data position) in a
+    DeepSpeed-style tag without our markers (so nothing verifies it first): the command prints one
+    line naming the rank and the file, no traceback, exits non-zero and writes nothing."""
+    import re
+    import shutil
+
+    save_dir, _ = ds_checkpoints["tied"]
+    tag = tmp_path / "src" / "global_step1"
+    shutil.copytree(save_dir / (save_dir / "latest").read_text().strip(), tag)
+    for marker in ("complete", "started"):
+        (tag / marker).unlink()
+    state = tag / "mp_rank_00_model_states.pt"
+    state.write_bytes(state.read_bytes()[:200])
+    capfd.readouterr()
+    argv = ["reshard", str(tag), str(tmp_path / "out"), "--tp", "1", "--pp", "1"]
+    rc = cli_main([*argv, "--skip-validation", "--drop-optimizer"])
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 1 and "Traceback" not in err, err[-3000:]
+    assert len(lines) == 1, err[-3000:]
+    assert re.match(
+        r"megatron-lev reshard: .*rank 0 of 1 failed: cannot read .*mp_rank_00_model_states\.pt", lines[0]
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no partial directory

@@ -1,3 +1,7 @@
+"""The gloo launchers: `testing.run_distributed` (tests) and `parallel.launch.run_workers` (offline tools)."""
+
+import re
+
 import pytest
 import torch
 
@@ -96,3 +100,34 @@ def _returns_tensor():
 def test_tensors_come_back_by_value_after_the_ranks_exit():
     results = run_distributed(_returns_tensor, world_size=2)
     assert [float(r.sum()) for r in results] == [0.0, 16.0]
+
+
+def _user_error_on_rank_one():
+    import torch.distributed as dist
+
+    from megatron_lev.config import ConfigError
+
+    if dist.get_rank() == 1:
+        raise ConfigError("model.hidden_size=7 is odd\nsecond line")
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_the_user_launcher_reports_one_line_naming_the_rank():
+    from megatron_lev.errors import UserError
+    from megatron_lev.parallel.launch import WorkerError, run_workers
+
+    with pytest.raises(WorkerError) as info:
+        run_workers(_fails_on_rank_one, world_size=2, timeout=60)
+    exc = info.value
+    assert isinstance(exc, UserError) and exc.exit_code == 1
+    # rank 0 may fail next, at the barrier its peer left
+    assert re.fullmatch(
+        r"rank 1 of 2 failed( \(then rank\(s\) \[0\] failed too\))?: ValueError: boom on rank one", str(exc)
+    )
+    assert "Traceback" in str(exc.__cause__) and "_fails_on_rank_one" in exc.traceback
+
+    with pytest.raises(WorkerError) as info:  # a user error keeps its message alone and its exit code
+        run_workers(_user_error_on_rank_one, world_size=2, timeout=60)
+    assert re.fullmatch(r"rank 1 of 2 failed( \(then .* too\))?: model.hidden_size=7 is odd", str(info.value))
+    assert info.value.exit_code == 2

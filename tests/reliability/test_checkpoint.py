@@ -328,8 +328,9 @@ def test_flipped_latest_resumes_from_the_previous_checkpoint(run_copy, data):
 def test_resumed_run_whose_short_tail_was_all_skipped_finishes(run_copy, data):
     """Preempted one step before the end: the remaining step is skipped (non-finite loss). The run
     before learnt; this one must save its final checkpoint and exit 0, not fail every requeue."""
+    faults = {"train.callbacks": "[megatron_lev.testing.faults:FaultInjection]"}
     res = train(
-        overrides(data, run_copy, **{"train.train_iters": 5, "train.save_interval": 0}),
+        overrides(data, run_copy, **{"train.train_iters": 5, "train.save_interval": 0, **faults}),
         MEGATRON_LEV_INJECT_NAN_AT_STEP="5",
     )
     expect_ok(res)

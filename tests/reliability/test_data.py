@@ -28,7 +28,8 @@ import zstandard
 
 from megatron_lev.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from megatron_lev.data.manifest import ShardSetError, verify_shard_set
-from megatron_lev.data.preprocess import FAULT_ENV
+from megatron_lev.data.preprocess import set_chunk_hook
+from megatron_lev.testing.preprocess_faults import PreprocessFault
 from tests.reliability.harness import ROOT, expect_error, expect_ok, run_cli
 
 MARK_ENV = "MEGATRON_LEV_TEST_MARK"
@@ -741,9 +742,12 @@ def test_worker_failure_stops_the_run_cleanly(
 ):
     prefix = copy_set(good_set, tmp_path / "out")
     before = snapshot(prefix.parent)
-    monkeypatch.setenv(FAULT_ENV, fault)
     monkeypatch.setenv(MARK_ENV, tmp_path.name)
-    res = run_cli(preprocess_argv([corpus], prefix, neox, "--workers", "2", "--chunk-mb", "0.01"), capsys)
+    previous = set_chunk_hook(PreprocessFault.parse(fault))
+    try:
+        res = run_cli(preprocess_argv([corpus], prefix, neox, "--workers", "2", "--chunk-mb", "0.01"), capsys)
+    finally:
+        set_chunk_hook(previous)
     expect_error(res, *fragments)
     assert snapshot(prefix.parent) == before and leftovers(prefix.parent) == []
     assert wait_gone(tmp_path.name) == []
@@ -793,6 +797,17 @@ def _workers_of(pid: int) -> list[int]:
     return out
 
 
+# `megatron-lev` whose preprocess worker stalls at chunk 2 (so a signal meets a run in progress)
+STALLING_PREPROCESS = (
+    "import sys\n"
+    "from megatron_lev.data.preprocess import set_chunk_hook\n"
+    "from megatron_lev.testing.preprocess_faults import PreprocessFault\n"
+    "set_chunk_hook(PreprocessFault('sleep', 2))\n"
+    "from megatron_lev.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
 def _interrupt(proc):
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
 
@@ -822,7 +837,7 @@ def test_signals_never_hang_or_orphan_workers(act, rc, fragment, tmp_path, good_
     prefix = copy_set(good_set, tmp_path / "out")
     before = snapshot(prefix.parent)
     mark = uuid.uuid4().hex
-    env = {**os.environ, MARK_ENV: mark, FAULT_ENV: "sleep:2", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, MARK_ENV: mark, "PYTHONPATH": str(ROOT)}
     argv = preprocess_argv([corpus], prefix, neox, "--workers", "2", "--chunk-mb", "0.005")
     # A suite started in the background (`make test &`) inherits SIGINT ignored, and so would the run.
     # A caught SIGINT is reset to the default at exec, so catching it here while the run starts gives
@@ -831,7 +846,7 @@ def test_signals_never_hang_or_orphan_workers(act, rc, fragment, tmp_path, good_
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_lev", *map(str, argv)],
+            [sys.executable, "-c", STALLING_PREPROCESS, *map(str, argv)],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

@@ -264,12 +264,16 @@ def _checkpoint_state(ckpt: Path) -> dict:
     return {"tags": tags, "latest": latest, "finite": finite}
 
 
+FAULTS = {"train.callbacks": "[megatron_lev.testing.faults:FaultInjection]"}  # the variables say which
 GUARD_CASES = {  # name -> (environment, extra overrides)
-    "nan_loss": ({"MEGATRON_LEV_INJECT_NAN_AT_STEP": "2"}, {}),
-    "nan_grads": ({"MEGATRON_LEV_INJECT_NAN_GRAD_AT_STEP": "2"}, {}),
-    "inf_weights": ({"MEGATRON_LEV_INJECT_INF_WEIGHTS_AT_STEP": "2"}, {"train.save_interval": 1}),
-    "all_skipped": ({"MEGATRON_LEV_INJECT_NAN_AT_STEP": "1,2,3"}, {}),
-    "all_grads_skipped": ({"MEGATRON_LEV_INJECT_NAN_GRAD_AT_STEP": "1,2,3"}, {"parallel.zero_stage": 0}),
+    "nan_loss": ({"MEGATRON_LEV_INJECT_NAN_AT_STEP": "2"}, FAULTS),
+    "nan_grads": ({"MEGATRON_LEV_INJECT_NAN_GRAD_AT_STEP": "2"}, FAULTS),
+    "inf_weights": ({"MEGATRON_LEV_INJECT_INF_WEIGHTS_AT_STEP": "2"}, {**FAULTS, "train.save_interval": 1}),
+    "all_skipped": ({"MEGATRON_LEV_INJECT_NAN_AT_STEP": "1,2,3"}, FAULTS),
+    "all_grads_skipped": (
+        {"MEGATRON_LEV_INJECT_NAN_GRAD_AT_STEP": "1,2,3"},
+        {**FAULTS, "parallel.zero_stage": 0},
+    ),
 }
 
 

@@ -17,11 +17,11 @@ import torch.distributed as dist
 from megatron_lev.config import load_config
 from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.testing.faults import FaultInjection
-from megatron_lev.training.callbacks import Control
+from megatron_lev.training.hooks import Control
 from megatron_lev.training.metrics import read_metrics
 from megatron_lev.training.signals import PreemptionWatcher
 from tests.training.conftest import TINY, tiny_overrides, train_losses
-from tests.training.toy import optimizer_snapshot, toy_config, toy_trainer
+from tests.training.toy import optimizer_snapshot, resume, toy_config, toy_trainer
 
 NAN_STAGES = ("0", "1", "2", "3", "3-offload")
 LAYOUTS = {
@@ -80,7 +80,7 @@ def _nan_step_leaves_state_untouched(stage: str, out: str) -> dict:
     def step(iteration: int):
         faults.on_step_begin(tr, iteration)
         out = tr.train_step(batches)
-        faults.on_step_end(tr, iteration, Control())
+        faults.on_step_end(tr, iteration, out[2], Control())
         tr.state.iteration = iteration
         return out
 
@@ -104,7 +104,7 @@ def _preempt_one_rank_and_resume(out: str) -> dict:
     second = toy_trainer(
         cfg, os.path.join(out, "resume"), init_seed=999
     )  # weights must come from the checkpoint
-    second.resume()
+    resume(second)
     resumed_from = second.state.iteration
     rest = second.train()
     return {

@@ -1,5 +1,6 @@
-"""The trainer's callbacks: a user callback sees every hook in order and can stop the run; the
-Weights & Biases callback (offline mode, a real `wandb` run file) mirrors what `metrics.jsonl` logs."""
+"""The trainer's callbacks: a user callback sees every hook in order and can stop the run; callbacks
+named in `train.callbacks` are built at start (a bad name is one line); the Weights & Biases callback
+(offline mode, a real `wandb` run file) mirrors what `metrics.jsonl` logs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lev.training.callbacks import Callback, Control
+from megatron_lev.training.hooks import Callback, Control
 from megatron_lev.training.metrics import METRICS_FILE, read_metrics
 from tests.training.conftest import run_train, tiny_overrides
 
@@ -143,7 +144,7 @@ class Recorder(Callback):
     def on_step_begin(self, trainer, iteration):
         self.events.append(("step", iteration))
 
-    def on_step_end(self, trainer, iteration, control: Control):
+    def on_step_end(self, trainer, iteration, skipped, control: Control):
         if iteration == self.stop_at:
             control.request_stop(5, "user stop", save=False)
 
@@ -202,7 +203,7 @@ def _initial_save_and_resume():
     import shutil
     import tempfile
 
-    from tests.training.toy import toy_config, toy_trainer
+    from tests.training.toy import resume, toy_config, toy_trainer
 
     cfg = toy_config(0, iters=3)
     cfg.train.save_initial, cfg.train.keep_last = True, 5
@@ -213,7 +214,7 @@ def _initial_save_and_resume():
     shutil.rmtree(ckpt / "iter_0000003")
     (ckpt / "latest").write_text("iter_0000000\n")
     again = toy_trainer(cfg, out, init_seed=999)  # the weights must come from iter_0000000
-    again.resume()
+    resume(again)
     resumed_from = again.state.iteration
     second = again.train()
     return tags, first.losses, resumed_from, second.losses
@@ -229,3 +230,54 @@ def test_save_initial_writes_iteration_zero_and_resumes_from_it():
     assert tags == ["iter_0000000", "iter_0000003"]
     assert resumed_from == 0
     assert second == first  # the initial weights were saved exactly
+
+
+# ------------------------------------------------------------------ callbacks named in the config
+
+
+def test_train_callbacks_must_be_module_colon_class():
+    from megatron_lev.config import ConfigError, load_config
+
+    assert load_config([], ["train.callbacks=[my_pkg.probes:GradProbe]"]).train.callbacks == [
+        "my_pkg.probes:GradProbe"
+    ]
+    for bad in ("my_pkg.probes", "my_pkg.probes:", ":GradProbe", "my pkg:GradProbe", "a:b:C"):
+        with pytest.raises(ConfigError, match=r"train\.callbacks\[0\]=.*must be 'module:Class'"):
+            load_config([], [f"train.callbacks=[{bad!r}]"])
+
+
+def test_named_callbacks_are_built_with_no_arguments_and_bad_names_are_one_line_errors(monkeypatch):
+    from megatron_lev.config import ConfigError
+    from megatron_lev.testing.faults import INJECT_NAN_ENV, FaultInjection
+    from megatron_lev.training.hooks import callbacks_from_specs
+
+    monkeypatch.setenv(INJECT_NAN_ENV, "2,3")
+    (built,) = callbacks_from_specs(["megatron_lev.testing.faults:FaultInjection"])
+    assert isinstance(built, FaultInjection) and built.nan_steps == {2, 3}
+    cases = {
+        "no_such_module_xyz:Probe": r"cannot import 'no_such_module_xyz' .*ModuleNotFoundError",
+        "megatron_lev.testing.faults:Nope": r"'megatron_lev.testing.faults' has no 'Nope'",
+        "megatron_lev.testing.faults:NaNInjector": r"is not a Callback class",
+        "megatron_lev.training.callbacks:Validation": r"building .*failed \(TypeError: .*no arguments",
+    }
+    for spec, pattern in cases.items():
+        with pytest.raises(ConfigError, match=r"^train\.callbacks: .*" + pattern) as info:
+            callbacks_from_specs([spec])
+        assert spec in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_callback_that_does_not_import_stops_train_at_start_in_one_line(tmp_path, tokenizer_path):
+    res = run_train(
+        1,
+        [
+            "train.callbacks=[no_such_module_xyz:Probe]",
+            f"data.data_path=[{tmp_path / 'nothing'}]",
+            f"data.tokenizer_path={tokenizer_path}",
+            f"logging.output_dir={tmp_path / 'run'}",
+        ],
+        timeout=120,
+    )
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert len(lines) == 1 and "train.callbacks" in lines[0] and "no_such_module_xyz:Probe" in lines[0], lines
+    assert not (tmp_path / "run").exists()

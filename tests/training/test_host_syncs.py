@@ -69,7 +69,7 @@ def _tiny(embedding: str):
         engine,
         Budget(STEPS, 2 * MICRO * SEQ, "test"),
         TrainData(batches, None, 2 * MICRO),
-        default_callbacks(cfg, writer, None, None, flops_per_token=1e6),
+        default_callbacks(cfg, writer, None, flops_per_token=1e6),
         world_size=1,
         device=torch.device("cpu"),
     )

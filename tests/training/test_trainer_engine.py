@@ -3,7 +3,8 @@
 An injected NaN leaves master weights and Adam moments untouched on every ZeRO stage
 (and ZeRO-3 with CPU offload);
 a preemption signal on one rank stops both at the same step with a checkpoint, and
-resuming gives the uninterrupted losses; too many skips in a row stop the run.
+resuming gives the uninterrupted losses; too many skips in a row stop the run. A built
+`DeepSpeedEngine` is an `Engine`.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
+from megatron_lev.training.callbacks import SKIP_LIMIT_EXIT_CODE
 from megatron_lev.training.signals import PREEMPTED_EXIT_CODE
-from megatron_lev.training.trainer import SKIP_LIMIT_EXIT_CODE
 from tests.training.suites import NAN_STAGES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
@@ -47,3 +49,39 @@ def test_consecutive_skips_stop_the_run_with_a_checkpoint(two_rank_results):
 
 def test_a_notice_during_start_up_stops_every_rank_before_the_first_step(two_rank_results):
     assert [r["early_signal"] for r in two_rank_results] == [(PREEMPTED_EXIT_CODE, 0)] * 2
+
+
+def _engine_protocol() -> dict:
+    """Runs in a gloo process: a toy DeepSpeedEngine is an `Engine`, and its finiteness flag stays on
+    the device and sees an inf weight."""
+    import torch
+
+    from megatron_lev.engine import Engine
+    from megatron_lev.engine.config import build_ds_config
+    from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, build_engine, disable_cpu_shm_comm
+    from megatron_lev.parallel import state
+    from tests.training.toy import ToyLM, toy_config
+
+    disable_cpu_shm_comm()
+    state.initialize_model_parallel(1, 1)
+    cfg = toy_config(0, iters=1)
+    engine = build_engine(cfg, ToyLM(), 1, build_ds_config(cfg, 1))
+    finite = engine.weights_finite()
+    with torch.no_grad():
+        next(engine.module.parameters()).view(-1)[0] = float("inf")
+    return {
+        "is_engine": isinstance(engine, Engine) and isinstance(engine, DeepSpeedEngine),
+        "flag": (finite.dtype, finite.shape, bool(finite)),
+        "after_inf": bool(engine.weights_finite()),
+        "has_layers": hasattr(engine, "layers"),
+    }
+
+
+def test_the_deepspeed_engine_is_an_engine():
+    from megatron_lev.testing.distributed import run_distributed
+
+    (res,) = run_distributed(_engine_protocol, world_size=1, timeout=240)
+    assert res["is_engine"]
+    assert res["flag"] == (torch.bool, torch.Size([]), True)
+    assert res["after_inf"] is False
+    assert not res["has_layers"]  # what a callback needs of the model, it finds through `module`

@@ -15,6 +15,7 @@ from megatron_lev.engine.config import batch_layout, build_ds_config
 from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
 from megatron_lev.parallel import state
 from megatron_lev.testing.faults import FaultInjection
+from megatron_lev.training.callbacks import Checkpointer
 from megatron_lev.training.metrics import MetricsWriter
 from megatron_lev.training.run import default_callbacks
 from megatron_lev.training.schedule import Budget
@@ -81,7 +82,8 @@ def toy_trainer(
             yield b
 
     ckpt = os.path.join(out, "ckpt")
-    callbacks = default_callbacks(cfg, MetricsWriter(out, rank == 0, False), ckpt, ckpt, watcher=watcher)
+    checkpointer = Checkpointer.from_config(cfg.train, ckpt, ckpt)
+    callbacks = default_callbacks(cfg, MetricsWriter(out, rank == 0, False), checkpointer, watcher=watcher)
     if nan_steps:
         callbacks.append(FaultInjection(nan_steps=nan_steps))
     return Trainer(
@@ -95,6 +97,11 @@ def toy_trainer(
         save_dir=ckpt,
         load_dir=ckpt,
     )
+
+
+def resume(trainer: Trainer) -> None:
+    """Load the newest checkpoint into `trainer` through its Checkpointer (as `pretrain` does)."""
+    trainer.callback(Checkpointer).resume(trainer)
 
 
 def optimizer_snapshot(optimizer) -> list[torch.Tensor]:

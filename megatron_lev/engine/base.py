@@ -1,0 +1,81 @@
+"""`Engine`: what the loop, the checkpointer and resharding ask of an engine (OLMo-core's `TrainModule`,
+as a Protocol).
+
+`DeepSpeedEngine` (`engine/deepspeed_engine.py`) is the one implementation; a second engine (e.g.
+FSDP) implements the same members and nothing outside `engine/` changes. Everything returned as a
+tensor stays on the device: the caller decides when the host reads it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An engine runs optimizer steps and writes and reads its checkpoint files.
+
+    `train_batch` returns a `StepOutput`-like object with `loss` (device `()`), `skipped` (host bool:
+    the update was held back), `scaler_overflow` (host bool) and `grad_norm` (device `()` or None).
+    """
+
+    @property
+    def module(self) -> nn.Module:
+        """This rank's model (the whole model, or the stages of a pipeline it holds)."""
+        ...
+
+    @property
+    def global_steps(self) -> int:
+        """The optimizer steps taken (what the engine writes into its checkpoint)."""
+        ...
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None: ...
+
+    def train_batch(self, batches: Iterator) -> Any:
+        """One optimizer step over one global batch of micro-batches from `batches`."""
+        ...
+
+    def eval_batch(self, batches: Iterator) -> torch.Tensor:
+        """The mean loss `()` of one global batch (no update); StopIteration when `batches` runs out."""
+        ...
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """Mean per-token loss of one batch `(B, S)` without a step (every rank gets it)."""
+        ...
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def train(self) -> None: ...
+
+    def eval(self) -> None: ...
+
+    def weights_finite(self) -> torch.Tensor:
+        """A device bool `()`: every weight this rank's optimizer updates is finite (no host read)."""
+        ...
+
+    def owned_files(self) -> tuple[str, ...]:
+        """Names the engine writes into a save directory beside the checkpoint tags."""
+        ...
+
+    def save(self, root: str | os.PathLike, tag: str, client_state: dict[str, Any]) -> None:
+        """Collective: this rank's files of checkpoint `root/tag`."""
+        ...
+
+    def load(self, root: str | os.PathLike, tag: str) -> dict[str, Any]:
+        """Collective: model and optimizer from `root/tag`; returns the client state."""
+        ...
+
+    def load_optimizer_moments(
+        self, shards: dict[torch.nn.Parameter, dict[str, torch.Tensor]], step: torch.Tensor
+    ) -> None:
+        """Set this rank's Adam moments (`exp_avg`, `exp_avg_sq`, optionally `master`) per parameter."""
+        ...
+
+
+__all__ = ["Engine"]
