@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from megatron_lev.errors import UserError
+from megatron_lev.errors import ConfigError, check_choice
 from megatron_lev.resources import config_path
 from megatron_lev.utils.io import atomic_write_json, atomic_write_text  # noqa: F401  (re-exported)
 
@@ -28,12 +28,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 PARTITION_METHODS = ("parameters", "uniform")
 TOKENIZER_TYPES = ("hf", "sentencepiece", "tiktoken")
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration value or combination is invalid; the message names the key."""
-
-    exit_code = 2
 
 
 # --------------------------------------------------------------------------- numeric ranges
@@ -731,11 +725,3 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else str(name)
-
-
-def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    """Refuse `value` of `key` unless it is one of `allowed`, listing them (and the closest)."""
-    if value not in allowed:
-        close = difflib.get_close_matches(str(value), allowed, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint}")

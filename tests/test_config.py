@@ -2,7 +2,8 @@ import re
 
 import pytest
 
-from megatron_lev.config import ConfigError, RunConfig, load_config, parse_override
+from megatron_lev.config import RunConfig, load_config, parse_override
+from megatron_lev.errors import ConfigError
 from tests.conftest import ROOT
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_lev.config import ConfigError, load_config
+from megatron_lev.config import load_config
 from megatron_lev.data.tokenizers import KNOWN_VOCABULARIES
-from megatron_lev.errors import UserError
+from megatron_lev.errors import ConfigError, UserError
 from megatron_lev.resources import CONFIG_DIR, config_path, model_config_names
 
 MODELS_DIR = CONFIG_DIR / "models"  # the packaged copy of pretrain/configs/models

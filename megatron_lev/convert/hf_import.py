@@ -10,8 +10,9 @@ import os
 
 import torch
 
-from megatron_lev.config import ConfigError, ModelConfig
+from megatron_lev.config import ModelConfig
 from megatron_lev.convert.llama_names import from_hf
+from megatron_lev.errors import ConfigError
 from megatron_lev.model.build import padded_vocab_size
 
 

@@ -239,8 +239,8 @@ def reshard(
     after it reloads with the source's loss, so a failed or interrupted reshard leaves no
     checkpoint the trainer could resume from.
     """
-    from megatron_lev.config import ConfigError
     from megatron_lev.convert.hf_export import ExportError, check_out_dir
+    from megatron_lev.errors import ConfigError
     from megatron_lev.testing.distributed import run_distributed
 
     for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):

@@ -196,8 +196,9 @@ def train_overrides(opts: DemoOptions) -> list[str]:
 def check_options(opts: DemoOptions) -> None:
     """Refuse options the demo cannot run with before any step starts; errors name the flag."""
     from megatron_lev.commands.train_tokenizer import MIN_VOCAB
-    from megatron_lev.config import ConfigError, load_config
+    from megatron_lev.config import load_config
     from megatron_lev.data.train_tokenizer import input_files
+    from megatron_lev.errors import ConfigError
 
     if opts.iters < 1:
         raise ConfigError(f"--iters {opts.iters}: must be an integer >= 1 (training steps)")

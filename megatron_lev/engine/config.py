@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megatron_lev.config import ConfigError, RunConfig
+from megatron_lev.config import RunConfig
+from megatron_lev.errors import ConfigError
 from megatron_lev.resources import DS_CONFIG_DIR, ds_config_template
 
 # keys the run builds itself; a template must not carry them

@@ -14,8 +14,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_lev.config import ConfigError, atomic_write_text, load_config
+from megatron_lev.config import atomic_write_text, load_config
 from megatron_lev.demo.steps import Step, StepRunner, read_marker
+from megatron_lev.errors import ConfigError
 from megatron_lev.experiments.grid import SMALL_CONFIG, variant_label
 from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.resources import config_path

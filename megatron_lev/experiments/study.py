@@ -26,9 +26,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_lev.config import ConfigError, atomic_write_json, atomic_write_text
+from megatron_lev.config import atomic_write_json, atomic_write_text
 from megatron_lev.demo.steps import Step, StepFailed, StepRunner, read_marker
-from megatron_lev.errors import UserError
+from megatron_lev.errors import ConfigError, UserError
 from megatron_lev.experiments.small import SmallGrid, check_finished_steps
 
 STUDY_CONFIG = Path("pretrain/configs/experiments/small/study.yaml")

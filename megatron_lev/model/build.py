@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from megatron_lev.config import ConfigError, ModelConfig, RunConfig
+from megatron_lev.config import ModelConfig, RunConfig
+from megatron_lev.errors import ConfigError
 from megatron_lev.model.gpt import GPTModel
 from megatron_lev.parallel import state
 

@@ -12,10 +12,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from megatron_lev.config import ConfigError, RunConfig
+from megatron_lev.config import RunConfig
 from megatron_lev.data.batches import make_loader, token_batches
 from megatron_lev.engine.config import batch_layout, build_ds_config, validate_training
 from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, build_engine, disable_cpu_shm_comm
+from megatron_lev.errors import ConfigError
 from megatron_lev.log import get_logger, setup_logging
 from megatron_lev.parallel import state
 from megatron_lev.training.callbacks import (

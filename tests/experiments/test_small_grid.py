@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lev.config import ConfigError, load_config
+from megatron_lev.config import load_config
+from megatron_lev.errors import ConfigError
 from megatron_lev.experiments.corpus import split_corpus
 from megatron_lev.experiments.small import SmallGrid
 from megatron_lev.experiments.summary import commands_markdown, grid_summary, summary_markdown

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from megatron_lev.config import ConfigError, LevConfig, ModelConfig
+from megatron_lev.config import LevConfig, ModelConfig
+from megatron_lev.errors import ConfigError
 from megatron_lev.model.embeddings import (
     REGISTRY,
     baseline_sizes,

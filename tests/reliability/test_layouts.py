@@ -22,7 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_lev.config import ConfigError, load_config
+from megatron_lev.config import load_config
+from megatron_lev.errors import ConfigError
 from megatron_lev.testing.distributed import DistributedTestError, run_distributed
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megatron_lev.config import ConfigError, RunConfig, load_config
+from megatron_lev.config import RunConfig, load_config
 from megatron_lev.engine.config import (
     DS_CONFIG_DIR,
     batch_layout,
@@ -15,6 +15,7 @@ from megatron_lev.engine.config import (
     default_template,
     validate_training,
 )
+from megatron_lev.errors import ConfigError
 
 
 def _cfg(**over) -> RunConfig:

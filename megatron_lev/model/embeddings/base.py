@@ -28,7 +28,8 @@ import math
 import torch
 from torch import nn
 
-from megatron_lev.config import ConfigError, ModelConfig
+from megatron_lev.config import ModelConfig
+from megatron_lev.errors import ConfigError
 from megatron_lev.utils.tensors import check_token_ids  # noqa: F401 (part of the embedding interface)
 
 RMS_SAMPLE_IDS = 65536  # larger vocabularies: `output_rms` averages over this many fixed-seed ids

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lev.config import ConfigError, ModelConfig
+from megatron_lev.config import ModelConfig
+from megatron_lev.errors import ConfigError
 from megatron_lev.model.embeddings.base import InputEmbedding, check_token_ids
 from megatron_lev.model.embeddings.lev import Codebooks, digit_base
 from megatron_lev.model.embeddings.sizing import albert_count, lev_parameter_count, mlp_count
