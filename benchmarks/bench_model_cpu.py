@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from megatron_lev.config import EMBEDDINGS, atomic_write_text, load_config
-from megatron_lev.model.build import build_model, padded_vocab_size
+from megatron_lev.engine.build import build_model
 from megatron_lev.model.flops import flops_per_token, parameter_count
+from megatron_lev.model.vocab import padded_vocab_size
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "model_cpu.md"

@@ -64,7 +64,7 @@ def _timed(step, n: int, warmup: int) -> tuple[float, float]:
 def bare_loop(args, cfg, vocab: int, device) -> tuple[float, float]:
     import torch
 
-    from megatron_lev.model.build import build_model
+    from megatron_lev.engine.build import build_model
 
     model = build_model(cfg, vocab).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
@@ -83,9 +83,9 @@ def bare_loop(args, cfg, vocab: int, device) -> tuple[float, float]:
 
 
 def trainer_loop(args, cfg, vocab: int, device, out: str) -> tuple[float, float]:
+    from megatron_lev.engine.build import build_model
     from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import build_engine
-    from megatron_lev.model.build import build_model
     from megatron_lev.training.metrics import MetricsWriter
     from megatron_lev.training.schedule import Budget
     from megatron_lev.training.trainer import TrainData, Trainer

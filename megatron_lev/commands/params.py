@@ -76,9 +76,9 @@ def _config_path(name: str) -> Path:
 def rows(sizes, vocab_size: int, tp: int, variants, overrides=()) -> list[dict]:
     """One row per (size, variant): parameter counts, the embedding share (input table + output head over
     the total), the compressed baselines' widths `(e, hidden)` and training FLOPs per token."""
-    from megatron_lev.model.build import padded_vocab_size
     from megatron_lev.model.embeddings import embedding_class
     from megatron_lev.model.flops import flops_per_token, parameter_count
+    from megatron_lev.model.vocab import padded_vocab_size
 
     out = []
     for size in sizes:

@@ -37,8 +37,8 @@ from megatron_lev.convert.merge import split_full
 from megatron_lev.convert.optimizer_state import OptimizerState, read_optimizer_state
 from megatron_lev.convert.source import SourceCheckpoint, iter_canonical, open_checkpoint
 from megatron_lev.engine.checkpoint_files import CheckpointError, load_file
-from megatron_lev.model.build import padded_vocab_size
 from megatron_lev.model.canonical import canonical_state_dict_spec
+from megatron_lev.model.vocab import padded_vocab_size
 
 _DS_KEYS = {
     "module",
@@ -113,9 +113,9 @@ def reshard_worker(
     import yaml
 
     from megatron_lev.ckpt.io import load_checkpoint, save_checkpoint, tag_for
+    from megatron_lev.engine.build import build_model
     from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
-    from megatron_lev.model.build import build_model
     from megatron_lev.parallel import state
 
     disable_cpu_shm_comm()

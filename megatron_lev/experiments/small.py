@@ -96,8 +96,8 @@ class SmallGrid:
 
     def _check_vocab(self, cfg) -> None:
         from megatron_lev.data.tokenizers import build_tokenizer
-        from megatron_lev.model.build import padded_vocab_size
         from megatron_lev.model.embeddings import embedding_class
+        from megatron_lev.model.vocab import padded_vocab_size
 
         vocab = build_tokenizer(tokenizer_type_of(self.tokenizer), self.tokenizer).vocab_size
         tp = cfg.parallel.tensor_model_parallel_size

@@ -71,9 +71,10 @@ def _pretrain(cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=()) -> T
     from megatron_lev.data.documents import DocumentLayout
     from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
     from megatron_lev.data.tokenizers import build_tokenizer
-    from megatron_lev.model.build import build_model, padded_vocab_size
+    from megatron_lev.engine.build import build_model
     from megatron_lev.model.embeddings import embedding_class
     from megatron_lev.model.flops import flops_per_token, parameter_count
+    from megatron_lev.model.vocab import padded_vocab_size
     from megatron_lev.parallel.random import model_parallel_manual_seed
     from megatron_lev.resources import checkout_root
 

@@ -120,7 +120,7 @@ def test_submission_script_submits_every_run_with_expanded_data(tmp_path):
 
 def _padded(run, cfg):
     from megatron_lev.data.tokenizers import KNOWN_VOCABULARIES
-    from megatron_lev.model.build import padded_vocab_size
+    from megatron_lev.model.vocab import padded_vocab_size
 
     return padded_vocab_size(
         KNOWN_VOCABULARIES[run.vocab], cfg.model, cfg.parallel.tensor_model_parallel_size

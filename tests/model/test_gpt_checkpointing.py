@@ -3,7 +3,7 @@
 import torch
 
 from megatron_lev.config import load_config
-from megatron_lev.model.build import build_model
+from megatron_lev.engine.build import build_model
 from megatron_lev.parallel.random import model_parallel_manual_seed
 
 BASE = [

@@ -182,7 +182,7 @@ def _tiny_model_config(embedding: str, tp: int):
 
 def _padded_vocab_probe(embedding: str) -> dict:
     """First loss, the loss over the tokenizer's rows only, and the gradient of the padding rows."""
-    from megatron_lev.model.build import build_model
+    from megatron_lev.engine.build import build_model
     from megatron_lev.parallel import state
 
     tp = state.get_tensor_model_parallel_world_size()
@@ -404,7 +404,7 @@ def test_every_layout_is_either_run_or_refused():
 
 @pytest.mark.parametrize("embedding", ["lev", "tied"])
 def test_padding_rows_leave_the_loss_alone_at_any_tp(two_ranks, embedding):
-    from megatron_lev.model.build import padded_vocab_size
+    from megatron_lev.model.vocab import padded_vocab_size
 
     _, spawn = two_ranks
     if isinstance(spawn, dict):

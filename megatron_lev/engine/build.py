@@ -1,23 +1,16 @@
-"""Entry point from a run config to a model: `GPTModel` (PP = 1) or a DeepSpeed `PipelineModule`
-(`engine.pipeline`, built from the same stages)."""
+"""From a run config to this rank's model: `GPTModel` (PP = 1) or a DeepSpeed `PipelineModule`
+(`engine.pipeline`, built from the same stages). Which of the two is the backend's choice."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from megatron_lev.config import ModelConfig, RunConfig
+from megatron_lev.config import RunConfig
+from megatron_lev.engine.pipeline import build_pipeline
 from megatron_lev.errors import ConfigError
 from megatron_lev.model.gpt import GPTModel
+from megatron_lev.model.vocab import padded_vocab_size
 from megatron_lev.parallel import state
-
-
-def padded_vocab_size(tokenizer_vocab_size: int, model_cfg: ModelConfig, tp: int = 1) -> int:
-    """Round the vocabulary up to a multiple of `make_vocab_size_divisible_by x TP`
-    (e.g. 50,277 -> 50,304)."""
-    if tokenizer_vocab_size <= 0:
-        raise ConfigError(f"vocabulary size must be positive, got {tokenizer_vocab_size}")
-    multiple = model_cfg.make_vocab_size_divisible_by * tp
-    return -(-tokenizer_vocab_size // multiple) * multiple
 
 
 def build_model(cfg: RunConfig, vocab_size: int, topology=None) -> nn.Module:
@@ -49,6 +42,4 @@ def build_model(cfg: RunConfig, vocab_size: int, topology=None) -> nn.Module:
     padded = padded_vocab_size(vocab_size, cfg.model, tp)
     if pp == 1:
         return GPTModel(cfg.model, padded, seed=cfg.train.seed, true_vocab_size=vocab_size)
-    from megatron_lev.engine.pipeline import build_pipeline
-
     return build_pipeline(cfg, padded, topology, true_vocab_size=vocab_size)
