@@ -417,7 +417,10 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self, world_size: int | None = None) -> RunConfig:
-        """Check every section and the combinations; `world_size` adds the layout checks."""
+        """Check every section and the combinations; `world_size` adds the layout checks.
+
+        The generic rules only: the embedding variant's own rules belong to its class and run with
+        these in `engine.plan.validate_config` / `validate_run`."""
         if world_size is not None and (
             isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
         ):
@@ -443,10 +446,6 @@ class RunConfig:
             raise ConfigError(
                 f"model ffn size {m.ffn_size} is not divisible by parallel.tensor_model_parallel_size={tp}"
             )
-        # the variant's own rules (and the error for an unknown model.embedding) come from its class
-        from megatron_lev.model.embeddings import embedding_class
-
-        embedding_class(m.embedding).check_config(m, tp)
         if p.pipeline_model_parallel_size > m.num_layers:
             raise ConfigError(
                 f"parallel.pipeline_model_parallel_size={p.pipeline_model_parallel_size} exceeds "

@@ -91,8 +91,10 @@ def test_choice_errors_list_allowed_values(capsys):
     ],
 )
 def test_refused_combinations(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config([], overrides)
+    from megatron_lev.engine.plan import validate_config
+
+    with pytest.raises(ConfigError, match=message):  # the generic rules and the variant's (LEV's heads)
+        validate_config(load_config([], overrides, validate=False))
 
 
 def test_world_size_layout_checks():

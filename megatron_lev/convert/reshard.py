@@ -37,6 +37,7 @@ from megatron_lev.convert.merge import split_full
 from megatron_lev.convert.optimizer_state import OptimizerState, read_optimizer_state
 from megatron_lev.convert.source import SourceCheckpoint, iter_canonical, open_checkpoint
 from megatron_lev.engine.checkpoint_files import CheckpointError, load_file
+from megatron_lev.engine.plan import validate_config
 from megatron_lev.model.canonical import canonical_state_dict_spec
 from megatron_lev.model.vocab import padded_vocab_size
 
@@ -71,8 +72,7 @@ def target_config(cfg: RunConfig, tp: int, pp: int, dp: int) -> RunConfig:
     data["parallel"]["tensor_model_parallel_size"] = tp
     data["parallel"]["pipeline_model_parallel_size"] = pp
     new = from_dict(RunConfig, data, prefix="")
-    new.validate(world_size=tp * pp * dp)
-    return new
+    return validate_config(new, world_size=tp * pp * dp)  # the variant's rules at the new TP too
 
 
 def adapt_rows(name: str, tensor: torch.Tensor, want: tuple[int, ...], vocab: int) -> torch.Tensor:

@@ -198,6 +198,7 @@ def check_options(opts: DemoOptions) -> None:
     from megatron_lev.commands.train_tokenizer import MIN_VOCAB
     from megatron_lev.config import load_config
     from megatron_lev.data.train_tokenizer import input_files
+    from megatron_lev.engine.plan import validate_config
     from megatron_lev.errors import ConfigError
 
     if opts.iters < 1:
@@ -224,7 +225,7 @@ def check_options(opts: DemoOptions) -> None:
             f"--config {opts.config}: run config not found; give a YAML path or a packaged "
             "config such as tiny.yaml"
         )
-    load_config([opts.config], train_overrides(opts), world_size=opts.nproc)
+    validate_config(load_config([opts.config], train_overrides(opts), validate=False), opts.nproc)
 
 
 def _seq_length(opts: DemoOptions) -> int:

@@ -58,7 +58,7 @@ def _world(tp, pp):
 
 def _refusal(tp, pp, zero, precision, offload=False) -> str | None:
     """The key the config names when it refuses this layout on CPU, else None."""
-    from megatron_lev.engine.config import validate_training
+    from megatron_lev.engine.plan import validate_run
 
     over = [f"{k}={v}" for k, v in _layout_overrides(tp, pp, zero, precision, offload).items()]
     over += [
@@ -71,7 +71,7 @@ def _refusal(tp, pp, zero, precision, offload=False) -> str | None:
         "train.micro_batch_size=2",
     ]
     try:
-        validate_training(load_config([TINY], over), _world(tp, pp), cuda=False)
+        validate_run(load_config([TINY], over, validate=False), _world(tp, pp), cuda=False)
     except ConfigError as exc:
         return str(exc)
     return None

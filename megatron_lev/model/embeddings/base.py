@@ -64,13 +64,13 @@ class InputEmbedding(nn.Module, abc.ABC):
     @classmethod
     def check_config(cls, model_cfg: ModelConfig, tensor_parallel: int) -> None:
         """Raise ConfigError, naming the keys, when this variant cannot run `model_cfg` at this TP size
-        (`RunConfig.validate` calls it; the rule lives only here)."""
+        (`engine.plan.validate_config` / `validate_run` call it once per run; the rule lives only here)."""
 
     @classmethod
     def check_vocab(cls, model_cfg: ModelConfig, vocab_size: int) -> None:
         """Raise ConfigError, naming the keys, when this variant cannot run `model_cfg` at the padded
-        `vocab_size` (the trainer calls it once the tokenizer is known; `check_config` too when
-        `model.vocab_size` is set)."""
+        `vocab_size` (`engine.plan` calls it once the vocabulary is known: from `model.vocab_size`
+        when set, else from the tokenizer)."""
 
     @abc.abstractmethod
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)

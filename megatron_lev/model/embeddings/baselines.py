@@ -23,7 +23,6 @@ from megatron_lev.errors import ConfigError
 from megatron_lev.model.embeddings.base import InputEmbedding, check_token_ids
 from megatron_lev.model.embeddings.lev import Codebooks, digit_base
 from megatron_lev.model.embeddings.sizing import albert_count, lev_parameter_count, mlp_count
-from megatron_lev.model.vocab import padded_vocab_size
 from megatron_lev.parallel.layers import VocabParallelEmbedding
 
 
@@ -97,11 +96,6 @@ class _CompressedEmbedding(InputEmbedding):
             for what, width in zip(cls.width_names, cls.widths(model_cfg, vocab_size))
             if what and width < least
         ]
-
-    @classmethod
-    def check_config(cls, model_cfg: ModelConfig, tensor_parallel: int) -> None:
-        if model_cfg.vocab_size is not None:  # else the trainer checks once the tokenizer is known
-            cls.check_vocab(model_cfg, padded_vocab_size(model_cfg.vocab_size, model_cfg, tensor_parallel))
 
     @classmethod
     def check_vocab(cls, model_cfg: ModelConfig, vocab_size: int) -> None:
