@@ -4,6 +4,10 @@ A run is described by one `RunConfig` with five sections (model, parallel, data,
 train, logging). `load_config(paths, overrides)` merges YAML files left to right,
 applies `section.key=value` overrides, type-checks every value, refuses unknown
 keys (with a suggestion), and validates the combination before any heavy work.
+
+The rules here are the generic ones. An embedding variant's own rules belong to its class and
+the trainer's to the run: both run in `engine.plan` (`validate_config`, `validate_run`), which
+is why this module knows nothing of the model.
 """
 
 from __future__ import annotations
@@ -499,7 +503,8 @@ def load_config(
     world_size: int | None = None,
     validate: bool = True,
 ) -> RunConfig:
-    """Merge YAML files (later wins), apply dotted overrides, type-check, validate.
+    """Merge YAML files (later wins), apply dotted overrides, type-check, validate (the generic
+    rules; `validate=False` leaves that to the caller, e.g. `engine.plan.validate_run`).
 
     A path that does not exist is looked up among the packaged configs (`tiny.yaml`,
     `pretrain/configs/models/200m.yaml`): see `megatron_lev.resources`.
