@@ -23,9 +23,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_lev.config import EMBEDDINGS, atomic_write_text, load_config
-from megatron_lev.model.build import build_model, padded_vocab_size
+from megatron_lev.config import atomic_write_text, load_config
+from megatron_lev.engine.build import build_model
+from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.model.flops import flops_per_token, parameter_count
+from megatron_lev.model.vocab import padded_vocab_size
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "model_cpu.md"
@@ -40,7 +42,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8, help="measured steps per variant (after 2 warm-up)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--variants", nargs="+", default=list(EMBEDDINGS), choices=EMBEDDINGS)
+    parser.add_argument("--variants", nargs="+", default=list(REGISTRY), choices=list(REGISTRY))
     parser.add_argument("--no-record", action="store_true", help="do not append to the results file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

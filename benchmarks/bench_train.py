@@ -64,8 +64,8 @@ def _timed(step, n: int, warmup: int) -> tuple[float, float]:
 def bare_loop(args, cfg, vocab: int, device) -> tuple[float, float]:
     import torch
 
+    from megatron_lev.engine.build import build_model
     from megatron_lev.engine.recompute import apply_activation_checkpointing
-    from megatron_lev.model.build import build_model
 
     # checkpointed as the engine would (build_engine applies it), so both loops run the same model
     model = apply_activation_checkpointing(build_model(cfg, vocab), cfg.model).to(device)
@@ -85,9 +85,9 @@ def bare_loop(args, cfg, vocab: int, device) -> tuple[float, float]:
 
 
 def trainer_loop(args, cfg, vocab: int, device, out: str) -> tuple[float, float]:
+    from megatron_lev.engine.build import build_model
     from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import build_engine
-    from megatron_lev.model.build import build_model
     from megatron_lev.training.metrics import MetricsWriter
     from megatron_lev.training.schedule import Budget
     from megatron_lev.training.trainer import TrainData, Trainer

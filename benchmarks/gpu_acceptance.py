@@ -166,9 +166,9 @@ def _config(model_file: Path, overrides: list[str]):
 
 
 def _trainer(cfg, vocab: int, device, micro: int, steps: int, world: int = 1):
+    from megatron_lev.engine.build import build_model
     from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import build_engine
-    from megatron_lev.model.build import build_model
     from megatron_lev.training.schedule import Budget as StepBudget
     from megatron_lev.training.trainer import TrainData, Trainer
 
@@ -494,8 +494,8 @@ def _count_syncs(tr, batches, device) -> tuple[int | None, int, str]:
 
 
 def measure(ctx, size: str, embedding: str, checkpointing: bool) -> dict:
-    from megatron_lev.model.build import padded_vocab_size
     from megatron_lev.model.flops import flops_per_token
+    from megatron_lev.model.vocab import padded_vocab_size
 
     dev, args = ctx["device"], ctx["args"]
     if ctx["tiny"]:

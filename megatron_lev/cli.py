@@ -121,8 +121,7 @@ def run_guarded(prog: str, fn, debug: bool = False) -> int:
     Errors a user can act on (`UserError`, missing or unreadable files, a full disk,
     Ctrl-C) never show a traceback unless `debug`; anything else is a bug and does.
     """
-    from megatron_lev.config import ConfigError
-    from megatron_lev.errors import UserError
+    from megatron_lev.errors import ConfigError, UserError
 
     try:
         return int(fn() or 0)

@@ -4,6 +4,10 @@ A run is described by one `RunConfig` with five sections (model, parallel, data,
 train, logging). `load_config(paths, overrides)` merges YAML files left to right,
 applies `section.key=value` overrides, type-checks every value, refuses unknown
 keys (with a suggestion), and validates the combination before any heavy work.
+
+The rules here are the generic ones. An embedding variant's own rules belong to its class and
+the trainer's to the run: both run in `engine.plan` (`validate_config`, `validate_run`), which
+is why this module knows nothing of the model.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from megatron_lev.errors import UserError
+from megatron_lev.errors import ConfigError, check_choice
 from megatron_lev.resources import config_path
 from megatron_lev.utils.io import atomic_write_json, atomic_write_text  # noqa: F401  (re-exported)
 
@@ -28,12 +32,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 PARTITION_METHODS = ("parameters", "uniform")
 TOKENIZER_TYPES = ("hf", "sentencepiece", "tiktoken")
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration value or combination is invalid; the message names the key."""
-
-    exit_code = 2
 
 
 # --------------------------------------------------------------------------- numeric ranges
@@ -431,7 +429,10 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self, world_size: int | None = None) -> RunConfig:
-        """Check every section and the combinations; `world_size` adds the layout checks."""
+        """Check every section and the combinations; `world_size` adds the layout checks.
+
+        The generic rules only: the embedding variant's own rules belong to its class and run with
+        these in `engine.plan.validate_config` / `validate_run`."""
         if world_size is not None and (
             isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
         ):
@@ -457,10 +458,6 @@ class RunConfig:
             raise ConfigError(
                 f"model ffn size {m.ffn_size} is not divisible by parallel.tensor_model_parallel_size={tp}"
             )
-        # the variant's own rules (and the error for an unknown model.embedding) come from its class
-        from megatron_lev.model.embeddings import embedding_class
-
-        embedding_class(m.embedding).check_config(m, tp)
         if p.pipeline_model_parallel_size > m.num_layers:
             raise ConfigError(
                 f"parallel.pipeline_model_parallel_size={p.pipeline_model_parallel_size} exceeds "
@@ -514,7 +511,8 @@ def load_config(
     world_size: int | None = None,
     validate: bool = True,
 ) -> RunConfig:
-    """Merge YAML files (later wins), apply dotted overrides, type-check, validate.
+    """Merge YAML files (later wins), apply dotted overrides, type-check, validate (the generic
+    rules; `validate=False` leaves that to the caller, e.g. `engine.plan.validate_run`).
 
     A path that does not exist is looked up among the packaged configs (`tiny.yaml`,
     `pretrain/configs/models/200m.yaml`): see `megatron_lev.resources`.
@@ -739,11 +737,3 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else str(name)
-
-
-def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    """Refuse `value` of `key` unless it is one of `allowed`, listing them (and the closest)."""
-    if value not in allowed:
-        close = difflib.get_close_matches(str(value), allowed, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint}")

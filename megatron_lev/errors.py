@@ -8,6 +8,8 @@ says what to do. Anything else is a bug and keeps its traceback. `--debug` (or
 
 from __future__ import annotations
 
+import difflib
+
 
 class UserError(Exception):
     """Bad input or a fault the user can act on; `str(exc)` is the whole message."""
@@ -21,3 +23,17 @@ class DataError(UserError, ValueError):
 
 class CheckpointDataError(UserError, RuntimeError):
     """A checkpoint is missing, damaged or does not match the run."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration value or combination is invalid; the message names the key."""
+
+    exit_code = 2
+
+
+def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    """Refuse `value` of `key` unless it is one of `allowed`, listing them (and the closest)."""
+    if value not in allowed:
+        close = difflib.get_close_matches(str(value), allowed, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint}")

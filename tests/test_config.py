@@ -2,7 +2,8 @@ import re
 
 import pytest
 
-from megatron_lev.config import ConfigError, RunConfig, load_config, parse_override
+from megatron_lev.config import RunConfig, load_config, parse_override
+from megatron_lev.errors import ConfigError
 from tests.conftest import ROOT
 
 
@@ -90,8 +91,10 @@ def test_choice_errors_list_allowed_values(capsys):
     ],
 )
 def test_refused_combinations(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config([], overrides)
+    from megatron_lev.engine.plan import validate_config
+
+    with pytest.raises(ConfigError, match=message):  # the generic rules and the variant's (LEV's heads)
+        validate_config(load_config([], overrides, validate=False))
 
 
 def test_world_size_layout_checks():

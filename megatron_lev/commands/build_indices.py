@@ -6,8 +6,8 @@ import argparse
 import time
 
 from megatron_lev.commands.config_cmd import add_config_arguments, config_files_and_overrides
-from megatron_lev.config import ConfigError, load_config
-from megatron_lev.errors import UserError
+from megatron_lev.config import load_config
+from megatron_lev.errors import ConfigError, UserError
 
 
 class FlagError(UserError):

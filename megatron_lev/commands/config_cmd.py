@@ -78,11 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_lev.model.embeddings import embedding_class
+    from megatron_lev.engine.plan import validate_config
 
     files, overrides = config_files_and_overrides(args)
-    cfg = load_config(files, overrides, world_size=args.world_size)
-    embedding_class(cfg.model.embedding)  # the variants are listed by the model's registry, not the config
+    # the generic rules and the variant's (the variants are listed by the model's registry, not the config)
+    cfg = validate_config(load_config(files, overrides, validate=False), args.world_size)
     save_dir = output_dir(args.save, "--save") if args.save else None
     print(cfg.to_yaml(), end="")
     if save_dir:

@@ -108,7 +108,7 @@ def _paper(args: argparse.Namespace) -> int:
 
 
 def _small(args: argparse.Namespace) -> int:
-    from megatron_lev.config import ConfigError
+    from megatron_lev.errors import ConfigError
     from megatron_lev.experiments.small import SmallGrid, run_small_grid
 
     if not args.data_dir:
@@ -133,7 +133,7 @@ def _small(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_lev.config import ConfigError
+    from megatron_lev.errors import ConfigError
 
     if args.grid == "paper":
         if args.overrides:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_lev.config import ConfigError, load_config
+from megatron_lev.config import load_config
 from megatron_lev.data.tokenizers import KNOWN_VOCABULARIES
-from megatron_lev.errors import UserError
+from megatron_lev.errors import ConfigError, UserError
 from megatron_lev.resources import CONFIG_DIR, config_path, model_config_names
 
 MODELS_DIR = CONFIG_DIR / "models"  # pretrain/configs/models in a checkout
@@ -76,9 +76,9 @@ def _config_path(name: str) -> Path:
 def rows(sizes, vocab_size: int, tp: int, variants, overrides=()) -> list[dict]:
     """One row per (size, variant): parameter counts, the embedding share (input table + output head over
     the total), the compressed baselines' widths `(e, hidden)` and training FLOPs per token."""
-    from megatron_lev.model.build import padded_vocab_size
     from megatron_lev.model.embeddings import embedding_class
     from megatron_lev.model.flops import flops_per_token, parameter_count
+    from megatron_lev.model.vocab import padded_vocab_size
 
     out = []
     for size in sizes:

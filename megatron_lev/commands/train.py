@@ -47,14 +47,15 @@ def _train(args: argparse.Namespace) -> int:
 
     from megatron_lev.commands.config_cmd import config_files_and_overrides
     from megatron_lev.config import load_config
-    from megatron_lev.engine.config import validate_training
+    from megatron_lev.engine.plan import validate_run
     from megatron_lev.training.launch import read_dist_env
 
     files, overrides = config_files_and_overrides(args)
     world_size = read_dist_env().world_size
-    cfg = load_config(files, overrides, world_size=world_size)
-    validate_training(cfg, world_size, cuda=torch.cuda.is_available())  # before anything heavy
+    cfg = load_config(files, overrides, validate=False)  # parsed and type-checked; validated just below
+    # every rule once, before anything heavy; the plan carries what they derive down to the engine
+    plan = validate_run(cfg, world_size, cuda=torch.cuda.is_available())
 
     from megatron_lev.training.run import pretrain
 
-    return pretrain(cfg, allow_changes=args.allow_change).exit_code
+    return pretrain(plan, allow_changes=args.allow_change).exit_code

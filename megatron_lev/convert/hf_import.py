@@ -10,9 +10,10 @@ import os
 
 import torch
 
-from megatron_lev.config import ConfigError, ModelConfig
+from megatron_lev.config import ModelConfig
 from megatron_lev.convert.llama_names import from_hf
-from megatron_lev.model.build import padded_vocab_size
+from megatron_lev.errors import ConfigError
+from megatron_lev.model.vocab import padded_vocab_size
 
 
 def model_config_from_hf(config, make_vocab_size_divisible_by: int = 128) -> ModelConfig:

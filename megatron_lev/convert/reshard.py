@@ -38,8 +38,9 @@ from megatron_lev.convert.merge import split_full
 from megatron_lev.convert.optimizer_state import OptimizerState, read_optimizer_state
 from megatron_lev.convert.source import SourceCheckpoint, iter_canonical, open_checkpoint
 from megatron_lev.engine.checkpoint_files import CheckpointError, load_file
-from megatron_lev.model.build import padded_vocab_size
+from megatron_lev.engine.plan import validate_config
 from megatron_lev.model.canonical import canonical_state_dict_spec
+from megatron_lev.model.vocab import padded_vocab_size
 
 _DS_KEYS = {
     "module",
@@ -72,8 +73,7 @@ def target_config(cfg: RunConfig, tp: int, pp: int, dp: int) -> RunConfig:
     data["parallel"]["tensor_model_parallel_size"] = tp
     data["parallel"]["pipeline_model_parallel_size"] = pp
     new = from_dict(RunConfig, data, prefix="")
-    new.validate(world_size=tp * pp * dp)
-    return new
+    return validate_config(new, world_size=tp * pp * dp)  # the variant's rules at the new TP too
 
 
 def adapt_rows(name: str, tensor: torch.Tensor, want: tuple[int, ...], vocab: int) -> torch.Tensor:
@@ -114,9 +114,9 @@ def reshard_worker(
     import yaml
 
     from megatron_lev.ckpt.io import load_checkpoint, save_checkpoint, tag_for
+    from megatron_lev.engine.build import build_model
     from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
-    from megatron_lev.model.build import build_model
     from megatron_lev.parallel import state
 
     disable_cpu_shm_comm()
@@ -240,8 +240,8 @@ def reshard(
     after it reloads with the source's loss, so a failed or interrupted reshard leaves no
     checkpoint the trainer could resume from.
     """
-    from megatron_lev.config import ConfigError
     from megatron_lev.convert.hf_export import ExportError, check_out_dir
+    from megatron_lev.errors import ConfigError
     from megatron_lev.parallel.launch import run_workers
 
     for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):

@@ -34,10 +34,10 @@ from megatron_lev.engine.checkpoint_files import (
     resolve_tag_dir,
     zero3_module_state,
 )
-from megatron_lev.model.build import padded_vocab_size
 from megatron_lev.model.canonical import ParamSpec, canonical_state_dict_spec
 from megatron_lev.model.embeddings import InputEmbedding, embedding_class
 from megatron_lev.model.stages import stage_specs
+from megatron_lev.model.vocab import padded_vocab_size
 
 
 @dataclass

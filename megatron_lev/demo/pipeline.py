@@ -195,8 +195,10 @@ def train_overrides(opts: DemoOptions) -> list[str]:
 
 def check_options(opts: DemoOptions) -> None:
     """Refuse options the demo cannot run with before any step starts; errors name the flag."""
-    from megatron_lev.config import ConfigError, load_config
+    from megatron_lev.config import load_config
     from megatron_lev.data.train_tokenizer import MIN_VOCAB, input_files
+    from megatron_lev.engine.plan import validate_config
+    from megatron_lev.errors import ConfigError
 
     if opts.iters < 1:
         raise ConfigError(f"--iters {opts.iters}: must be an integer >= 1 (training steps)")
@@ -222,7 +224,7 @@ def check_options(opts: DemoOptions) -> None:
             f"--config {opts.config}: run config not found; give a YAML path or a packaged "
             "config such as tiny.yaml"
         )
-    load_config([opts.config], train_overrides(opts), world_size=opts.nproc)
+    validate_config(load_config([opts.config], train_overrides(opts), validate=False), opts.nproc)
 
 
 def _seq_length(opts: DemoOptions) -> int:

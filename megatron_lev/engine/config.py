@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megatron_lev.config import ConfigError, RunConfig
+from megatron_lev.config import RunConfig
+from megatron_lev.errors import ConfigError
 from megatron_lev.resources import DS_CONFIG_DIR, ds_config_template
 
 # keys the run builds itself; a template must not carry them
@@ -148,33 +149,3 @@ def build_ds_config(
         fp16.setdefault("loss_scale", 0)  # dynamic
         fp16.setdefault("initial_scale_power", 16)
     return out
-
-
-def validate_training(cfg: RunConfig, world_size: int, cuda: bool) -> None:
-    """Checks beyond `RunConfig.validate` that only the trainer needs (device, budget, eval split)."""
-    cfg.validate(world_size)
-    t, p = cfg.train, cfg.parallel
-    if t.precision == "fp16" and not cuda:
-        raise ConfigError(
-            "train.precision=fp16 needs CUDA (DeepSpeed's loss scaler); use bf16 or fp32 on CPU"
-        )
-    if p.distributed_backend == "nccl" and not cuda:
-        raise ConfigError("parallel.distributed_backend=nccl needs CUDA; use gloo on CPU")
-    if t.chinchilla and t.train_tokens is not None:
-        raise ConfigError("train.chinchilla=true and train.train_tokens both set a token budget: keep one")
-    if t.eval_interval > 0 and not cfg.data.valid_data_path:
-        valid_weight = float(cfg.data.split.split(",")[1])
-        if valid_weight <= 0:
-            raise ConfigError(
-                f"train.eval_interval={t.eval_interval} but data.split={cfg.data.split!r} has no "
-                "validation part and data.valid_data_path is empty: give the split a validation "
-                "weight, set data.valid_data_path, or set train.eval_interval=0"
-            )
-    if not cfg.data.data_path:
-        raise ConfigError(
-            "data.data_path is empty: give the preprocessed prefix(es), e.g. "
-            "data.data_path=[data/pile_text_document]"
-        )
-    if not cfg.data.tokenizer_path and cfg.data.tokenizer_type != "tiktoken":
-        raise ConfigError("data.tokenizer_path is not set: the tokenizer defines the vocabulary and EOD")
-    build_ds_config(cfg, world_size)

@@ -1,6 +1,6 @@
 """The DeepSpeed engine behind `Engine` (`engine/base.py`), the interface the trainer and converters use.
 
-`build_engine(cfg, model, world_size, device)` runs `deepspeed.initialize` over the model
+`build_engine(plan, model)` runs `deepspeed.initialize` over the model
 with our AdamW (`optim.GuardedAdamW`, so no DeepSpeed op is compiled at start)
 and the run's DeepSpeed JSON (`engine.config`). The plain model (PP = 1) runs under
 ZeRO 0-3 (optionally CPU offload); a `PipelineModule` (PP > 1) under ZeRO 0/1. Either
@@ -17,6 +17,7 @@ the engine turns them into what its DeepSpeed engine expects.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,9 +30,11 @@ from torch import nn
 
 from megatron_lev.config import RunConfig
 from megatron_lev.engine.checkpoint_files import ENGINE_HELPER_FILES
+from megatron_lev.engine.config import batch_layout, build_ds_config
 from megatron_lev.engine.loss import micro_batch_loss
 from megatron_lev.engine.mpu import TensorParallelMPU
 from megatron_lev.engine.pipeline import pipeline_batches
+from megatron_lev.engine.plan import RunPlan
 from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.errors import CheckpointDataError
 from megatron_lev.optim import GuardedAdamW, all_finite, param_groups
@@ -280,8 +283,12 @@ class DeepSpeedEngine:
         self.ds_engine.global_steps = value
 
 
-def build_engine(cfg: RunConfig, model: nn.Module, world_size: int, ds_config: dict | None = None):
-    """`DeepSpeedEngine` over `model` for `cfg` (its DeepSpeed JSON built from the template unless given).
+def build_engine(
+    run: RunPlan | RunConfig, model: nn.Module, world_size: int | None = None, ds_config: dict | None = None
+):
+    """`DeepSpeedEngine` over `model`: from a `RunPlan` (its DeepSpeed JSON and batch layout, derived
+    once), or from a bare `RunConfig` for `world_size` processes (the JSON built from the template
+    unless given).
 
     The optimizer is the `GuardedAdamW` DeepSpeed wraps (`engine.optimizer`). Activation
     checkpointing (`model.activation_checkpointing`) is applied to the model here, from outside
@@ -289,13 +296,21 @@ def build_engine(cfg: RunConfig, model: nn.Module, world_size: int, ds_config: d
     """
     import deepspeed
 
-    from megatron_lev.engine.config import batch_layout, build_ds_config
-
+    if isinstance(run, RunPlan):
+        if ds_config is not None or world_size not in (None, run.world_size):
+            raise ValueError(
+                "build_engine(plan, model): the plan carries the DeepSpeed config and world size"
+            )
+        cfg, ds_config, gas = run.cfg, run.ds_config, run.gas
+    else:
+        if world_size is None:
+            raise TypeError("build_engine(cfg, model, world_size): give the number of processes")
+        cfg = run
+        if ds_config is None:
+            ds_config = build_ds_config(cfg, world_size)
+        _, gas, _ = batch_layout(cfg, world_size)
     pipeline = cfg.parallel.pipeline_model_parallel_size > 1
     model = apply_activation_checkpointing(model, cfg.model)
-    if ds_config is None:
-        ds_config = build_ds_config(cfg, world_size)
-    _, gas, _ = batch_layout(cfg, world_size)
     t = cfg.train
     groups = param_groups(model, t.weight_decay, keep_empty=pipeline)
     if pipeline and uses_zero_optimizer_per_group(ds_config):
@@ -303,7 +318,8 @@ def build_engine(cfg: RunConfig, model: nn.Module, world_size: int, ds_config: d
     groups = [g for g in groups if g["params"]]
     optimizer = GuardedAdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     mpu = TensorParallelMPU() if not pipeline and cfg.parallel.tensor_model_parallel_size > 1 else None
+    # a copy: DeepSpeed may fill in the dict it is given, and the plan's stays as validated
     ds_engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=ds_config, mpu=mpu, dist_init_required=False
+        model=model, optimizer=optimizer, config=copy.deepcopy(ds_config), mpu=mpu, dist_init_required=False
     )
     return DeepSpeedEngine(ds_engine, optimizer, cfg, pipeline=pipeline, gas=gas)

@@ -137,8 +137,8 @@ def chinchilla_tokens(size: str, vocab: str = DEFAULT_VOCAB, tokens_per_param: i
     variant of the size trains on (the vocabulary study too)."""
     from megatron_lev.config import load_config
     from megatron_lev.data.tokenizers import KNOWN_VOCABULARIES
-    from megatron_lev.model.build import padded_vocab_size
     from megatron_lev.model.flops import parameter_count
+    from megatron_lev.model.vocab import padded_vocab_size
 
     cfg = load_config(config_path(PAPER_DIR / f"{size}.yaml"), validate=False)
     vocab_size = KNOWN_VOCABULARIES[vocab]

@@ -14,8 +14,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_lev.config import ConfigError, atomic_write_text, load_config
+from megatron_lev.config import atomic_write_text, load_config
 from megatron_lev.demo.steps import Step, StepRunner, read_marker
+from megatron_lev.errors import ConfigError
 from megatron_lev.experiments.grid import SMALL_CONFIG, variant_label
 from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.resources import config_path
@@ -85,22 +86,19 @@ class SmallGrid:
                 raise ConfigError(f"{flag} {value}: must be an integer >= {lo}")
         import torch
 
-        from megatron_lev.engine.config import validate_training
+        from megatron_lev.engine.plan import validate_run
 
+        vocab = self._tokenizer_vocab() if self.tokenizer is not None else None
         for variant in self.variants:  # the trainer's own checks, before hours of work start
-            cfg = self.run_config(variant)
-            validate_training(cfg, self.nproc, cuda=torch.cuda.is_available())
-            if self.tokenizer is not None:  # the vocabulary is the file's: the variant's width rules
-                self._check_vocab(cfg)
+            # with --tokenizer the vocabulary is the file's: the variant's width rules at its size too
+            validate_run(
+                self.run_config(variant), self.nproc, cuda=torch.cuda.is_available(), tokenizer_vocab=vocab
+            )
 
-    def _check_vocab(self, cfg) -> None:
+    def _tokenizer_vocab(self) -> int:
         from megatron_lev.data.tokenizers import build_tokenizer
-        from megatron_lev.model.build import padded_vocab_size
-        from megatron_lev.model.embeddings import embedding_class
 
-        vocab = build_tokenizer(tokenizer_type_of(self.tokenizer), self.tokenizer).vocab_size
-        tp = cfg.parallel.tensor_model_parallel_size
-        embedding_class(cfg.model.embedding).check_vocab(cfg.model, padded_vocab_size(vocab, cfg.model, tp))
+        return build_tokenizer(tokenizer_type_of(self.tokenizer), self.tokenizer).vocab_size
 
     @property
     def vocab_size(self) -> int | None:

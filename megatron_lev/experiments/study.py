@@ -26,9 +26,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_lev.config import ConfigError, atomic_write_json, atomic_write_text
+from megatron_lev.config import atomic_write_json, atomic_write_text
 from megatron_lev.demo.steps import Step, StepFailed, StepRunner, read_marker
-from megatron_lev.errors import UserError
+from megatron_lev.errors import ConfigError, UserError
 from megatron_lev.experiments.small import SmallGrid, check_finished_steps
 
 STUDY_CONFIG = Path("pretrain/configs/experiments/small/study.yaml")
@@ -152,13 +152,13 @@ class Study:
         """The grid's checks, then every selected run's config through the trainer's validation."""
         import torch
 
-        from megatron_lev.engine.config import validate_training
+        from megatron_lev.engine.plan import validate_run
 
         if self.lanes < 1:
             raise ConfigError(f"--lanes {self.lanes}: must be an integer >= 1")
         self.grid.check()
         for run in self.selected:
-            validate_training(self.run_config(run), 1, cuda=torch.cuda.is_available())
+            validate_run(self.run_config(run), 1, cuda=torch.cuda.is_available())
 
     def run_config(self, run: StudyRun):
         return self.grid.run_config(run.variant, self.run_dir(run), run.overrides)

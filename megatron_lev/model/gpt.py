@@ -29,7 +29,7 @@ from megatron_lev.model.stages import DOCUMENT_TENSORS, stage_specs
 
 
 class GPTModel(nn.Module):
-    """Decoder-only LM. `vocab_size` is the padded size (divisible by TP; see `build.padded_vocab_size`).
+    """Decoder-only LM. `vocab_size` is the padded size (divisible by TP; see `vocab.padded_vocab_size`).
 
     `true_vocab_size` is the tokenizer's vocabulary (default: no padding): the loss masks the
     logits of the padding rows, so every TP size trains the objective of the exported model.

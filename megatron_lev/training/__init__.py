@@ -1,6 +1,7 @@
 """Pretraining: the loop, its callbacks, checkpoint directories, preemption and logging.
 
-`run.pretrain(cfg)` is the entry point (used by `megatron-lev train`); `trainer.Trainer`
+`run.pretrain(plan)` is the entry point (`megatron-lev train` validates into the `RunPlan` it
+takes, `engine.plan.validate_run`; a bare config is validated there); `trainer.Trainer`
 is the loop and `callbacks` what it does besides stepping; `schedule`, `resume`,
 `signals`, `health`, `metrics`, `launch` and `wandb_logger` are its parts, one idea each.
 The engine that runs the steps (DeepSpeed) is `megatron_lev.engine`; the checkpoint directory

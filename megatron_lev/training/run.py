@@ -1,7 +1,9 @@
-"""`pretrain(cfg)`: validate, join the process group, build tokenizer/model/engine/data, train.
+"""`pretrain(plan)`: join the process group, build tokenizer/model/engine/data, train.
 
 Order matters for users: everything that can be checked from the config and the
-tokenizer is checked before the model or the data indices are built.
+tokenizer is checked before the model or the data indices are built. The checks run
+once, in `engine.plan` (`validate_run`, then `RunPlan.with_vocab`); what they derive (padded
+vocabulary, batch layout, DeepSpeed JSON) is taken from the plan, not computed again.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from megatron_lev.config import ConfigError, RunConfig
+from megatron_lev.config import RunConfig
 from megatron_lev.data.batches import make_loader, token_batches
-from megatron_lev.engine.config import batch_layout, build_ds_config, validate_training
+from megatron_lev.engine.build import build_model
 from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, build_engine, disable_cpu_shm_comm
+from megatron_lev.engine.plan import RunPlan, validate_run
+from megatron_lev.errors import ConfigError
 from megatron_lev.log import get_logger, setup_logging
 from megatron_lev.parallel import state
 from megatron_lev.training.callbacks import (
@@ -39,47 +43,41 @@ from megatron_lev.training.trainer import TrainData, Trainer
 log = get_logger(__name__)
 
 
-def check_vocab(cfg: RunConfig, tokenizer_vocab: int) -> int:
-    """The vocabulary the model must cover: the tokenizer's, or model.vocab_size if set (and large enough)."""
-    want = cfg.model.vocab_size
-    if want is not None and want < tokenizer_vocab:
-        raise ConfigError(
-            f"model.vocab_size={want} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}, "
-            f"{cfg.data.tokenizer_path}): token ids up to {tokenizer_vocab - 1} would be out of range; "
-            "unset model.vocab_size (it is taken from the tokenizer) or use the matching tokenizer"
-        )
-    return want if want is not None else tokenizer_vocab
-
-
 def find_input_embedding(model: nn.Module) -> nn.Module | None:
     from megatron_lev.model.embeddings.base import InputEmbedding
 
     return next((m for m in model.modules() if isinstance(m, InputEmbedding)), None)
 
 
-def pretrain(cfg: RunConfig, allow_changes=(), extra_callbacks: Sequence[Callback] = ()) -> TrainResult:
-    """Run (or resume) the pretraining described by `cfg` on the launcher's processes; config keys
+def pretrain(
+    run: RunPlan | RunConfig, allow_changes=(), extra_callbacks: Sequence[Callback] = ()
+) -> TrainResult:
+    """Run (or resume) the pretraining described by `run` on the launcher's processes; config keys
     in `allow_changes` may differ from the resumed checkpoint's (see `training.resume`).
 
+    `run` is the `RunPlan` the caller validated (`engine.plan.validate_run`, as `megatron-lev train`
+    does before anything heavy), or a bare `RunConfig`, validated here once the process group is up.
     The run has the default callbacks, then those `train.callbacks` names (built here, at start),
     then `extra_callbacks`.
     """
+    cfg = run.cfg if isinstance(run, RunPlan) else run
     extra = [*callbacks_from_specs(cfg.train.callbacks), *extra_callbacks]
     watcher = PreemptionWatcher().install()  # before the slow start-up: Slurm's notice may come early
     try:
-        return _pretrain(cfg, watcher, allow_changes, extra)
+        return _pretrain(run, watcher, allow_changes, extra)
     finally:
         watcher.uninstall()
 
 
 def _pretrain(
-    cfg: RunConfig, watcher: PreemptionWatcher, allow_changes=(), extra_callbacks: Sequence[Callback] = ()
+    run: RunPlan | RunConfig,
+    watcher: PreemptionWatcher,
+    allow_changes=(),
+    extra_callbacks: Sequence[Callback] = (),
 ) -> TrainResult:
     from megatron_lev.data.documents import DocumentLayout
     from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
     from megatron_lev.data.tokenizers import build_tokenizer
-    from megatron_lev.model.build import build_model, padded_vocab_size
-    from megatron_lev.model.embeddings import embedding_class
     from megatron_lev.model.flops import flops_per_token, parameter_count
     from megatron_lev.parallel.random import model_parallel_manual_seed
     from megatron_lev.resources import checkout_root
@@ -88,32 +86,39 @@ def _pretrain(
     if root is not None:  # a checkout builds its kernels beside it; an install uses torch's cache
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / ".torch_extensions"))
     disable_cpu_shm_comm()
+    cfg = run.cfg if isinstance(run, RunPlan) else run
     env = init_distributed(cfg.parallel.distributed_backend)
     out = Path(cfg.logging.output_dir)
     setup_logging(log_dir=out / "logs" if cfg.logging.log_all_ranks else None)
     world, rank, dev = env.world_size, env.rank, current_device()
-    validate_training(cfg, world, cuda=torch.cuda.is_available())
+    if isinstance(run, RunPlan):  # validated by the caller: nothing is checked twice
+        plan = run
+        if plan.world_size != world:
+            raise ConfigError(
+                f"the run was validated for {plan.world_size} processes but the launcher started {world}"
+            )
+    else:
+        plan = validate_run(cfg, world, cuda=torch.cuda.is_available())
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     state.initialize_model_parallel(tp, pp)
     dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
     log.info("world %d = TP %d x PP %d x DP %d (%s launch, %s)", world, tp, pp, dp, env.source, dev)
 
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_path)
-    vocab = padded_vocab_size(check_vocab(cfg, tokenizer.vocab_size), cfg.model, tp)
-    # the variant's rules that need the vocabulary (e.g. a compressed baseline's minimum width)
-    embedding_class(cfg.model.embedding).check_vocab(cfg.model, vocab)
+    # model.vocab_size against the tokenizer, the padding, the variant's rules at that vocabulary
+    plan = plan.with_vocab(tokenizer.vocab_size)
+    vocab, true_vocab = plan.padded_vocab, plan.true_vocab
     # which checkpoint (verified, config compared), or a fresh start that loses nothing: before the model
     save_dir = cfg.train.save or str(out / "checkpoints")
     load_dir = cfg.train.load or save_dir
-    plan = plan_resume(load_dir, save_dir, cfg, allow_changes, DeepSpeedEngine.owned_files())
+    resume = plan_resume(load_dir, save_dir, cfg, allow_changes, DeepSpeedEngine.owned_files())
     if rank == 0:
         log.info("resolved config saved to %s", cfg.save(out))
 
     model_parallel_manual_seed(cfg.train.seed)
-    true_vocab = check_vocab(cfg, tokenizer.vocab_size)
-    model = build_model(cfg, true_vocab)
+    model = build_model(plan)
     n_params = parameter_count(cfg.model, vocab)["total"]
-    micro, gas, global_batch = batch_layout(cfg, world)
+    micro, global_batch = plan.micro_batch, plan.global_batch
     budget = training_budget(cfg.train, global_batch, cfg.model.seq_length, n_params)
     log.info(
         "%s: %s parameters, vocabulary %d (padded), %d iterations x %d sequences x %d tokens (%s tokens; %s)",
@@ -129,7 +134,7 @@ def _pretrain(
     embedding = find_input_embedding(model)
     probe = EmbeddingProbe(embedding) if embedding is not None else None
 
-    engine = build_engine(cfg, model, world, build_ds_config(cfg, world))
+    engine = build_engine(plan, model)
 
     n_valid = cfg.train.eval_iters * global_batch if cfg.train.eval_interval else 0
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
@@ -165,7 +170,7 @@ def _pretrain(
         load_dir=load_dir,
     )
     try:
-        checkpointer.resume(trainer, plan)
+        checkpointer.resume(trainer, resume)
         writer.record(
             "event",
             trainer.state.iteration,

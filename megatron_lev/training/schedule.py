@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_lev.config import ConfigError, TrainConfig
+from megatron_lev.config import TrainConfig
+from megatron_lev.errors import ConfigError
 
 CHINCHILLA_TOKENS_PER_PARAM = 20
 

@@ -12,7 +12,8 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from megatron_lev.config import ConfigError, RunConfig
+from megatron_lev.config import RunConfig
+from megatron_lev.errors import ConfigError
 from megatron_lev.training.hooks import Callback, Control
 
 

@@ -81,9 +81,9 @@ def make_checkpoints(root: str, tokenizer: str, text: str) -> dict:
     import deepspeed
 
     from megatron_lev.ckpt.io import save_checkpoint
+    from megatron_lev.engine.build import build_model
     from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, disable_cpu_shm_comm
     from megatron_lev.engine.mpu import TensorParallelMPU
-    from megatron_lev.model.build import build_model
     from megatron_lev.parallel import state
 
     disable_cpu_shm_comm()

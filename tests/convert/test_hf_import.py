@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lev.config import ConfigError
 from megatron_lev.convert.hf_import import import_hf_llama, model_config_from_hf
+from megatron_lev.errors import ConfigError
 
 
 def _llama(tied: bool, **extra):

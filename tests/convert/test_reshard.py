@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron_lev.cli import main as cli_main
-from megatron_lev.config import ConfigError
 from megatron_lev.convert.reshard import reshard, target_config
+from megatron_lev.errors import ConfigError
 
 pytestmark = pytest.mark.multiprocess
 

@@ -30,9 +30,9 @@ def _batches(n: int, offset: int) -> list[torch.Tensor]:
 
 
 def _engine(cfg):
+    from megatron_lev.engine.build import build_model
     from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
-    from megatron_lev.model.build import build_model
     from megatron_lev.parallel import state
 
     disable_cpu_shm_comm()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_lev.config import load_config
-from megatron_lev.engine.config import validate_training
+from megatron_lev.engine.plan import validate_run
 from megatron_lev.experiments.grid import (
     PAPER_DIR,
     PAPER_SIZES,
@@ -47,7 +47,7 @@ def test_eighteen_runs_all_valid_at_their_layout():
     assert len(runs) == 18 and len({r.name for r in runs}) == 18
     for run in runs:
         cfg = _resolved(run)
-        validate_training(cfg, run.world_size, cuda=True)  # the trainer's own checks (batch layout, budget)
+        validate_run(cfg, run.world_size, cuda=True)  # the trainer's own checks (batch layout, budget)
         assert cfg.model.embedding == run.variant
         assert cfg.data.data_path == [DATA["$PILE_DATA"]]
 
@@ -120,7 +120,7 @@ def test_submission_script_submits_every_run_with_expanded_data(tmp_path):
 
 def _padded(run, cfg):
     from megatron_lev.data.tokenizers import KNOWN_VOCABULARIES
-    from megatron_lev.model.build import padded_vocab_size
+    from megatron_lev.model.vocab import padded_vocab_size
 
     return padded_vocab_size(
         KNOWN_VOCABULARIES[run.vocab], cfg.model, cfg.parallel.tensor_model_parallel_size

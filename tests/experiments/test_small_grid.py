@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lev.config import ConfigError, load_config
+from megatron_lev.config import load_config
+from megatron_lev.errors import ConfigError
 from megatron_lev.experiments.corpus import split_corpus
 from megatron_lev.experiments.small import SmallGrid
 from megatron_lev.experiments.summary import commands_markdown, grid_summary, summary_markdown
@@ -194,9 +195,9 @@ def test_a_finished_step_with_another_command_is_refused_but_compare_reruns(tmp_
 
 
 def _small_counts(vocab: int):
-    from megatron_lev.model.build import padded_vocab_size
     from megatron_lev.model.embeddings import REGISTRY, embedding_class
     from megatron_lev.model.flops import parameter_count
+    from megatron_lev.model.vocab import padded_vocab_size
 
     cfg = load_config(ROOT / "pretrain/configs/experiments/small/small.yaml", world_size=1).model
     padded = padded_vocab_size(vocab, cfg, 1)

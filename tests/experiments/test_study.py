@@ -61,7 +61,7 @@ def test_plan_has_19_runs_in_9_groups_with_their_seeds_and_overrides():
 def test_every_run_config_passes_the_trainers_validation_and_keeps_data_order(tmp_path):
     import torch
 
-    from megatron_lev.engine.config import validate_training
+    from megatron_lev.engine.plan import validate_run
 
     pile = tmp_path / "pile"
     pile.mkdir()
@@ -70,7 +70,7 @@ def test_every_run_config_passes_the_trainers_validation_and_keeps_data_order(tm
     cfgs = {}
     for run in study_plan():
         cfg = study.run_config(run)
-        validate_training(cfg, 1, cuda=torch.cuda.is_available())
+        validate_run(cfg, 1, cuda=torch.cuda.is_available())
         cfgs[run.name] = cfg
         assert cfg.train.seed == run.seed and cfg.model.embedding == run.variant
         assert cfg.train.save == str(tmp_path / "study" / "runs" / run.name / "checkpoints")

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from megatron_lev.config import ConfigError, LevConfig, ModelConfig
+from megatron_lev.config import LevConfig, ModelConfig
+from megatron_lev.errors import ConfigError
 from megatron_lev.model.embeddings import (
     REGISTRY,
     baseline_sizes,
@@ -119,7 +120,10 @@ def test_the_width_rule_names_the_key_to_raise_and_skips_dense_and_lev():
         embedding_class(variant).check_vocab(_narrow_cfg(), 50304)  # no widths: nothing to refuse
     # with model.vocab_size set the config itself is refused; unset, the trainer checks the tokenizer's
     from megatron_lev.config import load_config
+    from megatron_lev.engine.plan import validate_config
 
     with pytest.raises(ConfigError, match="model.embedding=albert"):
-        load_config(None, ["model.embedding=albert", "model.vocab_size=50277", "model.lev.heads=1"])
-    load_config(None, ["model.embedding=albert", "model.lev.heads=1"])
+        validate_config(
+            load_config(None, ["model.embedding=albert", "model.vocab_size=50277", "model.lev.heads=1"])
+        )
+    validate_config(load_config(None, ["model.embedding=albert", "model.lev.heads=1"]))

@@ -8,10 +8,10 @@ import megatron_lev.model.attention as attention
 from megatron_lev.config import load_config
 from megatron_lev.data.batches import MicroBatch, token_batches
 from megatron_lev.data.documents import DocumentLayout, document_positions
+from megatron_lev.engine.build import build_model
 from megatron_lev.engine.loss import micro_batch_loss
 from megatron_lev.engine.pipeline import pipeline_batches, pipeline_loss
 from megatron_lev.engine.recompute import apply_activation_checkpointing
-from megatron_lev.model.build import build_model
 from megatron_lev.model.documents import block_causal_mask, cu_seqlens
 from megatron_lev.model.loss import masked_mean
 from megatron_lev.testing import run_distributed

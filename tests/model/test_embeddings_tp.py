@@ -53,7 +53,7 @@ def _to_numpy(result):
 
 
 def _tp_worker(tp, ids, probe):
-    from megatron_lev.config import ConfigError
+    from megatron_lev.errors import ConfigError
     from megatron_lev.model.embeddings.lev import LevEmbedding
     from megatron_lev.parallel import state
 

@@ -4,8 +4,8 @@ match) and changes no parameter name; bf16 runs close to fp32."""
 import torch
 
 from megatron_lev.config import load_config
+from megatron_lev.engine.build import build_model
 from megatron_lev.engine.recompute import CheckpointedStages, apply_activation_checkpointing
-from megatron_lev.model.build import build_model
 from megatron_lev.parallel.random import model_parallel_manual_seed
 
 BASE = [

@@ -6,9 +6,10 @@ import torch
 from megatron_lev.cli import main as cli_main
 from megatron_lev.commands.params import rows
 from megatron_lev.config import load_config
-from megatron_lev.model.build import build_model, padded_vocab_size
+from megatron_lev.engine.build import build_model
 from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.model.flops import flops_per_token, parameter_count
+from megatron_lev.model.vocab import padded_vocab_size
 
 
 @pytest.mark.parametrize("embedding", tuple(REGISTRY))

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megatron_lev.config import load_config
+from megatron_lev.engine.build import build_model
 from megatron_lev.engine.recompute import apply_activation_checkpointing
-from megatron_lev.model.build import build_model
 from megatron_lev.model.canonical import canonical_state_dict_spec, merge_tp_shards
 from megatron_lev.testing import run_distributed
 

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_lev.config import ConfigError, LevConfig, ModelConfig
+from megatron_lev.config import LevConfig, ModelConfig
+from megatron_lev.errors import ConfigError
 from megatron_lev.model.embeddings import REGISTRY, base
 from megatron_lev.model.stages import EmbeddingStage
 from megatron_lev.training.callbacks import EmbeddingProbe

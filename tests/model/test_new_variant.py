@@ -7,7 +7,7 @@ from torch import nn
 from megatron_lev.cli import main as cli_main
 from megatron_lev.commands.params import rows
 from megatron_lev.config import load_config
-from megatron_lev.model.build import build_model
+from megatron_lev.engine.build import build_model
 from megatron_lev.model.embeddings import REGISTRY, InputEmbedding, check_token_ids
 from megatron_lev.model.flops import parameter_count
 from megatron_lev.parallel.layers import VocabParallelEmbedding

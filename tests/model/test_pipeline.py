@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from megatron_lev.config import ConfigError, load_config
+from megatron_lev.config import load_config
+from megatron_lev.engine.build import build_model
 from megatron_lev.engine.pipeline import stage_modules
-from megatron_lev.model.build import build_model
+from megatron_lev.errors import ConfigError
 from megatron_lev.model.canonical import canonical_state_dict_spec
 from megatron_lev.testing import run_distributed
 

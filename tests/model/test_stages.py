@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_lev.engine.build import build_model
 from megatron_lev.engine.checkpoint_files import find_files, load_file
-from megatron_lev.model.build import build_model
 from megatron_lev.model.documents import Documents
 from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.model.gpt import GPTModel

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lev.config import RANGES, ConfigError, RunConfig, load_config, numeric_keys
+from megatron_lev.config import RANGES, RunConfig, load_config, numeric_keys
+from megatron_lev.errors import ConfigError
 from tests.reliability.harness import ROOT, expect_error, expect_ok, run_cli
 
 # --------------------------------------------------------------------------- numeric ranges

@@ -22,7 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_lev.config import ConfigError, load_config
+from megatron_lev.config import load_config
+from megatron_lev.errors import ConfigError
 from megatron_lev.testing.distributed import DistributedTestError, run_distributed
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -57,7 +58,7 @@ def _world(tp, pp):
 
 def _refusal(tp, pp, zero, precision, offload=False) -> str | None:
     """The key the config names when it refuses this layout on CPU, else None."""
-    from megatron_lev.engine.config import validate_training
+    from megatron_lev.engine.plan import validate_run
 
     over = [f"{k}={v}" for k, v in _layout_overrides(tp, pp, zero, precision, offload).items()]
     over += [
@@ -70,7 +71,7 @@ def _refusal(tp, pp, zero, precision, offload=False) -> str | None:
         "train.micro_batch_size=2",
     ]
     try:
-        validate_training(load_config([TINY], over), _world(tp, pp), cuda=False)
+        validate_run(load_config([TINY], over, validate=False), _world(tp, pp), cuda=False)
     except ConfigError as exc:
         return str(exc)
     return None
@@ -181,7 +182,7 @@ def _tiny_model_config(embedding: str, tp: int):
 
 def _padded_vocab_probe(embedding: str) -> dict:
     """First loss, the loss over the tokenizer's rows only, and the gradient of the padding rows."""
-    from megatron_lev.model.build import build_model
+    from megatron_lev.engine.build import build_model
     from megatron_lev.parallel import state
     from megatron_lev.parallel.layers import vocab_range
 
@@ -409,7 +410,7 @@ def test_every_layout_is_either_run_or_refused():
 
 @pytest.mark.parametrize("embedding", ["lev", "tied"])
 def test_padding_rows_leave_the_loss_alone_at_any_tp(two_ranks, embedding):
-    from megatron_lev.model.build import padded_vocab_size
+    from megatron_lev.model.vocab import padded_vocab_size
 
     _, spawn = two_ranks
     if isinstance(spawn, dict):

@@ -104,7 +104,8 @@ def test_wandb_offline_mirrors_the_logged_metrics(tmp_path, minipile_prefix, tok
 def test_wandb_without_the_package_is_one_config_error(monkeypatch):
     import builtins
 
-    from megatron_lev.config import ConfigError, RunConfig
+    from megatron_lev.config import RunConfig
+    from megatron_lev.errors import ConfigError
     from megatron_lev.training.wandb_logger import WandbLogger
 
     real_import = builtins.__import__
@@ -120,7 +121,8 @@ def test_wandb_without_the_package_is_one_config_error(monkeypatch):
 
 
 def test_wandb_mode_is_checked():
-    from megatron_lev.config import ConfigError, RunConfig
+    from megatron_lev.config import RunConfig
+    from megatron_lev.errors import ConfigError
 
     cfg = RunConfig()
     cfg.logging.wandb_mode = "cloud"

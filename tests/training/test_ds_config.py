@@ -7,14 +7,10 @@ import json
 
 import pytest
 
-from megatron_lev.config import ConfigError, RunConfig, load_config
-from megatron_lev.engine.config import (
-    DS_CONFIG_DIR,
-    batch_layout,
-    build_ds_config,
-    default_template,
-    validate_training,
-)
+from megatron_lev.config import RunConfig, load_config
+from megatron_lev.engine.config import DS_CONFIG_DIR, batch_layout, build_ds_config, default_template
+from megatron_lev.engine.plan import check_vocab, validate_run
+from megatron_lev.errors import ConfigError
 
 
 def _cfg(**over) -> RunConfig:
@@ -154,20 +150,27 @@ def test_ds_config_file_by_name_and_missing_file():
 )
 def test_impossible_combinations_are_refused_with_what_to_change(over, world, cuda, message):
     with pytest.raises(ConfigError, match=message):
-        validate_training(_cfg(**over), world, cuda=cuda)
+        validate_run(_cfg(**over), world, cuda=cuda)
 
 
-def test_a_sound_config_validates():
-    validate_training(
-        _cfg(**{"parallel.zero_stage": 3, "train.global_batch_size": 8, "train.micro_batch_size": 2}),
-        2,
-        cuda=False,
-    )
+def test_a_sound_config_validates_and_the_plan_carries_what_it_derived():
+    cfg = _cfg(**{"parallel.zero_stage": 3, "train.global_batch_size": 8, "train.micro_batch_size": 2})
+    plan = validate_run(cfg, 2, cuda=False)
+    assert (plan.micro_batch, plan.gas, plan.global_batch) == batch_layout(cfg, 2) == (2, 2, 8)
+    assert plan.ds_config == build_ds_config(cfg, 2)
+    assert (plan.true_vocab, plan.padded_vocab) == (None, None)  # until the tokenizer is read
+    plan = plan.with_vocab(50277)
+    assert (plan.true_vocab, plan.padded_vocab, plan.tokenizer_vocab) == (50277, 50304, 50277)
+    assert validate_run(cfg, 2, cuda=False, tokenizer_vocab=50277) == plan
+    # model.vocab_size fixes the vocabulary before the tokenizer is read
+    fixed = validate_run(_cfg(**{"model.vocab_size": 50304}), 1, cuda=False)
+    assert (fixed.true_vocab, fixed.padded_vocab) == (50304, 50304)
+    assert fixed.with_vocab(50277).padded_vocab == 50304
+    with pytest.raises(ConfigError, match="smaller than the tokenizer's vocabulary"):
+        fixed.with_vocab(50305)
 
 
 def test_model_vocab_must_cover_the_tokenizer():
-    from megatron_lev.training.run import check_vocab
-
     assert check_vocab(_cfg(), 50277) == 50277
     assert check_vocab(_cfg(**{"model.vocab_size": 50304}), 50277) == 50304
     with pytest.raises(ConfigError, match="smaller than the tokenizer's vocabulary"):

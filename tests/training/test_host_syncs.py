@@ -26,9 +26,9 @@ OURS = os.sep + "megatron_lev" + os.sep
 
 def _tiny(embedding: str):
     from megatron_lev.config import load_config
+    from megatron_lev.engine.build import build_model
     from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import build_engine
-    from megatron_lev.model.build import build_model
     from megatron_lev.training.metrics import MetricsWriter
     from megatron_lev.training.run import default_callbacks
     from megatron_lev.training.schedule import Budget

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_lev.config import ConfigError, ModelConfig, check_choice
+from megatron_lev.config import ModelConfig
+from megatron_lev.errors import ConfigError, check_choice
 from megatron_lev.model.embeddings.base import InputEmbedding, check_token_ids
 from megatron_lev.model.embeddings.baselines import (
     AlbertEmbedding,

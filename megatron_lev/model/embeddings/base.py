@@ -28,7 +28,8 @@ import math
 import torch
 from torch import nn
 
-from megatron_lev.config import ConfigError, ModelConfig
+from megatron_lev.config import ModelConfig
+from megatron_lev.errors import ConfigError
 from megatron_lev.utils.tensors import check_token_ids  # noqa: F401 (part of the embedding interface)
 
 RMS_SAMPLE_IDS = 65536  # larger vocabularies: `output_rms` averages over this many fixed-seed ids
@@ -63,13 +64,13 @@ class InputEmbedding(nn.Module, abc.ABC):
     @classmethod
     def check_config(cls, model_cfg: ModelConfig, tensor_parallel: int) -> None:
         """Raise ConfigError, naming the keys, when this variant cannot run `model_cfg` at this TP size
-        (`RunConfig.validate` calls it; the rule lives only here)."""
+        (`engine.plan.validate_config` / `validate_run` call it once per run; the rule lives only here)."""
 
     @classmethod
     def check_vocab(cls, model_cfg: ModelConfig, vocab_size: int) -> None:
         """Raise ConfigError, naming the keys, when this variant cannot run `model_cfg` at the padded
-        `vocab_size` (the trainer calls it once the tokenizer is known; `check_config` too when
-        `model.vocab_size` is set)."""
+        `vocab_size` (`engine.plan` calls it once the vocabulary is known: from `model.vocab_size`
+        when set, else from the tokenizer)."""
 
     @abc.abstractmethod
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lev.config import ConfigError, ModelConfig
+from megatron_lev.config import ModelConfig
+from megatron_lev.errors import ConfigError
 from megatron_lev.model.embeddings.base import InputEmbedding, check_token_ids
 from megatron_lev.model.embeddings.lev import Codebooks, digit_base
 from megatron_lev.model.embeddings.sizing import albert_count, lev_parameter_count, mlp_count
@@ -95,13 +96,6 @@ class _CompressedEmbedding(InputEmbedding):
             for what, width in zip(cls.width_names, cls.widths(model_cfg, vocab_size))
             if what and width < least
         ]
-
-    @classmethod
-    def check_config(cls, model_cfg: ModelConfig, tensor_parallel: int) -> None:
-        if model_cfg.vocab_size is not None:  # else the trainer checks once the tokenizer is known
-            from megatron_lev.model.build import padded_vocab_size
-
-            cls.check_vocab(model_cfg, padded_vocab_size(model_cfg.vocab_size, model_cfg, tensor_parallel))
 
     @classmethod
     def check_vocab(cls, model_cfg: ModelConfig, vocab_size: int) -> None:

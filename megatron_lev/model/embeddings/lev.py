@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megatron_lev.config import ConfigError, LevConfig, ModelConfig
+from megatron_lev.config import LevConfig, ModelConfig
+from megatron_lev.errors import ConfigError
 from megatron_lev.model.embeddings.base import InputEmbedding, check_token_ids
 from megatron_lev.model.embeddings.lev_constants import GROUP, LOG_EPS, SAFE_FACTOR, SAFE_RANGE
 from megatron_lev.model.embeddings.spline import active_basis

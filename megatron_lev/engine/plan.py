@@ -1,0 +1,159 @@
+"""One validation per run, and its result handed down: `validate_run(cfg, world_size) -> RunPlan`.
+
+    plan = validate_run(cfg, world_size, cuda=torch.cuda.is_available())  # before anything heavy
+    ...                                                                    # process group, tokenizer
+    plan = plan.with_vocab(tokenizer.vocab_size)                          # the vocabulary's rules
+    model = build_model(plan)
+    engine = build_engine(plan, model)
+
+Each rule runs once per run, here and nowhere else on the way to the trainer:
+`RunConfig.validate` (the config's generic rules), the variant's own (`check_config`, and
+`check_vocab` at the padded vocabulary once it is known), and the trainer's (device, token
+budget, evaluation split, data and tokenizer paths). The padded vocabulary, the batch layout
+and the DeepSpeed JSON are computed once and travel in the `RunPlan`.
+
+`validate_config` is the part that does not depend on training (generic and variant rules),
+for commands that read a run config without training it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_lev.config import RunConfig
+from megatron_lev.engine.config import build_ds_config
+from megatron_lev.errors import ConfigError
+from megatron_lev.model.embeddings import embedding_class
+from megatron_lev.model.vocab import padded_vocab_size
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A validated run: the config and everything derived from it once.
+
+    `true_vocab` (the vocabulary the model covers: `model.vocab_size`, else the tokenizer's) and
+    `padded_vocab` are None until the tokenizer is read (`with_vocab`); with `model.vocab_size`
+    set they are known from the start.
+    """
+
+    cfg: RunConfig
+    world_size: int
+    micro_batch: int  # sequences per rank per micro-batch
+    gas: int  # gradient accumulation steps (micro-batches per optimizer step)
+    global_batch: int  # sequences per optimizer step
+    ds_config: dict[str, Any]  # the DeepSpeed JSON the engine runs with
+    true_vocab: int | None = None
+    padded_vocab: int | None = None  # true_vocab rounded up to make_vocab_size_divisible_by x TP
+    tokenizer_vocab: int | None = None  # set by `with_vocab`
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.cfg.data_parallel_size(self.world_size)
+
+    def with_vocab(self, tokenizer_vocab: int) -> RunPlan:
+        """The plan with the tokenizer's vocabulary checked and the model's (padded) vocabulary set."""
+        if self.tokenizer_vocab is not None:
+            if tokenizer_vocab != self.tokenizer_vocab:
+                raise ValueError(
+                    f"the plan was checked against a tokenizer vocabulary of {self.tokenizer_vocab}, "
+                    f"not {tokenizer_vocab}"
+                )
+            return self
+        true_vocab = check_vocab(self.cfg, tokenizer_vocab)
+        padded = self.padded_vocab  # model.vocab_size set: padded and checked by validate_run
+        if padded is None:
+            padded = _vocab_rules(self.cfg, true_vocab)
+        return dataclasses.replace(
+            self, true_vocab=true_vocab, padded_vocab=padded, tokenizer_vocab=tokenizer_vocab
+        )
+
+
+def validate_config(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
+    """The rules a config must pass to describe a model: `RunConfig.validate`'s generic ones and the
+    variant's (`check_config`; `check_vocab` too when `model.vocab_size` fixes the vocabulary).
+    `world_size` adds the layout checks. Returns `cfg`."""
+    _model_rules(cfg, world_size)
+    return cfg
+
+
+def validate_run(
+    cfg: RunConfig, world_size: int, *, cuda: bool, tokenizer_vocab: int | None = None
+) -> RunPlan:
+    """Check everything a training run needs from `cfg` before anything heavy, once, and compute the
+    padded vocabulary, the batch layout and the DeepSpeed JSON. `tokenizer_vocab` given: the
+    vocabulary's rules too (else `plan.with_vocab` once the tokenizer is read)."""
+    padded = _model_rules(cfg, world_size)
+    _training_rules(cfg, cuda)
+    ds_config = build_ds_config(cfg, world_size)  # refuses a template that conflicts with the run
+    plan = RunPlan(
+        cfg=cfg,
+        world_size=world_size,
+        # the batch layout as build_ds_config wrote it (engine.config.batch_layout)
+        micro_batch=ds_config["train_micro_batch_size_per_gpu"],
+        gas=ds_config["gradient_accumulation_steps"],
+        global_batch=ds_config["train_batch_size"],
+        ds_config=ds_config,
+        true_vocab=cfg.model.vocab_size if padded is not None else None,
+        padded_vocab=padded,
+    )
+    return plan.with_vocab(tokenizer_vocab) if tokenizer_vocab is not None else plan
+
+
+def check_vocab(cfg: RunConfig, tokenizer_vocab: int) -> int:
+    """The vocabulary the model must cover: the tokenizer's, or model.vocab_size if set (and large enough)."""
+    want = cfg.model.vocab_size
+    if want is not None and want < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={want} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}, "
+            f"{cfg.data.tokenizer_path}): token ids up to {tokenizer_vocab - 1} would be out of range; "
+            "unset model.vocab_size (it is taken from the tokenizer) or use the matching tokenizer"
+        )
+    return want if want is not None else tokenizer_vocab
+
+
+def _model_rules(cfg: RunConfig, world_size: int | None) -> int | None:
+    """Generic and variant rules; the padded vocabulary when `model.vocab_size` fixes it (else None)."""
+    cfg.validate(world_size)
+    # the variant's own rules (and the error for an unknown model.embedding) come from its class
+    embedding_class(cfg.model.embedding).check_config(cfg.model, cfg.parallel.tensor_model_parallel_size)
+    if cfg.model.vocab_size is None:
+        return None  # the vocabulary's rules wait for the tokenizer
+    return _vocab_rules(cfg, cfg.model.vocab_size)
+
+
+def _vocab_rules(cfg: RunConfig, vocab: int) -> int:
+    """Pad `vocab` for this TP size and run the variant's rules at the padded vocabulary."""
+    padded = padded_vocab_size(vocab, cfg.model, cfg.parallel.tensor_model_parallel_size)
+    # e.g. a compressed baseline's minimum width
+    embedding_class(cfg.model.embedding).check_vocab(cfg.model, padded)
+    return padded
+
+
+def _training_rules(cfg: RunConfig, cuda: bool) -> None:
+    """What only the trainer needs: the device, the token budget, the evaluation split, data and tokenizer."""
+    t, p = cfg.train, cfg.parallel
+    if t.precision == "fp16" and not cuda:
+        raise ConfigError(
+            "train.precision=fp16 needs CUDA (DeepSpeed's loss scaler); use bf16 or fp32 on CPU"
+        )
+    if p.distributed_backend == "nccl" and not cuda:
+        raise ConfigError("parallel.distributed_backend=nccl needs CUDA; use gloo on CPU")
+    if t.chinchilla and t.train_tokens is not None:
+        raise ConfigError("train.chinchilla=true and train.train_tokens both set a token budget: keep one")
+    if t.eval_interval > 0 and not cfg.data.valid_data_path:
+        valid_weight = float(cfg.data.split.split(",")[1])
+        if valid_weight <= 0:
+            raise ConfigError(
+                f"train.eval_interval={t.eval_interval} but data.split={cfg.data.split!r} has no "
+                "validation part and data.valid_data_path is empty: give the split a validation "
+                "weight, set data.valid_data_path, or set train.eval_interval=0"
+            )
+    if not cfg.data.data_path:
+        raise ConfigError(
+            "data.data_path is empty: give the preprocessed prefix(es), e.g. "
+            "data.data_path=[data/pile_text_document]"
+        )
+    if not cfg.data.tokenizer_path and cfg.data.tokenizer_type != "tiktoken":
+        raise ConfigError("data.tokenizer_path is not set: the tokenizer defines the vocabulary and EOD")

@@ -1,0 +1,16 @@
+"""The model's vocabulary: the tokenizer's, padded so that every tensor-parallel rank holds
+the same number of rows (the padding rows are left out of the loss)."""
+
+from __future__ import annotations
+
+from megatron_lev.config import ModelConfig
+from megatron_lev.errors import ConfigError
+
+
+def padded_vocab_size(tokenizer_vocab_size: int, model_cfg: ModelConfig, tp: int = 1) -> int:
+    """Round the vocabulary up to a multiple of `make_vocab_size_divisible_by x TP`
+    (e.g. 50,277 -> 50,304)."""
+    if tokenizer_vocab_size <= 0:
+        raise ConfigError(f"vocabulary size must be positive, got {tokenizer_vocab_size}")
+    multiple = model_cfg.make_vocab_size_divisible_by * tp
+    return -(-tokenizer_vocab_size // multiple) * multiple
