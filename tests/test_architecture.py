@@ -1,94 +1,341 @@
-"""The package layout of docs/architecture.md, checked on the source: only `megatron_lev/engine/`
-imports DeepSpeed, and imports between packages point one way."""
+"""The package layering of docs/architecture.md, checked on the source.
+
+The layers are an ordered list, bottom first. A package may import its own modules and any
+package on a lower row, never one on its own row or above: so no import runs upward, and no
+two packages can import each other. Every import counts (top level or inside a function, and
+a `"megatron_lev.x"` or `"megatron_lev.x:Class"` string, which `importlib` or a callback spec
+turns into an import), except those under `if TYPE_CHECKING:`, which never run. A cycle check
+over the package graph and over the module graph backs the row rule up. The checker is tested
+on small planted trees, so it is shown to fail on an upward import and on a cycle.
+"""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "megatron_lev"
+DOC = PKG.parent / "docs" / "architecture.md"
 
-# package -> the packages of megatron_lev it may import (any import: top level or inside a function)
-BASE = {"errors", "utils", "logging", "resources"}
-ALLOWED = {
-    "resources": set(),
-    "errors": set(),
-    "utils": {"errors"},
-    "logging": set(),
-    "config": {"errors", "utils", "resources", "model"},  # model: the variant's own rules, via the registry
-    "parallel": BASE | {"config"},
-    "model": BASE | {"config", "parallel", "engine"},  # engine: the pipeline builder only (checked below)
-    "data": BASE | {"config", "parallel"},
-    "engine": BASE | {"config", "parallel", "model", "training"},  # training: the optimizer and batches
-    "training": BASE | {"config", "parallel", "model", "data", "engine", "testing"},  # testing: fault hooks
-    # testing.distributed: the in-process gloo launcher resharding runs its workers with
-    "checkpoint": BASE | {"config", "parallel", "model", "data", "engine", "training", "testing"},
-    "analysis": BASE | {"config", "parallel", "model", "data", "checkpoint", "training"},
-}
+# bottom first; a package imports only from rows below its own
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "resources"),
+    ("utils",),
+    ("log",),
+    ("config",),
+    ("parallel",),
+    ("data", "optim"),
+    ("ckpt",),
+    ("model",),
+    ("engine",),
+    ("training",),
+    ("convert",),
+    ("analysis",),
+    ("testing",),
+    ("demo",),
+    ("experiments",),
+    ("commands",),
+    ("cli",),
+    ("__main__",),
+)
+
+# (importer, imported, why): imports allowed against the rows. Keep this empty unless a reason is
+# stronger than the layering; each entry is printed in docs/architecture.md.
+EXCEPTIONS: tuple[tuple[str, str, str], ...] = ()
+
+_SPEC = re.compile(r"^megatron_lev(\.\w+)+(:\w+)?$")
 
 
-def _package(path: Path) -> str:
-    rel = path.relative_to(PKG)
-    return rel.parts[0].removesuffix(".py")
+def level_of(layers=LAYERS) -> dict[str, int]:
+    return {pkg: i for i, row in enumerate(layers) for pkg in row}
 
 
-def _imports(path: Path) -> list[tuple[str, int]]:
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    """Line numbers of the statements under `if TYPE_CHECKING:` (never run)."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            test = node.test
+            name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
+            if name == "TYPE_CHECKING":
+                for stmt in node.body:
+                    for sub in ast.walk(stmt):
+                        if hasattr(sub, "lineno"):
+                            lines.add(sub.lineno)
+    return lines
+
+
+def module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, root: Path) -> list[tuple[str, int]]:
+    """(absolute module name, line) of every project import in `path` that can run."""
     tree = ast.parse(path.read_text(), str(path))
+    skip = _type_checking_lines(tree)
+    here = module_name(path, root).split(".")
+    is_package = path.name == "__init__.py"
     out = []
     for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
         if isinstance(node, ast.Import):
             out += [(alias.name, node.lineno) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.append((node.module, node.lineno))
-    return out
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = here if is_package else here[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.append((target, node.lineno))
+            out += [(f"{target}.{alias.name}", node.lineno) for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _SPEC.match(node.value):
+            out.append((node.value.split(":")[0], node.lineno))
+    return [(name, line) for name, line in out if name.split(".")[0] == root.name]
 
 
-def _sources():
-    return sorted(PKG.rglob("*.py"))
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
 
 
-def test_only_the_engine_package_imports_deepspeed():
-    leaks = [
-        f"{path.relative_to(PKG.parent)}:{line} imports {name}"
-        for path in _sources()
-        if _package(path) != "engine"
-        for name, line in _imports(path)
-        if name == "deepspeed" or name.startswith("deepspeed.")
-    ]
-    assert not leaks, "DeepSpeed outside megatron_lev/engine/: " + "; ".join(leaks)
+def _sources(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.py"))
 
 
-@pytest.mark.parametrize("package", sorted(ALLOWED))
-def test_imports_point_one_way(package):
+def package_edges(root: Path) -> dict[tuple[str, str], list[str]]:
+    """(importer package, imported package) -> the import sites, over every module under `root`."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in _sources(root):
+        src = package_of(module_name(path, root))
+        seen = set()
+        for name, line in imports_of(path, root):
+            dst = package_of(name)
+            if src and dst and dst != src and (dst, line) not in seen:
+                seen.add((dst, line))
+                edges.setdefault((src, dst), []).append(f"{path.relative_to(root.parent)}:{line} {name}")
+    return edges
+
+
+def module_edges(root: Path) -> dict[str, set[str]]:
+    """module -> the project modules it imports (a name that is an attribute, not a module, is dropped)."""
+    modules = {module_name(p, root) for p in _sources(root)}
+    graph: dict[str, set[str]] = {}
+    for path in _sources(root):
+        src = module_name(path, root)
+        targets = set()
+        for name, _ in imports_of(path, root):
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != src and not src.startswith(name + ".") and name != root.name:
+                targets.add(name)
+        graph[src] = targets
+    return graph
+
+
+def upward_imports(root: Path, layers=LAYERS, exceptions=EXCEPTIONS) -> list[str]:
+    """Every import of a package on the importer's row or above (named exceptions aside)."""
+    level = level_of(layers)
+    allowed = {(a, b) for a, b, _ in exceptions}
     wrong = []
-    for path in _sources():
-        if _package(path) != package:
+    for (src, dst), sites in sorted(package_edges(root).items()):
+        if (src, dst) in allowed:
             continue
-        for name, line in _imports(path):
-            parts = name.split(".")
-            if parts[0] != "megatron_lev" or len(parts) < 2:
-                continue
-            target = parts[1]
-            if target != package and target not in ALLOWED[package]:
-                wrong.append(f"{path.relative_to(PKG.parent)}:{line} imports {name}")
-    assert not wrong, f"megatron_lev/{package} may import only {sorted(ALLOWED[package])}: " + "; ".join(
-        wrong
+        if src not in level or dst not in level:
+            wrong.append(f"{src} -> {dst}: a package missing from LAYERS ({sites[0]})")
+        elif level[dst] >= level[src]:
+            how = "on the same row as" if level[dst] == level[src] else "above"
+            wrong += [f"{site}: {dst} is {how} {src}" for site in sites]
+    return wrong
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` (as a path that returns to its start), or None."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def package_graph(root: Path) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for src, dst in package_edges(root):
+        graph.setdefault(src, set()).add(dst)
+    return graph
+
+
+# ------------------------------------------------------------------ the real tree
+
+
+def test_every_package_is_on_a_row():
+    on_disk = {
+        p.name.removesuffix(".py")
+        for p in PKG.iterdir()
+        if p.suffix == ".py" or (p / "__init__.py").is_file()
+    }
+    on_disk.discard("__init__")
+    rows = set(level_of())
+    assert on_disk == rows, (
+        f"packages without a row: {sorted(on_disk - rows)}; rows without a package: {sorted(rows - on_disk)}"
     )
 
 
-def test_the_model_names_the_engine_only_to_build_a_pipeline():
-    uses = [
-        (path.relative_to(PKG.parent), name)
-        for path in (PKG / "model").rglob("*.py")
-        for name, _ in _imports(path)
-        if name.startswith("megatron_lev.engine")
-    ]
-    assert all(name == "megatron_lev.engine.pipeline" for _, name in uses), uses
+def test_no_import_runs_upward():
+    wrong = upward_imports(PKG)
+    assert not wrong, "imports against the layers of docs/architecture.md:\n" + "\n".join(wrong)
+
+
+def test_no_cycle_between_packages():
+    cycle = find_cycle(package_graph(PKG))
+    assert cycle is None, "packages import each other: " + " -> ".join(cycle)
+
+
+def test_no_cycle_between_modules():
+    cycle = find_cycle(module_edges(PKG))
+    assert cycle is None, "modules import each other: " + " -> ".join(cycle)
+
+
+def test_only_the_engine_package_imports_deepspeed():
+    leaks = []
+    for path in _sources(PKG):
+        if package_of(module_name(path, PKG)) == "engine":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            leaks += [
+                f"{path.relative_to(PKG.parent)}:{node.lineno} {n}"
+                for n in names
+                if n.split(".")[0] == "deepspeed"
+            ]
+    assert not leaks, "DeepSpeed outside megatron_lev/engine/: " + "; ".join(leaks)
+
+
+def test_no_production_module_names_the_test_aids():
+    """`megatron_lev.testing` ships test aids (a launcher, a host-sync counter, fault callbacks)."""
+    uses = [site for (src, dst), sites in package_edges(PKG).items() if dst == "testing" for site in sites]
+    assert not uses, "production code imports megatron_lev.testing: " + "; ".join(uses)
 
 
 def test_the_trainer_does_not_know_which_engine_runs():
     text = (PKG / "training" / "trainer.py").read_text()
-    for word in ("pipeline", "forward_funcs", "deepspeed", "DeepSpeed"):
+    for word in ("pipeline", "forward_funcs", "deepspeed", "DeepSpeed", "Checkpointer"):
         assert word not in text, f"training/trainer.py mentions {word!r}"
+
+
+def test_the_document_lists_the_layers_the_test_enforces():
+    """docs/architecture.md's layer block is LAYERS, top row first, and names every exception."""
+    text = DOC.read_text()
+    block = re.search(r"<!-- layers -->\n```\n(.*?)```", text, re.S)
+    assert block, f"{DOC} has no '<!-- layers -->' block"
+    rows = []
+    for line in block.group(1).splitlines():
+        names = re.findall(r"`([\w_]+)`", line)
+        if names:
+            rows.append(tuple(names))
+    assert rows == [tuple(r) for r in reversed(LAYERS)], rows
+    for importer, imported, _ in EXCEPTIONS:
+        assert f"`{importer}` -> `{imported}`" in text
+
+
+# ------------------------------------------------------------------ the checker can fail
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "megatron_lev"
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for d in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
+        (d / "__init__.py").touch()
+    return root
+
+
+PLANTED_LAYERS = (("utils",), ("model",), ("engine",))
+
+
+def test_a_planted_upward_import_is_caught(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "utils/io.py": "",
+            "model/gpt.py": "def build():\n    from megatron_lev.engine.pipeline import build_pipeline\n",
+            "engine/pipeline.py": "from megatron_lev.model import gpt\n",
+        },
+    )
+    wrong = upward_imports(root, PLANTED_LAYERS, ())
+    assert (
+        len(wrong) == 1 and "megatron_lev/model/gpt.py:2" in wrong[0] and "engine is above model" in wrong[0]
+    )
+    assert find_cycle(package_graph(root)) == ["engine", "model", "engine"]
+    assert upward_imports(root, PLANTED_LAYERS, (("model", "engine", "planted"),)) == []
+
+
+def test_a_planted_cycle_is_caught_even_when_a_row_allows_it(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "model/a.py": "from megatron_lev.model.b import x\n",
+            "model/b.py": "x = 1\n\n\ndef f():\n    from megatron_lev.model import a\n",
+            "engine/e.py": "'megatron_lev.utils.io:helper'\n",
+            "utils/io.py": "",
+        },
+    )
+    assert find_cycle(module_edges(root)) == [
+        "megatron_lev.model.a",
+        "megatron_lev.model.b",
+        "megatron_lev.model.a",
+    ]
+    # a callback spec string counts as an import; one under TYPE_CHECKING does not
+    assert ("engine", "utils") in package_edges(root)
+    (root / "utils" / "io.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from megatron_lev.engine import e\n"
+    )
+    assert upward_imports(root, PLANTED_LAYERS, ()) == []
+
+
+def test_a_package_missing_from_the_rows_is_caught(tmp_path):
+    root = _tree(tmp_path, {"model/gpt.py": "from megatron_lev.newpkg import thing\n", "newpkg/thing.py": ""})
+    wrong = upward_imports(root, PLANTED_LAYERS, ())
+    assert wrong and "missing from LAYERS" in wrong[0]
+
+
+@pytest.mark.parametrize(
+    "relative", ["from ..engine import pipeline\n", "from ..engine.pipeline import build\n"]
+)
+def test_a_relative_upward_import_is_caught(tmp_path, relative):
+    root = _tree(tmp_path, {"model/gpt.py": relative, "engine/pipeline.py": "build = 1\n", "utils/io.py": ""})
+    wrong = upward_imports(root, PLANTED_LAYERS, ())
+    assert wrong and "engine is above model" in wrong[0]
