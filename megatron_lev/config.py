@@ -32,6 +32,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 PARTITION_METHODS = ("parameters", "uniform")
 TOKENIZER_TYPES = ("hf", "sentencepiece", "tiktoken")
+# model.lev.id_order: which token gets which compositional digits (docs/model.md, "Token-id order")
+LEV_ID_ORDERS = ("bpe", "random", "frequency")
 
 
 # --------------------------------------------------------------------------- numeric ranges
@@ -102,6 +104,7 @@ RANGES: dict[str, Range] = {
     "model.lev.rank": _count(),
     "model.lev.chunk_size": _count(),
     "model.lev.w_out_init_scale": Range(0, why="multiplies the init std of W_out"),
+    "model.lev.id_order_seed": Range(0, 2**32 - 1, why="the seed of model.lev.id_order=random"),
     "model.input_init_rms": Range(
         0, lo_open=True, why="the input embedding's initial output RMS, or null for each variant's own init"
     ),
@@ -198,6 +201,12 @@ class LevConfig:
     recompute: bool = True  # recompute chunks in backward instead of storing activations
     w_out_init_scale: float = 1.0  # multiplies the spec's N(0, 0.02/sqrt(h)) init of W_out
     centred: bool = False  # G = sum_l (M_l - 1) W_out_l: drops the all-ones mode's shared vector
+    # token-id order (one of LEV_ID_ORDERS): the digits of token i are those of rank[i], a permutation
+    # stored with the model; "bpe": rank[i] = i (the spec), "random": seeded by id_order_seed,
+    # "frequency": by count in id_order_counts (a counts.npy; the run plan fills it from data.data_path)
+    id_order: str = "bpe"
+    id_order_seed: int = 0
+    id_order_counts: str | None = None
 
 
 @dataclass
@@ -231,6 +240,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         check_ranges(self, "model")
+        self._validate_id_order()
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} must be divisible by "
@@ -247,6 +257,23 @@ class ModelConfig:
             raise ConfigError(
                 f"model.num_kv_heads={self.num_kv_heads} must divide "
                 f"model.num_attention_heads={self.num_attention_heads}"
+            )
+
+    def _validate_id_order(self) -> None:
+        lev = self.lev
+        check_choice("model.lev.id_order", lev.id_order, LEV_ID_ORDERS)
+        if lev.id_order_counts is None:
+            return
+        if lev.id_order != "frequency":
+            raise ConfigError(
+                f"model.lev.id_order_counts={lev.id_order_counts!r} is set but model.lev.id_order="
+                f"{lev.id_order!r}: the counts rank token ids only for id_order=frequency; set "
+                "model.lev.id_order=frequency or unset model.lev.id_order_counts"
+            )
+        if not str(lev.id_order_counts).strip():
+            raise ConfigError(
+                "model.lev.id_order_counts is an empty string: give a counts.npy, or null to take "
+                "<first data.data_path prefix>.counts.npy"
             )
 
     @property

@@ -327,6 +327,8 @@ TRAINING_ONLY_MODEL_KEYS = {
     "lev.chunk_size",
     "lev.recompute",
     "lev.w_out_init_scale",
+    "lev.id_order_seed",  # the token order they made is stored in the checkpoint (`id_rank`)
+    "lev.id_order_counts",
     "input_init_rms",
 }
 

@@ -11,7 +11,8 @@ is refused. Every other key (seeds, data, batch sizes, optimizer settings) break
 an exact resume: refused unless the user names it with `--allow-change KEY`.
 
 A few `model.*` keys change neither the shapes nor the meaning of the saved weights:
-dropout rates and initialisation scales (used only before the first step) are free,
+dropout rates, initialisation scales and the sources of LEV's token order (its seed and counts
+file: the order itself is stored with the weights; used only before the first step) are free,
 and `model.seq_length` (rotary positions: no weight depends on it) is allowed with
 `--allow-change`, since the data is then cut into other samples.
 """
@@ -76,6 +77,8 @@ FREE_KEYS = frozenset(
         "model.attention_dropout",
         "model.init_std",
         "model.lev.w_out_init_scale",
+        "model.lev.id_order_seed",  # the token order is drawn at init and stored with the weights
+        "model.lev.id_order_counts",
         "model.input_init_rms",
     }
 )
