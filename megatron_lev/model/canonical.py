@@ -25,10 +25,13 @@ class ParamSpec:
     shape: tuple[int, ...]  # full shape (TP = 1)
     partition_dim: int | None  # None: replicated on every TP rank
     parts: tuple[int, ...] | None = None  # fused parts' full sizes along `partition_dim`
+    buffer: bool = False  # a persistent buffer (no gradient, no optimizer state), e.g. LEV's `id_rank`
 
 
 def canonical_state_dict_spec(model_cfg: ModelConfig, vocab_size: int) -> dict[str, ParamSpec]:
-    """Every parameter of the model for `model_cfg` and the padded `vocab_size`, by canonical name."""
+    """Every tensor of the model's state dict for `model_cfg` and the padded `vocab_size`, by canonical
+    name: the parameters, then (`buffer=True`, replicated on every TP rank) the persistent buffers,
+    such as the token-id order of LEV's codebooks (`embedding.codebooks.id_rank`)."""
     from megatron_lev.model.gpt import GPTModel
 
     tp = state.get_tensor_model_parallel_world_size()
@@ -46,7 +49,18 @@ def canonical_state_dict_spec(model_cfg: ModelConfig, vocab_size: int) -> dict[s
             specs[name] = ParamSpec(
                 name, tuple(shape), dim, tuple(parts) if parts and len(parts) > 1 else None
             )
+    for module_name, module in model.named_modules():
+        for bname, buf in module.named_buffers(recurse=False):
+            if buf is None or bname in module._non_persistent_buffers_set:
+                continue
+            name = f"{module_name}.{bname}" if module_name else bname
+            specs[name] = ParamSpec(name, tuple(buf.shape), None, buffer=True)
     return specs
+
+
+def parameter_specs(specs: dict[str, ParamSpec]) -> dict[str, ParamSpec]:
+    """The parameters of `specs` (what has gradients and optimizer state): buffers left out."""
+    return {name: spec for name, spec in specs.items() if not spec.buffer}
 
 
 def merge_tp_shards(spec: ParamSpec, shards: list[torch.Tensor]) -> torch.Tensor:

@@ -116,7 +116,8 @@ class InputEmbedding(nn.Module, abc.ABC):
     @torch.no_grad()
     def rescale_output_(self, target: float) -> float | None:
         """Scale the `output_parameters` in place so that `output_rms()` equals `target`; returns the
-        factor (None on the meta device, where there is nothing to measure). Collective under TP."""
+        factor (None on the meta device, where there is nothing to measure, and when the module
+        `awaits_checkpoint`, whose weights a checkpoint replaces). Collective under TP."""
         params = dict(self.named_parameters())
         names = [n for n in self.output_parameters if n in params]
         if not names:
@@ -124,7 +125,7 @@ class InputEmbedding(nn.Module, abc.ABC):
                 f"model.input_init_rms is set but model.embedding={self.name!r} names no final linear "
                 "parameter to rescale (output_parameters); set model.input_init_rms: null"
             )
-        if any(p.is_meta for p in params.values()):
+        if any(p.is_meta for p in params.values()) or self.awaits_checkpoint:
             return None
         rms = self.output_rms()
         if not (0.0 < rms < math.inf):
@@ -136,6 +137,12 @@ class InputEmbedding(nn.Module, abc.ABC):
         for name in names:
             params[name].mul_(factor)
         return factor
+
+    @property
+    def awaits_checkpoint(self) -> bool:
+        """True when the module was built without something only a checkpoint supplies (a `frequency`
+        token order whose counts file is not on this machine): it refuses to run until one is loaded."""
+        return any(getattr(m, "order_pending", False) for m in self.modules())
 
     def tied_output_weight(self) -> nn.Parameter | None:
         """The (vocab-parallel) table the output head reuses when `ties_output_head`; else None."""

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lev.config import ModelConfig
+from megatron_lev.config import LevConfig, ModelConfig
 from megatron_lev.errors import ConfigError
 from megatron_lev.model.embeddings.base import InputEmbedding, check_token_ids
 from megatron_lev.model.embeddings.lev import Codebooks, digit_base
@@ -242,18 +242,26 @@ class FactorizedMlpEmbedding(_CompressedEmbedding):
     output_parameters = ("mlp.down.weight",)
 
     def __init__(
-        self, vocab_size: int, hidden_size: int, k: int, d_seed: int, hidden: int, init_std: float = 0.02
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        k: int,
+        d_seed: int,
+        hidden: int,
+        init_std: float = 0.02,
+        lev: LevConfig | None = None,
     ):
         super().__init__()
         self.vocab_size, self.hidden_size, self.hidden = vocab_size, hidden_size, hidden
-        self.codebooks = Codebooks(vocab_size, k, d_seed, init_std)  # replicated
+        # replicated; LEV's token-id order (`lev.id_order`) too, so the seed z(i) is LEV's
+        self.codebooks = Codebooks(vocab_size, k, d_seed, init_std, lev)
         self.mlp = _MlpHead(d_seed, hidden, hidden_size, init_std)
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> FactorizedMlpEmbedding:
         _, hidden = cls.widths(model_cfg, vocab_size)
         lev = model_cfg.lev
-        return cls(vocab_size, model_cfg.hidden_size, lev.k, lev.d_seed, hidden, model_cfg.init_std)
+        return cls(vocab_size, model_cfg.hidden_size, lev.k, lev.d_seed, hidden, model_cfg.init_std, lev)
 
     @classmethod
     def widths(cls, model_cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:

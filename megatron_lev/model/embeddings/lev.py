@@ -20,8 +20,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron_lev.config import LevConfig, ModelConfig
-from megatron_lev.errors import ConfigError
+from megatron_lev.errors import CheckpointDataError, ConfigError
 from megatron_lev.model.embeddings.base import InputEmbedding, check_token_ids
+from megatron_lev.model.embeddings.id_order import BUFFER as ID_RANK
+from megatron_lev.model.embeddings.id_order import check_permutation, initial_ranks, pending_error
 from megatron_lev.model.embeddings.lev_constants import GROUP, LOG_EPS, SAFE_FACTOR, SAFE_RANGE
 from megatron_lev.model.embeddings.spline import active_basis
 from megatron_lev.parallel import state
@@ -70,18 +72,48 @@ def lev_parameter_count(vocab_size: int, hidden_size: int, lev: LevConfig) -> in
 
 
 class Codebooks(nn.Module):
-    """`k` shared codebooks `C_j (b x d_seed)`; the seed of token i is `z(i) = sum_j C_j[i_j]`."""
+    """`k` shared codebooks `C_j (b x d_seed)`; the seed of token i is `z(i) = sum_j C_j[i_j]`.
 
-    def __init__(self, vocab_size: int, k: int, d_seed: int, init_std: float):
+    With a token-id order other than `bpe` (`lev.id_order`, see `id_order.py`) the digits are those
+    of `id_rank[i]`, a permutation stored as the persistent buffer `id_rank` (replicated on every TP
+    rank, like the codebooks); with `bpe` nothing is stored and the module is the spec's.
+    """
+
+    def __init__(self, vocab_size: int, k: int, d_seed: int, init_std: float, lev: LevConfig | None = None):
         super().__init__()
-        self.k, self.base = k, digit_base(vocab_size, k)
+        self.k, self.base, self.vocab_size = k, digit_base(vocab_size, k), vocab_size
         self.weight = nn.Parameter(torch.empty(k * self.base, d_seed))  # rows of C_0, then C_1, ...
         nn.init.normal_(self.weight, mean=0.0, std=init_std)
+        self.lev = lev
+        rank, self.order_pending = initial_ranks(lev, vocab_size) if lev is not None else (None, False)
+        self.id_rank: torch.Tensor | None
+        if rank is None:
+            self.id_rank = None  # bpe: no buffer, so checkpoints and exports are those of the spec
+        else:
+            self.register_buffer(ID_RANK, rank.to(self.weight.device))  # persistent: saved and loaded
+
+    def digit_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """The ids whose digits token `ids` take: `id_rank[ids]`, or `ids` in bpe order."""
+        if self.id_rank is None:
+            return ids
+        if self.order_pending:
+            raise pending_error(self.lev, "the model")
+        return self.id_rank[ids.long()]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, d_seed)
-        digits = token_digits(ids, self.base, self.k)  # (N, k)
+        digits = token_digits(self.digit_ids(ids), self.base, self.k)  # (N, k)
         offsets = torch.arange(self.k, device=ids.device) * self.base
         return F.embedding(digits + offsets, self.weight).sum(dim=-2)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        key = prefix + ID_RANK
+        if self.id_rank is not None and key in state_dict:
+            try:
+                check_permutation(self.id_rank, self.vocab_size, key)
+            except ValueError as exc:
+                raise CheckpointDataError(f"{exc}: the checkpoint is damaged or from another model") from None
+            self.order_pending = False  # a checkpoint's order replaces the placeholder
 
 
 class _PhiBlocks:
@@ -357,7 +389,7 @@ class LevEmbedding(InputEmbedding):
         self.local_heads = h // tp
         self.head_offset = tp_rank * self.local_heads
         hl = self.local_heads
-        self.codebooks = Codebooks(vocab_size, lev.k, d, init_std)  # replicated
+        self.codebooks = Codebooks(vocab_size, lev.k, d, init_std, lev)  # replicated (with its token order)
         # per head l: W_l (d x d), LayerNorm_l, delta_l (d x kappa x r), W_out_l (r x D)
         self.proj = nn.Parameter(torch.empty(hl, d, d))
         self.norm_weight = nn.Parameter(torch.empty(hl, d))
