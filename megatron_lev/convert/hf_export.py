@@ -52,6 +52,7 @@ from megatron_lev.engine.checkpoint_files import (
 )
 from megatron_lev.errors import UserError
 from megatron_lev.log import get_logger
+from megatron_lev.model.embeddings.id_order import BUFFER as ID_RANK
 
 log = get_logger(__name__)
 
@@ -259,6 +260,9 @@ def hf_tensors(src: SourceCheckpoint, canonical, dtype: torch.dtype, keep_lev: b
     embedding: dict[str, torch.Tensor] = {}
     for name, tensor in canonical:
         if keep_lev and name.startswith("embedding."):  # LEV kept as a layer: same names under embed_tokens
+            if name.rsplit(".", 1)[-1] == ID_RANK:  # the token order of the exported ids, exact (int64)
+                yield "model.embed_tokens." + name.removeprefix("embedding."), tensor[: src.vocab_size]
+                continue
             yield "model.embed_tokens." + name.removeprefix("embedding."), tensor.to(dtype)
             continue
         if name.startswith("embedding.") and not dense:
@@ -278,7 +282,7 @@ def materialized_table(src: SourceCheckpoint, params: dict[str, torch.Tensor]) -
     from megatron_lev.model.embeddings import build_input_embedding
 
     module = build_input_embedding(src.cfg.model, src.padded_vocab).float()
-    module.load_state_dict({k: v.float() for k, v in params.items()}, strict=True)
+    module.load_state_dict({k: _fp32(v) for k, v in params.items()}, strict=True)
     module.eval()
     return module.materialize()[: src.vocab_size]
 
@@ -289,9 +293,20 @@ def source_model(src: SourceCheckpoint, progress: bool = True) -> torch.nn.Modul
 
     with torch.device("meta"):  # the loss leaves the padding rows out, as in training and the export
         model = GPTModel(src.cfg.model, src.padded_vocab, true_vocab_size=src.vocab_size)
-    state = {name: t.float() for name, t in iter_canonical(src, progress)}
+    state = {name: _fp32(t) for name, t in iter_canonical(src, progress)}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """Weights in fp32; integer buffers (LEV's token order `id_rank`) exactly as stored."""
+    return t.float() if t.is_floating_point() else t
+
+
+def stored_buffers(src: SourceCheckpoint, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent buffers of `model` (the source model) by canonical name, e.g. LEV's token order."""
+    state = model.state_dict()
+    return {name: state[name] for name, spec in src.specs.items() if spec.buffer}
 
 
 def lev_config(src: SourceCheckpoint) -> dict:
@@ -315,6 +330,7 @@ def lev_config(src: SourceCheckpoint) -> dict:
         "lev_rank": lev.rank,
         "lev_residual": lev.residual,
         "lev_centred": lev.centred,
+        "lev_id_order": lev.id_order,  # not bpe: the weights hold it (`embed_tokens.codebooks.id_rank`)
         "lev_chunk_size": 256,
     }
 
@@ -333,6 +349,7 @@ def validate_export(
     ids = validation_ids(src.vocab_size, src.cfg.model.seq_length)
     model = source_model(src, progress)
     reference = source_stages(model, ids, src.vocab_size)
+    buffers = stored_buffers(src, model)  # the probe keeps the checkpoint's token order
     del model  # one model in memory at a time
     try:
         hf = AutoModelForCausalLM.from_pretrained(
@@ -347,18 +364,24 @@ def validate_export(
     del hf
     tol = TOLERANCE[dtype]
     report = compare_stages(reference, exported, atol=tol, rtol=tol)
-    report.probe_max_abs_diff = probe_export(src, hf_dir, remote_code).max_abs_diff
+    report.probe_max_abs_diff = probe_export(src, hf_dir, remote_code, buffers).max_abs_diff
     return report
 
 
-def probe_model(src: SourceCheckpoint, ids: torch.Tensor, seed: int = 0) -> torch.nn.Module:
+def probe_model(
+    src: SourceCheckpoint, ids: torch.Tensor, seed: int = 0, buffers: dict[str, torch.Tensor] | None = None
+) -> torch.nn.Module:
     """The source's `GPTModel` with large random weights: matrices of gain `PROBE_GAIN` (sharp attention,
     so rope_theta and the head layout matter), norm gains 1 +- 0.5, and the input embedding scaled to
-    RMS sqrt(norm_eps) (so the norms' eps matters). A trained checkpoint may show none of these yet."""
+    RMS sqrt(norm_eps) (so the norms' eps matters). A trained checkpoint may show none of these yet.
+    `buffers` (`stored_buffers`): the checkpoint's persistent buffers, e.g. LEV's token order, which a
+    model built from the config alone may not have (a `frequency` order's counts file)."""
     from megatron_lev.model.gpt import GPTModel
 
     torch.manual_seed(seed)
     model = GPTModel(src.cfg.model, src.padded_vocab).float().eval()
+    if buffers:
+        model.load_state_dict(buffers, strict=False)
     gen = torch.Generator().manual_seed(seed)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -379,13 +402,19 @@ def probe_model(src: SourceCheckpoint, ids: torch.Tensor, seed: int = 0) -> torc
     return model
 
 
-def probe_export(src: SourceCheckpoint, hf_dir: Path, remote_code: bool = False) -> ValidationReport:
-    """Convert a probe model (`probe_model`) with the export's own mapping, load it into a model built
-    from the export's config.json, and compare every stage with the probe (fp32)."""
+def probe_export(
+    src: SourceCheckpoint,
+    hf_dir: Path,
+    remote_code: bool = False,
+    buffers: dict[str, torch.Tensor] | None = None,
+) -> ValidationReport:
+    """Convert a probe model (`probe_model`, with the checkpoint's `buffers`) with the export's own
+    mapping, load it into a model built from the export's config.json, and compare every stage with
+    the probe (fp32)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     ids = validation_ids(src.vocab_size, src.cfg.model.seq_length, seed=1)
-    model = probe_model(src, ids)
+    model = probe_model(src, ids, buffers=buffers)
     reference = source_stages(model, ids, src.vocab_size)
     state = dict(hf_tensors(src, model.state_dict().items(), torch.float32, keep_lev=remote_code))
     del model

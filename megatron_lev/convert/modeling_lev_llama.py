@@ -6,7 +6,9 @@ The math follows the LEV spec: compositional digits -> summed codebooks (seed z)
 `u = sigmoid(LayerNorm(W z))` -> normalised quadratic B-spline basis on `kappa` knots ->
 `phi = sum_m B_m(u) (1 + delta_m)` -> rank-r separable product over the seed coordinates
 (`sign * exp(sum log(|phi| + 1e-9))`) -> `sum_l M_l @ W_out_l` (+ optional `W_res z`); with
-`lev_centred`, `sum_l (M_l - 1) @ W_out_l`.
+`lev_centred`, `sum_l (M_l - 1) @ W_out_l`. With a token-id order other than `bpe` (`lev_id_order`:
+`random`, `frequency`) token i takes the digits of `id_rank[i]`, a permutation stored with the weights
+(`model.embed_tokens.codebooks.id_rank`, int64, one entry per token id).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ class LevLlamaConfig(LlamaConfig):
         lev_residual: bool = False,
         lev_chunk_size: int = 256,
         lev_centred: bool = False,
+        lev_id_order: str = "bpe",
         **kwargs,
     ):
         self.lev_centred = lev_centred
+        self.lev_id_order = lev_id_order
         self.lev_k, self.lev_base, self.lev_d_seed, self.lev_heads = lev_k, lev_base, lev_d_seed, lev_heads
         self.lev_kappa, self.lev_rank, self.lev_residual, self.lev_chunk_size = (
             lev_kappa,
@@ -48,12 +52,18 @@ class LevLlamaConfig(LlamaConfig):
 
 
 class _Codebooks(nn.Module):
-    def __init__(self, k: int, base: int, d_seed: int):
+    def __init__(self, k: int, base: int, d_seed: int, vocab_size: int, id_order: str = "bpe"):
         super().__init__()
         self.k, self.base = k, base
         self.weight = nn.Parameter(torch.zeros(k * base, d_seed))  # rows of C_0, then C_1, ...
+        if id_order != "bpe":  # token i takes the digits of id_rank[i] (loaded with the weights)
+            self.register_buffer("id_rank", torch.arange(vocab_size, dtype=torch.int64))
+        else:
+            self.id_rank = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, d_seed)
+        if self.id_rank is not None:
+            ids = self.id_rank[ids]
         powers = self.base ** torch.arange(self.k, device=ids.device)
         digits = (ids.unsqueeze(-1) // powers) % self.base + torch.arange(
             self.k, device=ids.device
@@ -77,7 +87,9 @@ class LevEmbedding(nn.Module):
         h, d, r, kappa = config.lev_heads, config.lev_d_seed, config.lev_rank, config.lev_kappa
         self.kappa, self.chunk = kappa, config.lev_chunk_size
         self.centred = getattr(config, "lev_centred", False)
-        self.codebooks = _Codebooks(config.lev_k, config.lev_base, d)
+        self.codebooks = _Codebooks(
+            config.lev_k, config.lev_base, d, config.vocab_size, getattr(config, "lev_id_order", "bpe")
+        )
         self.proj = nn.Parameter(torch.zeros(h, d, d))
         self.norm_weight = nn.Parameter(torch.ones(h, d))
         self.norm_bias = nn.Parameter(torch.zeros(h, d))

@@ -15,6 +15,7 @@ from megatron_lev.convert.merge import merge_shards
 from megatron_lev.convert.source import SourceCheckpoint
 from megatron_lev.engine.checkpoint_files import CheckpointError
 from megatron_lev.engine.optimizer_files import MOMENTS, local_states
+from megatron_lev.model.canonical import parameter_specs
 
 
 @dataclass
@@ -37,13 +38,14 @@ def read_optimizer_state(src: SourceCheckpoint) -> OptimizerState:
         raise CheckpointError(
             f"{src.tag_dir}: the optimizer's step differs between parameters ({sorted(steps)})"
         )
-    unknown = sorted(set(by_name) - set(src.specs))
+    params = parameter_specs(src.specs)  # buffers (LEV's token order) have no optimizer state
+    unknown = sorted(set(by_name) - set(params))
     if unknown:
         raise CheckpointError(
             f"{src.tag_dir}: optimizer state for {len(unknown)} parameter(s) the model does not have, "
             f"e.g. {unknown[:3]}: the checkpoint is from another model"
         )
-    missing = sorted(set(src.specs) - set(by_name))
+    missing = sorted(set(params) - set(by_name))
     if missing:
         raise CheckpointError(
             f"{src.tag_dir}: no optimizer state for {len(missing)} parameter(s), e.g. {missing[:3]}"

@@ -40,6 +40,7 @@ from megatron_lev.convert.source import SourceCheckpoint, iter_canonical, open_c
 from megatron_lev.engine.checkpoint_files import CheckpointError, load_file
 from megatron_lev.engine.plan import validate_config
 from megatron_lev.model.canonical import canonical_state_dict_spec
+from megatron_lev.model.embeddings.id_order import BUFFER as ID_RANK
 from megatron_lev.model.vocab import padded_vocab_size
 
 _DS_KEYS = {
@@ -77,9 +78,12 @@ def target_config(cfg: RunConfig, tp: int, pp: int, dp: int) -> RunConfig:
 
 
 def adapt_rows(name: str, tensor: torch.Tensor, want: tuple[int, ...], vocab: int) -> torch.Tensor:
-    """Re-pad a vocabulary table's rows for another TP size (rows >= `vocab` are padding)."""
+    """Re-pad a vocabulary table's rows for another TP size (rows >= `vocab` are padding); a token
+    order (`id_rank`) is re-padded as a permutation (`adapt_ranks`)."""
     if tuple(tensor.shape) == want:
         return tensor
+    if name.rsplit(".", 1)[-1] == ID_RANK:
+        return adapt_ranks(name, tensor, want[0], vocab)
     if tensor.shape[1:] == torch.Size(want[1:]) and tensor.shape[0] >= vocab and want[0] >= vocab:
         return pad_rows(tensor[:vocab], want[0])
     raise CheckpointError(
@@ -87,6 +91,22 @@ def adapt_rows(name: str, tensor: torch.Tensor, want: tuple[int, ...], vocab: in
         "padding changed something other than padding rows (e.g. LEV's digit base): keep "
         "model.make_vocab_size_divisible_by x TP the same"
     )
+
+
+def adapt_ranks(name: str, rank: torch.Tensor, padded: int, vocab: int) -> torch.Tensor:
+    """A token order (`rank[i]`: whose digits token i takes) for another padded vocabulary: the real
+    ids `< vocab` keep their ranks (so the model computes the same rows for them) and the padding
+    ids take the remaining ranks of `range(padded)` in increasing order. Refused when a real id's
+    rank does not fit the new size."""
+    real = rank[:vocab]
+    if len(real) and int(real.max()) >= padded:
+        raise CheckpointError(
+            f"{name}: the token order gives a real token rank {int(real.max())}, which does not fit the "
+            f"new padded vocabulary of {padded}: keep model.make_vocab_size_divisible_by x TP the same"
+        )
+    free = torch.ones(padded, dtype=torch.bool)
+    free[real] = False
+    return torch.cat([real, free.nonzero().flatten().to(rank.dtype)])
 
 
 def _client_state(src: SourceCheckpoint) -> tuple[dict, int]:
@@ -176,6 +196,10 @@ def fill_from_source(
             for param in local[name]:
                 param.copy_(shard.to(param.dtype))
         filled.add(name)
+    for part in parts:  # a token order copied in is the checkpoint's: a `frequency` model may now run
+        for module in part.modules():
+            if getattr(module, "order_pending", False):
+                module.order_pending = False
     missing = sorted(set(local) - filled)
     if missing:
         raise CheckpointError(f"the target model has parameters the source lacks: {missing[:3]}")
@@ -192,6 +216,8 @@ def optimizer_shards(
     specs = canonical_state_dict_spec(cfg.model, padded_vocab_size(src.vocab_size, cfg.model, tp))
     out = {}
     for name, params in local.items():
+        if specs[name].buffer:  # no moments (LEV's token order)
+            continue
         full = dict(optim.moments[name])
         if name in optim.master:
             full["master"] = optim.master[name]
@@ -212,7 +238,8 @@ def reference_loss(src: SourceCheckpoint, cfg: RunConfig, ids: torch.Tensor) -> 
     with torch.device("meta"):
         model = GPTModel(cfg.model, padded, seed=cfg.train.seed, true_vocab_size=src.vocab_size)
     state = {
-        n: adapt_rows(n, t.float(), specs[n].shape, src.vocab_size) for n, t in iter_canonical(src, False)
+        n: adapt_rows(n, t.float() if t.is_floating_point() else t, specs[n].shape, src.vocab_size)
+        for n, t in iter_canonical(src, False)
     }
     model.load_state_dict(state, strict=True, assign=True)
     with torch.no_grad():
@@ -304,4 +331,4 @@ def reshard(
     return out / latest, ref, got
 
 
-__all__ = ["reshard", "target_config", "adapt_rows", "fill_from_source", "reference_loss"]
+__all__ = ["reshard", "target_config", "adapt_rows", "adapt_ranks", "fill_from_source", "reference_loss"]

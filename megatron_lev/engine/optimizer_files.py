@@ -176,12 +176,15 @@ def _group_names(names: list[tuple[str, int]], param_groups: list[dict], path) -
 
 
 def _layer_params(src) -> dict[int, dict[int, list[tuple[str, tuple[int, ...]]]]]:
-    """{layer index: {TP rank: [(canonical name, shape)]}} from the layer files; a second copy of a
-    tied stage (no file of its own) is the first copy's."""
+    """{layer index: {TP rank: [(canonical name, shape)]}} of the parameters in the layer files (their
+    persistent buffers, such as LEV's token order, left out); a second copy of a tied stage (no file
+    of its own) is the first copy's."""
+    buffers = {name for name, spec in src.specs.items() if spec.buffer}
     out = {}
     for idx, by_rank in src.files.layer_files.items():
         out[idx] = {
-            r: [(k, tuple(v.shape)) for k, v in src.layer_state(p).items()] for r, p in by_rank.items()
+            r: [(k, tuple(v.shape)) for k, v in src.layer_state(p).items() if k not in buffers]
+            for r, p in by_rank.items()
         }
     for idx, first in src.shared_layers().items():
         out[idx] = out[first]
