@@ -10,7 +10,9 @@ Each rule runs once per run, here and nowhere else on the way to the trainer:
 `RunConfig.validate` (the config's generic rules), the variant's own (`check_config`, and
 `check_vocab` at the padded vocabulary once it is known), and the trainer's (device, token
 budget, evaluation split, data and tokenizer paths). The padded vocabulary, the batch layout
-and the DeepSpeed JSON are computed once and travel in the `RunPlan`.
+and the DeepSpeed JSON are computed once and travel in the `RunPlan`; so does the config with what
+the run derives into it (`model.lev.id_order_counts` for a `frequency` token order): `plan.cfg` is
+the config the run records and builds from.
 
 `validate_config` is the part that does not depend on training (generic and variant rules),
 for commands that read a run config without training it.
@@ -20,9 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from megatron_lev.ckpt.layout import list_checkpoints
 from megatron_lev.config import RunConfig
+from megatron_lev.data.manifest import manifest_path
 from megatron_lev.engine.config import build_ds_config
 from megatron_lev.errors import ConfigError
 from megatron_lev.model.embeddings import embedding_class
@@ -86,6 +91,7 @@ def validate_run(
     vocabulary's rules too (else `plan.with_vocab` once the tokenizer is read)."""
     padded = _model_rules(cfg, world_size)
     _training_rules(cfg, cuda)
+    cfg = with_id_order_counts(cfg)
     ds_config = build_ds_config(cfg, world_size)  # refuses a template that conflicts with the run
     plan = RunPlan(
         cfg=cfg,
@@ -129,6 +135,54 @@ def _vocab_rules(cfg: RunConfig, vocab: int) -> int:
     # e.g. a compressed baseline's minimum width
     embedding_class(cfg.model.embedding).check_vocab(cfg.model, padded)
     return padded
+
+
+def id_order_counts_path(cfg: RunConfig) -> str:
+    """The counts file a `frequency` token order ranks ids by: `model.lev.id_order_counts`, else
+    `<first data.data_path prefix>.counts.npy` (what `megatron-lev preprocess` writes)."""
+    if cfg.model.lev.id_order_counts is not None:
+        return cfg.model.lev.id_order_counts
+    paths = cfg.data.data_path
+    return f"{paths[0] if len(paths) == 1 else paths[1]}.counts.npy"  # [prefix] or [w, prefix, ...]
+
+
+def with_id_order_counts(cfg: RunConfig) -> RunConfig:
+    """`cfg` with `model.lev.id_order_counts` filled in for `model.lev.id_order=frequency` (recorded in the
+    run's config.yaml); refused in one line when the file is missing and the run starts fresh.
+
+    Only a fresh model reads the file (the order is stored with the weights), so it is not needed
+    when the save or load directory holds a complete checkpoint to resume; nor refused when the
+    counts would come from the training data and that is not there yet either (a grid checks its
+    runs before it preprocesses the data; the dataset reports missing data)."""
+    lev = cfg.model.lev
+    if lev.id_order != "frequency":
+        return cfg
+    path = id_order_counts_path(cfg)
+    if not Path(path).is_file() and not _has_checkpoint(cfg):
+        prefix = path.removesuffix(".counts.npy")
+        derived = lev.id_order_counts is None
+        if not derived or manifest_path(prefix).is_file() or Path(f"{prefix}.idx").is_file():
+            how = (
+                f"the training data {prefix} has no {Path(path).name} (written by `megatron-lev preprocess`)"
+                if derived
+                else "it is not there"
+            )
+            raise ConfigError(
+                f"model.lev.id_order=frequency ranks token ids by their training counts, but "
+                f"model.lev.id_order_counts={path!r}: {how}; rerun `megatron-lev preprocess`, set "
+                "model.lev.id_order_counts to the training split's counts.npy, or choose another "
+                "model.lev.id_order"
+            )
+    if lev.id_order_counts is not None:
+        return cfg
+    model = dataclasses.replace(cfg.model, lev=dataclasses.replace(lev, id_order_counts=path))
+    return dataclasses.replace(cfg, model=model)
+
+
+def _has_checkpoint(cfg: RunConfig) -> bool:
+    """Whether the run's save or load directory holds a complete checkpoint (it would resume)."""
+    save = cfg.train.save or str(Path(cfg.logging.output_dir) / "checkpoints")  # as the trainer does
+    return any(c.complete for root in (save, cfg.train.load) if root for c in list_checkpoints(root))
 
 
 def _training_rules(cfg: RunConfig, cuda: bool) -> None:

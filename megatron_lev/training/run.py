@@ -99,6 +99,7 @@ def _pretrain(
             )
     else:
         plan = validate_run(cfg, world, cuda=torch.cuda.is_available())
+    cfg = plan.cfg  # with what the plan derived into it (e.g. model.lev.id_order_counts): recorded below
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     state.initialize_model_parallel(tp, pp)
     dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
