@@ -380,6 +380,18 @@ def _check_blend(key: str, paths: list[str]) -> None:
 
 
 @dataclass
+class ParamGroupRule:
+    """Optimizer settings for the parameters whose canonical name matches `pattern` (a shell-style
+    glob such as `embedding.*` or `embedding.out_proj`); the first matching rule of
+    `train.param_groups` applies."""
+
+    pattern: str = ""
+    lr_mult: float = 1.0  # the group's learning rate is the schedule's times this
+    weight_decay: float | None = None  # its matrices' decay (1-D, norms, biases: 0); None: train.weight_decay
+    adam_eps: float | None = None  # None: train.adam_eps
+
+
+@dataclass
 class TrainConfig:
     micro_batch_size: int = 4
     global_batch_size: int | None = None  # None: micro_batch_size x DP (no accumulation)
@@ -408,6 +420,7 @@ class TrainConfig:
     eval_iters: int = 10
     max_consecutive_skips: int = 10  # non-finite steps in a row before the run stops
     callbacks: list[str] = field(default_factory=list)  # extra trainer callbacks, "module:Class"
+    param_groups: list[ParamGroupRule] = field(default_factory=list)  # per-pattern lr/decay/eps
 
     def validate(self) -> None:
         check_ranges(self, "train")
@@ -418,6 +431,16 @@ class TrainConfig:
                     f"train.callbacks[{i}]={spec!r} must be 'module:Class' (an importable module and a "
                     "Callback class in it), e.g. 'my_probes.grad:GradProbe'"
                 )
+        for i, rule in enumerate(self.param_groups):
+            key = f"train.param_groups[{i}]"
+            if not rule.pattern.strip():
+                raise ConfigError(f"{key}.pattern is empty: give a glob of parameter names, e.g. embedding.*")
+            if not rule.lr_mult > 0:
+                raise ConfigError(f"{key}.lr_mult={rule.lr_mult} must be > 0 (it scales the learning rate)")
+            if rule.weight_decay is not None and rule.weight_decay < 0:
+                raise ConfigError(f"{key}.weight_decay={rule.weight_decay} must be >= 0 (0 exempts them)")
+            if rule.adam_eps is not None and not rule.adam_eps > 0:
+                raise ConfigError(f"{key}.adam_eps={rule.adam_eps} must be > 0")
         check_choice("train.precision", self.precision, PRECISIONS)
         check_choice("train.lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
         if self.train_iters is None and self.train_tokens is None and not self.chinchilla:

@@ -33,7 +33,7 @@ from megatron_lev.engine.checkpoint_files import ENGINE_HELPER_FILES
 from megatron_lev.engine.config import batch_layout, build_ds_config
 from megatron_lev.engine.loss import micro_batch_loss
 from megatron_lev.engine.mpu import TensorParallelMPU
-from megatron_lev.engine.pipeline import pipeline_batches
+from megatron_lev.engine.pipeline import STAGE_PREFIX, pipeline_batches
 from megatron_lev.engine.plan import RunPlan
 from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.errors import CheckpointDataError
@@ -79,10 +79,13 @@ def same_groups_on_every_stage(model: nn.Module, groups: list[dict]) -> list[dic
     rank would wait forever at the first step. With the filler every stage has both groups.
     """
     reference = next(model.parameters())
+    fillers = 0
     for group in groups:
         if not group["params"]:
             filler = nn.Parameter(torch.zeros(1, dtype=reference.dtype, device=reference.device))
-            model.register_parameter(GROUP_FILLER, filler)
+            # one name per empty group (several with train.param_groups): param_group_filler, _1, ...
+            model.register_parameter(GROUP_FILLER + (f"_{fillers}" if fillers else ""), filler)
+            fillers += 1
             group["params"].append(filler)
     return [g for g in groups if g["params"]]
 
@@ -117,7 +120,7 @@ class DeepSpeedEngine:
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_mult", 1.0)  # train.param_groups
 
     def weights_finite(self) -> torch.Tensor:
         """A device bool `()`: every weight this rank's optimizer updates (ZeRO: its partition) is finite."""
@@ -312,7 +315,10 @@ def build_engine(
     pipeline = cfg.parallel.pipeline_model_parallel_size > 1
     model = apply_activation_checkpointing(model, cfg.model)
     t = cfg.train
-    groups = param_groups(model, t.weight_decay, keep_empty=pipeline)
+    canonical = (lambda name: STAGE_PREFIX.sub("", name, count=1)) if pipeline else str
+    groups = param_groups(
+        model, t.weight_decay, keep_empty=pipeline, rules=t.param_groups, canonical=canonical
+    )
     if pipeline and uses_zero_optimizer_per_group(ds_config):
         groups = same_groups_on_every_stage(model, groups)
     groups = [g for g in groups if g["params"]]

@@ -21,16 +21,19 @@ A pipeline module names a parameter `<layer>.<canonical name>` (a tied stage's:
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import torch
 
 from megatron_lev.engine.checkpoint_files import CheckpointError, load_file
-from megatron_lev.optim import NO_DECAY_NAME_PARTS
+from megatron_lev.engine.pipeline import STAGE_PREFIX
+from megatron_lev.optim import GROUP_NAMES, group_name
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-FILLER = "param_group_filler"  # engine.deepspeed_engine.GROUP_FILLER: a zero parameter in no layer file
+FILLER = (
+    "param_group_filler"  # engine.deepspeed_engine.GROUP_FILLER (+ _1, ...): zero parameters in no layer file
+)
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_STAGE_PREFIX = re.compile(r"^(?:\d+|tied_modules\.[^.]+)\.")  # a pipeline module's layer (or tied) prefix
 
 
 def local_states(src) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
@@ -49,10 +52,10 @@ def local_states(src) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     local = _zero12_local(src, optim) if optim else _zero0_local(src)
     out = {}
     for (mp, name), entry in local.items():
-        if name == FILLER:
+        if name.startswith(FILLER):  # param_group_filler, param_group_filler_1, ...
             continue
         # ZeRO-1/2 files name a parameter as the pipeline module does; ZeRO-0's come canonical already
-        key = _STAGE_PREFIX.sub("", name, count=1) if src.files.kind == "pipeline" else name
+        key = STAGE_PREFIX.sub("", name, count=1) if src.files.kind == "pipeline" else name
         out.setdefault((mp, key), entry)
     return out
 
@@ -104,10 +107,6 @@ def _zero12_local(src, optim: dict) -> dict[tuple[int, str], dict[str, torch.Ten
     return out
 
 
-def _no_decay(name: str, ndim: int) -> bool:
-    return ndim < 2 or any(part in name.lower() for part in NO_DECAY_NAME_PARTS)
-
-
 def _zero0_local(src) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     """{(mp rank, module name): {step, exp_avg, exp_avg_sq}} from the `optimizer` of each mp_rank file."""
     files = sorted(src.tag_dir.glob("mp_rank_*_model_states.pt"))
@@ -139,10 +138,12 @@ def _zero0_local(src) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
             names = [(n, t.ndim) for n, t in state["module"].items() if n not in buffers]
         else:
             first = next_layer if mp % tp == 0 else first_of_stage
-            names, last = _stage_names(layers, tied, first, mp % tp, shapes, opt["param_groups"], path)
+            names, last = _stage_names(
+                layers, tied, first, mp % tp, shapes, opt["param_groups"], path, src.cfg.train.param_groups
+            )
             if mp % tp == 0:
                 first_of_stage, next_layer = first, last + 1
-        groups = _group_names(names, opt["param_groups"], path)
+        groups = _group_names(names, opt["param_groups"], path, src.cfg.train.param_groups)
         for g, group in enumerate(opt["param_groups"]):
             for index, name in zip(group["params"], groups[g], strict=True):
                 entry = opt["state"].get(index)
@@ -154,18 +155,21 @@ def _zero0_local(src) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     return out
 
 
-def _group_names(names: list[tuple[str, int]], param_groups: list[dict], path) -> list[list[str]]:
-    """The module names of each optimizer group, in the order `training.optim.param_groups` put them."""
-    by_kind = {
-        "decay": [n for n, d in names if not _no_decay(n, d)],
-        "no_decay": [n for n, d in names if _no_decay(n, d)],
-    }
-    for members in by_kind.values():
-        if not members:
-            members.append(FILLER)
+def _group_names(
+    names: list[tuple[str, int]], param_groups: list[dict], path, rules: Sequence = ()
+) -> list[list[str]]:
+    """The module names of each optimizer group, in the order `optim.param_groups` put them (`rules`:
+    the checkpoint's `train.param_groups`)."""
+    by_group: dict[str, list[str]] = {}
+    for n, d in names:
+        by_group.setdefault(group_name(n, d, rules), []).append(n)
+    for name in GROUP_NAMES:  # a stage without one of the default groups holds a filler
+        by_group.setdefault(name, [FILLER])
     out = []
     for group in param_groups:
-        members = by_kind.get(group.get("name"))
+        members = by_group.get(group.get("name"))
+        if members is None and group.get("name", "").startswith("rule"):
+            members = [FILLER]  # a rule's group this stage has no parameter of
         if members is None or len(members) != len(group["params"]):
             raise CheckpointError(
                 f"{path}: optimizer group {group.get('name')!r} holds {len(group['params'])} "
@@ -192,7 +196,7 @@ def _layer_params(src) -> dict[int, dict[int, list[tuple[str, tuple[int, ...]]]]
 
 
 def _stage_names(
-    layers, tied: set[int], first: int, rank: int, shapes, param_groups, path
+    layers, tied: set[int], first: int, rank: int, shapes, param_groups, path, rules: Sequence = ()
 ) -> tuple[list[tuple[str, int]], int]:
     """The parameter names of the stage starting at layer `first` whose optimizer holds `shapes`, and its last
     layer: the layer range is grown until the groups' shapes match (DeepSpeed saves no stage boundaries).
@@ -205,7 +209,7 @@ def _stage_names(
         names = [(n, len(s)) for n, s in ordered]
         shape_of = dict(ordered)
         try:
-            groups = _group_names(names, param_groups, path)
+            groups = _group_names(names, param_groups, path, rules)
         except CheckpointError:
             continue
         want = [[shape_of.get(n, (1,)) for n in g] for g in groups]

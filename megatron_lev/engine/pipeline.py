@@ -24,6 +24,7 @@ Activation checkpointing is DeepSpeed's (`activation_checkpoint_interval`), reco
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterator
 
 import torch
@@ -34,6 +35,7 @@ from megatron_lev.engine.recompute import checkpointed
 from megatron_lev.model.loss import lm_loss, real_vocab_size
 from megatron_lev.model.stages import BlockStage, StageSpec, stage_specs
 
+STAGE_PREFIX = re.compile(r"^(?:\d+|tied_modules\.[^.]+)\.")  # a PipelineModule's layer (or tied) prefix
 TIED_WEIGHT_ATTR = "tied_weight"  # what a shared stage calls the tensor its copies share (StageSpec)
 
 

@@ -211,3 +211,25 @@ def _training_rules(cfg: RunConfig, cuda: bool) -> None:
         )
     if not cfg.data.tokenizer_path and cfg.data.tokenizer_type != "tiktoken":
         raise ConfigError("data.tokenizer_path is not set: the tokenizer defines the vocabulary and EOD")
+    _param_group_rules(cfg)
+
+
+def _param_group_rules(cfg: RunConfig) -> None:
+    """Every `train.param_groups` pattern matches some parameter of the model (a typo would silently
+    leave the rule unused); names are the canonical ones, the same on every layout."""
+    if not cfg.train.param_groups:
+        return
+    import fnmatch
+
+    from megatron_lev.model.canonical import canonical_state_dict_spec
+
+    specs = canonical_state_dict_spec(cfg.model, cfg.model.make_vocab_size_divisible_by)
+    names = [name for name, spec in specs.items() if not spec.buffer]
+    for i, rule in enumerate(cfg.train.param_groups):
+        if not any(fnmatch.fnmatchcase(name, rule.pattern) for name in names):
+            shown = ", ".join(sorted({n.rsplit(".", 1)[0] for n in names if not n.startswith("layers.")})[:6])
+            raise ConfigError(
+                f"train.param_groups[{i}].pattern={rule.pattern!r} matches no parameter of this model "
+                f"(model.embedding={cfg.model.embedding}); names look like layers.0.attention.qkv.weight, "
+                f"{shown}: e.g. 'embedding.*' or 'embedding.out_proj'"
+            )

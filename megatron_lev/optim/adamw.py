@@ -10,7 +10,9 @@ saw inf/NaN. Every rank must therefore call `step()` equally often: see
 
 from __future__ import annotations
 
+import fnmatch
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,24 +43,56 @@ def all_finite(tensors) -> torch.Tensor:
     return torch.isfinite(torch.stack(maxima).amax())
 
 
-def param_groups(model: nn.Module, weight_decay: float, keep_empty: bool = False) -> list[dict]:
-    """Two groups: decayed matrices, and undecayed norms, biases and other 1-D parameters.
+def decays(name: str, ndim: int) -> bool:
+    """Whether weight decay applies: matrices, except those named like a norm or a bias."""
+    return ndim >= 2 and not any(part in name.lower() for part in NO_DECAY_NAME_PARTS)
 
-    An empty group is dropped unless `keep_empty` (the caller then fills it).
+
+def group_name(name: str, ndim: int, rules: Sequence = ()) -> str:
+    """The optimizer group of parameter `name`: `decay` / `no_decay`, or `rule<i>.decay` /
+    `rule<i>.no_decay` for the first of `rules` (`train.param_groups`) whose pattern matches it."""
+    kind = "decay" if decays(name, ndim) else "no_decay"
+    for i, rule in enumerate(rules):
+        if fnmatch.fnmatchcase(name, rule.pattern):
+            return f"rule{i}.{kind}"
+    return kind
+
+
+def group_names(rules: Sequence = ()) -> list[str]:
+    """Every group name, in the optimizer's order: the two default groups, then two per rule."""
+    return [*GROUP_NAMES, *(f"rule{i}.{kind}" for i in range(len(rules)) for kind in GROUP_NAMES)]
+
+
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    keep_empty: bool = False,
+    rules: Sequence = (),
+    canonical: Callable[[str], str] = str,
+) -> list[dict]:
+    """Decayed matrices and undecayed norms, biases and other 1-D parameters; with `rules`
+    (`train.param_groups`), two more groups per rule, each with its `lr_mult` (read by the engine's
+    `set_lr`), weight decay and Adam epsilon.
+
+    `canonical` maps a module's parameter name to the model's canonical one (a pipeline prefixes
+    its layer index), which the rules' patterns match. An empty group is dropped unless `keep_empty`
+    (the caller then fills it).
     """
-    decay, no_decay = [], []
+    members: dict[str, list] = {name: [] for name in group_names(rules)}
     for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        lowered = name.lower()
-        if param.ndim < 2 or any(part in lowered for part in NO_DECAY_NAME_PARTS):
-            no_decay.append(param)
-        else:
-            decay.append(param)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
-        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
-    ]
+        if param.requires_grad:
+            members[group_name(canonical(name), param.ndim, rules)].append(param)
+    groups = []
+    for name, params in members.items():
+        rule = rules[int(name[4 : name.index(".")])] if name.startswith("rule") else None
+        decay = weight_decay if rule is None or rule.weight_decay is None else rule.weight_decay
+        matrices = not name.endswith("no_decay")
+        group = {"params": params, "weight_decay": decay if matrices else 0.0, "name": name}
+        if rule is not None:
+            group["lr_mult"] = rule.lr_mult
+            if rule.adam_eps is not None:
+                group["eps"] = rule.adam_eps
+        groups.append(group)
     return groups if keep_empty else [g for g in groups if g["params"]]
 
 

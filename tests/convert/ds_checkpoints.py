@@ -35,7 +35,9 @@ PIPELINE_VARIANTS = ("tied", "lev")
 ZERO3_VARIANT = "albert"
 
 
-def run_config(embedding: str, tokenizer: str, tp: int, pp: int, zero: int, precision: str = "fp32"):
+def run_config(
+    embedding: str, tokenizer: str, tp: int, pp: int, zero: int, precision: str = "fp32", extra=()
+):
     return load_config(
         None,
         SMALL
@@ -46,6 +48,7 @@ def run_config(embedding: str, tokenizer: str, tp: int, pp: int, zero: int, prec
             f"parallel.pipeline_model_parallel_size={pp}",
             f"parallel.zero_stage={zero}",
             f"train.precision={precision}",
+            *extra,
         ],
     )
 

@@ -1,9 +1,10 @@
 """Resharding keeps Adam's state: TP=2 x PP=2 -> TP=1 continues with the unresharded run's losses.
 
-A run trains 2 steps at TP=2 x PP=2 (the trainer's engine: two weight-decay groups,
-GuardedAdamW) and saves. Continued for 3 more steps on fixed batches, it gives the same
-losses at TP=1 from the resharded checkpoint as at TP=2 x PP=2 from the original, which
-holds only if exp_avg, exp_avg_sq and the step survive; with the moments dropped they differ.
+A run trains 2 steps at TP=2 x PP=2 (the trainer's engine, GuardedAdamW: two weight-decay groups,
+or six with a `train.param_groups` rule only one stage has parameters of) and saves. Continued for
+3 more steps on fixed batches, it gives the same losses at TP=1 from the resharded checkpoint as at
+TP=2 x PP=2 from the original, which holds only if exp_avg, exp_avg_sq and the step survive; with
+the moments dropped they differ.
 """
 
 from __future__ import annotations
@@ -49,14 +50,18 @@ def _train(engine, batches: list[torch.Tensor]) -> list[float]:
     return [float(engine.train_batch(iter([(ids[:, :-1], ids[:, 1:])])).loss) for ids in batches]
 
 
-def train_and_save(root: str, tokenizer: str, zero: int) -> None:
+# a rule only the first pipeline stage has parameters of: the other stage's rule groups hold fillers
+RULES = ("train.param_groups=[{pattern: 'layers.0.*', lr_mult: 0.5, adam_eps: 1e-6}]",)
+
+
+def train_and_save(root: str, tokenizer: str, zero: int, extra=()) -> None:
     """Collective over 4 ranks: TP=2 x PP=2, `TRAINED` steps, saved as the trainer saves (iteration,
     data position)."""
     from megatron_lev.ckpt.io import save_checkpoint
     from megatron_lev.parallel import state
     from tests.convert.ds_checkpoints import run_config
 
-    cfg = run_config("tied", tokenizer, 2, 2, zero)
+    cfg = run_config("tied", tokenizer, 2, 2, zero, extra=extra)
     engine = _engine(cfg)
     _train(engine, _batches(TRAINED, 0))
     client = {"train_state": {"iteration": TRAINED, "consumed_samples": 4 * TRAINED, "consumed_tokens": 0}}
@@ -80,12 +85,11 @@ def resume_and_train(root: str) -> tuple[list[float], dict]:
     return losses, client
 
 
-@pytest.fixture(scope="module", params=[1], ids=["zero1"])
+@pytest.fixture(scope="module", params=[(1, ()), (1, RULES)], ids=["zero1", "zero1-param-groups"])
 def source(request, tmp_path_factory, tokenizer_path):
-    root = tmp_path_factory.mktemp(f"optim_zero{request.param}") / "src"
-    run_distributed(
-        train_and_save, world_size=4, args=(str(root), tokenizer_path, request.param), timeout=900
-    )
+    zero, extra = request.param
+    root = tmp_path_factory.mktemp(f"optim_zero{zero}") / "src"
+    run_distributed(train_and_save, world_size=4, args=(str(root), tokenizer_path, zero, extra), timeout=900)
     reference = run_distributed(resume_and_train, world_size=4, args=(str(root),), timeout=900)[0][0]
     return root, reference
 
