@@ -9,6 +9,7 @@ before the engine loads.
 from __future__ import annotations
 
 import errno
+import os
 import pickle
 import random
 import shutil
@@ -118,8 +119,30 @@ def _disk_full(exc: BaseException, directory: Path) -> bool:
         return False
 
 
+def _not_writable(exc: BaseException) -> OSError | None:
+    """The OSError in `exc`'s chain that says a file system or directory refuses writes."""
+    e: BaseException | None = exc
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _save_failed(exc: BaseException, root: Path, path: Path) -> None:
-    """Raise DiskFullError naming `path` if `exc` came from a full disk (freeing our partial save)."""
+    """Raise DiskFullError naming `path` if `exc` came from a full disk (freeing our partial save),
+    CheckpointDataError if the save directory refuses writes (read-only or without permission)."""
+    refused = _not_writable(exc)
+    if refused is not None:
+        previous, _ = read_latest(root)
+        kept = f"{root / previous} is unchanged" if previous else "there is no earlier checkpoint"
+        reason = "a read-only file system" if refused.errno == errno.EROFS else "permission denied"
+        where = f" ({refused.filename})" if refused.filename else ""
+        raise CheckpointDataError(
+            f"saving checkpoint {path} failed: train.save={root} is not writable ({reason}{where}); "
+            f"{kept}; make the directory writable or set train.save to a writable directory, then rerun"
+            + (f" to resume from {previous}" if previous else "")
+        ) from exc
     if not _disk_full(exc, root):
         return
     previous, _ = read_latest(root)
@@ -138,12 +161,26 @@ def _save_failed(exc: BaseException, root: Path, path: Path) -> None:
 
 
 def _save_error(exc: BaseException, root: Path, path: Path) -> BaseException:
-    """The error to report for a failed save step: DiskFullError for a full disk, else `exc`."""
+    """The error to report for a failed save step: DiskFullError for a full disk, CheckpointDataError
+    for a directory that refuses writes, else `exc`."""
     try:
         _save_failed(exc, root, path)
-    except DiskFullError as full:
-        return full
+    except (DiskFullError, CheckpointDataError) as known:
+        return known
     return exc
+
+
+def check_save_dir(save_dir: str | PathLike) -> None:
+    """Refuse at start a save directory (or, while it does not exist, the directory it would be
+    created in) that refuses writes, rather than after the first steps."""
+    where = Path(save_dir)
+    while not where.exists() and where.parent != where:
+        where = where.parent
+    if where.is_dir() and not os.access(where, os.W_OK):
+        raise CheckpointDataError(
+            f"train.save={save_dir} is not writable ({where} refuses writes: a read-only file system "
+            "or no permission); make it writable or set train.save to a writable directory"
+        )
 
 
 def save_checkpoint(

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from megatron_lev.ckpt.io import check_save_dir
 from megatron_lev.config import RunConfig
 from megatron_lev.data.batches import make_loader, token_batches
 from megatron_lev.engine.build import build_model
@@ -112,6 +113,7 @@ def _pretrain(
     save_dir = cfg.train.save or str(out / "checkpoints")
     load_dir = cfg.train.load or save_dir
     resume = plan_resume(load_dir, save_dir, cfg, allow_changes, DeepSpeedEngine.owned_files())
+    check_save_dir(save_dir)
     if rank == 0:
         log.info("resolved config saved to %s", cfg.save(out))
 
