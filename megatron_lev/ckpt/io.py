@@ -35,6 +35,7 @@ from megatron_lev.ckpt.layout import (
     read_marker,
     tag_for,
 )
+from megatron_lev.ckpt.provenance import PROVENANCE_FILE
 from megatron_lev.errors import CheckpointDataError
 from megatron_lev.log import get_logger
 from megatron_lev.utils import dist as ranks
@@ -190,9 +191,13 @@ def save_checkpoint(
     client_state: dict[str, Any],
     keep_last: int,
     config_yaml: str | None = None,
+    provenance: dict[str, Any] | None = None,
 ) -> Path:
     """Collective: save through the engine (`Engine.save`), then (after a barrier) checksum every file
-    into the completion marker, point `latest`, prune. A step that fails on one rank raises on every rank."""
+    into the completion marker, point `latest`, prune. A step that fails on one rank raises on every rank.
+
+    `config_yaml` and `provenance` (`ckpt.provenance`: the data and tokenizer the weights were trained
+    on) are written by rank 0 into the tag directory, covered by the marker's checksums."""
     root = Path(root)
     tag = tag_for(iteration)
     path = root / tag
@@ -224,6 +229,8 @@ def save_checkpoint(
         atomic_save_torch(capture_rng_state(), path / f"rng_state_rank{ranks.rank()}.pt")
         if ranks.rank() == 0 and config_yaml is not None:
             atomic_write_text(path / CONFIG_FILE, config_yaml)
+        if ranks.rank() == 0 and provenance is not None:
+            atomic_write_json(path / PROVENANCE_FILE, provenance)
     except Exception as exc:  # noqa: BLE001 - a full disk surfaces as OSError or torch's RuntimeError
         error = _save_error(exc, root, path)
     ranks.raise_on_every_rank(error)  # every rank's files are on disk

@@ -10,7 +10,8 @@ its part of the model with `build_model`, copies in its TP shard of every tensor
 trainer does (`engine.deepspeed_engine.build_engine`, `engine.config.build_ds_config`) and
 saves through `ckpt.io.save_checkpoint`, so the result is a native
 checkpoint the trainer resumes from (model weights, iteration, client state such as
-the data position, hence the learning-rate schedule).
+the data position, hence the learning-rate schedule, and the source's `provenance.json`: the
+data and tokenizer the weights were trained on, which a resume compares).
 
 Adam's state is carried (`optimizer_state`): each parameter's `exp_avg` / `exp_avg_sq` is
 merged from the source's ZeRO-0/1/2 files with the parameter's TP rules, split for the
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_lev.ckpt.provenance import read_provenance, warn_unrecorded
 from megatron_lev.config import RunConfig, from_dict
 from megatron_lev.convert.llama_names import pad_rows
 from megatron_lev.convert.merge import split_full
@@ -109,8 +111,10 @@ def reshard_worker(
     cfg_yaml: str,
     check_ids: torch.Tensor | None,
     optim: OptimizerState | None = None,
+    provenance: dict | None = None,
 ) -> float | None:
-    """Collective on the target layout: build, fill, save, and (optionally) reload and measure the loss."""
+    """Collective on the target layout: build, fill, save (with the source's `provenance` record), and
+    (optionally) reload and measure the loss."""
     import yaml
 
     from megatron_lev.ckpt.io import load_checkpoint, save_checkpoint, tag_for
@@ -135,7 +139,15 @@ def reshard_worker(
             engine.load_optimizer_moments(optimizer_shards(local, optim, src, cfg), optim.step)
         client, iteration = _client_state(src)
         engine.global_steps = iteration
-        save_checkpoint(engine, out_root, iteration, client, keep_last=10**6, config_yaml=cfg.to_yaml())
+        save_checkpoint(
+            engine,
+            out_root,
+            iteration,
+            client,
+            keep_last=10**6,
+            config_yaml=cfg.to_yaml(),
+            provenance=provenance,
+        )
         if check_ids is None:
             return None
         torch.manual_seed(cfg.train.seed)
@@ -270,6 +282,9 @@ def reshard(
     optim = (
         read_optimizer_state(src) if optimizer else None
     )  # after the weights: a damaged file is named first
+    provenance = read_provenance(src.tag_dir)  # carried as it is: the weights were trained on the same data
+    if provenance is None:
+        warn_unrecorded(src.tag_dir, "the resharded checkpoint will record none either")
     work = out.with_name(f".{out.name}.partial")
     shutil.rmtree(work, ignore_errors=True)  # a dead earlier run's
     world = tp * pp * dp
@@ -286,6 +301,7 @@ def reshard(
                 cfg.to_yaml(),
                 ids,
                 optim,
+                provenance,
             ),
         )
         got = losses[0]
