@@ -156,10 +156,11 @@ class Ctx:
         preprocess_into(self.w.prefix, self.w.fortunes, self.w.tokenizer)
 
     def replace_tokenizer(self) -> None:
-        """The file at the run's tokenizer path replaced by one with two ids swapped (same size)."""
+        """The file at the run's tokenizer path replaced by one with the ids of " the" and " and"
+        swapped: the same size and EOD, other ids for common words (and for the probe text)."""
         data = json.loads(self.w.tokenizer.read_text())
         vocab = data["model"]["vocab"]
-        vocab["the"], vocab["and"] = vocab["and"], vocab["the"]
+        vocab["\u0120the"], vocab["\u0120and"] = vocab["\u0120and"], vocab["\u0120the"]
         self.w.tokenizer.write_text(json.dumps(data))
 
     def heldout_copy(self) -> Path:
