@@ -293,20 +293,24 @@ def main(args: argparse.Namespace) -> int:
     # the task files are read before the model is loaded, so bad input is refused at once
     lambada = {path: read_lambada(path, args.max_docs) for path in args.lambada}
     wikitext = {path: split_wikitext(path, args.max_docs) for path in args.wikitext}
-    _verify_shard_sets(args.data)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     name = args.name or Path(args.model).name
     hf = is_hf_model_dir(args.model)
-    if hf:
-        model_fn = hf_model_fn(args.model, args.device, args.dtype, args.trust_remote_code)
-        seq_len, vocab = hf_sequence_length(args.model), hf_vocab_size(args.model)
-    else:
+    if not hf:  # what a look at the directory tells, before the data are hashed and the model loaded
+        from megatron_lev.engine.checkpoint_files import resolve_tag_dir
+
         model = Path(args.model)
         if model.is_dir() and (any(model.glob("*.safetensors")) or any(model.glob("pytorch_model*.bin"))):
             raise DataError(
                 f"{model} holds model weights but no config.json: not a complete Hugging Face model "
                 "directory; export it again (megatron-lev convert) or add its config.json"
             )
+        resolve_tag_dir(args.model, args.tag)
+    _verify_shard_sets(args.data)
+    if hf:
+        model_fn = hf_model_fn(args.model, args.device, args.dtype, args.trust_remote_code)
+        seq_len, vocab = hf_sequence_length(args.model), hf_vocab_size(args.model)
+    else:
         model_fn, seq_len, vocab = checkpoint_model_fn(args.model, args.tag, args.device)
     window = args.seq_len or seq_len
     if args.stride is not None and args.stride > window:

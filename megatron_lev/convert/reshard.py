@@ -283,8 +283,6 @@ def reshard(
         read_optimizer_state(src) if optimizer else None
     )  # after the weights: a damaged file is named first
     provenance = read_provenance(src.tag_dir)  # carried as it is: the weights were trained on the same data
-    if provenance is None:
-        warn_unrecorded(src.tag_dir, "the resharded checkpoint will record none either")
     work = out.with_name(f".{out.name}.partial")
     shutil.rmtree(work, ignore_errors=True)  # a dead earlier run's
     world = tp * pp * dp
@@ -317,6 +315,8 @@ def reshard(
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
+    if provenance is None:  # said after the work, so that a failure stays the only line
+        warn_unrecorded(src.tag_dir, "the resharded checkpoint records none either")
     return out / latest, ref, got
 
 

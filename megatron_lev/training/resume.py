@@ -261,6 +261,7 @@ def check_resume_provenance(path: str | os.PathLike, cfg, allow=(), current: dic
     (`ckpt.provenance.run_provenance`), built from `cfg.data` when not given. A checkpoint
     without a record is named in one warning."""
     from megatron_lev.ckpt.provenance import (
+        PROVENANCE_FILE,
         data_changes,
         read_provenance,
         run_provenance,
@@ -290,7 +291,7 @@ def check_resume_provenance(path: str | os.PathLike, cfg, allow=(), current: dic
         log.warning("resuming from %s although %s (allowed by --allow-change)", path, "; ".join(accepted))
     if changes:
         raise CheckpointDataError(
-            f"cannot resume from {path}: {'; '.join(changes)} (see {Path(path) / 'provenance.json'}); "
+            f"cannot resume from {path}: {'; '.join(changes)} (see {Path(path) / PROVENANCE_FILE}); "
             f"restore {' and '.join(what)} it was trained on, or pass {' '.join(flags)} to "
             "continue training on the new ones"
         )
