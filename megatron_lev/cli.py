@@ -172,6 +172,15 @@ def run_guarded(prog: str, fn, debug: bool = False) -> int:
         )
         return 1
     except OSError as exc:
+        if exc.errno == errno.EROFS and exc.filename is not None:
+            if debug:
+                raise
+            print(
+                f"{prog}: error: {exc.filename}: read-only file system; choose a writable directory "
+                "(--debug shows the traceback)",
+                file=sys.stderr,
+            )
+            return 1
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             if debug:
                 raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -50,17 +51,64 @@ def hf_model_fn(
             f"{model_dir} ships its own model code ({', '.join(code)}; e.g. a --keep-lev export): "
             "pass --trust-remote-code to run it, only if you trust that code"
         )
+    check_weight_files(model_dir)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
         )
+    except pickle.UnpicklingError:
+        raise DataError(_pickled_weights(Path(model_dir))) from None
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        bad = _failing_bin(Path(model_dir)) if isinstance(exc, RuntimeError) else None
+        if bad is not None:
+            raise DataError(
+                f"{bad}: not a readable PyTorch weights file ({str(exc).strip().splitlines()[0][:150]}): "
+                "it is truncated or damaged; copy or export the model again (megatron-lev convert)"
+            ) from None
         raise DataError(
             f"{model_dir}: transformers cannot load this model: {type(exc).__name__}: "
             f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
         ) from None
     model.to(device).eval()
     return lambda ids: model(input_ids=ids).logits
+
+
+def check_weight_files(model_dir: str | Path) -> None:
+    """Refuse a `*.safetensors` file of a model directory whose header cannot be read (truncated,
+    garbled, not safetensors), naming the file; only the headers are read."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as fh:
+                fh.keys()
+        except Exception as exc:  # safetensors raises its own SafetensorError (and OSError)
+            raise DataError(
+                f"{file}: not a readable safetensors file ({str(exc).strip()[:200]}): it is truncated "
+                "or damaged; copy or export the model again (megatron-lev convert)"
+            ) from None
+
+
+def _failing_bin(model_dir: Path) -> Path | None:
+    """The first `pytorch_model*.bin` of `model_dir` that does not load as plain tensors."""
+    for file in sorted(model_dir.glob("pytorch_model*.bin")):
+        try:
+            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001 - any failure marks the file to name
+            return file
+    return None
+
+
+def _pickled_weights(model_dir: Path) -> str:
+    """The message for a directory whose `pytorch_model*.bin` holds pickled objects besides tensors
+    (transformers loads them with `weights_only=True` and refuses): it names the file."""
+    culprit = _failing_bin(model_dir) or model_dir / "pytorch_model*.bin"
+    return (
+        f"{culprit}: a pickled PyTorch file holding Python objects besides tensors; refused to unpickle "
+        "it (that can run code from the file). Use the model's safetensors weights (save it with "
+        "safe_serialization=True where it came from) or export a training checkpoint with "
+        "`megatron-lev convert`"
+    )
 
 
 def checkpoint_model_fn(

@@ -9,6 +9,7 @@ before the engine loads.
 from __future__ import annotations
 
 import errno
+import os
 import pickle
 import random
 import shutil
@@ -34,6 +35,7 @@ from megatron_lev.ckpt.layout import (
     read_marker,
     tag_for,
 )
+from megatron_lev.ckpt.provenance import PROVENANCE_FILE
 from megatron_lev.errors import CheckpointDataError
 from megatron_lev.log import get_logger
 from megatron_lev.utils import dist as ranks
@@ -118,8 +120,30 @@ def _disk_full(exc: BaseException, directory: Path) -> bool:
         return False
 
 
+def _not_writable(exc: BaseException) -> OSError | None:
+    """The OSError in `exc`'s chain that says a file system or directory refuses writes."""
+    e: BaseException | None = exc
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _save_failed(exc: BaseException, root: Path, path: Path) -> None:
-    """Raise DiskFullError naming `path` if `exc` came from a full disk (freeing our partial save)."""
+    """Raise DiskFullError naming `path` if `exc` came from a full disk (freeing our partial save),
+    CheckpointDataError if the save directory refuses writes (read-only or without permission)."""
+    refused = _not_writable(exc)
+    if refused is not None:
+        previous, _ = read_latest(root)
+        kept = f"{root / previous} is unchanged" if previous else "there is no earlier checkpoint"
+        reason = "a read-only file system" if refused.errno == errno.EROFS else "permission denied"
+        where = f" ({refused.filename})" if refused.filename else ""
+        raise CheckpointDataError(
+            f"saving checkpoint {path} failed: train.save={root} is not writable ({reason}{where}); "
+            f"{kept}; make the directory writable or set train.save to a writable directory, then rerun"
+            + (f" to resume from {previous}" if previous else "")
+        ) from exc
     if not _disk_full(exc, root):
         return
     previous, _ = read_latest(root)
@@ -138,12 +162,26 @@ def _save_failed(exc: BaseException, root: Path, path: Path) -> None:
 
 
 def _save_error(exc: BaseException, root: Path, path: Path) -> BaseException:
-    """The error to report for a failed save step: DiskFullError for a full disk, else `exc`."""
+    """The error to report for a failed save step: DiskFullError for a full disk, CheckpointDataError
+    for a directory that refuses writes, else `exc`."""
     try:
         _save_failed(exc, root, path)
-    except DiskFullError as full:
-        return full
+    except (DiskFullError, CheckpointDataError) as known:
+        return known
     return exc
+
+
+def check_save_dir(save_dir: str | PathLike) -> None:
+    """Refuse at start a save directory (or, while it does not exist, the directory it would be
+    created in) that refuses writes, rather than after the first steps."""
+    where = Path(save_dir)
+    while not where.exists() and where.parent != where:
+        where = where.parent
+    if where.is_dir() and not os.access(where, os.W_OK):
+        raise CheckpointDataError(
+            f"train.save={save_dir} is not writable ({where} refuses writes: a read-only file system "
+            "or no permission); make it writable or set train.save to a writable directory"
+        )
 
 
 def save_checkpoint(
@@ -153,9 +191,13 @@ def save_checkpoint(
     client_state: dict[str, Any],
     keep_last: int,
     config_yaml: str | None = None,
+    provenance: dict[str, Any] | None = None,
 ) -> Path:
     """Collective: save through the engine (`Engine.save`), then (after a barrier) checksum every file
-    into the completion marker, point `latest`, prune. A step that fails on one rank raises on every rank."""
+    into the completion marker, point `latest`, prune. A step that fails on one rank raises on every rank.
+
+    `config_yaml` and `provenance` (`ckpt.provenance`: the data and tokenizer the weights were trained
+    on) are written by rank 0 into the tag directory, covered by the marker's checksums."""
     root = Path(root)
     tag = tag_for(iteration)
     path = root / tag
@@ -187,6 +229,8 @@ def save_checkpoint(
         atomic_save_torch(capture_rng_state(), path / f"rng_state_rank{ranks.rank()}.pt")
         if ranks.rank() == 0 and config_yaml is not None:
             atomic_write_text(path / CONFIG_FILE, config_yaml)
+        if ranks.rank() == 0 and provenance is not None:
+            atomic_write_json(path / PROVENANCE_FILE, provenance)
     except Exception as exc:  # noqa: BLE001 - a full disk surfaces as OSError or torch's RuntimeError
         error = _save_error(exc, root, path)
     ranks.raise_on_every_rank(error)  # every rank's files are on disk

@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep the LEV input layer (loaded with trust_remote_code=True) instead of a dense table",
     )
+    parser.add_argument(
+        "--allow-tokenizer-change",
+        action="store_true",
+        help="export with a tokenizer file other than the one the checkpoint records it was trained with",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -60,6 +65,7 @@ def main(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             progress=not args.no_progress,
             keep_lev=args.keep_lev,
+            allow_tokenizer_change=args.allow_tokenizer_change,
         )
     except ValidationError as exc:
         if getattr(args, "debug", False):

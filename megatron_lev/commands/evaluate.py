@@ -124,8 +124,14 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UserError("--stride and --detokenize apply to --wikitext; give --wikitext FILE")
 
 
-def _check_tokenizer(tokenizer, model: str, is_hf: bool, vocab: int | None, tag: str | None) -> None:
-    """Refuse a --tokenizer that is not the model's (another file) or yields ids the model has no row for."""
+def _check_tokenizer(
+    tokenizer, model: str, is_hf: bool, vocab: int | None, tag: str | None, trained: tuple | None = None
+) -> None:
+    """Refuse a --tokenizer that is not the model's (another file) or yields ids the model has no row for.
+
+    `trained`: (fingerprint, record file) a checkpoint's provenance holds; the tokenizer file must
+    be that one (the same sha256; for a run on a SentencePiece or tiktoken file, a tokenizer.json
+    that encodes alike), whatever the run's tokenizer path holds now."""
     from megatron_lev.errors import DataError
     from megatron_lev.utils.io import sha256_file
 
@@ -136,6 +142,26 @@ def _check_tokenizer(tokenizer, model: str, is_hf: bool, vocab: int | None, tag:
         )
     if tokenizer.file is None:
         return
+    if trained is not None:
+        fingerprint, record = trained
+        sha = sha256_file(tokenizer.file)
+        if sha == fingerprint["sha256"]:
+            return
+        diff = f"sha256 {sha[:12]}... != {fingerprint['sha256'][:12]}..."
+        if fingerprint.get("type") != "hf":  # a tokenizer.json converted from the run's file
+            from megatron_lev.data.tokenizers import TokenizerError, encoding_mismatch, tokenizer_fingerprint
+
+            try:
+                diff = encoding_mismatch(fingerprint, tokenizer_fingerprint("hf", tokenizer.file))
+            except TokenizerError as exc:
+                diff = str(exc)
+            if diff is None:
+                return
+        raise DataError(
+            f"--tokenizer {tokenizer.file} is not the model's tokenizer ({diff}; the checkpoint was "
+            f"trained with {fingerprint.get('path') or fingerprint.get('file')}, recorded in {record}); "
+            "pass the tokenizer file the run was trained with"
+        )
     reference = _model_tokenizer_file(model, is_hf, tag)
     if reference is None or not reference.is_file() or reference.resolve() == Path(tokenizer.file).resolve():
         return
@@ -161,23 +187,60 @@ def _model_tokenizer_file(model: str, is_hf: bool, tag: str | None) -> Path | No
     return _model_tokenizer(model, is_hf, tag)[1]
 
 
-def _check_shard_tokenizers(prefixes: list[str], reference: Path | None, tokenizer_type: str = "hf") -> None:
+def _trained_tokenizer(model: str, is_hf: bool, tag: str | None) -> tuple[dict, Path] | None:
+    """(tokenizer fingerprint, record file) a training checkpoint's provenance holds; None for a
+    Hugging Face directory or a checkpoint without a record (named in a warning)."""
+    if is_hf:
+        return None
+    from megatron_lev.ckpt.provenance import (
+        PROVENANCE_FILE,
+        read_provenance,
+        recorded_tokenizer,
+        warn_unrecorded,
+    )
+    from megatron_lev.engine.checkpoint_files import resolve_tag_dir
+
+    tag_dir = resolve_tag_dir(model, tag)
+    record = read_provenance(tag_dir)
+    if record is None:
+        warn_unrecorded(tag_dir, "the tokenizer is compared with the file the run's config names, if any")
+    fingerprint = recorded_tokenizer(record)
+    return (fingerprint, tag_dir / PROVENANCE_FILE) if fingerprint else None
+
+
+def _verify_shard_sets(prefixes: list[str]) -> None:
+    """Every --data shard against its set's manifest, as `train` and `build-indices` check it: a set
+    without one, or whose files differ from it (size, sha256), is refused."""
+    from megatron_lev.data.manifest import verify_shard_set
+
+    for prefix in prefixes:
+        verify_shard_set(prefix)
+
+
+def _check_shard_tokenizers(
+    prefixes: list[str], reference: Path | None, tokenizer_type: str = "hf", trained: tuple | None = None
+) -> None:
     """Refuse held-out shards whose manifest records another tokenizer than the model's.
 
     The same file (sha256) passes; another file passes when it tokenizes alike: the same
     vocabulary size, EOD id and ids of a probe text (`tokenizers.encoding_mismatch`), as for a
     tiktoken run's export, which holds the tokenizer.json converted from the run's tiktoken file.
-    A manifest that cannot be read is refused rather than skipped.
+    A manifest that cannot be read is refused rather than skipped. `trained`: (fingerprint, record
+    file) of a checkpoint's provenance, the reference instead of the file at the run's tokenizer path.
     """
     from megatron_lev.data.manifest import ShardSetError, find_manifest
     from megatron_lev.data.tokenizers import encoding_mismatch, tokenizer_fingerprint
     from megatron_lev.errors import DataError
     from megatron_lev.utils.io import sha256_file
 
-    if not prefixes or reference is None or not reference.is_file():
+    if trained is not None:
+        mine, _ = trained
+        sha, reference = mine["sha256"], Path(mine.get("path") or mine.get("file") or "?")
+    elif not prefixes or reference is None or not reference.is_file():
         return
-    sha = sha256_file(reference)
-    mine = None  # the model tokenizer's fingerprint, built at the first shard of another file
+    else:
+        sha = sha256_file(reference)
+        mine = None  # the model tokenizer's fingerprint, built at the first shard of another file
     for prefix in prefixes:
         try:
             path, manifest, _ = find_manifest(prefix)
@@ -233,25 +296,31 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     name = args.name or Path(args.model).name
     hf = is_hf_model_dir(args.model)
-    if hf:
-        model_fn = hf_model_fn(args.model, args.device, args.dtype, args.trust_remote_code)
-        seq_len, vocab = hf_sequence_length(args.model), hf_vocab_size(args.model)
-    else:
+    if not hf:  # what a look at the directory tells, before the data are hashed and the model loaded
+        from megatron_lev.engine.checkpoint_files import resolve_tag_dir
+
         model = Path(args.model)
         if model.is_dir() and (any(model.glob("*.safetensors")) or any(model.glob("pytorch_model*.bin"))):
             raise DataError(
                 f"{model} holds model weights but no config.json: not a complete Hugging Face model "
                 "directory; export it again (megatron-lev convert) or add its config.json"
             )
+        resolve_tag_dir(args.model, args.tag)
+    _verify_shard_sets(args.data)
+    if hf:
+        model_fn = hf_model_fn(args.model, args.device, args.dtype, args.trust_remote_code)
+        seq_len, vocab = hf_sequence_length(args.model), hf_vocab_size(args.model)
+    else:
         model_fn, seq_len, vocab = checkpoint_model_fn(args.model, args.tag, args.device)
     window = args.seq_len or seq_len
     if args.stride is not None and args.stride > window:
         raise UserError(f"--stride {args.stride} must be <= the window of {window} tokens (--seq-len)")
     tokenizer_type, reference = _model_tokenizer(args.model, hf, args.tag)
-    _check_shard_tokenizers(args.data, reference, tokenizer_type)
+    trained = _trained_tokenizer(args.model, hf, args.tag)
+    _check_shard_tokenizers(args.data, reference, tokenizer_type, trained)
     tokenizer = load_tokenizer(args.tokenizer or args.model) if text_flags else None
     if tokenizer is not None:
-        _check_tokenizer(tokenizer, args.model, hf, vocab, args.tag)
+        _check_tokenizer(tokenizer, args.model, hf, vocab, args.tag, trained)
     try:
         counts = load_counts(args.counts) if args.counts else None
     except ValueError as exc:

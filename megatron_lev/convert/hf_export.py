@@ -16,7 +16,10 @@ checkpoint); a failed validation leaves `<out>.invalid` for inspection and raise
 `ValidationError`, any other failure removes `<out>.partial`.
 
 Before any work, the model config used is compared with the one stored in the checkpoint,
-and the tokenizer with the training run's (sha256 of the file): differences are refused.
+and the tokenizer with the training run's: the fingerprint the checkpoint records in its
+`provenance.json` (`ckpt.provenance`), so a file replaced at the run's tokenizer path after
+training is refused (`allow_tokenizer_change` exports with it anyway); for a checkpoint without
+a record, the file the run's config names (sha256).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_lev.ckpt.provenance import PROVENANCE_FILE, read_provenance, warn_unrecorded
+from megatron_lev.ckpt.provenance import recorded_tokenizer as provenance_tokenizer
 from megatron_lev.convert.hf_writer import (
     DEFAULT_MAX_SHARD_BYTES,
     SafetensorsShardWriter,
@@ -91,11 +96,13 @@ def export_to_hf(
     overwrite: bool = False,
     progress: bool = True,
     keep_lev: bool = False,
+    allow_tokenizer_change: bool = False,
 ) -> ExportResult:
     """Convert, write, validate, then move the result into place (see the module docstring).
 
     `keep_lev`: keep the LEV layer (its parameters plus `modeling_lev_llama.py`, loaded with
     `trust_remote_code=True`) instead of materialising the dense table.
+    `allow_tokenizer_change`: export with a tokenizer other than the one the checkpoint records.
     """
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -103,7 +110,7 @@ def export_to_hf(
     tag_dir = resolve_tag_dir(checkpoint, tag)
     check_out_dir(out, overwrite, protect=[Path(checkpoint), tag_dir])
     run_cfg = find_run_config(tag_dir, config)
-    tok = run_tokenizer(tag_dir, run_cfg, tokenizer)
+    tok = run_tokenizer(tag_dir, run_cfg, tokenizer, allow_tokenizer_change)
     # the rows the run trained: model.vocab_size when set (>= the tokenizer's, as training requires)
     src = open_checkpoint(checkpoint, tag, config, vocab_size=run_cfg.model.vocab_size or tok.vocab_size)
     if keep_lev and src.cfg.model.embedding != "lev":
@@ -189,11 +196,13 @@ def recorded_tokenizer(stored_config: Path | None) -> dict | None:
     return None
 
 
-def run_tokenizer(tag_dir: Path, cfg, tokenizer: str | os.PathLike | None = None):
+def run_tokenizer(tag_dir: Path, cfg, tokenizer: str | os.PathLike | None = None, allow_change: bool = False):
     """The training run's tokenizer, or `tokenizer` after checking it is the same file (sha256).
 
-    The reference is the tokenizer named by the checkpoint's own config.yaml (and a fingerprint
-    recorded there, if any): exporting with another tokenizer gives a model that reads wrong ids.
+    The reference is the fingerprint the checkpoint records (`provenance.json`): exporting with
+    another tokenizer gives a model that reads wrong ids, so a differing file is refused unless
+    `allow_change`. Without a record (an older checkpoint): the tokenizer named by the checkpoint's
+    own config.yaml (and a fingerprint recorded there, if any).
     A model.vocab_size larger than the tokenizer's vocabulary is accepted, as training accepts it
     (the extra rows are exported and never produced by the tokenizer); a smaller one is refused.
     """
@@ -212,17 +221,35 @@ def run_tokenizer(tag_dir: Path, cfg, tokenizer: str | os.PathLike | None = None
         )
     tok = build_tokenizer(kind, path)
     given = tokenizer_fingerprint(kind, path, tok)
+    record = read_provenance(tag_dir)
+    trained = provenance_tokenizer(record)
+    if trained is not None:
+        diff = fingerprint_mismatch(trained, given)
+        if diff and not allow_change:
+            raise CheckpointError(
+                f"tokenizer {path} is not the one the run was trained with ({diff}; recorded in "
+                f"{tag_dir / PROVENANCE_FILE}): the file was replaced or edited since training; pass "
+                "the run's tokenizer with --tokenizer, or --allow-tokenizer-change to export with this one"
+            )
+        if diff:
+            log.warning("exporting with tokenizer %s although %s (--allow-tokenizer-change)", path, diff)
+        return _vocab_checked(tok, path, stored)
+    if record is None:
+        warn_unrecorded(tag_dir, "the tokenizer is compared with the file the run's config names, if any")
     expected = recorded_tokenizer(stored_path)
     where = f"data.tokenizer_path of {stored_path or 'the config'}"
     if expected is None and tokenizer and recorded_path and Path(recorded_path).is_file():
         expected = tokenizer_fingerprint(kind, recorded_path)
     if expected is not None:
         diff = fingerprint_mismatch(expected, given)
-        if diff:
+        if diff and not allow_change:
             raise CheckpointError(
                 f"tokenizer {path} is not the one the run was trained with ({where}: "
-                f"{recorded_path}): {diff}; pass the run's tokenizer with --tokenizer"
+                f"{recorded_path}): {diff}; pass the run's tokenizer with --tokenizer, or "
+                "--allow-tokenizer-change to export with this one"
             )
+        if diff:
+            log.warning("exporting with tokenizer %s although %s (--allow-tokenizer-change)", path, diff)
     elif tokenizer and recorded_path != str(tokenizer):
         log.warning(
             "cannot check --tokenizer %s against the run's (%s=%r is not on this machine)",
@@ -230,6 +257,11 @@ def run_tokenizer(tag_dir: Path, cfg, tokenizer: str | os.PathLike | None = None
             where,
             recorded_path,
         )
+    return _vocab_checked(tok, path, stored)
+
+
+def _vocab_checked(tok, path, stored):
+    """`tok`, unless the run's model.vocab_size is smaller than its vocabulary."""
     if stored.model.vocab_size and stored.model.vocab_size < tok.vocab_size:
         raise CheckpointError(
             f"tokenizer {path} has {tok.vocab_size} tokens but the run's model.vocab_size is "

@@ -10,7 +10,8 @@ its part of the model with `build_model`, copies in its TP shard of every tensor
 trainer does (`engine.deepspeed_engine.build_engine`, `engine.config.build_ds_config`) and
 saves through `ckpt.io.save_checkpoint`, so the result is a native
 checkpoint the trainer resumes from (model weights, iteration, client state such as
-the data position, hence the learning-rate schedule).
+the data position, hence the learning-rate schedule, and the source's `provenance.json`: the
+data and tokenizer the weights were trained on, which a resume compares).
 
 Adam's state is carried (`optimizer_state`): each parameter's `exp_avg` / `exp_avg_sq` is
 merged from the source's ZeRO-0/1/2 files with the parameter's TP rules, split for the
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_lev.ckpt.provenance import read_provenance, warn_unrecorded
 from megatron_lev.config import RunConfig, from_dict
 from megatron_lev.convert.llama_names import pad_rows
 from megatron_lev.convert.merge import split_full
@@ -129,8 +131,10 @@ def reshard_worker(
     cfg_yaml: str,
     check_ids: torch.Tensor | None,
     optim: OptimizerState | None = None,
+    provenance: dict | None = None,
 ) -> float | None:
-    """Collective on the target layout: build, fill, save, and (optionally) reload and measure the loss."""
+    """Collective on the target layout: build, fill, save (with the source's `provenance` record), and
+    (optionally) reload and measure the loss."""
     import yaml
 
     from megatron_lev.ckpt.io import load_checkpoint, save_checkpoint, tag_for
@@ -155,7 +159,15 @@ def reshard_worker(
             engine.load_optimizer_moments(optimizer_shards(local, optim, src, cfg), optim.step)
         client, iteration = _client_state(src)
         engine.global_steps = iteration
-        save_checkpoint(engine, out_root, iteration, client, keep_last=10**6, config_yaml=cfg.to_yaml())
+        save_checkpoint(
+            engine,
+            out_root,
+            iteration,
+            client,
+            keep_last=10**6,
+            config_yaml=cfg.to_yaml(),
+            provenance=provenance,
+        )
         if check_ids is None:
             return None
         torch.manual_seed(cfg.train.seed)
@@ -297,6 +309,7 @@ def reshard(
     optim = (
         read_optimizer_state(src) if optimizer else None
     )  # after the weights: a damaged file is named first
+    provenance = read_provenance(src.tag_dir)  # carried as it is: the weights were trained on the same data
     work = out.with_name(f".{out.name}.partial")
     shutil.rmtree(work, ignore_errors=True)  # a dead earlier run's
     world = tp * pp * dp
@@ -313,6 +326,7 @@ def reshard(
                 cfg.to_yaml(),
                 ids,
                 optim,
+                provenance,
             ),
         )
         got = losses[0]
@@ -328,6 +342,8 @@ def reshard(
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
+    if provenance is None:  # said after the work, so that a failure stays the only line
+        warn_unrecorded(src.tag_dir, "the resharded checkpoint records none either")
     return out / latest, ref, got
 
 

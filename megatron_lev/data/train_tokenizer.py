@@ -8,6 +8,7 @@ byte outside the learned pieces falls back to `<0xNN>` pieces instead of `<unk>`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Iterator
@@ -66,8 +67,17 @@ def train_sentencepiece(
         )
     out = Path(model_prefix)
     created = not out.parent.exists()
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp_prefix = out.parent / f".{out.name}.tmp.{os.getpid()}"
+    try:  # before the training, which takes a while: can the output be written at all?
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(f"{tmp_prefix}.probe", "wb"):
+            pass
+        os.unlink(f"{tmp_prefix}.probe")
+    except OSError as exc:
+        raise DataError(
+            f"--model-prefix {model_prefix}: cannot write in {out.parent} ({exc.strerror or exc}); "
+            "choose a writable directory"
+        ) from None
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter_training_lines(inputs, max_mb, json_key),
@@ -93,12 +103,18 @@ def train_sentencepiece(
         for ext in (".vocab", ".model"):  # the model last: its presence means a complete pair
             os.replace(f"{tmp_prefix}{ext}", f"{out}{ext}")
     except BaseException as exc:
-        for ext in (".vocab", ".model"):
-            Path(f"{tmp_prefix}{ext}").unlink(missing_ok=True)
-        if created and not any(out.parent.iterdir()):
-            out.parent.rmdir()
+        with contextlib.suppress(OSError):  # a failed clean-up must not hide the error that stopped us
+            for ext in (".vocab", ".model"):
+                Path(f"{tmp_prefix}{ext}").unlink(missing_ok=True)
+            if created and not any(out.parent.iterdir()):
+                out.parent.rmdir()
         if isinstance(exc, RuntimeError):
-            raise _training_error(exc, vocab_size) from None
+            raise _training_error(exc, vocab_size, out) from None
+        if isinstance(exc, OSError) and not isinstance(exc, DataError):
+            raise DataError(
+                f"--model-prefix {model_prefix}: writing {exc.filename or out} failed "
+                f"({exc.strerror or exc}); choose a writable directory with free space"
+            ) from None
         raise
     sp = spm.SentencePieceProcessor(model_file=f"{out}.model")
     return {
@@ -110,9 +126,14 @@ def train_sentencepiece(
     }
 
 
-def _training_error(exc: RuntimeError, vocab_size: int) -> DataError:
+def _training_error(exc: RuntimeError, vocab_size: int, out: Path | None = None) -> DataError:
     """SentencePiece's error as one line that says which flag to change."""
     text = " ".join(str(exc).split())
+    if re.search(r"PERMISSION_DENIED|Permission denied|Read-only file system|No space left", text):
+        return DataError(
+            f"--model-prefix {out}: SentencePiece cannot write its model ({text}); choose a writable "
+            "directory with free space"
+        )
     m = re.search(r"Vocabulary size (?:is )?too high \((\d+)\)\. Please set it to a value <= (\d+)", text)
     if m:
         return DataError(

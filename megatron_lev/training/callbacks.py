@@ -153,6 +153,7 @@ class Checkpointer(Callback):
         self.save_interval, self.keep_last = save_interval, keep_last
         self.save_initial = save_initial  # also save before the first step (iteration 0)
         self.saved_at = -1
+        self.provenance: dict | None = None  # `ckpt.provenance` record written with every save
 
     @classmethod
     def from_config(cls, train: TrainConfig, save_dir: str | None, load_dir: str | None) -> Checkpointer:
@@ -211,6 +212,7 @@ class Checkpointer(Callback):
             client,
             self.keep_last,
             config_yaml=trainer.cfg.to_yaml(),
+            provenance=self.provenance,
         )
         self.saved_at = trainer.state.iteration
 

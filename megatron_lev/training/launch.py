@@ -16,6 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_lev.errors import UserError
+
+
+class PortInUseError(UserError):
+    """The rendezvous port (MASTER_PORT) is taken by another process."""
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -104,9 +110,27 @@ def init_distributed(backend: str | None = None) -> DistEnv:
             "MASTER_PORT": str(port),
         }
     )
-    dist.init_process_group(
-        backend, rank=info.rank, world_size=info.world_size, init_method=f"tcp://{info.master_addr}:{port}"
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            rank=info.rank,
+            world_size=info.world_size,
+            init_method=f"tcp://{info.master_addr}:{port}",
+        )
+    except RuntimeError as exc:  # torch's DistNetworkError: the rendezvous store cannot listen
+        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+            if info.world_size == 1:
+                fix = ", or unset it (a single process then picks a free one)"
+            elif "SLURM_JOB_ID" in os.environ:
+                fix = " (slurm/pretrain.sbatch derives one from the job id and restart; export it to choose)"
+            else:
+                fix = ", or launch with scripts/torchrun_local.sh (torchrun --standalone), which picks one"
+            raise PortInUseError(
+                f"MASTER_PORT={port} is already in use on {info.master_addr} (another run or program "
+                f"listens there), so rank {info.rank} cannot start the rendezvous: set MASTER_PORT to a "
+                f"free port{fix}"
+            ) from None
+        raise
     return DistEnv(info.rank, info.world_size, info.local_rank, info.master_addr, port, info.source)
 
 

@@ -15,6 +15,11 @@ dropout rates, initialisation scales and the sources of LEV's token order (its s
 file: the order itself is stored with the weights; used only before the first step) are free,
 and `model.seq_length` (rotary positions: no weight depends on it) is allowed with
 `--allow-change`, since the data is then cut into other samples.
+
+Beyond the config, the checkpoint's `provenance.json` (`ckpt.provenance`) records the shard sets
+(their manifests' content digests), the blend and the tokenizer's fingerprint; a resume on other
+tokens under the same paths, or with another tokenizer file, is refused unless allowed with
+`--allow-change data` (which also allows every `data.*` key) or `--allow-change tokenizer`.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ FREE_KEYS = frozenset(
         "model.input_init_rms",
     }
 )
+DATA, TOKENIZER = "data", "tokenizer"  # --allow-change names for the provenance checks
 EXACT_KEYS = frozenset({"model.seq_length"})  # under a fixed prefix, yet allowed by --allow-change
 FIXED_PREFIXES = ("model.",)
 FIXED_KEYS = frozenset(
@@ -147,7 +153,7 @@ def judge(
         if kind == "fixed":
             fixed.append(key)
             verdict = "refused: the checkpoint's weights or optimizer states were saved with the old value"
-        elif kind == "exact" and key not in allow:
+        elif kind == "exact" and key not in allow and not (DATA in allow and key.startswith("data.")):
             exact.append(key)
             verdict = f"refused: the resume would not be exact; pass --allow-change {key} to accept"
         else:
@@ -251,6 +257,49 @@ def check_resume_config(path: str | os.PathLike, cfg, allow=()) -> None:
         )
 
 
+def check_resume_provenance(path: str | os.PathLike, cfg, allow=(), current: dict | None = None) -> None:
+    """Refuse to resume checkpoint `path` on other tokens (a shard set whose manifest describes
+    other content than the one recorded, another blend) or with another tokenizer file than it
+    records, unless `allow` holds `data` / `tokenizer`. `current`: the run's record
+    (`ckpt.provenance.run_provenance`), built from `cfg.data` when not given. A checkpoint
+    without a record is named in one warning."""
+    from megatron_lev.ckpt.provenance import (
+        PROVENANCE_FILE,
+        data_changes,
+        read_provenance,
+        run_provenance,
+        tokenizer_change,
+        warn_unrecorded,
+    )
+
+    recorded = read_provenance(path)
+    if recorded is None:
+        if ranks.rank() == 0:
+            warn_unrecorded(path, "the data and tokenizer are not compared with this run's")
+        return
+    current = current if current is not None else run_provenance(cfg.data)
+    changes, accepted, flags, what = [], [], [], []
+    for key, found, thing in (
+        (TOKENIZER, [tokenizer_change(recorded, current)], "the tokenizer file"),
+        (DATA, data_changes(recorded, current), "the shard sets"),
+    ):
+        found = [f for f in found if f]
+        if found and key in allow:
+            accepted += found
+        elif found:
+            changes += found
+            flags.append(f"--allow-change {key}")
+            what.append(thing)
+    if accepted and ranks.rank() == 0:
+        log.warning("resuming from %s although %s (allowed by --allow-change)", path, "; ".join(accepted))
+    if changes:
+        raise CheckpointDataError(
+            f"cannot resume from {path}: {'; '.join(changes)} (see {Path(path) / PROVENANCE_FILE}); "
+            f"restore {' and '.join(what)} it was trained on, or pass {' '.join(flags)} to "
+            "continue training on the new ones"
+        )
+
+
 def _resolved(path: str | os.PathLike) -> Path:
     """`path` absolute with symlinks resolved (as far as it exists), to compare two spellings of a
     directory."""
@@ -263,12 +312,14 @@ def plan_resume(
     cfg=None,
     allow=(),
     engine_files: Collection[str] = (),
+    provenance: dict | None = None,
 ) -> ResumePlan:
     """Collective: the newest checkpoint that verifies, looked for in `save_dir` first (a requeued run
     continues its own checkpoints), then `load_dir`; damaged ones are named and skipped. With none,
     checks that starting from scratch loses nothing (`engine_files`: what the engine writes beside
     its tags, `Engine.owned_files()`). Directories are compared resolved: a relative path or a
-    symlink naming `save_dir` is the same directory."""
+    symlink naming `save_dir` is the same directory. With `cfg`, the checkpoint's config and
+    provenance are compared with the run's (`provenance`: the run's record, if already built)."""
     roots: list[Path] = []
     for d in (save_dir, load_dir):
         if d and all(_resolved(d) != _resolved(r) for r in roots):
@@ -288,6 +339,7 @@ def plan_resume(
                     log.warning("resuming from %s instead of the damaged %s", root / tag, ", ".join(damaged))
                 if cfg is not None:
                     check_resume_config(root / tag, cfg, allow)
+                    check_resume_provenance(root / tag, cfg, allow, provenance)
                 if save_dir and _resolved(save_dir) != _resolved(root):  # from train.load: saves go elsewhere
                     check_fresh_start(save_dir, cfg, engine_files)
                 return ResumePlan(root, tag)

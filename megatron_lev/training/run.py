@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from megatron_lev.ckpt.io import check_save_dir
+from megatron_lev.ckpt.provenance import run_provenance
 from megatron_lev.config import RunConfig
 from megatron_lev.data.batches import make_loader, token_batches
 from megatron_lev.engine.build import build_model
@@ -112,7 +114,10 @@ def _pretrain(
     # which checkpoint (verified, config compared), or a fresh start that loses nothing: before the model
     save_dir = cfg.train.save or str(out / "checkpoints")
     load_dir = cfg.train.load or save_dir
-    resume = plan_resume(load_dir, save_dir, cfg, allow_changes, DeepSpeedEngine.owned_files())
+    # what the checkpoints record they were trained on (shard sets, blend, tokenizer); a resume compares it
+    provenance = run_provenance(cfg.data, tokenizer)
+    resume = plan_resume(load_dir, save_dir, cfg, allow_changes, DeepSpeedEngine.owned_files(), provenance)
+    check_save_dir(save_dir)
     if rank == 0:
         log.info("resolved config saved to %s", cfg.save(out))
 
@@ -155,6 +160,7 @@ def _pretrain(
 
     writer = MetricsWriter(out, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
     checkpointer = Checkpointer.from_config(cfg.train, save_dir, load_dir)
+    checkpointer.provenance = provenance
     callbacks = default_callbacks(cfg, writer, checkpointer, flops_per_token(cfg.model, vocab), watcher)
     callbacks += [cb for cb in (probe, wandb_callback(cfg, rank)) if cb is not None]
     callbacks += extra_callbacks

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from megatron_lev.analysis.corpora import text_documents
 from megatron_lev.cli import main as cli
 from megatron_lev.data.indexed import IndexedDatasetBuilder
+from megatron_lev.data.manifest import write_manifest
 
 
 def _reference_nll(model_dir, stream: np.ndarray, seq_len: int) -> np.ndarray:
@@ -37,6 +38,7 @@ def test_evaluate_mmidx_shard_with_buckets(tiny_llama, tmp_path):
     for d in docs:
         builder.add_document(d)
     builder.finalize()
+    write_manifest(tmp_path / "heldout_text_document", [str(tmp_path / "heldout_text_document")], {}, 299)
     counts = np.zeros(50277, dtype=np.int64)
     counts[:300] = rng.integers(0, 1_000_000, size=300)
     counts[300:] = 1

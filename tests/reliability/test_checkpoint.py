@@ -301,7 +301,9 @@ def test_checksums_cover_every_file_and_cost_little(trained):
     tag_dir = trained / "ckpt" / IT4
     marker = ck.read_marker(tag_dir)
     assert (
-        sorted(marker["files"]) == ck.checkpoint_files(tag_dir) == sorted([MODEL, OPTIM, RNG, "config.yaml"])
+        sorted(marker["files"])
+        == ck.checkpoint_files(tag_dir)
+        == sorted([MODEL, OPTIM, RNG, "config.yaml", "provenance.json"])
     )
     start = time.perf_counter()
     assert ck.verify_checkpoint(tag_dir) == []

@@ -497,11 +497,14 @@ def ev_task(flag: str, content: str | bytes | None, name: str, *extra):
 
 
 def shard(c: Ctx, ids) -> Path:
+    """A held-out shard set of one document with its manifest (no tokenizer recorded)."""
     from megatron_lev.data.indexed import IndexedDatasetBuilder
+    from megatron_lev.data.manifest import write_manifest
 
     builder = IndexedDatasetBuilder(c.tmp / "heldout", dtype=np.uint16)
     builder.add_document(np.asarray(ids))
     builder.finalize()
+    write_manifest(c.tmp / "heldout", [str(c.tmp / "heldout")], {}, int(max(ids)))
     return c.tmp / "heldout"
 
 
