@@ -232,6 +232,27 @@ def ckpt_intact(c: Ctx):
     assert (tag_of(c.tmp / "ckpt_tied") / "complete").exists() and not c.marker.exists()
 
 
+def planted(key: str, value: float, index=None, file: str = "layer_00-model_00-model_states.pt"):
+    """`prepare` for cv_on: parameter `key` of one layer file (a TP shard) set to `value` (at `index`,
+    or everywhere), and its checksum recorded again (the weights are wrong, not the file)."""
+
+    def prepare(c: Ctx, root: Path) -> None:
+        path = own(tag_of(root) / file)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if index is None:
+            state[key].fill_(value)
+        else:
+            state[key][index] = value
+        torch.save(state, path)
+        rerecord(path)
+
+    return prepare
+
+
+NAN_DELTA = planted("embedding.delta", float("nan"), (0, 3, 2, 1))  # a row few probe tokens reach
+HUGE_DELTA = planted("embedding.delta", 1e6)  # finite; the product over 8 coordinates overflows
+
+
 CONVERT = [
     pytest.param(
         Case(lambda c: ["convert", c.tmp / "nope", c.tmp / "out"], ("nope", "does not exist"), 1, no_output),
@@ -461,6 +482,62 @@ CONVERT = [
     ),
     pytest.param(
         Case(cv("--max-shard-size", "0"), ("--max-shard-size",), 2, no_output), id="max-shard-size-zero"
+    ),
+    pytest.param(
+        Case(
+            cv_on(NAN_DELTA, variant="lev"),
+            ("iter_0000001", "parameter embedding.delta holds 1 non-finite value", "--tag"),
+            1,
+            no_output,
+        ),
+        id="lev-delta-holds-nan",
+    ),
+    pytest.param(
+        Case(
+            cv_on(NAN_DELTA, "--keep-lev", variant="lev"),
+            ("parameter embedding.delta holds 1 non-finite value", "nothing was exported"),
+            1,
+            no_output,
+        ),
+        id="lev-delta-holds-nan-keep-lev",
+    ),
+    pytest.param(
+        Case(
+            cv_on(HUGE_DELTA, variant="lev"),
+            (
+                r"model\.embed_tokens\.weight \(the lev input embedding materialised over the whole",
+                "non-finite row",
+            ),
+            1,
+            no_output,
+        ),
+        id="lev-table-overflows-from-finite-parameters",
+    ),
+    pytest.param(
+        Case(
+            cv_on(HUGE_DELTA, "--keep-lev", variant="lev"),
+            ("the LEV table", "materialised over the whole vocabulary", "non-finite row"),
+            1,
+            no_output,
+        ),
+        id="lev-table-overflows-keep-lev",
+    ),
+    pytest.param(
+        Case(
+            cv_on(
+                planted("layers.0.mlp.down.weight", 1e6, (0, 0), file="layer_01-model_00-model_states.pt"),
+                "--dtype",
+                "fp16",
+            ),
+            (
+                r"exported tensor model\.layers\.0\.mlp\.down_proj\.weight holds 1 non-finite",
+                "float16",
+                "--dtype fp32",
+            ),
+            1,
+            no_output,
+        ),
+        id="weight-beyond-fp16-range",
     ),
 ]
 
