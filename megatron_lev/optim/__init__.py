@@ -1,5 +1,12 @@
 """The optimizer: AdamW with weight-decay groups and a guard that skips non-finite updates."""
 
-from megatron_lev.optim.adamw import GROUP_NAMES, NO_DECAY_NAME_PARTS, GuardedAdamW, all_finite, param_groups
+from megatron_lev.optim.adamw import (
+    GROUP_NAMES,
+    NO_DECAY_NAME_PARTS,
+    GuardedAdamW,
+    all_finite,
+    param_groups,
+    squared_norm,
+)
 
-__all__ = ["GROUP_NAMES", "NO_DECAY_NAME_PARTS", "GuardedAdamW", "all_finite", "param_groups"]
+__all__ = ["GROUP_NAMES", "NO_DECAY_NAME_PARTS", "GuardedAdamW", "all_finite", "param_groups", "squared_norm"]

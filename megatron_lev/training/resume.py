@@ -62,6 +62,7 @@ FREE_KEYS = frozenset(
         "train.save",
         "train.load",
         "train.max_consecutive_skips",
+        "train.max_update_ratio",
         "train.callbacks",
         "data.num_workers",
         "data.cache_dir",
