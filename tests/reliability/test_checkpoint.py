@@ -113,9 +113,14 @@ def snapshot(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, shared_data) -> dict:
     """300 real Wikipedia documents in one shard set, GPT-NeoX tokenizer."""
+    return make_data(tmp_path_factory.mktemp("ckdata"), shared_data)
+
+
+def make_data(work: Path, shared_data: Path) -> dict:
+    """The shard set of the `data` fixture, written under `work`."""
     from megatron_lev.data.preprocess import PreprocessOptions, preprocess
 
-    work = tmp_path_factory.mktemp("ckdata")
+    work.mkdir(parents=True, exist_ok=True)
     lines = []
     with open(shared_data / "minipile" / "Wikipedia_en.jsonl.zst", "rb") as f:
         for line in io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f), encoding="utf-8"):

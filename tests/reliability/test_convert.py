@@ -25,6 +25,9 @@ import torch
 from megatron_lev.utils.io import sha256_file
 from tests.convert.conftest import ds_checkpoints, sample_text, tokenizer_path  # noqa: F401 (fixtures)
 from tests.reliability.harness import expect_error, expect_ok, run_cli
+from tests.reliability.test_checkpoint import make_data
+from tests.reliability.test_checkpoint import overrides as train_overrides
+from tests.reliability.test_checkpoint import train as train_run
 
 pytestmark = pytest.mark.multiprocess  # the shared checkpoints are made by 4 gloo processes
 
@@ -1323,6 +1326,68 @@ PROBE = [
     pytest.param("tied", "rope_theta", 10100.0, "layer 0", id="rope-theta-close"),
     pytest.param("lev", "tie_word_embeddings", True, "input embedding", id="tie-word-embeddings"),
 ]
+
+
+# ------------------------------------------------------------- a NaN in LEV rows the validation never reads
+
+
+@pytest.fixture(scope="module")
+def lev_run(shared_data, tmp_path_factory):
+    """A real two-step `megatron-lev train` run of a LEV model with 16 knots per coordinate (so a knot
+    at the edge is reached by few tokens): its save directory."""
+    out = tmp_path_factory.mktemp("lev16") / "run"
+    data = make_data(out.parent / "data", shared_data)
+    lev = {"model.lev.d_seed": 32, "model.lev.heads": 4, "model.lev.rank": 16, "model.lev.kappa": 16}
+    expect_ok(
+        train_run(train_overrides(data, out, **lev, **{"model.hidden_size": 64, "train.train_iters": 2}))
+    )
+    return out / "ckpt"
+
+
+def rows_the_validation_misses(ckpt: Path) -> tuple[tuple[int, ...], int]:
+    """A `delta` element (head 0, an edge knot) whose NaN makes some rows of the materialised table
+    non-finite but none of the rows the validation ids read; and how many rows."""
+    from megatron_lev.convert.source import iter_canonical, open_checkpoint
+    from megatron_lev.convert.validate import validation_ids
+    from megatron_lev.model.embeddings import build_input_embedding
+
+    src = open_checkpoint(ckpt, None, None)
+    params = {
+        n.removeprefix("embedding."): t for n, t in iter_canonical(src, False) if n.startswith("embedding.")
+    }
+    lev = build_input_embedding(src.cfg.model, src.padded_vocab).float().eval()
+    lev.load_state_dict(params)
+    ids = validation_ids(src.vocab_size, src.cfg.model.seq_length)
+    h, d, kappa, _ = lev.delta.shape
+    with torch.no_grad():
+        for index in [(0, j, m, 0) for m in (0, kappa - 1) for j in range(d)]:
+            kept = lev.delta[index].item()
+            lev.delta[index] = float("nan")
+            bad = (~torch.isfinite(lev.materialize()[: src.vocab_size])).any(dim=1)
+            seen = torch.isfinite(lev(ids)).all()
+            lev.delta[index] = kept
+            if bad.any() and not bad[ids].any() and seen:
+                return index, int(bad.sum())
+    pytest.fail("no delta element of head 0 at an edge knot is missed by the validation ids")
+
+
+@pytest.mark.parametrize(
+    "extra", [pytest.param((), id="dense"), pytest.param(("--keep-lev",), id="keep-lev")]
+)
+def test_nan_in_lev_rows_the_validation_misses_is_refused(lev_run, tmp_path, capsys, extra):
+    """The probed logits never read these rows: without a check of every tensor the export passed
+    validation with them non-finite. Refused naming the parameter, nothing written."""
+    index, rows = rows_the_validation_misses(lev_run)
+    assert 0 < rows < 50277
+    root = clone(lev_run, tmp_path / "ckpt")
+    path = own(tag_of(root) / "mp_rank_00_model_states.pt")
+    state = torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed's own file (ours)
+    state["module"]["embedding.delta"][index] = float("nan")
+    torch.save(state, path)
+    rerecord(path)
+    out = run_cli(["convert", root, tmp_path / "out", "--no-progress", *extra], capsys)
+    expect_error(out, r"parameter embedding\.delta holds 1 non-finite value", "nothing was exported", rc=1)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("out", ".out"))]
 
 
 @pytest.mark.parametrize("variant,key,value,stage", PROBE)
