@@ -20,6 +20,7 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -149,12 +150,14 @@ class NonFiniteGuard(Callback):
                     "gradients and were skipped: the run learnt nothing and saved nothing; check the data, "
                     "lower train.lr, or use train.precision=fp32 to find the cause"
                 )
+            checkpointer = trainer.callback(Checkpointer)
+            resumed = getattr(checkpointer, "resumed_from", None) or trainer.load_dir
             raise AllStepsSkipped(
                 f"every one of the {it} iterations up to {it} was skipped (non-finite loss or gradients), "
-                f"{self._run} in this run and the others in the checkpoint it resumed from "
-                f"{trainer.load_dir}: that checkpoint holds the initial weights, and the run learnt "
-                "nothing; move it away to start from scratch, and check the data, lower train.lr, or "
-                "use train.precision=fp32 to find the cause"
+                f"{self._run} in this run and the others before the checkpoint it resumed, {resumed}: "
+                "that checkpoint holds the initial weights, and the run learnt nothing; move it away to "
+                "start from scratch, and check the data, lower train.lr, or use train.precision=fp32 to "
+                "find the cause"
             )
 
     def check_weights(self, trainer: Trainer, what: str) -> None:
@@ -197,6 +200,7 @@ class Checkpointer(Callback):
         self.save_interval, self.keep_last = save_interval, keep_last
         self.save_initial = save_initial  # also save before the first step (iteration 0)
         self.saved_at = -1
+        self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
 
     @classmethod
     def from_config(cls, train: TrainConfig, save_dir: str | None, load_dir: str | None) -> Checkpointer:
@@ -225,6 +229,7 @@ class Checkpointer(Callback):
             if cb.state_key is not None:
                 cb.load_state_dict(st.get(cb.state_key, {}))
         self.saved_at = trainer.state.iteration  # a resumed state is already on disk
+        self.resumed_from = Path(plan.root) / plan.tag
 
     def on_train_begin(self, trainer: Trainer, control: Control) -> None:
         if trainer.state.iteration == 0 and self.save_initial and not control.stop:
@@ -441,9 +446,12 @@ class Preemption(Callback):
 
     def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
         if result.reason == "preempted" and result.iteration > 0 and trainer.steps_run:
+            checkpointer = trainer.callback(Checkpointer)
+            saved = checkpointer is None or checkpointer.saved_at == result.iteration
             log.warning(
-                "preempted at iteration %d: checkpoint saved, exiting with status %d",
+                "preempted at iteration %d: %s, exiting with status %d",
                 result.iteration,
+                "checkpoint saved" if saved else "no checkpoint saved",
                 PREEMPTED_EXIT_CODE,
             )
 
