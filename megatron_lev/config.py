@@ -132,6 +132,9 @@ RANGES: dict[str, Range] = {
     "train.eval_interval": _count("0 turns evaluation off", lo=0),
     "train.eval_iters": _count(),
     "train.max_consecutive_skips": _count(),
+    "train.max_update_ratio": Range(
+        1, lo_open=True, why="how much one update may grow the weight norm, or null to turn the check off"
+    ),
     "logging.log_interval": _count(),
     "logging.peak_tflops": Range(0, lo_open=True, why="per device, for MFU"),
 }
@@ -419,6 +422,7 @@ class TrainConfig:
     eval_interval: int = 0
     eval_iters: int = 10
     max_consecutive_skips: int = 10  # non-finite steps in a row before the run stops
+    max_update_ratio: float | None = 2.0  # an update growing the global weight norm more stops the run
     callbacks: list[str] = field(default_factory=list)  # extra trainer callbacks, "module:Class"
     param_groups: list[ParamGroupRule] = field(default_factory=list)  # per-pattern lr/decay/eps
 

@@ -28,7 +28,9 @@ from megatron_lev.ckpt.layout import (
     LATEST_FILE,
     STARTED_MARKER,
     checkpoint_files,
+    clear_interrupted_start,
     file_checksums,
+    interrupted_start,
     iteration_of,
     prune_checkpoints,
     read_latest,
@@ -39,7 +41,13 @@ from megatron_lev.ckpt.provenance import PROVENANCE_FILE
 from megatron_lev.errors import CheckpointDataError
 from megatron_lev.log import get_logger
 from megatron_lev.utils import dist as ranks
-from megatron_lev.utils.io import DiskFullError, atomic_save_torch, atomic_write_json, atomic_write_text
+from megatron_lev.utils.io import (
+    DiskFullError,
+    atomic_save_torch,
+    atomic_write_json,
+    atomic_write_text,
+    remove_stale_temps,
+)
 
 _LOW_SPACE = 16 << 20  # bytes: after a failed write, less than this free means the disk filled up
 
@@ -204,13 +212,19 @@ def save_checkpoint(
     start = time.perf_counter()
     error: BaseException | None = None
     if ranks.rank() == 0:
-        if path.is_dir() and not (path / STARTED_MARKER).is_file() and not (path / COMPLETE_MARKER).is_file():
+        ours = (path / STARTED_MARKER).is_file() or (path / COMPLETE_MARKER).is_file()
+        if path.is_dir() and not ours and not interrupted_start(path):
             error = CheckpointDataError(
                 f"{path} exists and was not written by this trainer; saving would "
                 "overwrite it: move it elsewhere, or set train.save to another directory"
             )
         else:
             try:  # re-saving a tag: it is not complete until this save is
+                if path.is_dir():  # left by a save that was killed: its temp files go
+                    cleared = clear_interrupted_start(path)
+                    if cleared or not ours:
+                        log.info("%s was left by an interrupted save: saving it again", path)
+                remove_stale_temps(root, LATEST_FILE)
                 (path / COMPLETE_MARKER).unlink(missing_ok=True)
                 atomic_write_json(
                     path / STARTED_MARKER,

@@ -26,7 +26,7 @@ from typing import Any
 from megatron_lev.errors import CheckpointDataError
 from megatron_lev.log import get_logger
 from megatron_lev.utils import dist as ranks
-from megatron_lev.utils.io import TEMP_MARK, sha256_file
+from megatron_lev.utils.io import TEMP_MARK, sha256_file, temp_owner, temp_writer_running
 
 COMPLETE_MARKER = "complete"
 STARTED_MARKER = "started"
@@ -52,7 +52,7 @@ class CheckpointInfo:
     tag: str
     path: Path
     complete: bool
-    ours: bool = True  # has our `started` or `complete` marker
+    ours: bool = True  # has our `started` or `complete` marker, or is an `interrupted_start`
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
@@ -65,12 +65,41 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
         it = iteration_of(child.name)
         if it is not None and child.is_dir():
             complete = (child / COMPLETE_MARKER).is_file()
-            found.append(
-                CheckpointInfo(
-                    it, child.name, child, complete, complete or (child / STARTED_MARKER).is_file()
-                )
-            )
+            ours = complete or (child / STARTED_MARKER).is_file() or interrupted_start(child)
+            found.append(CheckpointInfo(it, child.name, child, complete, ours))
     return sorted(found, key=lambda c: c.iteration)
+
+
+def interrupted_start(path: str | os.PathLike) -> bool:
+    """Whether tag directory `path` is one a save of this trainer created and was killed in before its
+    `started` marker was in place: no marker, and nothing in it but temp files (`utils.io.temp_path`)
+    that no live process of this host is writing (the `started` marker's own, half written). Such
+    a directory is ours to clean (`clear_interrupted_start`); one holding anything else is not."""
+    path = Path(path)
+    if not path.is_dir() or path.is_symlink():
+        return False
+    if (path / STARTED_MARKER).exists() or (path / COMPLETE_MARKER).exists():
+        return False
+    try:
+        children = list(path.iterdir())
+    except OSError:
+        return False
+    return all(
+        c.is_file() and not c.is_symlink() and temp_owner(c.name) and not temp_writer_running(c.name)
+        for c in children
+    )
+
+
+def clear_interrupted_start(path: str | os.PathLike) -> list[Path]:
+    """Remove the dead writers' temp files from tag directory `path` (a save is about to write into
+    it: an `interrupted_start`, or one with our `started` marker that a killed save left). Returns
+    what was removed."""
+    removed = []
+    for child in Path(path).iterdir():
+        if child.is_file() and temp_owner(child.name) and not temp_writer_running(child.name):
+            child.unlink(missing_ok=True)
+            removed.append(child)
+    return removed
 
 
 def read_latest(root: str | os.PathLike) -> tuple[str | None, str | None]:

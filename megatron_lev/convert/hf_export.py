@@ -67,6 +67,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # 
 PROBE_TOLERANCE = (
     1e-4  # the probe runs in fp32 whatever the export dtype; atol relative to each stage's scale
 )
+LEV_TABLE = "the LEV table"  # what a --keep-lev export checks but does not write
 PROBE_GAIN = 2.0  # probe matrices ~ N(0, (gain / sqrt(fan_in))^2): sharp attention, where rope_theta shows
 
 
@@ -279,11 +280,65 @@ def write_weights(
     progress: bool = True,
     keep_lev: bool = False,
 ) -> list[Path]:
-    """Stream the merged checkpoint into safetensors shards under Llama names."""
+    """Stream the merged checkpoint into safetensors shards under Llama names.
+
+    Every tensor is checked for inf/NaN twice: as the checkpoint holds it (the message names its
+    parameter) and as it is exported (after the conversion to `dtype`, and for an input embedding
+    without a dense table the table materialised over the whole vocabulary). A `--keep-lev` export
+    writes the LEV parameters, and its table is materialised once to check it too."""
     writer = SafetensorsShardWriter(out, max_shard_bytes)
-    for hf_name, tensor in hf_tensors(src, iter_canonical(src, progress), dtype, keep_lev):
+    lev_params: dict[str, torch.Tensor] | None = {} if keep_lev else None
+    canonical = _checked_source(src, iter_canonical(src, progress), lev_params)
+    for hf_name, tensor in hf_tensors(src, canonical, dtype, keep_lev):
+        _check_exported(src, hf_name, tensor, dtype)
         writer.add(hf_name, tensor)
+    if lev_params:
+        _check_exported(src, LEV_TABLE, materialized_table(src, lev_params), torch.float32)
     return writer.close()
+
+
+def _non_finite(tensor: torch.Tensor) -> tuple[int, int]:
+    """(non-finite values, rows holding one) of `tensor` (rows: along its first dimension)."""
+    bad = ~torch.isfinite(tensor)
+    if not bool(bad.any()):
+        return 0, 0
+    rows = int(bad.reshape(bad.shape[0], -1).any(dim=1).sum()) if tensor.ndim > 1 else int(bad.sum())
+    return int(bad.sum()), rows
+
+
+def _checked_source(src: SourceCheckpoint, canonical, keep: dict[str, torch.Tensor] | None = None):
+    """`canonical` as it is, after checking each tensor is finite; the input embedding's parameters
+    are also collected into `keep` (when given)."""
+    for name, tensor in canonical:
+        values, _ = _non_finite(tensor)
+        if values:
+            raise CheckpointError(
+                f"checkpoint {src.tag_dir}: parameter {name} holds {values} non-finite value(s) (inf/NaN) "
+                f"of {tensor.numel()}; the weights are damaged, nothing was exported: convert an earlier "
+                "checkpoint (--tag)"
+            )
+        if keep is not None and name.startswith("embedding."):
+            keep[name.removeprefix("embedding.")] = tensor
+        yield name, tensor
+
+
+def _check_exported(src: SourceCheckpoint, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse an exported tensor that holds inf/NaN although the checkpoint's parameters are finite."""
+    values, rows = _non_finite(tensor)
+    if not values:
+        return
+    if name in ("model.embed_tokens.weight", LEV_TABLE) and not src.embedding.dense_table:
+        what = (
+            f"{name} (the {src.cfg.model.embedding} input embedding materialised over the whole "
+            f"vocabulary from finite parameters) has {rows} non-finite row(s)"
+        )
+    else:
+        what = f"exported tensor {name} holds {values} non-finite value(s)"
+    hint = "convert an earlier checkpoint (--tag)"
+    if dtype != torch.float32:
+        kind = str(dtype).removeprefix("torch.")
+        hint = f"values beyond the range of {kind}? export with --dtype fp32, or {hint}"
+    raise CheckpointError(f"checkpoint {src.tag_dir}: {what} (inf/NaN); nothing was exported: {hint}")
 
 
 def hf_tensors(src: SourceCheckpoint, canonical, dtype: torch.dtype, keep_lev: bool = False):

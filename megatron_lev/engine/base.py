@@ -59,6 +59,11 @@ class Engine(Protocol):
         """A device bool `()`: every weight this rank's optimizer updates is finite (no host read)."""
         ...
 
+    def weights_squared_norm(self) -> torch.Tensor:
+        """A device float32 `()`: the sum of squares of the weights this rank's optimizer updates (no
+        host read); the trainer compares it before and after a step (`train.max_update_ratio`)."""
+        ...
+
     def owned_files(self) -> tuple[str, ...]:
         """Names the engine writes into a save directory beside the checkpoint tags."""
         ...

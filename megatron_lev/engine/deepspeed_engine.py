@@ -37,7 +37,7 @@ from megatron_lev.engine.pipeline import STAGE_PREFIX, pipeline_batches
 from megatron_lev.engine.plan import RunPlan
 from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.errors import CheckpointDataError
-from megatron_lev.optim import GuardedAdamW, all_finite, param_groups
+from megatron_lev.optim import GuardedAdamW, all_finite, param_groups, squared_norm
 
 GROUP_FILLER = "param_group_filler"
 _MOMENTS = ("exp_avg", "exp_avg_sq")  # what resharding carries of Adam's state
@@ -125,6 +125,10 @@ class DeepSpeedEngine:
     def weights_finite(self) -> torch.Tensor:
         """A device bool `()`: every weight this rank's optimizer updates (ZeRO: its partition) is finite."""
         return all_finite(p for g in self.optimizer.param_groups for p in g["params"])
+
+    def weights_squared_norm(self) -> torch.Tensor:
+        """A device float32 `()`: the sum of squares of the weights this rank's optimizer updates."""
+        return squared_norm(p for g in self.optimizer.param_groups for p in g["params"])
 
     def train(self) -> None:
         self.ds_engine.train()

@@ -9,6 +9,7 @@ from megatron_lev.optim.adamw import (
     group_name,
     group_names,
     param_groups,
+    squared_norm,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "group_name",
     "group_names",
     "param_groups",
+    "squared_norm",
 ]

@@ -43,6 +43,26 @@ def all_finite(tensors) -> torch.Tensor:
     return torch.isfinite(torch.stack(maxima).amax())
 
 
+def squared_norm(tensors) -> torch.Tensor:
+    """One float32 tensor: the sum of squares of every element of every tensor (no host sync).
+
+    One `torch._foreach_norm` per device and dtype, like `all_finite`; the result is inf when the
+    tensors are so large that the sum overflows, and NaN when one of them is.
+    """
+    tensors = [t.detach() for t in tensors if t is not None and t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    device = tensors[0].device
+    sums = [
+        torch.stack(torch._foreach_norm(group, 2)).float().pow(2).sum().to(device)
+        for group in groups.values()
+    ]
+    return torch.stack(sums).sum()
+
+
 def decays(name: str, ndim: int) -> bool:
     """Whether weight decay applies: matrices, except those named like a norm or a bias."""
     return ndim >= 2 and not any(part in name.lower() for part in NO_DECAY_NAME_PARTS)

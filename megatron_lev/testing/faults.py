@@ -1,5 +1,6 @@
-"""Fault injection for tests: NaN losses, NaN gradients and inf weights at chosen iterations
-(preprocess workers that fail: `testing.preprocess_faults`).
+"""Fault injection for tests: NaN losses, NaN gradients and inf weights at chosen iterations, and a
+SIGKILL at a chosen step of a checkpoint save (preprocess workers that fail:
+`testing.preprocess_faults`).
 
 `FaultInjection` is a trainer callback; production code never builds it. A test adds it to a
 `megatron-lev train` run by naming it in the config, and says which faults through the
@@ -10,11 +11,19 @@ variables below (read when the callback is built with no arguments):
     MEGATRON_LEV_INJECT_NAN_AT_STEP=3,4          the model's output is NaN (the loss is NaN)
     MEGATRON_LEV_INJECT_NAN_GRAD_AT_STEP=2        the loss is finite, the gradients NaN
     MEGATRON_LEV_INJECT_INF_WEIGHTS_AT_STEP=2     the applied update writes inf into a weight
+
+`SaveKill` (`train.callbacks=[megatron_lev.testing.faults:SaveKill]`) kills its own process with
+SIGKILL at one step of the save of one iteration (`ckpt.io.save_checkpoint`'s protocol):
+
+    MEGATRON_LEV_KILL_SAVE=4:started.tmp          iteration 4, at the point named in SAVE_POINTS
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -133,3 +142,160 @@ class FaultInjection(Callback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+# ---------------------------------------------------------------------- a kill inside a save
+
+KILL_SAVE_ENV = "MEGATRON_LEV_KILL_SAVE"
+
+# The steps of `ckpt.io.save_checkpoint`, in order, named by what is on disk when the process dies:
+# "<file>.tmp" is that file's temp written and not yet renamed; "<file>" is it in place.
+SAVE_POINTS = (
+    "dir",  # the tag directory created, nothing in it (the `started` marker's write had begun)
+    "started.tmp",
+    "started",
+    "engine.partial",  # DeepSpeed wrote the first of its files
+    "engine",  # every file of DeepSpeed's
+    "rng.tmp",
+    "rng",
+    "config.tmp",
+    "config",
+    "complete.tmp",
+    "complete",
+    "latest.tmp",
+    "latest",  # `latest` moved, older checkpoints not pruned yet
+    "pruned",
+)
+
+
+def kill_save_point(environ: dict | None = None) -> tuple[int, str] | None:
+    """(iteration, point) from MEGATRON_LEV_KILL_SAVE (`4:started.tmp`), or None when unset."""
+    raw = (os.environ if environ is None else environ).get(KILL_SAVE_ENV, "").strip()
+    if not raw:
+        return None
+    it, _, point = raw.partition(":")
+    if not it.isdigit() or point not in SAVE_POINTS:
+        raise ValueError(
+            f"{KILL_SAVE_ENV}={raw!r} must be ITERATION:POINT, POINT one of {', '.join(SAVE_POINTS)}"
+        )
+    return int(it), point
+
+
+class SaveKill(Callback):
+    """SIGKILLs this process at one step of the save of one iteration (`MEGATRON_LEV_KILL_SAVE`), as a
+    kill by the scheduler or the kernel would land there: the real save runs up to that step.
+
+    It wraps, for the duration of the run, the functions `ckpt.io.save_checkpoint` calls (the atomic
+    writes, pruning) and the engine's `save` and DeepSpeed's file writer; production code has no
+    hook for it."""
+
+    def __init__(self, iteration: int | None = None, point: str | None = None, environ=None) -> None:
+        if iteration is None:
+            iteration, point = kill_save_point(environ) or (None, None)
+        self.iteration, self.point = iteration, point
+        self.armed = False
+        self._restore: list[tuple[object, str, object]] = []
+
+    def _die(self, where: str) -> None:
+        print(f"SaveKill: SIGKILL at save point {self.point} ({where})", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _patch(self, owner, name: str, make) -> None:
+        original = getattr(owner, name)
+        self._restore.append((owner, name, original))
+        setattr(owner, name, make(original))
+
+    def on_train_begin(self, trainer, control: Control) -> None:
+        if self.iteration is None:
+            return
+        from megatron_lev.ckpt import io as ckio
+        from megatron_lev.ckpt.layout import COMPLETE_MARKER, CONFIG_FILE, LATEST_FILE, STARTED_MARKER
+        from megatron_lev.utils.io import temp_path
+
+        names = {
+            STARTED_MARKER: "started",
+            COMPLETE_MARKER: "complete",
+            CONFIG_FILE: "config",
+            LATEST_FILE: "latest",
+        }
+
+        def point_of(path: Path) -> str:
+            return "rng" if path.name.startswith("rng_state_rank") else names.get(path.name, "")
+
+        def before(path: Path, data: bytes) -> None:
+            """At the start of an atomic write of `path`: die if this is the point."""
+            if not self.armed:
+                return
+            point = point_of(path)
+            if self.point == "dir" and point == "started":
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._die(str(path.parent))
+            if self.point == point + ".tmp":
+                path.parent.mkdir(parents=True, exist_ok=True)
+                temp_path(path).write_bytes(data[: max(1, len(data) // 2)])  # a half-written temp
+                self._die(str(temp_path(path)))
+
+        def after(path: Path) -> None:
+            if self.armed and self.point == point_of(path):
+                self._die(str(path))
+
+        def writer(original):
+            def write(path, text_or_obj):
+                path = Path(path)
+                before(path, str(text_or_obj).encode())
+                original(path, text_or_obj)
+                after(path)
+
+            return write
+
+        def torch_writer(original):
+            def save(obj, path):
+                path = Path(path)
+                before(path, b"\x80\x02half a torch file")
+                original(obj, path)
+                after(path)
+
+            return save
+
+        def engine_save(original):
+            def save(root, tag, client_state):
+                if self.armed and self.point == "engine.partial":
+                    files = trainer.engine.ds_engine.checkpoint_engine
+                    first = files.save
+
+                    def save_one(*args, **kwargs):
+                        first(*args, **kwargs)
+                        self._die(str(kwargs.get("path", args[-1] if args else "")))
+
+                    files.save = save_one
+                original(root, tag, client_state)
+                if self.armed and self.point == "engine":
+                    self._die(f"{root}/{tag}")
+
+            return save
+
+        def pruner(original):
+            def prune(root, keep_last, current=None):
+                removed = original(root, keep_last, current=current)
+                if self.armed and self.point == "pruned":
+                    self._die(str(root))
+                return removed
+
+            return prune
+
+        for name in ("atomic_write_json", "atomic_write_text"):
+            self._patch(ckio, name, writer)
+        self._patch(ckio, "atomic_save_torch", torch_writer)
+        self._patch(ckio, "prune_checkpoints", pruner)
+        self._patch(trainer.engine, "save", engine_save)
+
+    def on_before_save(self, trainer) -> None:
+        self.armed = trainer.state.iteration == self.iteration
+
+    def on_close(self, trainer) -> None:
+        for owner, name, original in reversed(self._restore):
+            if owner is trainer.engine:
+                del owner.save  # the method again
+            else:
+                setattr(owner, name, original)
+        self._restore = []

@@ -20,14 +20,21 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_lev.ckpt.io import load_checkpoint, save_checkpoint
 from megatron_lev.log import get_logger
-from megatron_lev.training.health import AllStepsSkipped, NonFiniteWeights, SkipTracker, TooManySkippedSteps
-from megatron_lev.training.hooks import Callback, Control, StepRecord, TrainResult, TrainState
+from megatron_lev.training.health import (
+    AllStepsSkipped,
+    NonFiniteWeights,
+    SkipTracker,
+    TooManySkippedSteps,
+    WeightsBlewUp,
+)
+from megatron_lev.training.hooks import Callback, Control, SkipSave, StepRecord, TrainResult, TrainState
 from megatron_lev.training.metrics import MetricsWriter, memory_stats, throughput
 from megatron_lev.training.resume import ResumePlan, plan_resume
 from megatron_lev.training.schedule import learning_rate
@@ -47,14 +54,16 @@ log = get_logger(__name__)
 
 class NonFiniteGuard(Callback):
     """Counts skipped updates (exit 3 at `max_consecutive_skips` in a row), stops at the first update
-    that made a weight inf/NaN, refuses to start from or save non-finite weights, and fails a run
-    whose every step was skipped."""
+    that made a weight inf/NaN or grew the weight norm more than `max_update_ratio`-fold, refuses to
+    start from or save non-finite weights, saves nothing while no update of the run was applied, and
+    fails a run whose every step was skipped."""
 
     order = -10
     state_key = "skips"
 
-    def __init__(self, max_consecutive_skips: int) -> None:
+    def __init__(self, max_consecutive_skips: int, max_update_ratio: float | None = None) -> None:
         self.skips = SkipTracker(max_consecutive_skips)
+        self.max_update_ratio = max_update_ratio
         self._run = self._applied = self._scaler = 0
         self._started_at = 0
 
@@ -77,6 +86,16 @@ class NonFiniteGuard(Callback):
                 f"{trainer.save_dir} holds the last good weights: resume from it with a lower train.lr "
                 "or a higher train.adam_eps, or use train.precision=fp32"
             )
+        limit = self.max_update_ratio
+        if limit and not record.skipped and record.weight_growth > limit:
+            lr = learning_rate(record.iteration - 1, trainer.cfg.train, trainer.budget.train_iters)
+            raise WeightsBlewUp(
+                f"iteration {record.iteration}: the update grew the weight norm {record.weight_growth:.3g}-"
+                f"fold (more than train.max_update_ratio={limit:g}): the learning rate ({lr:.3g} at this "
+                "step) is far too high; the update is refused and nothing was saved from it, so the "
+                f"newest checkpoint in {trainer.save_dir} (if any) holds the last good weights: lower "
+                "train.lr (with --allow-change train.lr to resume from a checkpoint)"
+            )
         self._run += 1
         self._applied += int(not record.skipped)
         self._scaler += int(record.skipped and record.scaler_overflow and math.isfinite(record.loss))
@@ -87,30 +106,58 @@ class NonFiniteGuard(Callback):
                 record.loss,
                 record.grad_norm,
             )
+        nothing_learnt = self.nothing_learnt(record.iteration, self.skips.total + int(record.skipped))
         try:
-            self.skips.update(record.skipped, record.iteration)
+            self.skips.update(record.skipped, record.iteration, nothing_learnt)
         except TooManySkippedSteps as exc:
+            if nothing_learnt:  # nothing to save: stop at once, like a run whose every step was skipped
+                raise AllStepsSkipped(str(exc)) from None
             if not control.stop:
                 log.error("%s", exc)
             control.log = True
             control.request_stop(SKIP_LIMIT_EXIT_CODE, "too many skipped steps")
 
+    def nothing_learnt(self, iteration: int, skipped_total: int | None = None) -> bool:
+        """Whether no update up to `iteration` was applied: every iteration of this run, and of the runs
+        whose checkpoint it resumed, was skipped (`skipped_total`, default the tally so far, counts
+        them). A run whose only skips are the fp16 loss scaler's (lowering its scale at the start is its
+        normal work) has learnt nothing yet but has not failed: not counted."""
+        total = self.skips.total if skipped_total is None else skipped_total
+        if iteration <= 0 or total < iteration:
+            return False
+        return self._started_at > 0 or self._run > self._scaler
+
     def metrics(self, trainer: Trainer, iteration: int) -> dict[str, Any]:
         return {"skipped_steps": self.skips.total}
 
     def on_before_save(self, trainer: Trainer) -> None:
+        if self.nothing_learnt(trainer.state.iteration):
+            raise SkipSave(
+                f"not saving a checkpoint of iteration {trainer.state.iteration} to {trainer.save_dir}: "
+                "every update so far was skipped, so it would hold the initial weights as if trained"
+            )
         self.check_weights(trainer, f"refusing to save a checkpoint to {trainer.save_dir}")
 
     def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
         result.skipped_steps = self.skips.total
         # a resumed run's short tail may be all skipped (the run before it learnt); and overflow
         # steps whose loss scale the fp16 scaler lowers are its normal work, not a failure
-        if result.exit_code == 0 and self._started_at == 0 and self._run > self._scaler and not self._applied:
-            it = trainer.state.iteration
+        it = trainer.state.iteration
+        if result.exit_code == 0 and self.nothing_learnt(it):
+            if self._started_at == 0:
+                raise AllStepsSkipped(
+                    f"all {self._run} steps (iterations {it - self._run + 1}-{it}) had a non-finite loss or "
+                    "gradients and were skipped: the run learnt nothing and saved nothing; check the data, "
+                    "lower train.lr, or use train.precision=fp32 to find the cause"
+                )
+            checkpointer = trainer.callback(Checkpointer)
+            resumed = getattr(checkpointer, "resumed_from", None) or trainer.load_dir
             raise AllStepsSkipped(
-                f"all {self._run} steps (iterations {it - self._run + 1}-{it}) had a non-finite loss or "
-                "gradients and were skipped: the run learnt nothing and saved nothing; check the data, "
-                "lower train.lr, or use train.precision=fp32 to find the cause"
+                f"every one of the {it} iterations up to {it} was skipped (non-finite loss or gradients), "
+                f"{self._run} in this run and the others before the checkpoint it resumed, {resumed}: "
+                "that checkpoint holds the initial weights, and the run learnt nothing; move it away to "
+                "start from scratch, and check the data, lower train.lr, or use train.precision=fp32 to "
+                "find the cause"
             )
 
     def check_weights(self, trainer: Trainer, what: str) -> None:
@@ -154,6 +201,7 @@ class Checkpointer(Callback):
         self.save_initial = save_initial  # also save before the first step (iteration 0)
         self.saved_at = -1
         self.provenance: dict | None = None  # `ckpt.provenance` record written with every save
+        self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
 
     @classmethod
     def from_config(cls, train: TrainConfig, save_dir: str | None, load_dir: str | None) -> Checkpointer:
@@ -182,6 +230,7 @@ class Checkpointer(Callback):
             if cb.state_key is not None:
                 cb.load_state_dict(st.get(cb.state_key, {}))
         self.saved_at = trainer.state.iteration  # a resumed state is already on disk
+        self.resumed_from = Path(plan.root) / plan.tag
 
     def on_train_begin(self, trainer: Trainer, control: Control) -> None:
         if trainer.state.iteration == 0 and self.save_initial and not control.stop:
@@ -198,8 +247,13 @@ class Checkpointer(Callback):
     def on_save(self, trainer: Trainer) -> None:
         if not self.due(trainer):
             return
-        for cb in trainer.callbacks:
-            cb.on_before_save(trainer)
+        try:
+            for cb in trainer.callbacks:
+                cb.on_before_save(trainer)
+        except SkipSave as skip:
+            if trainer.rank == 0:
+                log.warning("%s", skip)
+            return
         train_state = {k: v for k, v in vars(trainer.state).items()}
         for cb in trainer.callbacks:
             if cb.state_key is not None:
@@ -394,9 +448,12 @@ class Preemption(Callback):
 
     def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
         if result.reason == "preempted" and result.iteration > 0 and trainer.steps_run:
+            checkpointer = trainer.callback(Checkpointer)
+            saved = checkpointer is None or checkpointer.saved_at == result.iteration
             log.warning(
-                "preempted at iteration %d: checkpoint saved, exiting with status %d",
+                "preempted at iteration %d: %s, exiting with status %d",
                 result.iteration,
+                "checkpoint saved" if saved else "no checkpoint saved",
                 PREEMPTED_EXIT_CODE,
             )
 

@@ -22,19 +22,25 @@ class SkipTracker:
     total: int = 0
     consecutive: int = 0
 
-    def update(self, skipped: bool, iteration: int) -> None:
-        """Record one iteration; raises TooManySkippedSteps when the limit is reached."""
+    def update(self, skipped: bool, iteration: int, nothing_learnt: bool = False) -> None:
+        """Record one iteration; raises TooManySkippedSteps when the limit is reached (`nothing_learnt`:
+        no update of the run was applied, so the stop saves nothing)."""
         if not skipped:
             self.consecutive = 0
             return
         self.total += 1
         self.consecutive += 1
         if self.consecutive >= self.max_consecutive:
+            outcome = (
+                "no update of the run was applied, so it stopped and saved nothing"
+                if nothing_learnt
+                else "the run stopped with a checkpoint of the last good weights"
+            )
             raise TooManySkippedSteps(
                 f"{self.consecutive} consecutive steps up to iteration {iteration} had a non-finite loss or "
-                f"gradient norm (train.max_consecutive_skips={self.max_consecutive}); the run stopped with a "
-                "checkpoint of the last good weights. Lower train.lr, raise train.lr_warmup_iters, check "
-                "the data, or use train.precision=fp32 to find the cause."
+                f"gradient norm (train.max_consecutive_skips={self.max_consecutive}); {outcome}. Lower "
+                "train.lr, raise train.lr_warmup_iters, check the data, or use train.precision=fp32 to find "
+                "the cause."
             )
 
     def state_dict(self) -> dict:
@@ -47,6 +53,13 @@ class SkipTracker:
 
 class AllStepsSkipped(UserError, RuntimeError):
     """Every step of a run was skipped as non-finite: it learnt nothing and must not look successful."""
+
+    exit_code = 3
+
+
+class WeightsBlewUp(UserError, RuntimeError):
+    """An update grew the weight norm by more than `train.max_update_ratio` (a learning rate far too
+    high): treated like an update that made the weights non-finite."""
 
     exit_code = 3
 

@@ -20,7 +20,8 @@ Hook points, in the order the loop reaches them:
     on_save(trainer)                      save now (`control.save`, or `trainer.save()`); the
                                           callback that writes checkpoints does, once per iteration
     on_before_save(trainer)               a checkpoint of this iteration is about to be written
-                                          (called by the callback that writes; raise to refuse)
+                                          (called by the callback that writes; raise to refuse,
+                                          or raise `SkipSave` to write nothing and go on)
     on_train_end(trainer, result)         after the loop (also after a stop)
     on_close(trainer)                     always, also on an exception
 
@@ -43,6 +44,11 @@ from megatron_lev.config import ConfigError
 
 if TYPE_CHECKING:
     from megatron_lev.training.trainer import Trainer
+
+
+class SkipSave(Exception):
+    """Raised by `on_before_save` to skip this save without failing the run: the callback that writes
+    checkpoints logs the message as a warning and writes nothing."""
 
 
 @dataclass
@@ -95,6 +101,7 @@ class StepRecord:
     skipped: bool  # the update was held back (non-finite loss or gradients, or the fp16 scaler)
     scaler_overflow: bool  # the fp16 loss scaler held it back
     weights_bad: bool  # the update made a weight inf/NaN on some rank
+    weight_growth: float = 1.0  # the global weight norm after the update / before it (1: skipped)
 
 
 class Callback:
@@ -181,4 +188,12 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
-__all__ = ["Callback", "Control", "StepRecord", "TrainResult", "TrainState", "callbacks_from_specs"]
+__all__ = [
+    "Callback",
+    "Control",
+    "SkipSave",
+    "StepRecord",
+    "TrainResult",
+    "TrainState",
+    "callbacks_from_specs",
+]

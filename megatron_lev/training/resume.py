@@ -35,6 +35,7 @@ from megatron_lev.ckpt.layout import (
     CONFIG_FILE,
     LATEST_FILE,
     STARTED_MARKER,
+    interrupted_start,
     iteration_of,
     read_latest,
     resume_candidates,
@@ -68,6 +69,7 @@ FREE_KEYS = frozenset(
         "train.save",
         "train.load",
         "train.max_consecutive_skips",
+        "train.max_update_ratio",
         "train.callbacks",
         "data.num_workers",
         "data.cache_dir",
@@ -188,7 +190,7 @@ def _foreign_entries(root: Path, cfg=None, engine_files: Collection[str] = ()) -
         if iteration_of(name) is not None and child.is_dir():
             if (child / COMPLETE_MARKER).is_file():
                 found.append(f"{name}/ (a complete checkpoint)")
-            elif not (child / STARTED_MARKER).is_file():
+            elif not (child / STARTED_MARKER).is_file() and not interrupted_start(child):
                 found.append(f"{name}/ (no '{COMPLETE_MARKER}' marker, not written by this trainer)")
             continue
         if name == LATEST_FILE:

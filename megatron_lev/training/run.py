@@ -215,7 +215,7 @@ def default_callbacks(
     validation, metrics and progress, preemption."""
     t, lg = cfg.train, cfg.logging
     callbacks = [
-        NonFiniteGuard(t.max_consecutive_skips),
+        NonFiniteGuard(t.max_consecutive_skips, t.max_update_ratio),
         checkpointer,
         Validation(t.eval_interval),
         MetricsLogger(writer, lg.log_interval, lg.progress_bar, flops_per_token, lg.peak_tflops),

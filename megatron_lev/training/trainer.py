@@ -66,6 +66,7 @@ class Trainer:
         self.last_step_seconds = 0.0
         self.read_seconds = 0.0
         self.steps_run = 0
+        self._norm_sq: torch.Tensor | None = None  # this rank's weights' sum of squares after the last step
 
     def callback(self, kind: type) -> Callback | None:
         """The first callback of class `kind`, if any."""
@@ -104,7 +105,7 @@ class Trainer:
         made any rank's weights inf/NaN.
         """
         step = self.device_step(batches)
-        loss, norm, weights_bad = _read([step])[0]
+        loss, norm, weights_bad, _ = _read([step])[0]
         if weights_bad:
             raise NonFiniteWeights(f"iteration {step.iteration}: the update made the weights non-finite")
         return loss, norm, step.skipped or not math.isfinite(loss)
@@ -112,13 +113,25 @@ class Trainer:
     def device_step(self, batches: Iterator) -> _Step:
         """One optimizer step (the engine's `train_batch`), its loss and flags left on the device.
 
-        One collective per step: the loss summed over ranks, and "an update made a weight inf/NaN".
+        One collective per step: the loss summed over ranks, "an update made a weight inf/NaN", and
+        the weights' sum of squares before and after the update (summed over ranks: their ratio is
+        how much the update grew the weight norm, `train.max_update_ratio`). The sum before is the
+        one after the previous step (weights change only in steps), so an applied step measures
+        its weights once.
         """
         it = self.state.iteration
         self.engine.set_lr(learning_rate(it, self.cfg.train, self.budget.train_iters))
+        before = self._norm_sq
+        if before is None:
+            before = self.engine.weights_squared_norm().to(device=self.device, dtype=torch.float32)
         out = self.engine.train_batch(batches)
-        bad = torch.zeros((), device=self.device) if out.skipped else self.weights_bad()
-        stats = torch.stack([out.loss.reshape(()), bad.reshape(())])
+        if out.skipped:
+            bad, after = torch.zeros((), device=self.device), before
+        else:
+            bad = self.weights_bad()
+            after = self.engine.weights_squared_norm().to(device=self.device, dtype=torch.float32)
+        self._norm_sq = after
+        stats = torch.stack([out.loss.reshape(()), bad.reshape(()), before.reshape(()), after.reshape(())])
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(stats)
         return _Step(it + 1, stats, max(self.world_size, 1), out.grad_norm, out.skipped, out.scaler_overflow)
@@ -156,6 +169,7 @@ class Trainer:
         total_iters = self.budget.train_iters
         result = TrainResult(self.state.iteration, 0, "completed")
         self.steps_run, self.pending, self.read_seconds = 0, [], 0.0
+        self._norm_sq = None  # the weights may have been loaded since the last step
         try:
             control = Control()
             self._call("on_train_begin", control)
@@ -199,7 +213,7 @@ class Trainer:
         start = time.perf_counter()
         values = _read(self.pending)
         self.read_seconds += time.perf_counter() - start
-        for step, (loss, norm, weights_bad) in zip(self.pending, values):
+        for step, (loss, norm, weights_bad, growth) in zip(self.pending, values):
             record = StepRecord(
                 step.iteration,
                 loss,
@@ -207,6 +221,7 @@ class Trainer:
                 step.skipped or not math.isfinite(loss),
                 step.scaler_overflow,
                 weights_bad,
+                growth,
             )
             result.losses[step.iteration] = loss
             self._call("on_step_values", record, control)
@@ -218,32 +233,41 @@ class _Step:
     """One optimizer step's results, still on the device until `_read`."""
 
     iteration: int
-    stats: torch.Tensor  # (2,): loss summed over ranks, "weights non-finite" flag (> 0)
+    stats: torch.Tensor  # (4,) summed over ranks: loss, "weights non-finite" flag (> 0), the weights'
+    # sum of squares before and after the update
     world_size: int
     norm: torch.Tensor | None  # global gradient norm, or None when the engine has none
     skipped: bool  # the guard held the update back (a host value: the guard read its flag)
     scaler_overflow: bool = False  # the fp16 loss scaler held it back (gradient overflow)
 
 
-def _read(steps: list[_Step]) -> list[tuple[float, float | None, bool]]:
-    """(loss, grad norm, weights non-finite) of each step, with one host read for all of them."""
+def _read(steps: list[_Step]) -> list[tuple[float, float | None, bool, float]]:
+    """(loss, grad norm, weights non-finite, weight-norm growth) of each step, with one host read for
+    all of them."""
     if not steps:
         return []
     device = steps[0].stats.device
     nan = torch.full((), float("nan"), device=device)
     rows = torch.stack(
         [
-            torch.stack(
+            torch.cat(
                 [
-                    s.stats[0],
-                    s.stats[1],
-                    nan if s.norm is None else s.norm.to(device=device, dtype=torch.float32),
+                    s.stats.to(torch.float32),
+                    (nan if s.norm is None else s.norm.to(device=device, dtype=torch.float32)).reshape(1),
                 ]
             )
             for s in steps
         ]
-    )  # (steps, 3)
+    )  # (steps, 5)
     return [
-        (loss / s.world_size, None if s.norm is None else norm, bad > 0)
-        for s, (loss, bad, norm) in zip(steps, rows.tolist())
+        (loss / s.world_size, None if s.norm is None else norm, bad > 0, growth(before, after))
+        for s, (loss, bad, before, after, norm) in zip(steps, rows.tolist())
     ]
+
+
+def growth(before: float, after: float) -> float:
+    """The factor by which a step changed the weight norm, from the sums of squares before and after
+    (inf when the sum after overflowed; 1 when nothing can be said, e.g. both overflowed)."""
+    if before > 0 and math.isfinite(before):
+        return math.sqrt(after / before) if after >= 0 else math.nan
+    return math.inf if before == 0 and after > 0 else 1.0

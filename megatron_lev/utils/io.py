@@ -144,6 +144,23 @@ def remove_stale_temps(
     return removed
 
 
+_TEMP_NAME = re.compile(rf"^\..+{re.escape(TEMP_MARK)}(?:(?P<host>[A-Za-z0-9_-]+)-)?(?P<pid>\d+)$")
+
+
+def temp_owner(name: str) -> tuple[str | None, int] | None:
+    """(host, pid) of the writer of the temp file called `name` (`.<dest>.tmp.<host>-<pid>`, see
+    `temp_path`; host None for a bare pid), or None when `name` is not a temp name."""
+    m = _TEMP_NAME.match(name)
+    return None if m is None else (m["host"], int(m["pid"]))
+
+
+def temp_writer_running(name: str) -> bool:
+    """Whether the temp file called `name` is being written by a live process of this host other
+    than this one (a writer on another host cannot be asked: False)."""
+    owner = temp_owner(name)
+    return owner is not None and owner[0] == _host() and owner[1] != os.getpid() and _alive(owner[1])
+
+
 def _last_change(path: Path) -> float:
     """The newest mtime of `path` and, for a directory, of what it holds (a staging directory
     whose one shard is still growing is in use); +inf when it cannot be read."""

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import zstandard
 
 from megatron_lev.ckpt import io as ckio
@@ -34,6 +35,7 @@ from megatron_lev.ckpt import layout as ck
 from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine
 from megatron_lev.errors import CheckpointDataError
 from megatron_lev.testing.distributed import DistributedTestError, run_distributed
+from megatron_lev.testing.faults import SAVE_POINTS
 from megatron_lev.training import resume
 from megatron_lev.utils import dist as ranks
 from megatron_lev.utils.io import TEMP_MARK
@@ -111,9 +113,14 @@ def snapshot(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, shared_data) -> dict:
     """300 real Wikipedia documents in one shard set, GPT-NeoX tokenizer."""
+    return make_data(tmp_path_factory.mktemp("ckdata"), shared_data)
+
+
+def make_data(work: Path, shared_data: Path) -> dict:
+    """The shard set of the `data` fixture, written under `work`."""
     from megatron_lev.data.preprocess import PreprocessOptions, preprocess
 
-    work = tmp_path_factory.mktemp("ckdata")
+    work.mkdir(parents=True, exist_ok=True)
     lines = []
     with open(shared_data / "minipile" / "Wikipedia_en.jsonl.zst", "rb") as f:
         for line in io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f), encoding="utf-8"):
@@ -385,6 +392,31 @@ def _our_partial(root: Path) -> None:
     (root / f".latest{TEMP_MARK}123").write_text("x")
 
 
+def _half_created(*temps: str):
+    """A tag directory a save of ours created and was killed in before its `started` marker: empty, or
+    holding the marker's half-written temp (`temps`: `<host>-<pid>` of its writer)."""
+
+    def prepare(root: Path) -> None:
+        d = root / IT2
+        d.mkdir(parents=True)
+        for tag in temps:
+            (d / f".{ck.STARTED_MARKER}{TEMP_MARK}{tag}").write_text('{"itera')
+
+    return prepare
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _host_tag() -> str:
+    from megatron_lev.utils.io import temp_tag
+
+    return temp_tag().rsplit("-", 1)[0]
+
+
 FRESH = [
     pytest.param(
         _unmarked,
@@ -399,6 +431,22 @@ FRESH = [
         id="latest-without-checkpoints",
     ),
     pytest.param(_our_partial, None, id="own-interrupted-first-save-is-fine"),
+    pytest.param(_half_created(), None, id="own-half-created-tag-dir-empty-is-fine"),
+    pytest.param(
+        lambda root: _half_created(f"{_host_tag()}-{_dead_pid()}")(root),
+        None,
+        id="own-half-created-tag-dir-with-dead-started-temp-is-fine",
+    ),
+    pytest.param(
+        _half_created("node17-4242"),
+        None,
+        id="own-half-created-tag-dir-with-other-hosts-started-temp-is-fine",
+    ),
+    pytest.param(
+        _half_created(f"{_host_tag()}-1"),  # pid 1 is alive: a writer of this host is still at it
+        r"iter_0000002/ \(no 'complete' marker, not written by this trainer\)",
+        id="tag-dir-with-a-live-writers-temp-is-not-taken-over",
+    ),
     pytest.param(lambda root: root.mkdir(parents=True), None, id="empty-dir-is-fine"),
 ]
 
@@ -999,3 +1047,56 @@ def test_save_never_overwrites_a_directory_it_did_not_write(tmp_path):
     with pytest.raises(CheckpointDataError, match=r"iter_0000004 exists and was not written by this trainer"):
         ckio.save_checkpoint(NoEngine(), root, 4, {}, keep_last=2)
     assert (root / IT4 / MODEL).read_bytes() == b"weights someone trained"
+
+
+# ------------------------------------------------------------------ a kill at every step of a save
+
+KILL = "[megatron_lev.testing.faults:SaveKill]"
+_BEFORE_COMPLETE = SAVE_POINTS[: SAVE_POINTS.index("complete")]
+KILL_POINTS = [  # (iteration whose save is killed, the step): every step of the second save, whose
+    # rerun resumes from iteration 2, and the steps of the first save a fresh start must take over
+    *[pytest.param(4, point, id=f"second-save-{point}") for point in SAVE_POINTS],
+    *[
+        pytest.param(2, point, id=f"first-save-{point}")
+        for point in ("dir", "started.tmp", "engine", "complete")
+    ],
+]
+
+
+@pytest.mark.parametrize("iteration, point", KILL_POINTS)
+def test_sigkill_at_every_step_of_a_save_resumes_on_rerun(trained, data, tmp_path, iteration, point):
+    """A real run SIGKILLed at one step of a checkpoint save (`testing.faults.SaveKill`), then the
+    same command again (a requeue): it must resume from the newest complete checkpoint, take over
+    what the killed save left, end with the same weights as a run never killed, and leave no temp
+    file behind."""
+    out = tmp_path / "run"
+    over = overrides(data, out, **{"train.callbacks": KILL})
+    killed = train(over, MEGATRON_LEV_KILL_SAVE=f"{iteration}:{point}")
+    assert killed.rc == -signal.SIGKILL, killed.err[-3000:]
+    assert f"SIGKILL at save point {point}" in killed.err, killed.err[-3000:]
+    ckpt, tag = out / "ckpt", ck.tag_for(iteration)
+    assert (ckpt / tag).is_dir()
+    assert (ckpt / tag / ck.COMPLETE_MARKER).exists() == (point not in _BEFORE_COMPLETE)
+
+    res = train(over)
+    expect_ok(res)
+    if iteration == 4 and point in ("latest", "pruned"):
+        resumed = IT4
+    elif iteration == 4 or point == "complete":
+        resumed = IT2
+    else:
+        resumed = None
+    if resumed is None:
+        assert "starting from scratch" in res.err, res.err[-3000:]
+    else:
+        assert f"resumed from {ckpt / resumed}" in res.err, res.err[-3000:]
+    assert "not written by this trainer" not in res.err
+    assert (ckpt / "latest").read_text().strip() == IT4
+    assert [c.tag for c in ck.list_checkpoints(ckpt)] == [IT2, IT4]
+    assert ck.verify_checkpoint(ckpt / IT2) == [] and ck.verify_checkpoint(ckpt / IT4) == []
+    assert not [p for p in ckpt.rglob("*") if TEMP_MARK in p.name], sorted(ckpt.rglob("*"))
+    got = torch.load(ckpt / IT4 / MODEL, map_location="cpu", weights_only=False)["module"]
+    want = torch.load(trained / "ckpt" / IT4 / MODEL, map_location="cpu", weights_only=False)["module"]
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)

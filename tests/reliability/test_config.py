@@ -54,6 +54,8 @@ RANGE_CASES = [
     ("train.keep_last=0", [r"train\.keep_last=0", r">= 1"]),
     ("train.eval_iters=0", [r"train\.eval_iters=0"]),
     ("train.max_consecutive_skips=-1", [r"train\.max_consecutive_skips=-1"]),
+    ("train.max_update_ratio=1", [r"train\.max_update_ratio=1", r"> 1", "null to turn the check off"]),
+    ("train.max_update_ratio=.nan", [r"train\.max_update_ratio=nan", r"finite"]),
     ("logging.peak_tflops=inf", [r"logging\.peak_tflops=inf", r"> 0"]),
     ("logging.log_interval=0", [r"logging\.log_interval=0", r">= 1"]),
     ("model.num_layers=0", [r"model\.num_layers=0", r">= 1"]),

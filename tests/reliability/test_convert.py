@@ -25,6 +25,9 @@ import torch
 from megatron_lev.utils.io import sha256_file
 from tests.convert.conftest import ds_checkpoints, sample_text, tokenizer_path  # noqa: F401 (fixtures)
 from tests.reliability.harness import expect_error, expect_ok, run_cli
+from tests.reliability.test_checkpoint import make_data
+from tests.reliability.test_checkpoint import overrides as train_overrides
+from tests.reliability.test_checkpoint import train as train_run
 
 pytestmark = pytest.mark.multiprocess  # the shared checkpoints are made by 4 gloo processes
 
@@ -230,6 +233,27 @@ def kept_dir(c: Ctx):
 
 def ckpt_intact(c: Ctx):
     assert (tag_of(c.tmp / "ckpt_tied") / "complete").exists() and not c.marker.exists()
+
+
+def planted(key: str, value: float, index=None, file: str = "layer_00-model_00-model_states.pt"):
+    """`prepare` for cv_on: parameter `key` of one layer file (a TP shard) set to `value` (at `index`,
+    or everywhere), and its checksum recorded again (the weights are wrong, not the file)."""
+
+    def prepare(c: Ctx, root: Path) -> None:
+        path = own(tag_of(root) / file)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if index is None:
+            state[key].fill_(value)
+        else:
+            state[key][index] = value
+        torch.save(state, path)
+        rerecord(path)
+
+    return prepare
+
+
+NAN_DELTA = planted("embedding.delta", float("nan"), (0, 3, 2, 1))  # a row few probe tokens reach
+HUGE_DELTA = planted("embedding.delta", 1e6)  # finite; the product over 8 coordinates overflows
 
 
 CONVERT = [
@@ -461,6 +485,62 @@ CONVERT = [
     ),
     pytest.param(
         Case(cv("--max-shard-size", "0"), ("--max-shard-size",), 2, no_output), id="max-shard-size-zero"
+    ),
+    pytest.param(
+        Case(
+            cv_on(NAN_DELTA, variant="lev"),
+            ("iter_0000001", "parameter embedding.delta holds 1 non-finite value", "--tag"),
+            1,
+            no_output,
+        ),
+        id="lev-delta-holds-nan",
+    ),
+    pytest.param(
+        Case(
+            cv_on(NAN_DELTA, "--keep-lev", variant="lev"),
+            ("parameter embedding.delta holds 1 non-finite value", "nothing was exported"),
+            1,
+            no_output,
+        ),
+        id="lev-delta-holds-nan-keep-lev",
+    ),
+    pytest.param(
+        Case(
+            cv_on(HUGE_DELTA, variant="lev"),
+            (
+                r"model\.embed_tokens\.weight \(the lev input embedding materialised over the whole",
+                "non-finite row",
+            ),
+            1,
+            no_output,
+        ),
+        id="lev-table-overflows-from-finite-parameters",
+    ),
+    pytest.param(
+        Case(
+            cv_on(HUGE_DELTA, "--keep-lev", variant="lev"),
+            ("the LEV table", "materialised over the whole vocabulary", "non-finite row"),
+            1,
+            no_output,
+        ),
+        id="lev-table-overflows-keep-lev",
+    ),
+    pytest.param(
+        Case(
+            cv_on(
+                planted("layers.0.mlp.down.weight", 1e6, (0, 0), file="layer_01-model_00-model_states.pt"),
+                "--dtype",
+                "fp16",
+            ),
+            (
+                r"exported tensor model\.layers\.0\.mlp\.down_proj\.weight holds 1 non-finite",
+                "float16",
+                "--dtype fp32",
+            ),
+            1,
+            no_output,
+        ),
+        id="weight-beyond-fp16-range",
     ),
 ]
 
@@ -1249,6 +1329,68 @@ PROBE = [
     pytest.param("tied", "rope_theta", 10100.0, "layer 0", id="rope-theta-close"),
     pytest.param("lev", "tie_word_embeddings", True, "input embedding", id="tie-word-embeddings"),
 ]
+
+
+# ------------------------------------------------------------- a NaN in LEV rows the validation never reads
+
+
+@pytest.fixture(scope="module")
+def lev_run(shared_data, tmp_path_factory):
+    """A real two-step `megatron-lev train` run of a LEV model with 16 knots per coordinate (so a knot
+    at the edge is reached by few tokens): its save directory."""
+    out = tmp_path_factory.mktemp("lev16") / "run"
+    data = make_data(out.parent / "data", shared_data)
+    lev = {"model.lev.d_seed": 32, "model.lev.heads": 4, "model.lev.rank": 16, "model.lev.kappa": 16}
+    expect_ok(
+        train_run(train_overrides(data, out, **lev, **{"model.hidden_size": 64, "train.train_iters": 2}))
+    )
+    return out / "ckpt"
+
+
+def rows_the_validation_misses(ckpt: Path) -> tuple[tuple[int, ...], int]:
+    """A `delta` element (head 0, an edge knot) whose NaN makes some rows of the materialised table
+    non-finite but none of the rows the validation ids read; and how many rows."""
+    from megatron_lev.convert.source import iter_canonical, open_checkpoint
+    from megatron_lev.convert.validate import validation_ids
+    from megatron_lev.model.embeddings import build_input_embedding
+
+    src = open_checkpoint(ckpt, None, None)
+    params = {
+        n.removeprefix("embedding."): t for n, t in iter_canonical(src, False) if n.startswith("embedding.")
+    }
+    lev = build_input_embedding(src.cfg.model, src.padded_vocab).float().eval()
+    lev.load_state_dict(params)
+    ids = validation_ids(src.vocab_size, src.cfg.model.seq_length)
+    h, d, kappa, _ = lev.delta.shape
+    with torch.no_grad():
+        for index in [(0, j, m, 0) for m in (0, kappa - 1) for j in range(d)]:
+            kept = lev.delta[index].item()
+            lev.delta[index] = float("nan")
+            bad = (~torch.isfinite(lev.materialize()[: src.vocab_size])).any(dim=1)
+            seen = torch.isfinite(lev(ids)).all()
+            lev.delta[index] = kept
+            if bad.any() and not bad[ids].any() and seen:
+                return index, int(bad.sum())
+    pytest.fail("no delta element of head 0 at an edge knot is missed by the validation ids")
+
+
+@pytest.mark.parametrize(
+    "extra", [pytest.param((), id="dense"), pytest.param(("--keep-lev",), id="keep-lev")]
+)
+def test_nan_in_lev_rows_the_validation_misses_is_refused(lev_run, tmp_path, capsys, extra):
+    """The probed logits never read these rows: without a check of every tensor the export passed
+    validation with them non-finite. Refused naming the parameter, nothing written."""
+    index, rows = rows_the_validation_misses(lev_run)
+    assert 0 < rows < 50277
+    root = clone(lev_run, tmp_path / "ckpt")
+    path = own(tag_of(root) / "mp_rank_00_model_states.pt")
+    state = torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed's own file (ours)
+    state["module"]["embedding.delta"][index] = float("nan")
+    torch.save(state, path)
+    rerecord(path)
+    out = run_cli(["convert", root, tmp_path / "out", "--no-progress", *extra], capsys)
+    expect_error(out, r"parameter embedding\.delta holds 1 non-finite value", "nothing was exported", rc=1)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("out", ".out"))]
 
 
 @pytest.mark.parametrize("variant,key,value,stage", PROBE)
