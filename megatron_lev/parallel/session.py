@@ -131,9 +131,10 @@ def join(
     return _SESSION
 
 
-def shutdown() -> None:
+def shutdown(announce: bool = True) -> None:
     """Leave what `join` set up: stop the watchdog, destroy every process group (no barrier),
-    reset the model-parallel state, flush the logs. Idempotent; always flushes."""
+    reset the model-parallel state, flush the logs. Idempotent; always flushes. `announce`
+    logs one INFO line saying so (else DEBUG)."""
     global _SESSION
     session, _SESSION = _SESSION, None
     try:
@@ -151,7 +152,8 @@ def shutdown() -> None:
                     dist.destroy_process_group()
                     destroyed = True
             _restore_default_timeouts(session.saved_timeouts)
-            log.info(
+            log.log(
+                logging.INFO if announce else logging.DEBUG,
                 "rank %d of %d left the process group (%s)",
                 session.rank,
                 session.world_size,
@@ -179,7 +181,7 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 _TIMED_OUT = ("Timed out", "timed out", "Watchdog caught collective operation timeout")
 
 
-def _torch_text(exc: BaseException) -> str:
+def torch_error_text(exc: BaseException) -> str:
     """The first line of a torch.distributed error without its C++ source location."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text)
@@ -223,7 +225,7 @@ def as_distributed_error(exc: BaseException) -> DistributedError | None:
     cause = collective_failure(exc)
     if cause is None:
         return None
-    text = _torch_text(cause)
+    text = torch_error_text(cause)
     if any(p in text for p in _TIMED_OUT):
         what = f"a collective waited longer than parallel.collective_timeout_s={session.timeout_s:g} s"
     elif any(p in text for p in _PEER_GONE):
@@ -239,7 +241,7 @@ def as_distributed_error(exc: BaseException) -> DistributedError | None:
 def _rendezvous_error(
     exc: BaseException, rank: int, world_size: int, addr: str, port: int, timeout_s: float
 ) -> BaseException:
-    text = _torch_text(exc)
+    text = torch_error_text(exc)
     where = f"{addr}:{port}"
     if "EADDRINUSE" in text or "address already in use" in text.lower():
         return DistributedError(
@@ -305,4 +307,5 @@ __all__ = [
     "join",
     "leaving_cleanly",
     "shutdown",
+    "torch_error_text",
 ]
