@@ -293,9 +293,8 @@ class ParallelConfig:
             raise ConfigError("parallel.cpu_offload=true needs parallel.zero_stage=3")
         if 0 < self.heartbeat_timeout_s < 1:
             raise ConfigError(
-                f"parallel.heartbeat_timeout_s={self.heartbeat_timeout_s:g} is too short: a rank beats "
-                "every tenth of it, at most every 0.2 s; give at least 1 (seconds), or 0 to turn the "
-                "watchdog off"
+                f"parallel.heartbeat_timeout_s={self.heartbeat_timeout_s:g} is too short: it must be "
+                "at least 1 (seconds; a rank beats every tenth of it), or 0 to turn the watchdog off"
             )
         if self.distributed_backend not in (None, "nccl", "gloo"):
             raise ConfigError(

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 TAIL_LINES = 15
+PREEMPTED_EXIT_CODE = 75  # training.signals: what a rank stopped by SIGTERM exits with
 
 
 def describe(exitcode: int) -> str:
@@ -31,6 +32,10 @@ def describe(exitcode: int) -> str:
         except ValueError:
             return f"was killed by signal {-exitcode}"
     return f"exited with status {exitcode}"
+
+
+def _stopped_by_launcher(exitcode: int) -> bool:
+    return exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM, PREEMPTED_EXIT_CODE)
 
 
 def rank_logs(log_dir: str | None, local_rank: int) -> list[Path]:
@@ -61,7 +66,12 @@ def tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
 
 def report(failures: dict, log_dir: str | None, name: str) -> str:
     """The message for torchrun's `ChildFailedError.failures` ({global rank: ProcessFailure})."""
-    order = sorted(failures.items(), key=lambda kv: (getattr(kv[1], "timestamp", 0), kv[0]))
+    # root cause first: torchrun's SIGTERM to the other ranks (and their exit 75 from the trainer's
+    # start-up handler) follows the first failure within the same second of its timestamps
+    order = sorted(
+        failures.items(),
+        key=lambda kv: (_stopped_by_launcher(kv[1].exitcode), getattr(kv[1], "timestamp", 0), kv[0]),
+    )
     out = []
     for i, (rank, failure) in enumerate(order):
         first = " (the first to fail)" if i == 0 and len(order) > 1 else ""

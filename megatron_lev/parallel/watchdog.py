@@ -210,11 +210,11 @@ class Heartbeat:
     def diagnose(self, wait: float | None = None) -> str | None:
         """After a collective failed here: which rank is to blame, as a phrase, or None.
 
-        Waits up to `wait` seconds (default three intervals) for a rank's published error, a
+        Waits up to `wait` seconds (default four intervals) for a rank's published error, a
         published abort, or the successor's counter to stand still for two intervals."""
         if self._store is None:
             return None
-        wait = 3 * self.interval if wait is None else wait
+        wait = 4 * self.interval if wait is None else wait
         result: list[str] = []
 
         def look() -> None:

@@ -125,8 +125,9 @@ def _slurm_env(env) -> DistEnv | None:
         raise LaunchError(
             f"{count_var}={world} and SLURM_PROCID={rank} are set but this process was not started by "
             "srun (SLURM_STEP_ID is not set: a batch script's own shell, or a partial environment), so "
-            f"the other {world - 1} rank(s) will never come: start one process per task with srun "
-            "(slurm/pretrain.sbatch does), or unset SLURM_NTASKS and SLURM_PROCID to run one process"
+            "nothing starts the other ranks and this one would wait for them forever: start one process "
+            "per task with srun (slurm/pretrain.sbatch does), or unset SLURM_NTASKS and SLURM_PROCID "
+            "to run one process"
         )
     if rank >= world:
         raise LaunchError(
