@@ -13,6 +13,7 @@ the machine), and the ratio trainer / bare. Results are appended to benchmarks/r
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import os
 import platform
@@ -135,10 +136,11 @@ def main() -> None:
 
     from megatron_lev.engine.deepspeed_engine import disable_cpu_shm_comm
     from megatron_lev.training.launch import device as current_device
-    from megatron_lev.training.launch import init_distributed
+    from megatron_lev.training.launch import init_distributed, shutdown_distributed
 
     disable_cpu_shm_comm()
     init_distributed()
+    atexit.register(shutdown_distributed)  # leave the group before the interpreter tears down
     from megatron_lev.parallel import state
 
     state.initialize_model_parallel(1, 1)

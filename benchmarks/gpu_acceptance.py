@@ -387,13 +387,19 @@ def _dp_worker(rank: int, world: int, backend: str, port: int, tiny: bool, out: 
         os.environ.update({"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
     from megatron_lev.engine.deepspeed_engine import disable_cpu_shm_comm
     from megatron_lev.parallel import state
-    from megatron_lev.training.launch import device as current_device
-    from megatron_lev.training.launch import init_distributed
-    from megatron_lev.training.trainer import _read
+    from megatron_lev.training.launch import distributed_session, init_distributed
 
     disable_cpu_shm_comm()
-    init_distributed(backend)
-    state.initialize_model_parallel(1, 1)
+    with distributed_session():  # leaves the group cleanly (no joinable C++ thread left at exit)
+        init_distributed(backend)
+        state.initialize_model_parallel(1, 1)
+        _dp_steps(rank, world, tiny, out)
+
+
+def _dp_steps(rank: int, world: int, tiny: bool, out: str) -> None:
+    from megatron_lev.training.launch import device as current_device
+    from megatron_lev.training.trainer import _read
+
     dev = current_device()
     size = (
         [
@@ -696,6 +702,13 @@ def main(argv=None) -> int:
     }
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible (use --device cpu --tiny)")
+    from megatron_lev.training.launch import distributed_session
+
+    with distributed_session():  # the one-rank group of _ctx, left cleanly on every exit path
+        return _run(args, argv)
+
+
+def _run(args, argv) -> int:
     out = (
         Path(args.out)
         if args.out

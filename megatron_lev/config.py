@@ -111,6 +111,12 @@ RANGES: dict[str, Range] = {
     "parallel.tensor_model_parallel_size": _count(),
     "parallel.pipeline_model_parallel_size": _count(),
     "parallel.zero_stage": Range(0, 3, why="the ZeRO stage 0, 1, 2 or 3"),
+    "parallel.collective_timeout_s": Range(
+        1, why="seconds the rendezvous and any collective may wait, e.g. 600"
+    ),
+    "parallel.heartbeat_timeout_s": Range(
+        0, why="seconds a rank may stay silent before the job ends; 0 turns the watchdog off"
+    ),
     "data.seed": _SEED,
     "data.num_workers": _count("0 loads batches in the training process", lo=0),
     "train.micro_batch_size": _count(),
@@ -298,6 +304,10 @@ class ParallelConfig:
     zero_stage: int = 1
     cpu_offload: bool = False  # ZeRO-3 parameter + optimizer offload to CPU
     distributed_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
+    # seconds the rendezvous and any collective may wait before every rank stops (docs/training.md)
+    collective_timeout_s: float = 600.0
+    # seconds a rank may stay silent (no heartbeat) before the watchdog ends the job; 0: no watchdog
+    heartbeat_timeout_s: float = 300.0
 
     def validate(self) -> None:
         check_ranges(self, "parallel")
@@ -311,6 +321,11 @@ class ParallelConfig:
             )
         if self.cpu_offload and self.zero_stage != 3:
             raise ConfigError("parallel.cpu_offload=true needs parallel.zero_stage=3")
+        if 0 < self.heartbeat_timeout_s < 1:
+            raise ConfigError(
+                f"parallel.heartbeat_timeout_s={self.heartbeat_timeout_s:g} is too short: it must be "
+                "at least 1 (seconds; a rank beats every tenth of it), or 0 to turn the watchdog off"
+            )
         if self.distributed_backend not in (None, "nccl", "gloo"):
             raise ConfigError(
                 f"parallel.distributed_backend must be nccl or gloo, got {self.distributed_backend}"

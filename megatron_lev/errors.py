@@ -31,6 +31,18 @@ class ConfigError(UserError, ValueError):
     exit_code = 2
 
 
+class LaunchError(UserError, ValueError):
+    """The launcher's environment (RANK, WORLD_SIZE, SLURM_*, ...) is partial or inconsistent;
+    the message names the variable. Refused before the process joins a group, where it would wait."""
+
+    exit_code = 2
+
+
+class DistributedError(UserError, RuntimeError):
+    """Another rank stopped answering: a collective or the rendezvous timed out, a peer died, or
+    the heartbeat watchdog found a silent rank. The message names the rank when it is known."""
+
+
 def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
     """Refuse `value` of `key` unless it is one of `allowed`, listing them (and the closest)."""
     if value not in allowed:

@@ -17,6 +17,11 @@
 # through when no rank reported another failure. A rank that wrote no status was killed (out
 # of memory, a crash): unless this script forwarded a preemption signal, that is a failure,
 # even if torchrun then stopped the other ranks while they were starting up (they report 75).
+#
+# Logs: each rank's stdout and stderr go to its own file under LOG_DIR (default: a temporary
+# directory, deleted when the run succeeds) and to the console, each line prefixed with its
+# rank ("[default1]:"). When a rank fails, the last lines printed name it, its exit status or
+# signal, and quote the end of its log ("[torchrun_local] rank 1 (pid 4242) was killed by SIGKILL").
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 if [ -n "${MEGATRON_LEV_PYTHON:-}" ]; then
@@ -37,13 +42,25 @@ read -ra entry <<<"${ENTRY:--m megatron_lev train}"
 echo "[torchrun_local] $NPROC process(es), python $python"
 
 exit_dir=$(mktemp -d "${TMPDIR:-/tmp}/torchrun_local.XXXXXX")
-trap 'rm -rf "$exit_dir"' EXIT
+if [ -n "${LOG_DIR:-}" ]; then
+    mkdir -p "$LOG_DIR"
+    log_dir=$(mktemp -d "$LOG_DIR/torchrun_local.XXXXXX")
+    keep_logs=1
+else
+    log_dir=$(mktemp -d "${TMPDIR:-/tmp}/torchrun_local-logs.XXXXXX")
+    keep_logs=0
+fi
+status=1
+# the ranks' exit statuses always go; their logs stay when the run failed or LOG_DIR asked for them
+trap 'rm -rf "$exit_dir"; if [ "$status" = 0 ] && [ "$keep_logs" = 0 ]; then rm -rf "$log_dir"; else rmdir "$log_dir" 2>/dev/null || true; fi' EXIT
 export MEGATRON_LEV_EXIT_DIR=$exit_dir
 # torchrun forwards these to the ranks (SIGUSR1 is not among its defaults)
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 # ranks get this long to finish the step and save after a signal before torchrun kills them
 export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-300}
-( trap - INT QUIT; exec "$python" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
+# torchrun itself, with a report naming each failed rank, its exit status or signal and the end of its log
+( trap - INT QUIT; exec "$python" -m megatron_lev.parallel.torchrun --report-name torchrun_local \
+    --standalone --nproc_per_node "$NPROC" --log-dir "$log_dir" --redirects 3 --tee 3 \
     "${entry[@]}" "$@" ) &
 pid=$!
 signalled=0  # a preemption signal came to this script: forwarded, and a reason to requeue

@@ -74,17 +74,67 @@ mlev_rendezvous() {
         "${SLURM_NTASKS:-?} tasks, restart $MLEV_RESTART"
 }
 
+# mlev_signal_name WORDS: srun's words for how a task ended ("Killed", "Exited with exit code 3")
+# as "was killed by SIGKILL" / "exited with status 3".
+mlev_signal_name() {
+    case $1 in
+        Killed) echo "was killed by SIGKILL" ;;
+        Terminated) echo "was killed by SIGTERM" ;;
+        Aborted) echo "was killed by SIGABRT (an abort)" ;;
+        "Segmentation fault") echo "was killed by SIGSEGV (a crash)" ;;
+        "Bus error") echo "was killed by SIGBUS (a crash)" ;;
+        Interrupt) echo "was killed by SIGINT" ;;
+        "Exited with exit code "*) echo "exited with status ${1#Exited with exit code }" ;;
+        *) echo "ended: $1" ;;
+    esac
+}
+
+# mlev_report_failed_tasks LOG OFFSET: after a failed step whose output starts at byte OFFSET
+# of LOG, name each task srun reported ("srun: error: n1: task 1: Killed") with its rank, node,
+# exit status or signal, and the last lines of its output (srun --label prefixes them "1: ").
+mlev_report_failed_tasks() {
+    local log=$1 offset=$2 line rest node tasks what ranks parts part r
+    local lines=${MLEV_TAIL_LINES:-10}
+    [ -f "$log" ] || return 0
+    tail -c +"$((offset + 1))" "$log" | grep -E '^srun: error: [^ ]+: tasks? [0-9][0-9,-]*: ' |
+        while IFS= read -r line; do
+            rest=${line#srun: error: }
+            node=${rest%%: *}
+            rest=${rest#*: }
+            tasks=${rest%%: *}
+            what=${rest#*: }
+            tasks=${tasks#tasks }
+            tasks=${tasks#task }
+            ranks=()
+            IFS=, read -ra parts <<<"$tasks"
+            for part in "${parts[@]}"; do
+                if [[ $part == *-* ]]; then
+                    for ((r = ${part%-*}; r <= ${part#*-}; r++)); do ranks+=("$r"); done
+                else
+                    ranks+=("$part")
+                fi
+            done
+            for r in "${ranks[@]}"; do
+                mlev_log "rank $r (node $node) $(mlev_signal_name "$what"); its last lines in $log:"
+                tail -c +"$((offset + 1))" "$log" | grep -E "^ *$r: " | tail -n "$lines" | sed 's/^/    /'
+            done
+        done
+}
+
 # mlev_step LOG [SRUN_OPTION...] -- CMD...: run CMD with srun (by default one task per
 # task of the allocation) in the background, forward USR1/TERM/INT from the batch shell
 # to it, wait for it, return its exit status. All tasks' output goes to LOG, prefixed by rank.
+# When the step fails, each task srun reports as failed is named with its exit status or
+# signal and the last lines of its output (mlev_report_failed_tasks).
 mlev_step() {
-    local log=$1 pid rc sig late
+    local log=$1 pid rc sig late offset
     local srun_opts=()
     shift
     while [ $# -gt 0 ] && [ "$1" != "--" ]; do srun_opts+=("$1"); shift; done
     [ "${1:-}" = "--" ] || mlev_die "mlev_step: missing '--' before the command"
     shift
     mlev_log "step: $* (log: $log)"
+    offset=$(stat -c %s "$log" 2>/dev/null || echo 0)  # this step's output starts here
     # --wait: once a task exits, the others get this long (e.g. to finish a checkpoint) before being killed.
     srun --label --kill-on-bad-exit=0 --wait="${TASK_EXIT_GRACE:-120}" "${srun_opts[@]}" "$@" >>"$log" 2>&1 &
     pid=$!
@@ -103,5 +153,8 @@ mlev_step() {
     [ "$late" -ne 127 ] && rc=$late
     trap - USR1 TERM INT
     mlev_log "step exited with status $rc"
+    if [ "$rc" -ne 0 ]; then
+        mlev_report_failed_tasks "$log" "$offset"
+    fi
     return "$rc"
 }

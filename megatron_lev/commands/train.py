@@ -28,9 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from megatron_lev.training.launch import distributed_session
+
     code = 1
     try:
-        code = _train(args)
+        # every exit (done, error, preempted) leaves the process group the same way: the watchdog
+        # stopped, every group destroyed without a barrier, the logs flushed
+        with distributed_session():
+            code = _train(args)
         return code
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1

@@ -5,10 +5,19 @@ one task per process sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID; a plain
 `python -m megatron_lev train` with neither is a world of one. We initialise
 torch.distributed ourselves (gloo on CPU, nccl on CUDA) so DeepSpeed never goes
 looking for MPI.
+
+No rank waits forever: a partial or inconsistent launcher environment (`SLURM_NTASKS=2` in a
+batch script's own shell, `RANK >= WORLD_SIZE`, `WORLD_SIZE` without `RANK`, ...) is refused
+before the rendezvous with one line (`LaunchError`, exit status 2); the rendezvous and every
+collective time out after `parallel.collective_timeout_s`; the heartbeat watchdog
+(`parallel.heartbeat_timeout_s`, see `parallel/watchdog.py`) ends every rank when one goes
+silent. `distributed_session()` is the one way out (`parallel/session.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import socket
 from dataclasses import dataclass
@@ -16,7 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_lev.errors import UserError
+from megatron_lev.errors import LaunchError, UserError
+from megatron_lev.parallel import session
+from megatron_lev.parallel.session import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 
 
 class PortInUseError(UserError):
@@ -43,36 +54,107 @@ def _first_slurm_host(nodelist: str) -> str:
     return head
 
 
-def read_dist_env(environ: dict | None = None) -> DistEnv:
-    """Rank layout from the environment; raises ValueError naming a missing variable."""
-    env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
-        if missing and int(env["WORLD_SIZE"]) > 1:
-            raise ValueError(
+def _int_var(env, key: str, lo: int = 0) -> int:
+    raw = str(env[key]).strip()
+    try:
+        value = int(raw)
+    except ValueError:
+        raise LaunchError(f"{key}={env[key]!r} is not an integer: {_FIX}") from None
+    if value < lo:
+        raise LaunchError(f"{key}={value} must be at least {lo}: {_FIX}")
+    return value
+
+
+_FIX = (
+    "launch with torchrun or srun (slurm/pretrain.sbatch), or unset the launcher's variables "
+    "to run one process"
+)
+
+
+def _torchrun_env(env) -> DistEnv | None:
+    """RANK/WORLD_SIZE/... checked for consistency; None when they do not describe a launch."""
+    has_rank, has_world = "RANK" in env, "WORLD_SIZE" in env
+    if not (has_rank or has_world):
+        return None
+    if has_rank != has_world:
+        present, missing = ("RANK", "WORLD_SIZE") if has_rank else ("WORLD_SIZE", "RANK")
+        value = _int_var(env, present, lo=0 if has_rank else 1)
+        if value == (0 if has_rank else 1):
+            return None  # RANK=0 or WORLD_SIZE=1 alone: one process, as without them
+        raise LaunchError(
+            f"{present}={value} is set but {missing} is not, so the other ranks cannot be found "
+            f"(a partial launcher environment): {_FIX}"
+        )
+    world = _int_var(env, "WORLD_SIZE", lo=1)
+    rank = _int_var(env, "RANK")
+    if rank >= world:
+        raise LaunchError(f"RANK={rank} is not below WORLD_SIZE={world}: ranks are 0..{world - 1}; {_FIX}")
+    local_rank = _int_var(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
+    if "LOCAL_WORLD_SIZE" in env:
+        local_world = _int_var(env, "LOCAL_WORLD_SIZE", lo=1)
+        if local_rank >= local_world or local_world > world:
+            raise LaunchError(
+                f"LOCAL_RANK={local_rank} and LOCAL_WORLD_SIZE={local_world} do not fit WORLD_SIZE={world}: "
+                f"local ranks are 0..LOCAL_WORLD_SIZE-1 and LOCAL_WORLD_SIZE <= WORLD_SIZE; {_FIX}"
+            )
+    if world > 1:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not str(env.get(k, "")).strip()]
+        if missing:
+            raise LaunchError(
                 f"RANK/WORLD_SIZE are set but {', '.join(missing)} is not: launch with torchrun "
                 "or set MASTER_ADDR and MASTER_PORT"
             )
-        return DistEnv(
-            int(env["RANK"]),
-            int(env["WORLD_SIZE"]),
-            int(env.get("LOCAL_RANK", 0)),
-            env.get("MASTER_ADDR", "127.0.0.1"),
-            int(env.get("MASTER_PORT", 0)),
-            "torchrun",
+    port = _port(env) if "MASTER_PORT" in env else 0
+    return DistEnv(rank, world, local_rank, env.get("MASTER_ADDR", "127.0.0.1"), port, "torchrun")
+
+
+def _port(env) -> int:
+    port = _int_var(env, "MASTER_PORT")
+    if not 0 < port < 65536:
+        raise LaunchError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
+    return port
+
+
+def _slurm_env(env) -> DistEnv | None:
+    """srun's task variables checked; None unless they describe more than one task of a step."""
+    if "SLURM_PROCID" not in env or not ("SLURM_NTASKS" in env or "SLURM_STEP_NUM_TASKS" in env):
+        return None
+    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+    count_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    world = _int_var(env, count_var, lo=1)
+    rank = _int_var(env, "SLURM_PROCID")
+    if world == 1 and rank == 0:
+        return None  # one task: a world of one (a batch script of one task, or `srun -n 1`)
+    if not in_step:
+        raise LaunchError(
+            f"{count_var}={world} and SLURM_PROCID={rank} are set but this process was not started by "
+            "srun (SLURM_STEP_ID is not set: a batch script's own shell, or a partial environment), so "
+            "nothing starts the other ranks and this one would wait for them forever: start one process "
+            "per task with srun (slurm/pretrain.sbatch does), or unset SLURM_NTASKS and SLURM_PROCID "
+            "to run one process"
         )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-        port = int(env.get("MASTER_PORT", 29400 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
-        return DistEnv(
-            int(env["SLURM_PROCID"]),
-            int(env["SLURM_NTASKS"]),
-            int(env.get("SLURM_LOCALID", 0)),
-            addr,
-            port,
-            "slurm",
+    if rank >= world:
+        raise LaunchError(
+            f"SLURM_PROCID={rank} is not below {count_var}={world}: ranks are 0..{world - 1}; {_FIX}"
         )
-    return DistEnv(0, 1, 0, "127.0.0.1", 0, "single")
+    local_rank = _int_var(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+    addr = env.get("MASTER_ADDR") or _first_slurm_host(
+        env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "127.0.0.1")
+    )
+    if "MASTER_PORT" in env:
+        port = _port(env)
+    else:  # the same on every task of the job
+        port = 29400 + (_int_var(env, "SLURM_JOB_ID") % 1000 if "SLURM_JOB_ID" in env else 0)
+    return DistEnv(rank, world, local_rank, addr, port, "slurm")
+
+
+def read_dist_env(environ: dict | None = None) -> DistEnv:
+    """Rank layout from the environment. A partial or inconsistent launcher environment (which
+    would leave this process waiting for ranks that never come) raises `LaunchError`, one line
+    naming the variable."""
+    env = os.environ if environ is None else environ
+    info = _torchrun_env(env) or _slurm_env(env)
+    return info or DistEnv(0, 1, 0, "127.0.0.1", 0, "single")
 
 
 def _free_port() -> int:
@@ -81,8 +163,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(backend: str | None = None) -> DistEnv:
-    """Initialise torch.distributed (once) and select this rank's CUDA device; returns the layout."""
+def init_distributed(
+    backend: str | None = None,
+    *,
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+    prog: str = "megatron-lev train",
+) -> DistEnv:
+    """Initialise torch.distributed (once) and select this rank's CUDA device; returns the layout.
+
+    Every collective (and the rendezvous) waits at most `collective_timeout_s`; with more than
+    one rank and `heartbeat_timeout_s > 0` the heartbeat watchdog ends this process with one
+    line (`prog: error: ...`, exit status 1) when a rank stays silent that long. Leave with
+    `shutdown_distributed()` (or run the command inside `distributed_session()`)."""
     info = read_dist_env()
     if dist.is_initialized():
         return DistEnv(
@@ -111,11 +204,17 @@ def init_distributed(backend: str | None = None) -> DistEnv:
         }
     )
     try:
-        dist.init_process_group(
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        session.join(
             backend,
-            rank=info.rank,
-            world_size=info.world_size,
-            init_method=f"tcp://{info.master_addr}:{port}",
+            info.rank,
+            info.world_size,
+            info.master_addr,
+            port,
+            timeout_s=collective_timeout_s,
+            heartbeat_s=heartbeat_timeout_s,
+            store_owner="torchrun's agent" if agent_store else "rank 0",
+            on_abort=functools.partial(_abort, prog),
         )
     except RuntimeError as exc:  # torch's DistNetworkError: the rendezvous store cannot listen
         if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
@@ -132,6 +231,22 @@ def init_distributed(backend: str | None = None) -> DistEnv:
             ) from None
         raise
     return DistEnv(info.rank, info.world_size, info.local_rank, info.master_addr, port, info.source)
+
+
+def _abort(prog: str, line: str) -> None:
+    """The watchdog found a silent rank: one line, the exit status for the launcher, and out at
+    once (the main thread is blocked in a collective and cannot unwind)."""
+    from megatron_lev.training.signals import report_exit_code
+
+    with contextlib.suppress(OSError):
+        os.write(2, f"{prog}: error: {line}\n".encode())
+    report_exit_code(1)
+    session.flush_logs()
+    os._exit(1)
+
+
+shutdown_distributed = session.shutdown  # leave the group: stop the watchdog, destroy groups, flush
+distributed_session = session.leaving_cleanly  # a command's body: one line per failure, always leaves
 
 
 def device() -> torch.device:

@@ -74,6 +74,8 @@ FREE_KEYS = frozenset(
         "data.num_workers",
         "data.cache_dir",
         "parallel.distributed_backend",
+        "parallel.collective_timeout_s",
+        "parallel.heartbeat_timeout_s",
         "parallel.cpu_offload",
         "model.name",
         "model.activation_checkpointing",

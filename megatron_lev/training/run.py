@@ -89,7 +89,11 @@ def _pretrain(
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / ".torch_extensions"))
     disable_cpu_shm_comm()
     cfg = run.cfg if isinstance(run, RunPlan) else run
-    env = init_distributed(cfg.parallel.distributed_backend)
+    env = init_distributed(
+        cfg.parallel.distributed_backend,
+        collective_timeout_s=cfg.parallel.collective_timeout_s,
+        heartbeat_timeout_s=cfg.parallel.heartbeat_timeout_s,
+    )
     out = Path(cfg.logging.output_dir)
     setup_logging(log_dir=out / "logs" if cfg.logging.log_all_ranks else None)
     world, rank, dev = env.world_size, env.rank, current_device()

@@ -65,6 +65,14 @@ def install_startup_handler(signals: tuple[signal.Signals, ...] = PREEMPTION_SIG
         signal.signal(sig, _exit_at_startup)
 
 
+def _note_during_shutdown(signum: int, frame: FrameType | None) -> None:
+    """After the run: the process is already leaving (with its own exit status); a launcher's
+    SIGTERM (torchrun stops the other ranks when one fails) must not turn an error into 75."""
+    msg = f"received {signal.Signals(signum).name} while shutting down: finishing the shutdown\n"
+    with contextlib.suppress(OSError):
+        os.write(2, msg.encode())
+
+
 class PreemptionWatcher:
     """Records preemption signals; `should_stop()` (collective) says whether any rank got one."""
 
@@ -89,8 +97,10 @@ class PreemptionWatcher:
         return self
 
     def uninstall(self) -> None:
+        """Restore the previous handlers; the start-up one (exit 75 at once) is over by now, so
+        a signal from here on only finishes the shutdown (the run's exit status stands)."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, _note_during_shutdown if handler is _exit_at_startup else handler)
         self._previous.clear()
 
     def __enter__(self) -> PreemptionWatcher:

@@ -77,6 +77,10 @@ RANGE_CASES = [
     ("parallel.tensor_model_parallel_size=0", [r"parallel\.tensor_model_parallel_size=0", r">= 1"]),
     ("parallel.pipeline_model_parallel_size=-1", [r"parallel\.pipeline_model_parallel_size=-1"]),
     ("parallel.zero_stage=4", [r"parallel\.zero_stage=4", r"\[0, 3\]"]),
+    ("parallel.collective_timeout_s=0", [r"parallel\.collective_timeout_s=0", r">= 1"]),
+    ("parallel.collective_timeout_s=inf", [r"parallel\.collective_timeout_s=inf", r"finite"]),
+    ("parallel.heartbeat_timeout_s=-1", [r"parallel\.heartbeat_timeout_s=-1", r">= 0", r"off"]),
+    ("parallel.heartbeat_timeout_s=0.5", [r"parallel\.heartbeat_timeout_s=0\.5 is too short", r"0 to turn"]),
 ]
 
 # values that are not numbers or ranges but would explode later: (overrides, fragments)

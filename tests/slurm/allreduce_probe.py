@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--kill-rank", type=int, default=None, help="this rank kills itself after step 0")
     args = parser.parse_args()
 
     import torch
@@ -37,6 +39,9 @@ def main() -> int:
             f"allreduce_sum {t.item():g}\n"
         )
         os.write(sys.stdout.fileno(), line.encode())
+        if args.kill_rank == rank:  # as the out-of-memory killer would
+            os.write(sys.stdout.fileno(), f"[probe] rank {rank} is about to be killed\n".encode())
+            os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -8,6 +8,8 @@ model code (tests/slurm/test_slurm.py runs the trainer, preemption included).
 from __future__ import annotations
 
 import re
+import sys
+import time
 
 import pytest
 
@@ -77,3 +79,67 @@ def test_job_scripts_refuse_missing_inputs_with_a_clear_message(slurm_cluster, t
             f"{script}: {info.state} {info.exit_code}\n{out}"
         )
         assert cases[script] in out, out
+
+
+def test_a_killed_task_is_named_with_its_signal_and_its_last_lines(slurm_cluster, tmp_path):
+    """Rank 1 is killed by SIGKILL after the first all-reduce: the batch output names the rank,
+    its node and signal, and quotes the end of its output from the step's log."""
+    job = submit_pretrain(
+        slurm_cluster,
+        tmp_path,
+        ["--nodes=1", "--ntasks-per-node=2", "--time=5", "--signal=USR1@30"],
+        ["--steps", "3", "--kill-rank", "1"],
+        env={**PROBE, "REQUEUE": "0", "TASK_EXIT_GRACE": "5"},
+    )
+    info = wait_job(slurm_cluster, tmp_path, job, timeout=120)
+    report = describe(tmp_path, info)
+    assert info.state == "FAILED", report
+    batch = (tmp_path / f"slurm-{job}.out").read_text()
+    assert re.search(r"rank 1 \(node n1\) was killed by SIGKILL; its last lines in \S+\.log:", batch), report
+    assert re.search(r"\n {4}1: \[probe\] rank 1 is about to be killed\n", batch), report
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory, shared_data) -> tuple[str, str]:
+    """100 Wikipedia documents preprocessed with the GPT-NeoX tokenizer: (prefix, tokenizer)."""
+    import io
+    import itertools
+
+    import zstandard
+
+    from megatron_lev.data.preprocess import PreprocessOptions, preprocess
+
+    work = tmp_path_factory.mktemp("launch-data")
+    with open(shared_data / "minipile" / "Wikipedia_en.jsonl.zst", "rb") as f:
+        reader = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f), encoding="utf-8")
+        (work / "docs.jsonl").write_text("".join(itertools.islice(reader, 100)))
+    tok = str(shared_data / "tokenizers" / "gpt-neox-20b.json")
+    prefix = str(work / "wiki_text_document")
+    preprocess(PreprocessOptions([str(work / "docs.jsonl")], prefix, "hf", tok, workers=1, progress=False))
+    return prefix, tok
+
+
+def test_the_trainer_in_a_batch_shell_of_two_tasks_refuses_at_once(slurm_cluster, shard, tmp_path):
+    """`python -m megatron_lev train` run by the batch script itself (no srun) sees
+    SLURM_NTASKS=2 and SLURM_PROCID=0: before, it waited forever for a rank 1 nobody starts."""
+    prefix, tok = shard
+    script = tmp_path / "direct.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"cd {ROOT}\n"
+        f"export PYTHONPATH={ROOT} OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu\n"
+        f"exec {sys.executable} -m megatron_lev train --config pretrain/configs/tiny.yaml "
+        f"data.data_path=[{prefix}] data.tokenizer_path={tok} data.split=98,2,0 train.train_iters=2 "
+        f"model.num_layers=2 logging.output_dir={tmp_path / 'run'}\n"
+    )
+    job = slurm_cluster.sbatch(
+        [*SMALL_JOB, "--nodes=1", "--ntasks=2", "--time=5", f"--output={tmp_path}/direct.out", str(script)],
+        cwd=tmp_path,
+    )
+    start = time.monotonic()
+    info = slurm_cluster.wait(job, timeout=120)
+    out = (tmp_path / "direct.out").read_text()
+    assert info.state == "FAILED" and info.exit_code == "2:0", f"{info.state} {info.exit_code}\n{out}"
+    last = out.strip().splitlines()[-1]
+    assert re.search(r"SLURM_NTASKS=2 and SLURM_PROCID=0 .* not started by srun", last), out
+    assert time.monotonic() - start < 90

@@ -88,6 +88,7 @@ def test_launcher_environments():
         {
             "SLURM_PROCID": "2",
             "SLURM_NTASKS": "4",
+            "SLURM_STEP_ID": "0",  # started by srun
             "SLURM_LOCALID": "0",
             "SLURM_JOB_NODELIST": "n[1-2]",
             "SLURM_JOB_ID": "17",
