@@ -12,6 +12,7 @@ callback adds to the log line:
     grad_norm/global, clipped                 the global gradient norm; 1 when above train.clip_grad
     input_table/rms, input_table/mean_row_ratio, input_table/effective_rank,
     input_table/effective_rank_centred        the input table over a fixed sample of token ids
+    input_table/update_ratio                  |T_after - T_before| / |T_before| of those rows over the step
 
 The input-layer tensors are the parameters under the model's `embedding` module. The table
 statistics use `utils.matrix`, as `megatron-lev geometry` does over a checkpoint's whole table;
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
 INPUT_LAYER = "embedding."  # the canonical prefix of the input layer's parameters
 SAMPLE_SEED = 0
-TABLE_KEYS = ("rms", "mean_row_ratio", "effective_rank", "effective_rank_centred")
+TABLE_KEYS = ("rms", "mean_row_ratio", "effective_rank", "effective_rank_centred", "update_ratio")
 
 
 def sample_ids(vocab_size: int, count: int, seed: int = SAMPLE_SEED) -> torch.Tensor:
@@ -53,15 +54,19 @@ def sample_ids(vocab_size: int, count: int, seed: int = SAMPLE_SEED) -> torch.Te
     return torch.randperm(vocab_size, generator=gen)[:count].sort().values
 
 
-def table_statistics(rows: torch.Tensor) -> torch.Tensor:
-    """`(4,)` float64 in the order of TABLE_KEYS, on the rows' device (no host read)."""
-    centred = rows.double() - rows.double().mean(dim=0)
+def table_statistics(rows: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """`(5,)` float64 in the order of TABLE_KEYS, of the sample `rows` after a step and `before` it,
+    on the rows' device (no host read)."""
+    x = rows.double()
+    centred = x - x.mean(dim=0)
+    moved = (x - before.double()).norm() / before.double().norm()
     return torch.stack(
         [
-            matrix.rms(rows),
-            matrix.mean_row_ratio(rows),
-            matrix.effective_rank(rows),
+            matrix.rms(x),
+            matrix.mean_row_ratio(x),
+            matrix.effective_rank(x),
             matrix.effective_rank(centred),
+            moved,
         ]
     )
 
@@ -81,6 +86,7 @@ class TrainingDynamics(Callback):
         self.ids: torch.Tensor | None = None
         self._measured: int | None = None  # the iteration whose step the engine measures
         self._engine_norm: float | None = None  # the engine's own norm of that step
+        self._rows_before: torch.Tensor | None = None  # the sample rows before that step
 
     def on_train_begin(self, trainer: Trainer, control: Control) -> None:
         self._measured = None
@@ -100,6 +106,7 @@ class TrainingDynamics(Callback):
         if self.due(trainer, iteration):
             trainer.engine.measure_next_step((INPUT_LAYER,))
             self._measured, self._engine_norm = iteration, None
+            self._rows_before = self.rows(trainer)  # stays on the device
 
     def on_step_values(self, trainer: Trainer, record: StepRecord, control: Control) -> None:
         if record.iteration == self._measured:
@@ -138,14 +145,19 @@ class TrainingDynamics(Callback):
         return out
 
     @torch.no_grad()
-    def table(self, trainer: Trainer) -> torch.Tensor | None:
-        """The input table's statistics over the sample (TABLE_KEYS), on the device; None on ranks
-        without the input layer. Collective over the TP group (and, under ZeRO-3, the DP group)."""
+    def rows(self, trainer: Trainer) -> torch.Tensor | None:
+        """The input table's rows at the sample ids, on the device; None on ranks without the input
+        layer. Collective over the TP group (and, under ZeRO-3, the DP group)."""
         if self.embedding is None:
             return None
         with trainer.engine.full_parameters(self.embedding):
-            rows = self.embedding.sample_rows(self.ids)
-        return table_statistics(rows)
+            return self.embedding.sample_rows(self.ids)
+
+    def table(self, trainer: Trainer) -> torch.Tensor | None:
+        """The input table's statistics over the sample (TABLE_KEYS) after the measured step."""
+        before, self._rows_before = self._rows_before, None
+        rows = self.rows(trainer)
+        return None if rows is None or before is None else table_statistics(rows, before)
 
 
 __all__ = ["INPUT_LAYER", "TABLE_KEYS", "TrainingDynamics", "sample_ids", "table_statistics"]

@@ -31,7 +31,7 @@ VOCAB, SEQ, MICRO, GLOBAL, ITERS, SAMPLE = 500, 16, 2, 4, 3, 64
 REL = 1e-5  # one rank against the hand computation (both fp32, the same operations)
 LAYOUT_REL = 2e-4  # other layouts: sums in another order (TP reductions, partitions)
 LEV_TENSORS = ("codebooks.weight", "proj", "norm_weight", "norm_bias", "delta", "out_proj")
-TABLE = ("rms", "mean_row_ratio", "effective_rank", "effective_rank_centred")
+TABLE = ("rms", "mean_row_ratio", "effective_rank", "effective_rank_centred", "update_ratio")
 LAYOUTS = {  # in this order: DeepSpeed cannot build a plain engine without `mpu` after a pipeline
     "zero1": {"parallel.zero_stage": 1},
     "zero2": {"parallel.zero_stage": 2},
@@ -146,6 +146,8 @@ def _by_hand(embedding: str) -> list[dict]:
         for g in opt.param_groups:
             g["lr"] = learning_rate(it, t, ITERS)
         opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            table_before = model.embedding.materialize()[pick].double()
         for _ in range(gas):
             x, y = next(batches)
             (model(x, labels=y).mean() / gas).backward()
@@ -184,6 +186,7 @@ def _by_hand(embedding: str) -> list[dict]:
             row[f"input_table/{key}"] = math.exp(float(-(p * p.log()).sum()))
         row["input_table/rms"] = float(table.square().mean().sqrt())
         row["input_table/mean_row_ratio"] = float(table.mean(0).norm() / table.norm(dim=1).mean())
+        row["input_table/update_ratio"] = float((table - table_before).norm() / table_before.norm())
         rows.append(row)
     return rows
 
