@@ -322,3 +322,30 @@ def test_a_run_logs_them_at_every_line_and_geometry_agrees(minipile_prefix, toke
     log_text = proc.stderr + proc.stdout
     assert "grad norm nan" not in log_text and "grad norm " in log_text
     json.dumps(rows)  # plain numbers only
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_the_sample_is_fixed_distinct_and_inside_the_vocabulary():
+    from megatron_lev.training.dynamics import sample_ids
+
+    ids = sample_ids(50277, 1024)
+    assert torch.equal(ids, sample_ids(50277, 1024))  # the same in every run and on every rank
+    assert len(ids.unique()) == 1024 and int(ids.min()) >= 0 and int(ids.max()) < 50277
+    assert torch.equal(sample_ids(300, 1024), torch.arange(300))  # a small vocabulary: every id
+
+
+def test_the_dynamics_can_be_switched_off_and_the_sample_size_is_checked(tmp_path):
+    from megatron_lev.errors import ConfigError
+    from megatron_lev.training.dynamics import TrainingDynamics
+    from megatron_lev.training.metrics import MetricsWriter
+    from megatron_lev.training.run import default_callbacks
+
+    writer = MetricsWriter(tmp_path, False, False)
+    on = default_callbacks(_cfg("lev"), writer, None)
+    off = default_callbacks(_cfg("lev", **{"logging.train_dynamics": False}), writer, None)
+    assert sum(isinstance(cb, TrainingDynamics) for cb in on) == 1
+    assert not any(isinstance(cb, TrainingDynamics) for cb in off)
+    with pytest.raises(ConfigError, match=r"logging\.dynamics_sample_ids"):
+        _cfg("lev", **{"logging.dynamics_sample_ids": 1})
