@@ -17,6 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+GROUP_PREFIX = "group/"  # StepMeasurement.names: a parameter group, not a tensor
+
 
 @dataclass
 class StepMeasurement:
@@ -35,17 +37,10 @@ class StepMeasurement:
     weight: torch.Tensor
     update: torch.Tensor
 
-    @property
-    def groups(self) -> tuple[str, ...]:
-        return tuple(n[len(GROUP_PREFIX) :] for n in self.names if n.startswith(GROUP_PREFIX))
-
     def global_grad_norm(self) -> torch.Tensor:
         """The norm over every parameter (the groups together), a `()` device tensor."""
         rows = [i for i, n in enumerate(self.names) if n.startswith(GROUP_PREFIX)]
         return self.grad[rows].square().sum().sqrt()
-
-
-GROUP_PREFIX = "group/"  # StepMeasurement.names: a parameter group, not a tensor
 
 
 @runtime_checkable
