@@ -142,6 +142,7 @@ RANGES: dict[str, Range] = {
         1, lo_open=True, why="how much one update may grow the weight norm, or null to turn the check off"
     ),
     "logging.log_interval": _count(),
+    "logging.dynamics_sample_ids": _count("token ids the input table's statistics are over", lo=2),
     "logging.peak_tflops": Range(0, lo_open=True, why="per device, for MFU"),
 }
 
@@ -479,6 +480,10 @@ class LoggingConfig:
     log_all_ranks: bool = False  # every rank also writes logs/rank{N}.log
     peak_tflops: float = 989.0  # per device, for MFU (H100 dense bf16)
     progress_bar: bool = True
+    # per log line: gradient/update norms per group and input-layer tensor, the input table's shape
+    # (training.dynamics); measuring a step keeps a copy of the rank's master weights meanwhile
+    train_dynamics: bool = True
+    dynamics_sample_ids: int = 1024  # token ids the input table's statistics are over
     wandb_project: str | None = None  # mirror the logged values to Weights & Biases (needs `wandb`)
     wandb_group: str | None = None
     wandb_mode: str = "online"  # "offline": write the run under output_dir/wandb, `wandb sync` it later

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import torch
 from megatron_lev.analysis.cosine import cosine_stats
 from megatron_lev.ckpt.layout import COMPLETE_MARKER, list_checkpoints
 from megatron_lev.errors import DataError
+from megatron_lev.utils import matrix as matrix_stats
 
 METRICS = ("eps", "mu", "sigma", "mean_row_ratio", "effective_rank")
 RANK_NOTE = (
@@ -111,26 +111,13 @@ def tokens_by_iteration(run_dir: Path) -> dict[int, int]:
 
 def effective_rank(matrix: torch.Tensor, chunk: int = 16384) -> float:
     """`exp(-sum p log p)`, p the singular values of `matrix (V, d)` over their sum, from the float64
-    `d x d` Gram matrix (its eigenvalues are the squared singular values)."""
-    d = matrix.shape[1]
-    gram = torch.zeros(d, d, dtype=torch.float64)
-    for s in range(0, matrix.shape[0], chunk):
-        x = matrix[s : s + chunk].to(torch.float64)
-        gram.addmm_(x.T, x)
-    sv = torch.linalg.eigvalsh(gram).clamp(min=0.0).sqrt()
-    total = float(sv.sum())
-    if total == 0.0:
-        return 0.0
-    p = sv / total
-    p = p[p > 0]
-    return math.exp(float(-(p * p.log()).sum()))
+    Gram matrix (its eigenvalues are the squared singular values); `utils.matrix.effective_rank`."""
+    return float(matrix_stats.effective_rank(matrix, chunk))
 
 
 def mean_row_ratio(matrix: torch.Tensor) -> float:
-    """`|mean_i x_i| / mean_i |x_i|` in float64 (0 for a zero matrix)."""
-    x = matrix.to(torch.float64)
-    norms = x.norm(dim=1).mean()
-    return float(x.mean(dim=0).norm() / norms) if float(norms) > 0 else 0.0
+    """`|mean_i x_i| / mean_i |x_i|` in float64 (0 for a zero matrix); `utils.matrix.mean_row_ratio`."""
+    return float(matrix_stats.mean_row_ratio(matrix))
 
 
 def matrix_geometry(matrix: torch.Tensor, sample: int | None = None, seed: int = 0) -> dict[str, float]:

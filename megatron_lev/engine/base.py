@@ -8,12 +8,39 @@ tensor stays on the device: the caller decides when the host reads it.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+GROUP_PREFIX = "group/"  # StepMeasurement.names: a parameter group, not a tensor
+
+
+@dataclass
+class StepMeasurement:
+    """Norms of one optimizer step, of the full tensors (summed over every rank that holds a part of
+    one, each part counted once), the same on every rank. Float64 device tensors `(len(names),)`:
+    the parameter groups first (`group/<name>`, over all their parameters on every pipeline stage),
+    then the measured tensors by canonical name (`embedding.delta`, ...).
+
+    `grad`: the gradient the optimizer received (reduced over data-parallel ranks, unscaled, before
+    clipping); `weight`: the weights before the step (the optimizer's fp32 master where it keeps one);
+    `update`: `|w_after - w_before|`.
+    """
+
+    names: tuple[str, ...]
+    grad: torch.Tensor
+    weight: torch.Tensor
+    update: torch.Tensor
+
+    def global_grad_norm(self) -> torch.Tensor:
+        """The norm over every parameter (the groups together), a `()` device tensor."""
+        rows = [i for i, n in enumerate(self.names) if n.startswith(GROUP_PREFIX)]
+        return self.grad[rows].square().sum().sqrt()
 
 
 @runtime_checkable
@@ -76,6 +103,21 @@ class Engine(Protocol):
         """Collective: model and optimizer from `root/tag`; returns the client state."""
         ...
 
+    def measure_next_step(self, prefixes: Sequence[str]) -> None:
+        """Measure the next `train_batch`'s optimizer step: per parameter group and per tensor whose
+        canonical name starts with one of `prefixes`. Every rank must ask for the same steps (the
+        measurement ends in one all-reduce); a step not asked for costs nothing."""
+        ...
+
+    def step_measurement(self) -> StepMeasurement | None:
+        """The measurement of the last step asked for (None when none was taken)."""
+        ...
+
+    def full_parameters(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        """A context in which `module`'s parameters are whole on this rank (ZeRO-3 gathers them;
+        collective over the data-parallel group), for running a part of the model outside a step."""
+        ...
+
     def load_optimizer_moments(
         self, shards: dict[torch.nn.Parameter, dict[str, torch.Tensor]], step: torch.Tensor
     ) -> None:
@@ -83,4 +125,4 @@ class Engine(Protocol):
         ...
 
 
-__all__ = ["Engine"]
+__all__ = ["GROUP_PREFIX", "Engine", "StepMeasurement"]

@@ -17,9 +17,10 @@ the engine turns them into what its DeepSpeed engine expects.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_lev.config import RunConfig
+from megatron_lev.engine.base import StepMeasurement
 from megatron_lev.engine.checkpoint_files import ENGINE_HELPER_FILES
 from megatron_lev.engine.config import batch_layout, build_ds_config
 from megatron_lev.engine.loss import micro_batch_loss
@@ -103,10 +105,21 @@ class StepOutput:
 class DeepSpeedEngine:
     """A DeepSpeed engine (plain or pipeline) as an `Engine`; see the module doc."""
 
-    def __init__(self, ds_engine, optimizer: GuardedAdamW, cfg: RunConfig, *, pipeline: bool, gas: int):
+    def __init__(
+        self,
+        ds_engine,
+        optimizer: GuardedAdamW,
+        cfg: RunConfig,
+        *,
+        pipeline: bool,
+        gas: int,
+        groups: Sequence[tuple[str, Sequence[nn.Parameter]]] = (),
+    ):
         self.ds_engine, self.optimizer, self.cfg = ds_engine, optimizer, cfg
         self.pipeline, self.gas = pipeline, gas
         self.device = next(iter(ds_engine.module.parameters())).device
+        self.groups = [(name, list(params)) for name, params in groups]  # the optimizer's, by name
+        self._probe = None  # engine.step_probe.StepProbe, built at the first measured step
 
     @staticmethod
     def owned_files() -> tuple[str, ...]:
@@ -165,6 +178,47 @@ class DeepSpeedEngine:
         elif norm is not None:
             norm = torch.tensor(float(norm))
         return StepOutput(loss, skipped, skipped and self._loss_scaler_overflow(), norm)
+
+    # ------------------------------------------------------------------ step measurements
+
+    def canonical_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's parameters by canonical name (a pipeline's stages name theirs canonically;
+        a tied table counted once)."""
+        modules = [self.module]
+        if self.pipeline:
+            from megatron_lev.engine.pipeline import stage_modules
+
+            modules = stage_modules(self.module)
+        out: dict[str, nn.Parameter] = {}
+        for module in modules:
+            for name, param in module.named_parameters():
+                out.setdefault(name, param)
+        return out
+
+    def measure_next_step(self, prefixes: Sequence[str]) -> None:
+        """See `Engine.measure_next_step` (`engine.step_probe`: the full tensors' norms in any layout)."""
+        if self._probe is None:
+            from megatron_lev.engine.step_probe import StepProbe
+
+            names = {id(p): n for n, p in self.canonical_parameters().items()}
+            device = self.device
+            if dist.is_initialized() and dist.get_backend() == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            fp16 = self.cfg.train.precision == "fp16"
+            self._probe = StepProbe(self.ds_engine, self.groups, names, device, fp16)
+        self._probe.arm(prefixes)
+
+    def step_measurement(self) -> StepMeasurement | None:
+        return None if self._probe is None else self._probe.result
+
+    def full_parameters(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        """See `Engine.full_parameters`: DeepSpeed's `GatheredParameters` where ZeRO-3 partitions them."""
+        params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+        if not params:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
     def _loss_scaler_overflow(self) -> bool:
         """Whether DeepSpeed's fp16 loss scaler held this step back (gradient overflow: it lowers the
@@ -326,10 +380,12 @@ def build_engine(
     if pipeline and uses_zero_optimizer_per_group(ds_config):
         groups = same_groups_on_every_stage(model, groups)
     groups = [g for g in groups if g["params"]]
+    # the groups' own parameters, by name: ZeRO replaces a group's "params" with its flat partition
+    named_groups = [(g.get("name", str(i)), list(g["params"])) for i, g in enumerate(groups)]
     optimizer = GuardedAdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     mpu = TensorParallelMPU() if not pipeline and cfg.parallel.tensor_model_parallel_size > 1 else None
     # a copy: DeepSpeed may fill in the dict it is given, and the plan's stays as validated
     ds_engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=copy.deepcopy(ds_config), mpu=mpu, dist_init_required=False
     )
-    return DeepSpeedEngine(ds_engine, optimizer, cfg, pipeline=pipeline, gas=gas)
+    return DeepSpeedEngine(ds_engine, optimizer, cfg, pipeline=pipeline, gas=gas, groups=named_groups)

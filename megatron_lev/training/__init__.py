@@ -3,7 +3,8 @@
 `run.pretrain(plan)` is the entry point (`megatron-lev train` validates into the `RunPlan` it
 takes, `engine.plan.validate_run`; a bare config is validated there); `trainer.Trainer`
 is the loop and `callbacks` what it does besides stepping; `schedule`, `resume`,
-`signals`, `health`, `metrics`, `launch` and `wandb_logger` are its parts, one idea each.
+`signals`, `health`, `metrics`, `dynamics` (what each step does to the weights, per log
+line), `launch` and `wandb_logger` are its parts, one idea each.
 The engine that runs the steps (DeepSpeed) is `megatron_lev.engine`; the checkpoint directory
 format is `megatron_lev.ckpt`, the optimizer `megatron_lev.optim`, the micro-batches
 `megatron_lev.data.batches`.

@@ -33,6 +33,7 @@ from megatron_lev.training.callbacks import (
     Preemption,
     Validation,
 )
+from megatron_lev.training.dynamics import TrainingDynamics
 from megatron_lev.training.hooks import Callback, TrainResult, callbacks_from_specs
 from megatron_lev.training.launch import device as current_device
 from megatron_lev.training.launch import init_distributed
@@ -165,7 +166,9 @@ def _pretrain(
     writer = MetricsWriter(out, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
     checkpointer = Checkpointer.from_config(cfg.train, save_dir, load_dir)
     checkpointer.provenance = provenance
-    callbacks = default_callbacks(cfg, writer, checkpointer, flops_per_token(cfg.model, vocab), watcher)
+    callbacks = default_callbacks(
+        cfg, writer, checkpointer, flops_per_token(cfg.model, vocab), watcher, vocab_size=true_vocab
+    )
     callbacks += [cb for cb in (probe, wandb_callback(cfg, rank)) if cb is not None]
     callbacks += extra_callbacks
     data = TrainData(train_batches, valid_batches if valid_ds is not None else None, global_batch)
@@ -214,9 +217,12 @@ def default_callbacks(
     checkpointer: Checkpointer | None,
     flops_per_token: float | None = None,
     watcher: PreemptionWatcher | None = None,
+    vocab_size: int | None = None,
 ) -> list[Callback]:
     """The callbacks every run has: guard, checkpoints (`checkpointer`; None: no checkpoints),
-    validation, metrics and progress, preemption."""
+    validation, metrics and progress, preemption, and (`logging.train_dynamics`) the training
+    dynamics, whose table sample is drawn from the tokenizer's `vocab_size` ids (default: the
+    embedding's padded vocabulary)."""
     t, lg = cfg.train, cfg.logging
     callbacks = [
         NonFiniteGuard(t.max_consecutive_skips, t.max_update_ratio),
@@ -225,6 +231,8 @@ def default_callbacks(
         MetricsLogger(writer, lg.log_interval, lg.progress_bar, flops_per_token, lg.peak_tflops),
         Preemption(watcher),
     ]
+    if lg.train_dynamics:
+        callbacks.append(TrainingDynamics(lg.log_interval, t.clip_grad, lg.dynamics_sample_ids, vocab_size))
     return [cb for cb in callbacks if cb is not None]
 
 

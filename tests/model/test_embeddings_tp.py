@@ -8,6 +8,7 @@ from megatron_lev.model.embeddings import REGISTRY, build_input_embedding
 from megatron_lev.testing import run_distributed
 
 VOCAB = 48  # divisible by 4 for the vocab-parallel tables
+SAMPLE = torch.tensor([0, 5, 17, 30, 47])  # `sample_rows`: distinct ids across the TP shards
 
 
 TARGET_RMS = 0.05
@@ -35,7 +36,8 @@ def _cfg(case):
 
 
 def _run(case, ids, probe):
-    """Build with seed 0, forward, backward of <out, probe>; return out and per-parameter grads."""
+    """Build with seed 0, forward, backward of <out, probe>; return out, per-parameter grads, the
+    materialised table and `sample_rows(SAMPLE)`."""
     torch.manual_seed(0)
     emb = build_input_embedding(_cfg(case), VOCAB).double()
     if case.endswith("+rms"):
@@ -43,13 +45,14 @@ def _run(case, ids, probe):
     out = emb(ids)
     (out * probe).sum().backward()
     grads = {n: (p.grad, getattr(p, "tensor_model_parallel", False)) for n, p in emb.named_parameters()}
-    return out.detach(), grads, emb.materialize(chunk_size=7)
+    return out.detach(), grads, emb.materialize(chunk_size=7), emb.sample_rows(SAMPLE)
 
 
 def _to_numpy(result):
     """Plain arrays cross the process boundary safely (shared-memory tensors die with the child)."""
-    out, grads, table = result
-    return out.numpy(), {n: (g.numpy(), sharded) for n, (g, sharded) in grads.items()}, table.numpy()
+    out, grads, table, rows = result
+    grads = {n: (g.numpy(), sharded) for n, (g, sharded) in grads.items()}
+    return out.numpy(), grads, table.numpy(), rows.numpy()
 
 
 def _tp_worker(tp, ids, probe):
@@ -76,13 +79,17 @@ def test_tensor_parallel_matches_single_process(tp):
     probe = torch.randn(2, 9, 8, generator=gen, dtype=torch.float64)
     ranks = run_distributed(_tp_worker, world_size=tp, args=(tp, ids, probe), timeout=240)
     for variant in CASES:
-        ref_out, ref_grads, ref_table = _run(variant, ids, probe)
+        ref_out, ref_grads, ref_table, ref_rows = _run(variant, ids, probe)
+        torch.testing.assert_close(ref_rows, ref_table[SAMPLE], rtol=1e-12, atol=0, msg=f"{variant} rows")
         if variant.endswith("+rms"):
             assert float(ref_table.pow(2).mean().sqrt()) == pytest.approx(TARGET_RMS, rel=1e-12)
         for rank in ranks:
-            out, grads, table = (torch.from_numpy(x) if not isinstance(x, dict) else x for x in rank[variant])
+            out, grads, table, rows = (
+                torch.from_numpy(x) if not isinstance(x, dict) else x for x in rank[variant]
+            )
             torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12, msg=f"{variant} output")
             torch.testing.assert_close(table, ref_table, rtol=1e-10, atol=1e-12, msg=f"{variant} table")
+            torch.testing.assert_close(rows, ref_rows, rtol=1e-10, atol=1e-12, msg=f"{variant} sample rows")
         for name, (ref_grad, sharded) in ref_grads.items():
             if sharded:  # per-head / per-vocab-row shards: gather along dim 0
                 merged = torch.cat([torch.from_numpy(rank[variant][1][name][0]) for rank in ranks], dim=0)

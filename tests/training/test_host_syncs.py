@@ -2,9 +2,10 @@
 
 A real step (GPTModel, DeepSpeed ZeRO-1, the guarded AdamW, 2 micro-batches) on one gloo
 rank. On a GPU each counted read waits for the device; the project's own code may read
-only the guard's flag (one per `optimizer.step()` call) in a step, and the losses once per
-log line. DeepSpeed's ZeRO optimizer reads its norm-validity check itself (listed, not
-ours). `torch.unique`'s size is a sync in C++ and is counted on the GPU only
+only the guard's flag (one per `optimizer.step()` call) in a step, also in a step whose norms the
+engine measures for the training dynamics, and the losses and the dynamics once each per log
+line. DeepSpeed's ZeRO optimizer reads its norm-validity check itself (listed, not ours).
+`torch.unique`'s size is a sync in C++ and is counted on the GPU only
 (benchmarks/gpu_acceptance.py).
 """
 
@@ -100,12 +101,23 @@ def count_reads() -> dict:
                     "sites": reads.summary(),
                 }
             )
+        tr.engine.measure_next_step(("embedding.",))
+        with HostReads() as reads:
+            tr.device_step(batches)
+        measured = {
+            "ours": reads.count(OURS),
+            "guard_calls": tr.engine.optimizer.calls,
+            "sites": reads.summary(),
+        }
+        measured["taken"] = tr.engine.step_measurement() is not None
         loop = _tiny(embedding)
         with HostReads() as reads:
             result = loop.train()
         out[embedding] = {
             "steps": steps,
+            "measured": measured,
             "loop_ours": reads.count(OURS),
+            "loop_dynamics": reads.count(os.sep + "training" + os.sep + "dynamics.py"),
             "loop_sites": reads.summary(),
             "loop_guard_calls": loop.engine.optimizer.calls,
             "losses": sorted(result.losses),
@@ -133,12 +145,23 @@ def test_a_step_reads_only_the_guard_flag(reads, embedding):
 
 
 @pytest.mark.parametrize("embedding", ["lev", "tied"])
+def test_a_measured_step_reads_nothing_more(reads, embedding):
+    m = reads[embedding]["measured"]
+    assert m["taken"] and m["guard_calls"] >= 1
+    assert m["ours"] == m["guard_calls"], m["sites"]
+
+
+@pytest.mark.parametrize("embedding", ["lev", "tied"])
 def test_the_loop_reads_losses_once_per_log_line(reads, embedding):
     r = reads[embedding]
     assert r["exit"] == 0 and r["losses"] == list(range(1, STEPS + 1))  # every loss still recorded
     log_lines = len({*range(LOG_INTERVAL, STEPS + 1, LOG_INTERVAL), STEPS})
     weight_check = 1  # the finiteness of the weights before the first step
-    assert r["loop_ours"] == r["loop_guard_calls"] * STEPS + log_lines + weight_check, r["loop_sites"]
+    dynamics = 1  # training.dynamics: the measured step's norms and the table statistics, one read
+    assert r["loop_ours"] == r["loop_guard_calls"] * STEPS + log_lines * (1 + dynamics) + weight_check, r[
+        "loop_sites"
+    ]
+    assert r["loop_dynamics"] == log_lines, r["loop_sites"]  # none between log lines
 
 
 def test_host_reads_counts_and_restores():

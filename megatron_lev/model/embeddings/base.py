@@ -89,6 +89,17 @@ class InputEmbedding(nn.Module, abc.ABC):
             rows.append(self.forward(ids.unsqueeze(0)).squeeze(0))
         return torch.cat(rows, dim=0)
 
+    @torch.no_grad()
+    def sample_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input table's rows at `ids (N,)` (distinct, valid ids): `(N, D)`, the rows
+        `materialize()` holds there, computed for these ids alone and without autograd.
+
+        Under tensor parallelism it is collective (every TP rank calls it) and every rank gets the
+        full rows, as `forward`. The training loop's dynamics measure a fixed sample of ids with it
+        at every log line (`training.dynamics`). Variants with a cheaper per-id path override it.
+        """
+        return self.forward(ids.reshape(1, -1)).squeeze(0)
+
     def rms_ids(self) -> torch.Tensor:
         """The ids `output_rms` averages over: every id of the (padded) vocabulary up to
         RMS_SAMPLE_IDS, else that many ids drawn without replacement with a fixed seed (the same

@@ -44,6 +44,10 @@ class DenseEmbedding(InputEmbedding):
     def tied_output_weight(self) -> nn.Parameter | None:
         return self.table.weight if self.tied else None
 
+    @torch.no_grad()
+    def sample_rows(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, D)
+        return self.table(ids)
+
     @classmethod
     def parameter_count(cls, model_cfg: ModelConfig, vocab_size: int) -> int:
         return vocab_size * model_cfg.hidden_size
@@ -151,6 +155,10 @@ class _CompressedEmbedding(InputEmbedding):
         check_token_ids(input_ids, self.vocab_size)
         unique, inverse = torch.unique(input_ids.reshape(-1), return_inverse=True)
         return self.project(self.code(unique))[inverse].view(*input_ids.shape, self.hidden_size)
+
+    @torch.no_grad()
+    def sample_rows(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) distinct ids -> (N, D)
+        return self.project(self.code(ids))
 
 
 class AlbertEmbedding(_CompressedEmbedding):

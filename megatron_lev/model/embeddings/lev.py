@@ -477,6 +477,10 @@ class LevEmbedding(InputEmbedding):
             out = out + self.residual(seed)
         return out
 
+    @torch.no_grad()
+    def sample_rows(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) distinct ids -> (N, D)
+        return self.embed_ids(ids)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
         check_token_ids(input_ids, self.vocab_size)
         flat = input_ids.reshape(-1)
