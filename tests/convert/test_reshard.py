@@ -81,7 +81,11 @@ def test_a_failing_worker_is_one_line_from_the_command(ds_checkpoints, tmp_path,
     argv = ["reshard", str(tag), str(tmp_path / "out"), "--tp", "1", "--pp", "1"]
     rc = cli_main([*argv, "--skip-validation", "--drop-optimizer"])
     err = capfd.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
+    # DeepSpeed probes its optional ops by linking test programs when an engine starts in a fresh
+    # process; without libaio the system linker prints these two lines to the descriptor itself.
+    # They are not the command's output (filtering them at the source is open work for a clean log).
+    probe = re.compile(r"cannot find -l\w+|collect2: error: ld returned")
+    lines = [line for line in err.splitlines() if line.strip() and not probe.search(line)]
     assert rc == 1 and "Traceback" not in err, err[-3000:]
     assert len(lines) == 1, err[-3000:]
     assert re.match(
