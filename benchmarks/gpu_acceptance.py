@@ -322,7 +322,7 @@ def _losses(cfg, vocab, device, micro, steps, seed=0) -> list[float]:
         tr.state.iteration += 1
     from megatron_lev.training.trainer import _read
 
-    losses = [loss for loss, _, _ in _read(pending)]
+    losses = [loss for loss, *_ in _read(pending)]
     _free(tr)
     return losses
 
@@ -442,7 +442,7 @@ def _dp_steps(rank: int, world: int, tiny: bool, out: str) -> None:
     weights = torch.cat([p.detach().float().reshape(-1)[:64] for p in tr.engine.module.parameters()])
     Path(out, f"rank{rank}.json").write_text(
         json.dumps(
-            {"losses": [loss for loss, _, _ in _read(pending)], "checksum": float(weights.double().sum())}
+            {"losses": [loss for loss, *_ in _read(pending)], "checksum": float(weights.double().sum())}
         )
     )
 
