@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -344,6 +345,21 @@ class DeepSpeedEngine:
         self.ds_engine.global_steps = value
 
 
+class _UntestedOptimizerNotice(logging.Filter):
+    """Drops DeepSpeed's "You are using ZeRO with an untested optimizer" warning: the optimizer is
+    our `GuardedAdamW` (torch's AdamW plus a finiteness guard), chosen on purpose and allowed with
+    `zero_allow_untested_optimizer` (engine.config), so the warning would only appear in every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "untested optimizer" not in record.getMessage()
+
+
+def _quiet_deepspeed_logger(deepspeed) -> None:
+    logger = deepspeed.utils.logging.logger
+    if not any(isinstance(f, _UntestedOptimizerNotice) for f in logger.filters):
+        logger.addFilter(_UntestedOptimizerNotice())
+
+
 def build_engine(
     run: RunPlan | RunConfig, model: nn.Module, world_size: int | None = None, ds_config: dict | None = None
 ):
@@ -356,6 +372,8 @@ def build_engine(
     (`engine.recompute`); a pipeline has it from `build_pipeline`.
     """
     import deepspeed
+
+    _quiet_deepspeed_logger(deepspeed)
 
     if isinstance(run, RunPlan):
         if ds_config is not None or world_size not in (None, run.world_size):
