@@ -46,8 +46,9 @@ def all_finite(tensors) -> torch.Tensor:
 def squared_norm(tensors) -> torch.Tensor:
     """One float32 tensor: the sum of squares of every element of every tensor (no host sync).
 
-    One `torch._foreach_norm` per device and dtype, like `all_finite`; the result is inf when the
-    tensors are so large that the sum overflows, and NaN when one of them is.
+    One `torch._foreach_norm` per device and dtype (accumulated in float32, also for bf16 tensors),
+    like `all_finite`; the result is inf when the tensors are so large that the sum overflows, and
+    NaN when one of them is.
     """
     tensors = [t.detach() for t in tensors if t is not None and t.numel()]
     if not tensors:
@@ -57,7 +58,7 @@ def squared_norm(tensors) -> torch.Tensor:
         groups.setdefault((t.device, t.dtype), []).append(t)
     device = tensors[0].device
     sums = [
-        torch.stack(torch._foreach_norm(group, 2)).float().pow(2).sum().to(device)
+        torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).pow(2).sum().to(device)
         for group in groups.values()
     ]
     return torch.stack(sums).sum()

@@ -119,3 +119,21 @@ def test_metrics_jsonl_and_tensorboard(tmp_path):
     assert any((tmp_path / "tensorboard").iterdir())
     MetricsWriter(tmp_path / "other", enabled=False, tensorboard=True).record("train", 1, {"loss": 1.0})
     assert not (tmp_path / "other").exists()
+
+
+def test_weight_growth_from_sums_of_squares():
+    from megatron_lev.training.trainer import growth
+
+    assert growth(4.0, 16.0) == 2.0 and growth(4.0, 4.0) == 1.0
+    assert growth(4.0, float("inf")) == float("inf")  # the sum after overflowed: an absurd update
+    assert growth(0.0, 1.0) == float("inf") and growth(0.0, 0.0) == 1.0
+    assert growth(float("inf"), float("inf")) == 1.0  # nothing can be said: not a refusal
+    assert math.isnan(growth(4.0, float("nan")))  # non-finite weights: the other flag says it
+
+
+def test_squared_norm_sums_every_tensor_of_every_dtype():
+    from megatron_lev.optim import squared_norm
+
+    tensors = [torch.full((3, 2), 2.0), torch.full((5,), 1.0, dtype=torch.bfloat16), torch.zeros(0)]
+    assert squared_norm(tensors).item() == pytest.approx(6 * 4.0 + 5 * 1.0)
+    assert squared_norm([]).item() == 0.0
