@@ -18,12 +18,14 @@ timeout, and that timeout names no rank. The watchdog watches from outside the c
   may stay blocked in the request, which does not matter once the process ends.
 
 A rank that leaves cleanly (`stop()`) marks `done/<rank>` first, so its watcher does not take
-its end for silence. A rank that fails may leave its one-line error under `error/<rank>`
-(`report_error`), so a peer whose collective broke can say which rank failed first.
+its end for silence. A rank that fails leaves its one-line error under `first_error` unless
+another rank was first (`report_error`), so a peer whose collective broke can say which rank
+failed first; `diagnose()` also finds a rank whose counter stopped (a dead peer) within about
+1.5 intervals.
 
 The longest a frozen rank can keep the others waiting is `timeout + 1.5 * interval` (the last
 beat, the judge's tick, the abort key read at the next beat); `interval` is a tenth of the
-timeout, between 0.2 and 10 seconds. The thread beats while the main thread computes, waits
+timeout, between 0.2 and 5 seconds. The thread beats while the main thread computes, waits
 in a collective or writes a checkpoint: only a process that cannot run Python at all (stopped,
 or a C call that holds the GIL for minutes) goes silent.
 """
@@ -42,7 +44,7 @@ PREFIX = "megatron_lev/heartbeat"
 
 def beat_interval(timeout: float) -> float:
     """Seconds between beats for a watchdog of `timeout` seconds."""
-    return min(10.0, max(0.2, timeout / 10.0))
+    return min(5.0, max(0.2, timeout / 10.0))
 
 
 class Heartbeat:
@@ -193,15 +195,16 @@ class Heartbeat:
     # ------------------------------------------------------------------ asked by the main thread
 
     def report_error(self, line: str, wait: float | None = None) -> None:
-        """Leave this rank's one-line error for the others (best effort, bounded by `wait`)."""
+        """Leave this rank's one-line error for the others (best effort, bounded by `wait`): the
+        first rank to report is the one every peer names."""
         if self._store is None:
             return
         done = threading.Event()
+        first = f"rank {self.rank} failed first: {line[:2000]}"
 
         def put() -> None:
             with contextlib.suppress(Exception):
-                client = self._client()
-                client.set(self._key("error", self.rank), line[:2000])
+                self._client().compare_set(self._key("first_error"), "", first)
             done.set()
 
         threading.Thread(target=put, daemon=True, name="megatron-lev-heartbeat-report").start()
@@ -210,35 +213,43 @@ class Heartbeat:
     def diagnose(self, wait: float | None = None) -> str | None:
         """After a collective failed here: which rank is to blame, as a phrase, or None.
 
-        Waits up to `wait` seconds (default four intervals) for a rank's published error, a
-        published abort, or the successor's counter to stand still for two intervals."""
+        Looks for up to `wait` seconds (default three intervals): a rank's reported error (the
+        first one), a published abort, or a rank whose counter stood still for 1.5 intervals
+        while this rank watched all of them (a live rank beats every interval, also while its
+        main thread fails)."""
         if self._store is None:
             return None
-        wait = 4 * self.interval if wait is None else wait
+        wait = 3 * self.interval if wait is None else wait
         result: list[str] = []
 
         def look() -> None:
             deadline = time.monotonic() + wait
             with contextlib.suppress(Exception):
                 client = self._client()
+                base, start = self._counts(client), time.monotonic()
                 while True:
-                    for r in range(self.world_size):
-                        key = self._key("error", r)
-                        if r != self.rank and client.check([key]):
-                            msg = client.get(key).decode(errors="replace")
-                            result.append(f"rank {r} failed first: {msg}")
+                    for key in (self._key("first_error"), self._key("abort")):
+                        if client.check([key]):
+                            result.append(client.get(key).decode(errors="replace"))
                             return
-                    if client.check([self._key("abort")]):
-                        result.append(client.get(self._key("abort")).decode(errors="replace"))
-                        return
-                    with self._lock:
-                        quiet = 0.0 if self._peer_done else time.monotonic() - self._peer_seen
-                    if quiet > 2 * self.interval and self.running:
-                        result.append(
-                            f"rank {self.peer} stopped answering (no heartbeat for {quiet:.0f} s): "
-                            "it died, was killed or is stopped"
-                        )
-                        return
+                    quiet = time.monotonic() - start
+                    if quiet > 1.5 * self.interval:
+                        now = self._counts(client)
+                        silent = [
+                            r
+                            for r in range(self.world_size)
+                            if r != self.rank
+                            and now[r] == base[r]
+                            and not client.check([self._key("done", r)])
+                        ]
+                        if silent:
+                            more = f" (and rank(s) {silent[1:]})" if len(silent) > 1 else ""
+                            result.append(
+                                f"rank {silent[0]}{more} stopped answering (no heartbeat for {quiet:.0f} s): "
+                                "it died, was killed or is stopped"
+                            )
+                            return
+                        base, start = now, time.monotonic()
                     if time.monotonic() > deadline:
                         return
                     time.sleep(min(0.2, self.interval / 2))
@@ -247,6 +258,14 @@ class Heartbeat:
         t.start()
         t.join(wait + self.interval + 1.0)
         return result[0] if result else None
+
+    def _counts(self, client) -> list[int]:
+        """Every rank's counter, in one request when the store allows it."""
+        keys = [self._key("hb", r) for r in range(self.world_size)]
+        try:
+            return [int(v) for v in client.multi_get(keys)]
+        except Exception:  # noqa: BLE001 - an older store, or a rank that never beat: one by one
+            return [client.add(k, 0) for k in keys]
 
     def _client(self):
         """A fresh client: the beat thread's may be blocked in a request."""

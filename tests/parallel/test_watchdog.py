@@ -69,7 +69,7 @@ def _freeze(hb: Heartbeat) -> None:
 
 
 def test_interval_is_a_tenth_of_the_timeout_within_bounds():
-    assert beat_interval(300) == 10.0 and beat_interval(10) == 1.0 and beat_interval(1) == 0.2
+    assert beat_interval(300) == 5.0 and beat_interval(10) == 1.0 and beat_interval(1) == 0.2
 
 
 def test_a_silent_rank_is_named_by_its_watcher_and_every_other_rank_ends(store):

@@ -179,6 +179,7 @@ def test_a_partial_launcher_environment_ends_at_once_with_one_line(case, data, t
     took = time.monotonic() - start
     expect_error(outcome, *fragments, rc=rc)
     assert took < bound, f"{case}: ended after {took:.0f} s, bound {bound} s"
+    print(f"{case}: ended {took:.1f} s after it started")
     assert not list((out / "ckpt").glob("iter_*")), "nothing may be saved"
 
 
@@ -446,6 +447,7 @@ def test_a_collective_timeout_ends_with_one_line_and_a_clean_exit(data, tmp_path
         last,
     ), log[-3000:]
     assert took < 8 + 40
+    print(f"collective timeout of 8 s: rank 0 ended {took:.1f} s after its peer froze")
     rank_log = (out / "logs" / "rank0.log").read_text()
     assert "rank 0 of 2 left the process group (groups destroyed)" in rank_log
 
