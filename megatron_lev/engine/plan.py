@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_lev.config import RunConfig
-from megatron_lev.engine.config import build_ds_config
+from megatron_lev.engine.config import batch_layout, build_ds_config
 from megatron_lev.errors import ConfigError
 from megatron_lev.model.embeddings import embedding_class
 from megatron_lev.model.vocab import padded_vocab_size
@@ -51,6 +51,25 @@ class RunPlan:
     @property
     def data_parallel_size(self) -> int:
         return self.cfg.data_parallel_size(self.world_size)
+
+    def with_global_batch(self, global_batch: int) -> RunPlan:
+        """The plan with `train.global_batch_size` set (a resume on another DP size keeps the
+        checkpoint's): the gradient accumulation and the DeepSpeed JSON's batch keys follow."""
+        cfg = dataclasses.replace(
+            self.cfg, train=dataclasses.replace(self.cfg.train, global_batch_size=global_batch)
+        )
+        micro, gas, global_batch = batch_layout(
+            cfg, self.world_size
+        )  # refuses a batch the layout cannot make
+        ds_config = {
+            **self.ds_config,
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": gas,
+            "train_batch_size": global_batch,
+        }
+        return dataclasses.replace(
+            self, cfg=cfg, micro_batch=micro, gas=gas, global_batch=global_batch, ds_config=ds_config
+        )
 
     def with_vocab(self, tokenizer_vocab: int) -> RunPlan:
         """The plan with the tokenizer's vocabulary checked and the model's (padded) vocabulary set."""

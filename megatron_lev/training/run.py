@@ -20,7 +20,7 @@ from megatron_lev.data.batches import make_loader, token_batches
 from megatron_lev.engine.build import build_model
 from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, build_engine, disable_cpu_shm_comm
 from megatron_lev.engine.plan import RunPlan, validate_run
-from megatron_lev.errors import ConfigError
+from megatron_lev.errors import ConfigError, DataError
 from megatron_lev.log import get_logger, setup_logging
 from megatron_lev.parallel import state
 from megatron_lev.training.callbacks import (
@@ -112,6 +112,12 @@ def _pretrain(
     save_dir = cfg.train.save or str(out / "checkpoints")
     load_dir = cfg.train.load or save_dir
     resume = plan_resume(load_dir, save_dir, cfg, allow_changes, DeepSpeedEngine.owned_files())
+    if resume.global_batch is not None and resume.global_batch != plan.global_batch:
+        plan = plan.with_global_batch(resume.global_batch)  # another DP size: keep the checkpoint's batch
+        cfg = plan.cfg
+    batch_line = resume.batch_line(cfg, world)
+    if batch_line and rank == 0:
+        log.warning("%s", batch_line)
     if rank == 0:
         log.info("resolved config saved to %s", cfg.save(out))
 
@@ -137,8 +143,12 @@ def _pretrain(
     engine = build_engine(plan, model)
 
     n_valid = cfg.train.eval_iters * global_batch if cfg.train.eval_interval else 0
+    n_train = budget.train_iters * global_batch
+    if resume.saved is not None and resume.saved.global_batch != global_batch:  # a changed batch (allowed)
+        done = min(resume.iteration, budget.train_iters)
+        n_train = max(n_train, done * resume.saved.global_batch + (budget.train_iters - done) * global_batch)
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
-        cfg.data, cfg.model.seq_length, (budget.train_iters * global_batch, n_valid, 0), cfg.data.cache_dir
+        cfg.data, cfg.model.seq_length, (n_train, n_valid, 0), cfg.data.cache_dir
     )
     if train_ds is None:
         raise ConfigError(f"data.split={cfg.data.split!r} leaves no training documents")
@@ -147,7 +157,13 @@ def _pretrain(
 
     def train_batches(consumed: int):
         loader = make_loader(train_ds, consumed, micro, dp_rank, dp, cfg.data.num_workers)
-        return token_batches(loader, dev, true_vocab, documents)
+        yield from token_batches(loader, dev, true_vocab, documents)
+        raise DataError(  # not a bare StopIteration from inside a step
+            f"the training data ran out at sample {loader.batch_sampler.consumed_samples} of "
+            f"{len(train_ds)} built for {budget.train_iters} iterations x {global_batch} sequences; "
+            "the checkpoint's position lies beyond what this run's budget builds: check train.train_iters "
+            "and train.global_batch_size against the checkpoint's"
+        )
 
     def valid_batches():
         return token_batches(make_loader(valid_ds, 0, micro, dp_rank, dp, 0), dev, true_vocab, documents)
