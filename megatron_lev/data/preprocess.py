@@ -49,6 +49,7 @@ from megatron_lev.utils.io import (
     remove_stale_temps,
     temp_tag,
 )
+from megatron_lev.utils.lock import exclusive_lock
 
 UNKNOWN_SUBSET = "unknown"
 FILE_PROBLEMS = ("truncated_file",)  # problems of a whole file, not of one line
@@ -444,6 +445,21 @@ def preprocess(opts: PreprocessOptions) -> dict:
             f"--output-prefix {out_prefix}: the directory {out_dir} is not writable; "
             "choose another place or fix its permissions"
         )
+    # one writer per prefix: a second run into it would replace this one's output when it commits
+    lock = lock_path(out_prefix)
+    with exclusive_lock(lock, f"--output-prefix {out_prefix}", "megatron-lev preprocess"):
+        return _preprocess(opts, files, tok, fingerprint, out_prefix)
+
+
+def lock_path(out_prefix: str | os.PathLike) -> Path:
+    """The lock file a run into `out_prefix` holds (`utils.lock`): `.<name>.lock` beside the outputs."""
+    out_prefix = Path(out_prefix)
+    return out_prefix.parent / f".{out_prefix.name}.lock"
+
+
+def _preprocess(opts: PreprocessOptions, files: list[str], tok, fingerprint: dict, out_prefix: Path) -> dict:
+    """`preprocess` once its checks passed and it holds the prefix's lock."""
+    out_dir = out_prefix.parent
     removed = clean_dead_runs(out_prefix)
     if removed:
         print(

@@ -49,6 +49,7 @@ from megatron_lev.errors import CheckpointDataError, ConfigError
 from megatron_lev.log import get_logger
 from megatron_lev.utils import dist as ranks
 from megatron_lev.utils.io import TEMP_MARK
+from megatron_lev.utils.lock import DIR_LOCK_NAME
 
 RUN_OUTPUTS = (
     "config.yaml",
@@ -216,7 +217,7 @@ def _foreign_entries(root: Path, cfg=None, engine_files: Collection[str] = ()) -
     found = []
     for child in sorted(root.iterdir()):
         name = child.name
-        if TEMP_MARK in name or name in engine_files or name in outputs:
+        if TEMP_MARK in name or name in engine_files or name in outputs or name == DIR_LOCK_NAME:
             continue
         if iteration_of(name) is not None and child.is_dir():
             if (child / COMPLETE_MARKER).is_file():
