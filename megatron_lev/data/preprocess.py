@@ -39,7 +39,7 @@ from megatron_lev.data.indexed import IndexedDatasetBuilder, best_dtype
 from megatron_lev.data.manifest import SET_FILES, SHARD_FILES, read_manifest, write_manifest
 from megatron_lev.data.manifest import SUFFIX as MANIFEST_SUFFIX
 from megatron_lev.data.readers import Chunk, Problem, check_text, find_inputs, iter_chunks, parse_line
-from megatron_lev.data.tokenizers import build_tokenizer, tokenizer_fingerprint
+from megatron_lev.data.tokenizers import PIECE_CHARS, build_tokenizer, tokenizer_fingerprint
 from megatron_lev.errors import DataError, UserError
 from megatron_lev.utils.io import (
     TEMP_MARK,
@@ -79,6 +79,7 @@ class PreprocessOptions:
     progress: bool = True
     max_error_records: int = 1000  # problems listed by file and line in the stats (all are counted)
     max_bad_fraction: float = 1.0  # fail when more than this fraction of lines is bad (always when all are)
+    piece_chars: int = PIECE_CHARS  # longer documents are tokenised in pieces (bounded memory)
 
 
 def check_options(opts: PreprocessOptions) -> None:
@@ -144,7 +145,12 @@ def tokenize_chunk(chunk: Chunk, opts: PreprocessOptions, tok) -> ChunkResult:
         res.text_bytes += len(text)
     if not texts:
         return res
-    ids = tok.encode_batch(texts)
+    # a huge document is encoded in pieces (the same ids: `Tokenizer.encode_long`), the others together
+    long = {j for j, t in enumerate(texts) if len(t) > opts.piece_chars}
+    batch = iter(
+        tok.encode_batch([t for j, t in enumerate(texts) if j not in long]) if len(long) < len(texts) else []
+    )
+    ids = [tok.encode_long(t, opts.piece_chars) if j in long else next(batch) for j, t in enumerate(texts)]
     dtype = best_dtype(tok.vocab_size)
     groups: dict[str, list[int]] = {}
     for j, s in enumerate(subsets):

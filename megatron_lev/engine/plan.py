@@ -47,6 +47,7 @@ class RunPlan:
     true_vocab: int | None = None
     padded_vocab: int | None = None  # true_vocab rounded up to make_vocab_size_divisible_by x TP
     tokenizer_vocab: int | None = None  # set by `with_vocab`
+    cuda: bool = False  # the run trains on GPUs (the memory check warns instead of refusing)
 
     @property
     def data_parallel_size(self) -> int:
@@ -84,6 +85,7 @@ class RunPlan:
         padded = self.padded_vocab  # model.vocab_size set: padded and checked by validate_run
         if padded is None:
             padded = _vocab_rules(self.cfg, true_vocab)
+        _memory_rules(self.cfg, self.world_size, padded, self.cuda)  # the vocabulary sizes the logits
         return dataclasses.replace(
             self, true_vocab=true_vocab, padded_vocab=padded, tokenizer_vocab=tokenizer_vocab
         )
@@ -116,6 +118,7 @@ def validate_run(
         ds_config=ds_config,
         true_vocab=cfg.model.vocab_size if padded is not None else None,
         padded_vocab=padded,
+        cuda=cuda,
     )
     return plan.with_vocab(tokenizer_vocab) if tokenizer_vocab is not None else plan
 
@@ -148,6 +151,27 @@ def _vocab_rules(cfg: RunConfig, vocab: int) -> int:
     # e.g. a compressed baseline's minimum width
     embedding_class(cfg.model.embedding).check_vocab(cfg.model, padded)
     return padded
+
+
+def _memory_rules(cfg: RunConfig, world_size: int, padded_vocab: int, cuda: bool) -> None:
+    """Refuse (CPU) or warn about (GPU) a run whose estimated memory does not fit (`engine.memory`),
+    before the model or the data indices are built."""
+    from megatron_lev.engine.memory import check_memory, estimate_memory
+    from megatron_lev.log import get_logger
+    from megatron_lev.utils import dist as ranks
+
+    est = estimate_memory(cfg, world_size, padded_vocab, cuda=cuda)
+    device_bytes = None
+    if cuda:
+        import torch
+
+        device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    warning = check_memory(est, cfg, cuda=cuda, device_bytes=device_bytes)
+    if ranks.rank() == 0:
+        log = get_logger(__name__)
+        log.info("memory estimate: %s", est.text())
+        if warning:
+            log.warning("%s", warning)
 
 
 def _training_rules(cfg: RunConfig, cuda: bool) -> None:
