@@ -377,12 +377,14 @@ class _Outputs:
 
 
 class _Progress:
-    """Counts and a tqdm bar with docs/s, MB/s and tokens/s."""
+    """Counts and a progress bar (plain lines off a terminal) with docs/s, MB/s and tokens/s."""
 
     def __init__(self, enabled: bool):
-        from tqdm import tqdm
+        from megatron_lev.utils.progress import progress_bar
 
-        self.bar = tqdm(unit=" docs", disable=not enabled, smoothing=0.1, dynamic_ncols=True)
+        self.bar = progress_bar(
+            desc="preprocess", unit=" docs", disable=not enabled, smoothing=0.1, dynamic_ncols=True
+        )
         self.start = time.monotonic()
         self.docs = self.tokens = self.bytes = 0
 

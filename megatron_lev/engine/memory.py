@@ -69,17 +69,22 @@ class MemoryEstimate:
         }
 
     def text(self) -> str:
-        """`about 3.2 GiB per process (activations 2.1 GiB, logits 0.6 GiB, ...)`."""
+        """`about 3.2 GiB per process (activations 2.1 GiB, logits 600 MiB, ...)`."""
         shown = ", ".join(
-            f"{name} {gib(v)}"
+            f"{name} {size(v)}"
             for name, v in sorted(self.parts().items(), key=lambda kv: -kv[1])
-            if v >= GIB // 20
+            if v >= 1 << 20
         )
-        return f"about {gib(self.per_process)} per process ({shown})"
+        return f"about {gib(self.per_process)} per process ({shown}, framework {size(self.framework)})"
 
 
 def gib(n: float) -> str:
     return f"{n / GIB:,.1f} GiB"
+
+
+def size(n: float) -> str:
+    """GiB from 1 GiB on, else MiB."""
+    return gib(n) if n >= GIB else f"{n / (1 << 20):,.0f} MiB"
 
 
 def estimate_memory(cfg: RunConfig, world_size: int, vocab: int, *, cuda: bool) -> MemoryEstimate:
