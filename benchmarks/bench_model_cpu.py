@@ -70,9 +70,9 @@ def main() -> None:
 
     for variant in args.variants:  # warm-up
         step(variant), step(variant)
-    from tqdm import tqdm
+    from megatron_lev.utils.progress import progress_bar
 
-    for _ in tqdm(range(args.steps), desc="rounds", unit="round"):
+    for _ in progress_bar(range(args.steps), desc="rounds", unit="round"):
         for variant in args.variants:
             wall, cpu = step(variant)
             times[variant].append(wall)

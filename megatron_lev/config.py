@@ -48,68 +48,83 @@ class Range:
     lo_open: bool = False  # True: lo itself is not allowed
     hi_open: bool = False
     why: str = ""  # what the key is, shown with the error
+    cap: float | None = None  # a sanity bound far above any real run (refuses typos and absurd values)
 
     def contains(self, value: float) -> bool:
         if not math.isfinite(value):
             return False
         if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
             return False
+        if self.cap is not None and value > self.cap:
+            return False
         return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
 
     def text(self) -> str:
         lo, hi = _number(self.lo), _number(self.hi)
+        cap = f" and <= {_number(self.cap)}" if self.cap is not None else ""
         if self.lo is not None and self.hi is not None:
-            return f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+            return f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}{cap}"
         if self.lo is not None:
-            return f"{'>' if self.lo_open else '>='} {lo}"
-        return f"{'<' if self.hi_open else '<='} {hi}" if self.hi is not None else "finite"
+            return f"{'>' if self.lo_open else '>='} {lo}{cap}"
+        return f"{'<' if self.hi_open else '<='} {hi}" if self.hi is not None else f"finite{cap}"
 
 
 def _number(x: float | None) -> str:
     return str(int(x)) if x is not None and float(x).is_integer() else f"{x:g}" if x is not None else ""
 
 
-def _count(why: str = "", lo: int = 1) -> Range:
-    return Range(lo, why=why)
+def _count(why: str = "", lo: int = 1, cap: int | None = None) -> Range:
+    return Range(lo, why=why, cap=cap)
 
 
 _POSITIVE = Range(0, lo_open=True)
 _FRACTION = Range(0, 1, hi_open=True)  # dropout, warmup fraction, Adam betas
 _SEED = Range(0, 2**32 - 1, why="seeds of numpy and torch")
+# Upper bounds: far above any model this code trains (the 1.2B config has hidden 2048, 16 layers,
+# sequences of 2048; the largest published dense models have hidden < 30,000, fewer than 200
+# layers, vocabularies of about 256k), so they refuse only typos and absurd values, e.g. a
+# hidden size of 2^20 (a 1e12-parameter layer) or an LR of 1e9. The memory estimate
+# (`engine.memory`) judges what fits in between.
+_K, _M = 1024, 1024 * 1024
 
 # Every int/float key of every section, with the values it may take. A key missing here is a
 # bug (tests check the table covers every numeric field). None (where a key allows it) is not checked.
 RANGES: dict[str, Range] = {
-    "model.num_layers": _count(),
-    "model.hidden_size": _count(),
-    "model.num_attention_heads": _count(),
-    "model.num_kv_heads": _count("or null for multi-head attention"),
-    "model.ffn_hidden_size": _count("or null for the SwiGLU default"),
-    "model.seq_length": _count(),
-    "model.vocab_size": _count("or null to take it from the tokenizer"),
-    "model.make_vocab_size_divisible_by": _count(),
-    "model.baseline_dim": _count("or null to size it like LEV"),
-    "model.baseline_hidden": _count("or null to size it like LEV"),
-    "model.min_compressed_width": _count("the narrowest width a compressed baseline may have"),
-    "model.rope_theta": Range(0, lo_open=True, why="the RoPE base, e.g. 10000"),
-    "model.norm_eps": Range(0, lo_open=True, why="added to the RMS before dividing, e.g. 1e-5"),
-    "model.init_std": Range(0, lo_open=True, why="standard deviation of the initial weights, e.g. 0.02"),
+    "model.num_layers": _count(cap=4 * _K),
+    "model.hidden_size": _count("the model width; 2048 for the 1.2B config", cap=64 * _K),
+    "model.num_attention_heads": _count(cap=4 * _K),
+    "model.num_kv_heads": _count("or null for multi-head attention", cap=4 * _K),
+    "model.ffn_hidden_size": _count("or null for the SwiGLU default", cap=256 * _K),
+    "model.seq_length": _count("tokens per sample; the memory estimate judges what fits", cap=4 * _M),
+    "model.vocab_size": _count("or null to take it from the tokenizer", cap=16 * _M),
+    "model.make_vocab_size_divisible_by": _count(cap=64 * _K),
+    "model.baseline_dim": _count("or null to size it like LEV", cap=256 * _K),
+    "model.baseline_hidden": _count("or null to size it like LEV", cap=256 * _K),
+    "model.min_compressed_width": _count("the narrowest width a compressed baseline may have", cap=256 * _K),
+    "model.rope_theta": Range(0, lo_open=True, cap=1e12, why="the RoPE base, e.g. 10000"),
+    "model.norm_eps": Range(0, lo_open=True, cap=1, why="added to the RMS before dividing, e.g. 1e-5"),
+    "model.init_std": Range(
+        0, lo_open=True, cap=1, why="standard deviation of the initial weights, e.g. 0.02"
+    ),
     "model.hidden_dropout": _FRACTION,
     "model.attention_dropout": _FRACTION,
-    "model.checkpoint_num_layers": _count(),
-    "model.lev.k": _count(),
-    "model.lev.d_seed": _count(),
-    "model.lev.heads": _count(),
-    "model.lev.kappa": _count("a quadratic B-spline needs at least 3 knots", lo=3),
-    "model.lev.rank": _count(),
-    "model.lev.chunk_size": _count(),
-    "model.lev.w_out_init_scale": Range(0, why="multiplies the init std of W_out"),
+    "model.checkpoint_num_layers": _count(cap=4 * _K),
+    "model.lev.k": _count(cap=64),
+    "model.lev.d_seed": _count(cap=64 * _K),
+    "model.lev.heads": _count(cap=4 * _K),
+    "model.lev.kappa": _count("a quadratic B-spline needs at least 3 knots", lo=3, cap=64 * _K),
+    "model.lev.rank": _count(cap=64 * _K),
+    "model.lev.chunk_size": _count(cap=64 * _M),
+    "model.lev.w_out_init_scale": Range(0, cap=1000, why="multiplies the init std of W_out"),
     "model.lev.id_order_seed": Range(0, 2**32 - 1, why="the seed of model.lev.id_order=random"),
     "model.input_init_rms": Range(
-        0, lo_open=True, why="the input embedding's initial output RMS, or null for each variant's own init"
+        0,
+        lo_open=True,
+        cap=1000,
+        why="the input embedding's initial output RMS, or null for each variant's own init",
     ),
-    "parallel.tensor_model_parallel_size": _count(),
-    "parallel.pipeline_model_parallel_size": _count(),
+    "parallel.tensor_model_parallel_size": _count(cap=4 * _K),
+    "parallel.pipeline_model_parallel_size": _count(cap=4 * _K),
     "parallel.zero_stage": Range(0, 3, why="the ZeRO stage 0, 1, 2 or 3"),
     "parallel.collective_timeout_s": Range(
         1, why="seconds the rendezvous and any collective may wait, e.g. 600"
@@ -118,19 +133,21 @@ RANGES: dict[str, Range] = {
         0, why="seconds a rank may stay silent before the job ends; 0 turns the watchdog off"
     ),
     "data.seed": _SEED,
-    "data.num_workers": _count("0 loads batches in the training process", lo=0),
-    "train.micro_batch_size": _count(),
-    "train.global_batch_size": _count("or null for micro x DP"),
+    "data.num_workers": _count("0 loads batches in the training process", lo=0, cap=1024),
+    "train.micro_batch_size": _count(cap=64 * _K),
+    "train.global_batch_size": _count("or null for micro x DP", cap=64 * _M),
     "train.train_iters": _count("or null with train.train_tokens or train.chinchilla"),
     "train.train_tokens": _count(),
-    "train.lr": Range(0, lo_open=True, why="the peak learning rate"),
-    "train.min_lr": Range(0),
+    "train.lr": Range(
+        0, lo_open=True, cap=1, why="the peak learning rate: AdamW moves every weight by about lr per step"
+    ),
+    "train.min_lr": Range(0, cap=1),
     "train.lr_warmup_iters": _count(lo=0),
     "train.lr_warmup_fraction": _FRACTION,
-    "train.weight_decay": Range(0),
+    "train.weight_decay": Range(0, cap=100),
     "train.adam_beta1": _FRACTION,
     "train.adam_beta2": _FRACTION,
-    "train.adam_eps": Range(0, lo_open=True, why="0 divides by zero for rows without gradient"),
+    "train.adam_eps": Range(0, lo_open=True, cap=1, why="0 divides by zero for rows without gradient"),
     "train.clip_grad": Range(0, why="0 turns clipping off"),
     "train.seed": _SEED,
     "train.save_interval": _count("0 saves only at the end", lo=0),
@@ -142,8 +159,10 @@ RANGES: dict[str, Range] = {
         1, lo_open=True, why="how much one update may grow the weight norm, or null to turn the check off"
     ),
     "logging.log_interval": _count(),
-    "logging.dynamics_sample_ids": _count("token ids the input table's statistics are over", lo=2),
-    "logging.peak_tflops": Range(0, lo_open=True, why="per device, for MFU"),
+    "logging.dynamics_sample_ids": _count(
+        "token ids the input table's statistics are over", lo=2, cap=16 * _M
+    ),
+    "logging.peak_tflops": Range(0, lo_open=True, cap=1e6, why="per device, for MFU"),
 }
 
 # String keys that name a file, directory or run: when given, they must not be empty.

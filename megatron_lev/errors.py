@@ -49,3 +49,9 @@ def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
         close = difflib.get_close_matches(str(value), allowed, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint}")
+
+
+class LockedError(UserError):
+    """Another process is writing the same output (it holds its lock); the message names it."""
+
+    exit_code = 1

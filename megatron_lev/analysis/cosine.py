@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from megatron_lev.errors import DataError
+from megatron_lev.utils.progress import progress_bar
 
 HISTOGRAM_MODES = ("sample", "full", "off")
 
@@ -169,7 +169,9 @@ def gram_sums(
     sq = torch.zeros((), dtype=torch.float64, device=dev)  # sum_i |x_i|^2
     quad = torch.zeros((), dtype=torch.float64, device=dev)  # sum_i |x_i|^4
     n, masks = 0, []
-    with tqdm(total=x.shape[0], desc="Gram rows", unit="row", unit_scale=True, disable=not progress) as bar:
+    with progress_bar(
+        total=x.shape[0], desc="Gram rows", unit="row", unit_scale=True, disable=not progress
+    ) as bar:
         for keep, u in _unit_blocks(x, block, dev):  # u: (b, d) float64
             if rows_dtype != torch.float64:
                 u = u.to(rows_dtype).to(torch.float64)
@@ -221,7 +223,7 @@ def _accumulate(
     zero_bin = int(torch.histc(torch.zeros(1, device=dev), bins=bins, min=-1.0, max=1.0).argmax())
     hist_pairs = 0
     starts = range(0, n, block)
-    bar = tqdm(
+    bar = progress_bar(
         total=n * (n - 1) // 2,
         desc="cosine pairs (histogram)",
         unit="pair",

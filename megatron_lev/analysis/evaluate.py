@@ -44,6 +44,10 @@ def hf_model_fn(
     """
     from transformers import AutoModelForCausalLM
 
+    from megatron_lev.utils.progress import hf_bars_off_a_terminal
+
+    hf_bars_off_a_terminal()
+
     config = read_hf_config(model_dir)
     if config.get("auto_map") and not trust_remote_code:
         code = sorted(p.name for p in Path(model_dir).glob("*.py")) or ["its auto_map classes"]

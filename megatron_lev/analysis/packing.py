@@ -10,7 +10,8 @@ import math
 import time
 
 import torch
-from tqdm import tqdm
+
+from megatron_lev.utils.progress import progress_bar
 
 # (d values, k values) per named sweep; "full" is the paper's grid and wants a GPU.
 SWEEPS = {
@@ -71,7 +72,7 @@ def run_sweep(ds, ks, steps: int = 5000, trials: int = 5, device: str = "cpu", s
     grid = [(d, k) for d in ds for k in ks]
     rand_rows, opt_rows = [], []
     start = time.perf_counter()
-    for d, k in tqdm(grid, desc="packing (d, k)", unit="pt"):
+    for d, k in progress_bar(grid, desc="packing (d, k)", unit="pt"):
         rand_rows.append([k, d, random_packing(d, k, trials, seed, device)])
         opt_rows.append([k, d, optimized_packing(d, k, steps, seed=seed, device=device)])
     return {

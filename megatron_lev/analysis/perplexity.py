@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
+
+from megatron_lev.utils.progress import progress_bar
 
 DEFAULT_EDGES = (1e-7, 1e-6, 1e-5, 1e-4)  # relative-frequency decade edges
 
@@ -49,7 +50,7 @@ def per_token_losses(
     """
     nll_parts, tgt_parts = [], []
     n_tokens, start = 0, time.perf_counter()
-    bar = tqdm(desc="evaluating", unit="tok", unit_scale=True, disable=not progress)
+    bar = progress_bar(desc="evaluating", unit="tok", unit_scale=True, disable=not progress)
     with torch.inference_mode():
         for batch in batches:
             batch = torch.as_tensor(batch, dtype=torch.long)

@@ -85,9 +85,9 @@ def _exp(x: float) -> float:
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
+    from megatron_lev.utils.progress import progress_bar
 
-    return tqdm(total=total, desc=desc, unit="seq", disable=not enabled)
+    return progress_bar(total=total, desc=desc, unit="seq", disable=not enabled)
 
 
 # ----------------------------------------------------------------------------------------- LAMBADA

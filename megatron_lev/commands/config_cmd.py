@@ -85,6 +85,32 @@ def main(args: argparse.Namespace) -> int:
     cfg = validate_config(load_config(files, overrides, validate=False), args.world_size)
     save_dir = output_dir(args.save, "--save") if args.save else None
     print(cfg.to_yaml(), end="")
+    print(memory_comment(cfg, args.world_size or 1))
     if save_dir:
         print(f"# saved to {cfg.save(save_dir)}")
     return 0
+
+
+ASSUMED_VOCAB = 50277  # GPT-NeoX's tokenizer, the project's default, when model.vocab_size is unset
+
+
+def memory_comment(cfg, world_size: int) -> str:
+    """A YAML comment with the memory estimate (`engine.memory`) against this machine's memory.
+
+    `config` does not read the tokenizer: without model.vocab_size it assumes GPT-NeoX's vocabulary.
+    `train` checks the estimate with the real vocabulary and refuses a CPU run that cannot fit."""
+    from megatron_lev.engine.memory import available_memory, estimate_memory, gib
+    from megatron_lev.model.vocab import padded_vocab_size
+
+    vocab = cfg.model.vocab_size or ASSUMED_VOCAB
+    padded = padded_vocab_size(vocab, cfg.model, cfg.parallel.tensor_model_parallel_size)
+    est = estimate_memory(cfg, world_size, padded, cuda=False)
+    assumed = "" if cfg.model.vocab_size else f", vocabulary assumed {ASSUMED_VOCAB:,} (GPT-NeoX)"
+    line = f"# memory estimate ({world_size} process(es){assumed}): {est.text()}"
+    available, source = available_memory()
+    if available is not None and est.machine > available:
+        line += (
+            f"; more than this machine's {gib(available)} ({source}): a CPU run here would be refused, "
+            "a GPU run is compared with its device memory"
+        )
+    return line

@@ -53,4 +53,32 @@ def main(args: argparse.Namespace) -> int:
         )
     moments = "Adam moments restart from zero" if args.drop_optimizer else "Adam moments and step carried"
     print(f"wrote {tag_dir} (model weights, iteration and client state; {moments})")
+    line = _batch_note(tag_dir)
+    if line:
+        print(line)
     return 0
+
+
+def _batch_note(tag_dir) -> str | None:
+    """How a run resuming the result makes the source's global batch (it keeps it)."""
+    from megatron_lev.training.resume import saved_batch
+
+    saved = saved_batch(tag_dir)
+    if saved is None:
+        return None
+    g, m, dp = saved.global_batch, saved.micro_batch, saved.data_parallel_size
+    if g % (m * dp) == 0:
+        return (
+            f"a run resuming it keeps the global batch of {g} sequences: micro-batch {m} x DP {dp} x "
+            f"gradient accumulation {g // (m * dp)}"
+        )
+    micros = [d for d in range(1, g // dp + 1) if g % dp == 0 and (g // dp) % d == 0]
+    fix = (
+        f"resume it with train.micro_batch_size={micros[-1]} --allow-change train.micro_batch_size"
+        if micros
+        else f"resume it with train.global_batch_size=N (a multiple of {m * dp}) --allow-change "
+        "train.global_batch_size"
+    )
+    return (
+        f"note: the run's global batch of {g} sequences is not a multiple of micro-batch {m} x DP {dp}: {fix}"
+    )

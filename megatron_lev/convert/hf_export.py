@@ -433,6 +433,9 @@ def validate_export(
     raise ValidationError naming the first bad stage."""
     from transformers import AutoModelForCausalLM
 
+    from megatron_lev.utils.progress import hf_bars_off_a_terminal
+
+    hf_bars_off_a_terminal()
     ids = validation_ids(src.vocab_size, src.cfg.model.seq_length)
     model = source_model(src, progress)
     reference = source_stages(model, ids, src.vocab_size)

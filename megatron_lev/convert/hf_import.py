@@ -63,6 +63,9 @@ def import_hf_llama(source: str | os.PathLike | torch.nn.Module, make_vocab_size
     else:
         from transformers import AutoModelForCausalLM
 
+        from megatron_lev.utils.progress import hf_bars_off_a_terminal
+
+        hf_bars_off_a_terminal()
         hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     cfg = model_config_from_hf(hf_model.config, make_vocab_size_divisible_by)
     padded = padded_vocab_size(cfg.vocab_size, cfg, 1)

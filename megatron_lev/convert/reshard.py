@@ -70,13 +70,40 @@ _DS_KEYS = {
 }  # what DeepSpeed writes itself; the rest is the trainer's client state
 
 
-def target_config(cfg: RunConfig, tp: int, pp: int, dp: int) -> RunConfig:
-    """The source run config with the new layout, validated for `TP x PP x DP` processes."""
+def target_config(cfg: RunConfig, tp: int, pp: int, dp: int, global_batch: int | None = None) -> RunConfig:
+    """The source run config with the new layout, validated for `TP x PP x DP` processes.
+
+    `global_batch` (the source's, in sequences) is written as `train.global_batch_size`, so a run
+    resuming the result keeps it whatever its DP size (an unset key would mean micro-batch x the new
+    DP). Whether the new layout can make it is the resuming run's to check: it may change the
+    micro-batch."""
     data = cfg.to_dict()
     data["parallel"]["tensor_model_parallel_size"] = tp
     data["parallel"]["pipeline_model_parallel_size"] = pp
-    new = from_dict(RunConfig, data, prefix="")
-    return validate_config(new, world_size=tp * pp * dp)  # the variant's rules at the new TP too
+    data["train"]["global_batch_size"] = None  # checked below, not against the new DP
+    new = validate_config(
+        from_dict(RunConfig, data, prefix=""), world_size=tp * pp * dp
+    )  # the variant's rules at the new TP too
+    if global_batch is not None:
+        new.train.global_batch_size = global_batch
+    elif cfg.train.global_batch_size is not None:
+        new.train.global_batch_size = cfg.train.global_batch_size
+    return new
+
+
+def engine_config(cfg: RunConfig, world_size: int) -> RunConfig:
+    """`cfg` with a batch layout `world_size` processes can run (the saved weights do not depend on
+    it): its own, else micro-batch x DP."""
+    from megatron_lev.engine.config import batch_layout
+    from megatron_lev.errors import ConfigError
+
+    try:
+        batch_layout(cfg, world_size)
+        return cfg
+    except ConfigError:
+        data = cfg.to_dict()
+        data["train"]["global_batch_size"] = None
+        return from_dict(RunConfig, data, prefix="")
 
 
 def adapt_rows(name: str, tensor: torch.Tensor, want: tuple[int, ...], vocab: int) -> torch.Tensor:
@@ -144,10 +171,11 @@ def reshard_worker(
     from megatron_lev.parallel import state
 
     disable_cpu_shm_comm()
-    cfg = from_dict(RunConfig, yaml.safe_load(cfg_yaml), prefix="")
+    saved_cfg = from_dict(RunConfig, yaml.safe_load(cfg_yaml), prefix="")  # what config.yaml records
+    world = torch.distributed.get_world_size()
+    cfg = engine_config(saved_cfg, world)
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     src = open_checkpoint(src_path, tag, config)
-    world = torch.distributed.get_world_size()
     state.initialize_model_parallel(tp, pp)
     try:
         torch.manual_seed(cfg.train.seed)
@@ -165,7 +193,7 @@ def reshard_worker(
             iteration,
             client,
             keep_last=10**6,
-            config_yaml=cfg.to_yaml(),
+            config_yaml=saved_cfg.to_yaml(),
             provenance=provenance,
         )
         if check_ids is None:
@@ -286,9 +314,12 @@ def reshard(
     for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
+    from megatron_lev.training.resume import saved_batch
+
     src = open_checkpoint(checkpoint, tag, config)
+    source_batch = saved_batch(src.tag_dir, src.cfg.to_dict())
     try:
-        cfg = target_config(src.cfg, tp, pp, dp)
+        cfg = target_config(src.cfg, tp, pp, dp, source_batch.global_batch if source_batch else None)
     except ConfigError as exc:
         raise ConfigError(f"--tp {tp} --pp {pp} --dp {dp} does not fit this model: {exc}") from None
     out = Path(out_root)

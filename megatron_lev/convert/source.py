@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from megatron_lev.ckpt.layout import COMPLETE_MARKER, iteration_of
 from megatron_lev.config import RunConfig
@@ -38,6 +37,7 @@ from megatron_lev.model.canonical import ParamSpec, canonical_state_dict_spec
 from megatron_lev.model.embeddings import InputEmbedding, embedding_class
 from megatron_lev.model.stages import stage_specs
 from megatron_lev.model.vocab import padded_vocab_size
+from megatron_lev.utils.progress import progress_bar
 
 
 @dataclass
@@ -143,7 +143,7 @@ def _vocab_size(cfg: RunConfig) -> int:
 def iter_canonical(src: SourceCheckpoint, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(canonical name, full tensor)` for every parameter, in model order; checks none is missing."""
     seen: set[str] = set()
-    bar = tqdm(
+    bar = progress_bar(
         total=len(src.specs),
         desc=f"merging {src.files.kind} TP={src.files.tp}",
         unit="tensor",

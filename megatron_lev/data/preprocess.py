@@ -39,7 +39,7 @@ from megatron_lev.data.indexed import IndexedDatasetBuilder, best_dtype
 from megatron_lev.data.manifest import SET_FILES, SHARD_FILES, read_manifest, write_manifest
 from megatron_lev.data.manifest import SUFFIX as MANIFEST_SUFFIX
 from megatron_lev.data.readers import Chunk, Problem, check_text, find_inputs, iter_chunks, parse_line
-from megatron_lev.data.tokenizers import build_tokenizer, tokenizer_fingerprint
+from megatron_lev.data.tokenizers import PIECE_CHARS, build_tokenizer, tokenizer_fingerprint
 from megatron_lev.errors import DataError, UserError
 from megatron_lev.utils.io import (
     TEMP_MARK,
@@ -49,6 +49,7 @@ from megatron_lev.utils.io import (
     remove_stale_temps,
     temp_tag,
 )
+from megatron_lev.utils.lock import exclusive_lock
 
 UNKNOWN_SUBSET = "unknown"
 FILE_PROBLEMS = ("truncated_file",)  # problems of a whole file, not of one line
@@ -78,6 +79,7 @@ class PreprocessOptions:
     progress: bool = True
     max_error_records: int = 1000  # problems listed by file and line in the stats (all are counted)
     max_bad_fraction: float = 1.0  # fail when more than this fraction of lines is bad (always when all are)
+    piece_chars: int = PIECE_CHARS  # longer documents are tokenised in pieces (bounded memory)
 
 
 def check_options(opts: PreprocessOptions) -> None:
@@ -143,7 +145,12 @@ def tokenize_chunk(chunk: Chunk, opts: PreprocessOptions, tok) -> ChunkResult:
         res.text_bytes += len(text)
     if not texts:
         return res
-    ids = tok.encode_batch(texts)
+    # a huge document is encoded in pieces (the same ids: `Tokenizer.encode_long`), the others together
+    long = {j for j, t in enumerate(texts) if len(t) > opts.piece_chars}
+    batch = iter(
+        tok.encode_batch([t for j, t in enumerate(texts) if j not in long]) if len(long) < len(texts) else []
+    )
+    ids = [tok.encode_long(t, opts.piece_chars) if j in long else next(batch) for j, t in enumerate(texts)]
     dtype = best_dtype(tok.vocab_size)
     groups: dict[str, list[int]] = {}
     for j, s in enumerate(subsets):
@@ -370,12 +377,14 @@ class _Outputs:
 
 
 class _Progress:
-    """Counts and a tqdm bar with docs/s, MB/s and tokens/s."""
+    """Counts and a progress bar (plain lines off a terminal) with docs/s, MB/s and tokens/s."""
 
     def __init__(self, enabled: bool):
-        from tqdm import tqdm
+        from megatron_lev.utils.progress import progress_bar
 
-        self.bar = tqdm(unit=" docs", disable=not enabled, smoothing=0.1, dynamic_ncols=True)
+        self.bar = progress_bar(
+            desc="preprocess", unit=" docs", disable=not enabled, smoothing=0.1, dynamic_ncols=True
+        )
         self.start = time.monotonic()
         self.docs = self.tokens = self.bytes = 0
 
@@ -444,6 +453,21 @@ def preprocess(opts: PreprocessOptions) -> dict:
             f"--output-prefix {out_prefix}: the directory {out_dir} is not writable; "
             "choose another place or fix its permissions"
         )
+    # one writer per prefix: a second run into it would replace this one's output when it commits
+    lock = lock_path(out_prefix)
+    with exclusive_lock(lock, f"--output-prefix {out_prefix}", "megatron-lev preprocess"):
+        return _preprocess(opts, files, tok, fingerprint, out_prefix)
+
+
+def lock_path(out_prefix: str | os.PathLike) -> Path:
+    """The lock file a run into `out_prefix` holds (`utils.lock`): `.<name>.lock` beside the outputs."""
+    out_prefix = Path(out_prefix)
+    return out_prefix.parent / f".{out_prefix.name}.lock"
+
+
+def _preprocess(opts: PreprocessOptions, files: list[str], tok, fingerprint: dict, out_prefix: Path) -> dict:
+    """`preprocess` once its checks passed and it holds the prefix's lock."""
+    out_dir = out_prefix.parent
     removed = clean_dead_runs(out_prefix)
     if removed:
         print(

@@ -191,6 +191,10 @@ def _iter_hf_records(path: str, text_key: str, chunk_bytes: int):
     """(first row number, [(text, subset), ...]) batches from a local HF dataset."""
     import datasets
 
+    from megatron_lev.utils.progress import hf_bars_off_a_terminal
+
+    hf_bars_off_a_terminal()
+
     quiet = logging.getLogger("datasets")  # its error log would repeat the one line raised below
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)

@@ -179,7 +179,8 @@ def build_sample_corpus(
 ) -> dict:
     """Draw documents round-robin from the sources until `max_mb` of text; returns the manifest."""
     import zstandard
-    from tqdm import tqdm
+
+    from megatron_lev.utils.progress import progress_bar
 
     names = sources or list(SOURCES)
     unknown = [n for n in names if n not in SOURCES]
@@ -191,7 +192,7 @@ def build_sample_corpus(
     iters = {n: SOURCES[n]() for n in names}
     docs: dict[str, list[str]] = {n: [] for n in names}
     budget, total = int(max_mb * 1e6), 0
-    bar = tqdm(total=budget, unit="B", unit_scale=True, disable=not progress, desc="sample corpus")
+    bar = progress_bar(total=budget, unit="B", unit_scale=True, disable=not progress, desc="sample corpus")
     while iters and total < budget:
         for name in list(iters):
             text = next(iters[name], None)

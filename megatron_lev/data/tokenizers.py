@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 from abc import ABC, abstractmethod
+from array import array
 from pathlib import Path
 
 from megatron_lev.errors import DataError
@@ -33,8 +34,29 @@ TIKTOKEN_EOD = "<|endoftext|>"
 KNOWN_VOCABULARIES = {"neox": 50277, "cl100k_base": 100257, "o200k_base": 199999}
 
 
+# A document longer than this many characters is encoded in pieces where the tokenizer allows it
+# (`Tokenizer.encode_long`), so a huge one-line document costs memory for a piece, not for all of it.
+PIECE_CHARS = 1 << 20
+
+
 class TokenizerError(DataError):
     """The tokenizer file is missing or unusable; the message names it."""
+
+
+def cut_points(text: str, piece_chars: int) -> list[int]:
+    """Where to cut `text` into pieces of about `piece_chars` characters: each cut lies just before a
+    single space between two non-space characters, at or after the size reached. A stretch without
+    such a space is not cut (the piece grows until one comes)."""
+    cuts, pos, n = [], piece_chars, len(text)
+    while pos < n - 1:
+        i = text.find(" ", pos)
+        while i != -1 and i < n - 1 and (text[i - 1].isspace() or text[i + 1].isspace()):
+            i = text.find(" ", i + 1)
+        if i == -1 or i >= n - 1:
+            break
+        cuts.append(i)
+        pos = i + piece_chars
+    return cuts
 
 
 class Tokenizer(ABC):
@@ -43,6 +65,23 @@ class Tokenizer(ABC):
     name: str
     vocab_size: int  # every id the tokenizer can produce is < vocab_size (special tokens included)
     eod: int  # end-of-document id appended after each document
+    # Cutting a text just before a single space between two non-space characters gives the same ids
+    # as the whole text: true of regex pre-tokenizers (GPT-2/NeoX byte-level BPE, tiktoken patterns),
+    # where no token crosses such a point; not of SentencePiece, which marks a leading space.
+    cuts_at_spaces: bool = False
+
+    def encode_long(self, text: str, piece_chars: int = PIECE_CHARS) -> list[int] | array:
+        """`encode(text)`; a text longer than `piece_chars` is encoded piece by piece (`cut_points`)
+        when `cuts_at_spaces`, into the same ids (an `array('q')`, 8 bytes per id) with memory for
+        one piece instead of the tokenizer's per-token bookkeeping for the whole text."""
+        if not self.cuts_at_spaces or len(text) <= piece_chars:
+            return self.encode(text)
+        ids = array("q")
+        start = 0
+        for cut in [*cut_points(text, piece_chars), len(text)]:
+            ids.extend(self.encode(text[start:cut]))
+            start = cut
+        return ids
 
     @abstractmethod
     def encode(self, text: str) -> list[int]: ...
@@ -85,6 +124,7 @@ class HFTokenizer(Tokenizer):
             )
         self.eod = self._tok.token_to_id(self.eod_token)
         self._batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        self.cuts_at_spaces = _hf_cuts_at_spaces(self.path)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -109,6 +149,49 @@ class HFTokenizer(Tokenizer):
             "model_max_length": 1_000_000_000,
         }
         return [out / "tokenizer.json", _write_json(out / "tokenizer_config.json", cfg)]
+
+
+_LOCAL_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
+
+
+def _hf_cuts_at_spaces(path: Path) -> bool:
+    """Whether a tokenizer.json encodes pieces cut before a single space like the whole text: a BPE
+    model behind a byte-level pre-tokenizer that adds no prefix space (its GPT-2 regex, or a Split
+    on TIKTOKEN_PATTERN first), a per-character normalizer, and no added token holding a space among
+    other characters."""
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if (spec.get("model") or {}).get("type") != "BPE":
+        return False
+    norm = spec.get("normalizer")
+    norms = (norm or {}).get("normalizers", [norm]) if norm else []
+    if not all(isinstance(n, dict) and n.get("type") in _LOCAL_NORMALIZERS for n in norms):
+        return False
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+
+    def byte_level(step: dict, regex: bool) -> bool:
+        return (
+            step.get("type") == "ByteLevel"
+            and step.get("add_prefix_space") is False
+            and step.get("use_regex", True) is regex
+        )
+
+    if len(steps) == 1:
+        ok = byte_level(steps[0], True)
+    else:
+        split = steps[0]
+        ok = (
+            len(steps) == 2
+            and split.get("type") == "Split"
+            and (split.get("pattern") or {}).get("Regex") == TIKTOKEN_PATTERN
+            and split.get("behavior") == "Isolated"
+            and byte_level(steps[1], False)
+        )
+    added = [t.get("content", "") for t in spec.get("added_tokens") or []]
+    return ok and not any(" " in t and t.strip(" ") for t in added)
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -186,6 +269,7 @@ class TiktokenTokenizer(Tokenizer):
         )
         self.name = f"tiktoken:{self.path.name}"
         self.vocab_size = self.eod + 1
+        self.cuts_at_spaces = True  # TIKTOKEN_PATTERN is a regex pre-tokenizer; no special tokens
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)

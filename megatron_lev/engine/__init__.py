@@ -4,5 +4,8 @@ checkpoint file layout and the `mpu` shim. The rest of the package talks to `Eng
 """
 
 from megatron_lev.engine.base import Engine
+from megatron_lev.engine.quiet import quiet_known_warnings
+
+quiet_known_warnings()  # before anything imports DeepSpeed (see engine/quiet.py)
 
 __all__ = ["Engine"]

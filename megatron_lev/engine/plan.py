@@ -28,7 +28,7 @@ from typing import Any
 from megatron_lev.ckpt.layout import list_checkpoints
 from megatron_lev.config import RunConfig
 from megatron_lev.data.manifest import manifest_path
-from megatron_lev.engine.config import build_ds_config
+from megatron_lev.engine.config import batch_layout, build_ds_config
 from megatron_lev.errors import ConfigError
 from megatron_lev.model.embeddings import embedding_class
 from megatron_lev.model.vocab import padded_vocab_size
@@ -52,10 +52,30 @@ class RunPlan:
     true_vocab: int | None = None
     padded_vocab: int | None = None  # true_vocab rounded up to make_vocab_size_divisible_by x TP
     tokenizer_vocab: int | None = None  # set by `with_vocab`
+    cuda: bool = False  # the run trains on GPUs (the memory check warns instead of refusing)
 
     @property
     def data_parallel_size(self) -> int:
         return self.cfg.data_parallel_size(self.world_size)
+
+    def with_global_batch(self, global_batch: int) -> RunPlan:
+        """The plan with `train.global_batch_size` set (a resume on another DP size keeps the
+        checkpoint's): the gradient accumulation and the DeepSpeed JSON's batch keys follow."""
+        cfg = dataclasses.replace(
+            self.cfg, train=dataclasses.replace(self.cfg.train, global_batch_size=global_batch)
+        )
+        micro, gas, global_batch = batch_layout(
+            cfg, self.world_size
+        )  # refuses a batch the layout cannot make
+        ds_config = {
+            **self.ds_config,
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": gas,
+            "train_batch_size": global_batch,
+        }
+        return dataclasses.replace(
+            self, cfg=cfg, micro_batch=micro, gas=gas, global_batch=global_batch, ds_config=ds_config
+        )
 
     def with_vocab(self, tokenizer_vocab: int) -> RunPlan:
         """The plan with the tokenizer's vocabulary checked and the model's (padded) vocabulary set."""
@@ -70,6 +90,7 @@ class RunPlan:
         padded = self.padded_vocab  # model.vocab_size set: padded and checked by validate_run
         if padded is None:
             padded = _vocab_rules(self.cfg, true_vocab)
+        _memory_rules(self.cfg, self.world_size, padded, self.cuda)  # the vocabulary sizes the logits
         return dataclasses.replace(
             self, true_vocab=true_vocab, padded_vocab=padded, tokenizer_vocab=tokenizer_vocab
         )
@@ -103,6 +124,7 @@ def validate_run(
         ds_config=ds_config,
         true_vocab=cfg.model.vocab_size if padded is not None else None,
         padded_vocab=padded,
+        cuda=cuda,
     )
     return plan.with_vocab(tokenizer_vocab) if tokenizer_vocab is not None else plan
 
@@ -183,6 +205,27 @@ def _has_checkpoint(cfg: RunConfig) -> bool:
     """Whether the run's save or load directory holds a complete checkpoint (it would resume)."""
     save = cfg.train.save or str(Path(cfg.logging.output_dir) / "checkpoints")  # as the trainer does
     return any(c.complete for root in (save, cfg.train.load) if root for c in list_checkpoints(root))
+
+
+def _memory_rules(cfg: RunConfig, world_size: int, padded_vocab: int, cuda: bool) -> None:
+    """Refuse (CPU) or warn about (GPU) a run whose estimated memory does not fit (`engine.memory`),
+    before the model or the data indices are built."""
+    from megatron_lev.engine.memory import check_memory, estimate_memory
+    from megatron_lev.log import get_logger
+    from megatron_lev.utils import dist as ranks
+
+    est = estimate_memory(cfg, world_size, padded_vocab, cuda=cuda)
+    device_bytes = None
+    if cuda:
+        import torch
+
+        device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    warning = check_memory(est, cfg, cuda=cuda, device_bytes=device_bytes)
+    if ranks.rank() == 0:
+        log = get_logger(__name__)
+        log.info("memory estimate: %s", est.text())
+        if warning:
+            log.warning("%s", warning)
 
 
 def _training_rules(cfg: RunConfig, cuda: bool) -> None:

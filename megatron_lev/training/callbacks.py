@@ -39,6 +39,7 @@ from megatron_lev.training.metrics import MetricsWriter, memory_stats, throughpu
 from megatron_lev.training.resume import ResumePlan, plan_resume
 from megatron_lev.training.schedule import learning_rate
 from megatron_lev.training.signals import PREEMPTED_EXIT_CODE, PreemptionWatcher
+from megatron_lev.utils.progress import on_terminal
 
 if TYPE_CHECKING:
     from megatron_lev.config import TrainConfig
@@ -344,7 +345,8 @@ class MetricsLogger(Callback):
 
     def on_train_begin(self, trainer: Trainer, control: Control) -> None:
         self.window = _Window()
-        if trainer.rank == 0 and self.progress_bar:
+        # on a terminal only: elsewhere the log lines already say how far the run is
+        if trainer.rank == 0 and self.progress_bar and on_terminal():
             from tqdm.auto import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -394,8 +396,10 @@ class MetricsLogger(Callback):
             f"lr {values['lr']:.3e} | grad norm {values['grad_norm']:.3f} | "
             f"{values['tokens_per_s']:,.0f} tok/s"
         )
-        if "mfu" in values:
-            line += f" | {values['tflops_per_device']:.3g} TFLOP/s/dev | MFU {100 * values['mfu']:.2f}%"
+        if "tflops_per_device" in values:
+            line += f" | {values['tflops_per_device']:.3g} TFLOP/s/dev"
+        if "mfu" in values and trainer.device.type == "cuda":  # against a GPU's peak: meaningless on CPU
+            line += f" | MFU {100 * values['mfu']:.2f}%"
         mem = values.get("mem_peak_gib", values.get("mem_rss_gib"))
         if mem is not None:
             line += f" | mem {mem:.1f} GiB"

@@ -20,13 +20,23 @@ Beyond the config, the checkpoint's `provenance.json` (`ckpt.provenance`) record
 (their manifests' content digests), the blend and the tokenizer's fingerprint; a resume on other
 tokens under the same paths, or with another tokenizer file, is refused unless allowed with
 `--allow-change data` (which also allows every `data.*` key) or `--allow-change tokenizer`.
+
+The data-parallel size is not a config key (it is the number of processes over TP x PP): a run
+may resume on another DP size. It keeps the checkpoint's global batch (sequences per step) by
+adjusting gradient accumulation, global = micro-batch x DP x accumulation, and says so in one
+line; the sampler's position is a global sample count, so the same samples make each step. A
+global batch the new layout cannot divide is refused naming the values that work, and so is a
+direct DP change under ZeRO >= 1, whose optimizer files are split by DP rank (reshard first).
+`train.global_batch_size` unset means "micro-batch x DP" at the start of a run; on resume it
+means "the checkpoint's global batch".
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +48,15 @@ from megatron_lev.ckpt.layout import (
     interrupted_start,
     iteration_of,
     read_latest,
+    read_marker,
     resume_candidates,
     verify_checkpoint,
 )
-from megatron_lev.errors import CheckpointDataError
+from megatron_lev.errors import CheckpointDataError, ConfigError
 from megatron_lev.log import get_logger
 from megatron_lev.utils import dist as ranks
 from megatron_lev.utils.io import TEMP_MARK
+from megatron_lev.utils.lock import DIR_LOCK_NAME
 
 RUN_OUTPUTS = (
     "config.yaml",
@@ -171,10 +183,41 @@ def judge(
 
 @dataclass(frozen=True)
 class ResumePlan:
-    """Where a run starts: `tag` under `root`, or from scratch (`tag` None)."""
+    """Where a run starts: `tag` under `root`, or from scratch (`tag` None).
+
+    Resuming: `saved` is how the checkpoint's steps were made (None if unknown: an older
+    checkpoint), `global_batch` the global batch the run keeps (`keep_global_batch`)."""
 
     root: Path | None
     tag: str | None
+    saved: SavedBatch | None = field(default=None, compare=False)
+    global_batch: int | None = field(default=None, compare=False)
+
+    @property
+    def iteration(self) -> int:
+        return (iteration_of(self.tag) or 0) if self.tag else 0
+
+    def batch_line(self, cfg, world_size: int) -> str | None:
+        """The log line for a resume whose batch layout differs from the checkpoint's, else None."""
+        if self.saved is None or self.global_batch is None:
+            return None
+        dp, micro = cfg.data_parallel_size(world_size), cfg.train.micro_batch_size
+        gas = self.global_batch // (micro * dp)
+        s = self.saved
+        if (dp, micro, gas, self.global_batch) == (
+            s.data_parallel_size,
+            s.micro_batch,
+            s.accumulation,
+            s.global_batch,
+        ):
+            return None
+        kept = (
+            "keeping the global batch of" if self.global_batch == s.global_batch else "with a global batch of"
+        )
+        return (
+            f"resuming {self.root / self.tag} ({s.text()}) on DP={dp}: {kept} {self.global_batch} sequences "
+            f"with gradient accumulation {gas} (micro-batch {micro} x DP {dp} x {gas})"
+        )
 
 
 def _foreign_entries(root: Path, cfg=None, engine_files: Collection[str] = ()) -> list[str]:
@@ -187,7 +230,7 @@ def _foreign_entries(root: Path, cfg=None, engine_files: Collection[str] = ()) -
     found = []
     for child in sorted(root.iterdir()):
         name = child.name
-        if TEMP_MARK in name or name in engine_files or name in outputs:
+        if TEMP_MARK in name or name in engine_files or name in outputs or name == DIR_LOCK_NAME:
             continue
         if iteration_of(name) is not None and child.is_dir():
             if (child / COMPLETE_MARKER).is_file():
@@ -219,16 +262,35 @@ def check_fresh_start(save_dir: str | os.PathLike, cfg=None, engine_files: Colle
         )
 
 
-def check_resume_config(path: str | os.PathLike, cfg, allow=()) -> None:
-    """Print how `cfg` differs from the config stored in checkpoint `path`; refuse changes that
-    would load the weights wrongly or make the resume inexact (unless allowed by name)."""
+@dataclass(frozen=True)
+class SavedBatch:
+    """How a checkpoint's steps were made: its data-parallel size and global batch (sequences)."""
+
+    data_parallel_size: int
+    global_batch: int
+    micro_batch: int
+
+    @property
+    def accumulation(self) -> int | None:
+        """Micro-batches per step, None when the global batch is not a multiple of micro x DP (a
+        resharded checkpoint records the source's batch, which its new DP size may not divide)."""
+        per_step = self.micro_batch * self.data_parallel_size
+        return self.global_batch // per_step if self.global_batch % per_step == 0 else None
+
+    def text(self) -> str:
+        m, dp, gas = self.micro_batch, self.data_parallel_size, self.accumulation
+        if gas is None:
+            return f"global batch {self.global_batch}, micro-batch {m}, DP {dp}"
+        return f"global batch {self.global_batch} = micro-batch {m} x DP {dp} x accumulation {gas}"
+
+
+def _read_stored_config(path: Path) -> dict | None:
+    """The config mapping stored in checkpoint `path` (None when it has none: an older version)."""
     import yaml
 
-    stored_file = Path(path) / CONFIG_FILE
+    stored_file = path / CONFIG_FILE
     if not stored_file.is_file():
-        if ranks.rank() == 0:
-            log.warning("%s not found (saved by an older version): the config is not compared", stored_file)
-        return
+        return None
     try:
         stored = yaml.safe_load(stored_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
@@ -240,7 +302,96 @@ def check_resume_config(path: str | os.PathLike, cfg, allow=()) -> None:
         raise CheckpointDataError(
             f"{stored_file} is not a config mapping; restore it or remove the checkpoint"
         )
-    diffs = differences(stored, cfg.to_dict())
+    return stored
+
+
+def saved_batch(path: str | os.PathLike, stored: dict | None = None) -> SavedBatch | None:
+    """The data-parallel size and global batch checkpoint `path` was trained with, from its stored
+    config and the world size in its `complete` marker; None when either is missing or unreadable."""
+    path = Path(path)
+    if stored is None:
+        try:
+            stored = _read_stored_config(path)
+        except CheckpointDataError:
+            return None
+    try:
+        world = int(read_marker(path)["world_size"])
+        train, par = stored["train"], stored["parallel"]
+        micro = int(train["micro_batch_size"])
+        model_parallel = int(par["tensor_model_parallel_size"]) * int(par["pipeline_model_parallel_size"])
+        dp = world // model_parallel
+        global_batch = int(train.get("global_batch_size") or micro * dp)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if min(world, micro, dp, global_batch) < 1:
+        return None
+    return SavedBatch(dp, global_batch, micro)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def keep_global_batch(path: str | os.PathLike, saved: SavedBatch, cfg, world_size: int) -> int:
+    """The global batch a run of `cfg` on `world_size` processes resuming checkpoint `path` (saved
+    as `saved`) trains with: `train.global_batch_size` if set, else the checkpoint's. Refuses (one
+    line naming what works) a layout that cannot make it, and a DP change under ZeRO >= 1."""
+    t, p = cfg.train, cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    dp, micro = cfg.data_parallel_size(world_size), t.micro_batch_size
+    where = f"{path} (saved on DP={saved.data_parallel_size})"
+    if dp != saved.data_parallel_size and p.zero_stage >= 1:
+        out = f"{Path(path).parent}_dp{dp}"
+        raise CheckpointDataError(
+            f"cannot resume {where} on DP={dp}: parallel.zero_stage={p.zero_stage} splits Adam's "
+            f"state by data-parallel rank; reshard it first (megatron-lev reshard {Path(path).parent} "
+            f"{out} --tag {Path(path).name} --tp {tp} --pp {pp} --dp {dp}) and train with train.save={out}, "
+            f"or run on {saved.data_parallel_size * tp * pp} processes"
+        )
+    global_batch = t.global_batch_size or saved.global_batch
+    if global_batch % (micro * dp):
+        source = (
+            f"train.global_batch_size={global_batch}"
+            if t.global_batch_size
+            else f"the checkpoint's global batch of {global_batch} sequences"
+        )
+        options = []
+        if global_batch % dp == 0:
+            micros = [m for m in _divisors(global_batch // dp) if m != micro]
+            options.append(
+                f"train.micro_batch_size={' or '.join(map(str, micros[-3:]))} "
+                "(with --allow-change train.micro_batch_size)"
+            )
+        worlds = [d * tp * pp for d in _divisors(global_batch // micro)] if global_batch % micro == 0 else []
+        if worlds:
+            options.append(f"{' or '.join(map(str, worlds[-4:]))} processes")
+        options.append("another batch (train.global_batch_size=N --allow-change train.global_batch_size)")
+        raise ConfigError(
+            f"cannot resume {where} on DP={dp}: {source} is not a multiple of train.micro_batch_size x DP "
+            f"= {micro} x {dp}; what works: {'; or '.join(options)}"
+        )
+    return global_batch
+
+
+def check_resume_config(path: str | os.PathLike, cfg, allow=(), saved: SavedBatch | None = None) -> None:
+    """Print how `cfg` differs from the config stored in checkpoint `path`; refuse changes that
+    would load the weights wrongly or make the resume inexact (unless allowed by name).
+
+    `train.global_batch_size` is compared as the global batch it makes: the checkpoint's
+    (`saved`), and, when the run leaves it unset, the checkpoint's too (the run keeps it)."""
+    stored_file = Path(path) / CONFIG_FILE
+    stored = _read_stored_config(Path(path))
+    if stored is None:
+        if ranks.rank() == 0:
+            log.warning("%s not found (saved by an older version): the config is not compared", stored_file)
+        return
+    current = cfg.to_dict()
+    if saved is not None and isinstance(stored.get("train"), dict):
+        stored, current = copy.deepcopy(stored), copy.deepcopy(current)
+        stored["train"]["global_batch_size"] = saved.global_batch
+        if current["train"]["global_batch_size"] is None:
+            current["train"]["global_batch_size"] = saved.global_batch
+    diffs = differences(stored, current)
     if not diffs:
         return
     lines, fixed, exact = judge(diffs, frozenset(allow))
@@ -341,12 +492,16 @@ def plan_resume(
             if not problems:
                 if damaged and ranks.rank() == 0:
                     log.warning("resuming from %s instead of the damaged %s", root / tag, ", ".join(damaged))
+                saved = saved_batch(root / tag)
+                global_batch = None
                 if cfg is not None:
-                    check_resume_config(root / tag, cfg, allow)
+                    check_resume_config(root / tag, cfg, allow, saved)
                     check_resume_provenance(root / tag, cfg, allow, provenance)
+                    if saved is not None:
+                        global_batch = keep_global_batch(root / tag, saved, cfg, ranks.world_size())
                 if save_dir and _resolved(save_dir) != _resolved(root):  # from train.load: saves go elsewhere
                     check_fresh_start(save_dir, cfg, engine_files)
-                return ResumePlan(root, tag)
+                return ResumePlan(root, tag, saved, global_batch)
             damaged.append(tag)
             if ranks.rank() == 0:
                 more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""

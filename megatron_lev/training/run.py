@@ -8,6 +8,7 @@ vocabulary, batch layout, DeepSpeed JSON) is taken from the plan, not computed a
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ from megatron_lev.data.batches import make_loader, token_batches
 from megatron_lev.engine.build import build_model
 from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, build_engine, disable_cpu_shm_comm
 from megatron_lev.engine.plan import RunPlan, validate_run
-from megatron_lev.errors import ConfigError
+from megatron_lev.errors import ConfigError, DataError, LockedError, UserError
 from megatron_lev.log import get_logger, setup_logging
 from megatron_lev.parallel import state
 from megatron_lev.training.callbacks import (
@@ -42,6 +43,8 @@ from megatron_lev.training.resume import plan_resume
 from megatron_lev.training.schedule import training_budget
 from megatron_lev.training.signals import PreemptionWatcher
 from megatron_lev.training.trainer import TrainData, Trainer
+from megatron_lev.utils import dist as ranks
+from megatron_lev.utils.lock import DIR_LOCK_NAME, exclusive_lock
 
 log = get_logger(__name__)
 
@@ -67,14 +70,50 @@ def pretrain(
     extra = [*callbacks_from_specs(cfg.train.callbacks), *extra_callbacks]
     watcher = PreemptionWatcher().install()  # before the slow start-up: Slurm's notice may come early
     try:
-        return _pretrain(run, watcher, allow_changes, extra)
+        with contextlib.ExitStack() as held:  # the locks of the run's directories
+            return _pretrain(run, watcher, held, allow_changes, extra)
     finally:
         watcher.uninstall()
+
+
+def lock_run_dirs(held: contextlib.ExitStack, cfg: RunConfig, save_dir: str) -> None:
+    """Collective: rank 0 takes the lock (`utils.lock`) of the output directory and of the save
+    directory, held until `held` closes; a second run writing into either is refused on every rank.
+    Only rank 0 locks: the lock keeps other jobs out, not this job's own ranks (on a shared file
+    system every job's rank 0 meets the same lock file)."""
+    failure: list[tuple[str, str]] = []  # (kind, message) of rank 0's failure
+    if ranks.rank() == 0:
+        seen = set()
+        for key, d in (("logging.output_dir", cfg.logging.output_dir), ("train.save", save_dir)):
+            path = Path(d)
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                if path.resolve() in seen:
+                    continue
+                seen.add(path.resolve())
+                held.enter_context(exclusive_lock(path / DIR_LOCK_NAME, f"{key}={d}", "megatron-lev train"))
+            except LockedError as exc:
+                failure.append(("locked", str(exc)))
+            except OSError as exc:
+                failure.append(
+                    (
+                        "other",
+                        f"{key}={d}: cannot create or lock the directory ({exc.strerror or exc}); "
+                        "choose a writable directory",
+                    )
+                )
+            if failure:
+                break
+    failure = ranks.gather_lists(failure)  # every rank learns rank 0's outcome
+    if failure:
+        kind, message = failure[0]
+        raise (LockedError if kind == "locked" else UserError)(message)
 
 
 def _pretrain(
     run: RunPlan | RunConfig,
     watcher: PreemptionWatcher,
+    held: contextlib.ExitStack,
     allow_changes=(),
     extra_callbacks: Sequence[Callback] = (),
 ) -> TrainResult:
@@ -96,6 +135,8 @@ def _pretrain(
         heartbeat_timeout_s=cfg.parallel.heartbeat_timeout_s,
     )
     out = Path(cfg.logging.output_dir)
+    save_dir = cfg.train.save or str(out / "checkpoints")
+    lock_run_dirs(held, cfg, save_dir)  # one run at a time writes metrics, logs and checkpoints here
     setup_logging(log_dir=out / "logs" if cfg.logging.log_all_ranks else None)
     world, rank, dev = env.world_size, env.rank, current_device()
     if isinstance(run, RunPlan):  # validated by the caller: nothing is checked twice
@@ -117,12 +158,17 @@ def _pretrain(
     plan = plan.with_vocab(tokenizer.vocab_size)
     vocab, true_vocab = plan.padded_vocab, plan.true_vocab
     # which checkpoint (verified, config compared), or a fresh start that loses nothing: before the model
-    save_dir = cfg.train.save or str(out / "checkpoints")
     load_dir = cfg.train.load or save_dir
     # what the checkpoints record they were trained on (shard sets, blend, tokenizer); a resume compares it
     provenance = run_provenance(cfg.data, tokenizer)
     resume = plan_resume(load_dir, save_dir, cfg, allow_changes, DeepSpeedEngine.owned_files(), provenance)
     check_save_dir(save_dir)
+    if resume.global_batch is not None and resume.global_batch != plan.global_batch:
+        plan = plan.with_global_batch(resume.global_batch)  # another DP size: keep the checkpoint's batch
+        cfg = plan.cfg
+    batch_line = resume.batch_line(cfg, world)
+    if batch_line and rank == 0:
+        log.warning("%s", batch_line)
     if rank == 0:
         log.info("resolved config saved to %s", cfg.save(out))
 
@@ -148,8 +194,12 @@ def _pretrain(
     engine = build_engine(plan, model)
 
     n_valid = cfg.train.eval_iters * global_batch if cfg.train.eval_interval else 0
+    n_train = budget.train_iters * global_batch
+    if resume.saved is not None and resume.saved.global_batch != global_batch:  # a changed batch (allowed)
+        done = min(resume.iteration, budget.train_iters)
+        n_train = max(n_train, done * resume.saved.global_batch + (budget.train_iters - done) * global_batch)
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
-        cfg.data, cfg.model.seq_length, (budget.train_iters * global_batch, n_valid, 0), cfg.data.cache_dir
+        cfg.data, cfg.model.seq_length, (n_train, n_valid, 0), cfg.data.cache_dir
     )
     if train_ds is None:
         raise ConfigError(f"data.split={cfg.data.split!r} leaves no training documents")
@@ -158,7 +208,13 @@ def _pretrain(
 
     def train_batches(consumed: int):
         loader = make_loader(train_ds, consumed, micro, dp_rank, dp, cfg.data.num_workers)
-        return token_batches(loader, dev, true_vocab, documents)
+        yield from token_batches(loader, dev, true_vocab, documents)
+        raise DataError(  # not a bare StopIteration from inside a step
+            f"the training data ran out at sample {loader.batch_sampler.consumed_samples} of "
+            f"{len(train_ds)} built for {budget.train_iters} iterations x {global_batch} sequences; "
+            "the checkpoint's position lies beyond what this run's budget builds: check train.train_iters "
+            "and train.global_batch_size against the checkpoint's"
+        )
 
     def valid_batches():
         return token_batches(make_loader(valid_ds, 0, micro, dp_rank, dp, 0), dev, true_vocab, documents)

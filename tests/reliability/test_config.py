@@ -18,6 +18,14 @@ from tests.reliability.harness import ROOT, expect_error, expect_ok, run_cli
 
 # (override, fragments of the error line); each is refused by `megatron-lev config` with exit 2
 RANGE_CASES = [
+    # absurd sizes that used to pass `config` (the memory estimate judges what lies below the caps)
+    ("model.hidden_size=1048576", [r"model\.hidden_size=1048576", r"<= 65536"]),
+    ("model.seq_length=1000000000", [r"model\.seq_length=1000000000", r"<= 4194304", r"memory estimate"]),
+    ("train.lr=1e9", [r"train\.lr=1000000000\.0", r"> 0 and <= 1\b"]),
+    ("train.lr=2", [r"train\.lr=2\.0", r"<= 1\b"]),
+    ("model.num_layers=100000", [r"model\.num_layers=100000", r"<= 4096"]),
+    ("train.micro_batch_size=1000000", [r"train\.micro_batch_size=1000000", r"<= 65536"]),
+    ("model.vocab_size=1000000000", [r"model\.vocab_size=1000000000", r"<= 16777216"]),
     ("train.lr=inf", [r"train\.lr=inf", r"> 0"]),
     ("train.lr=.nan", [r"train\.lr=nan", r"finite"]),
     ("train.lr=0", [r"train\.lr=0", r"> 0"]),
@@ -169,6 +177,18 @@ def test_every_numeric_key_has_a_rule_that_refuses_non_finite_and_below_range_va
         for value in bad:
             with pytest.raises(ConfigError, match=re.escape(key) + "=.*out of range"):
                 load_config([], [f"{key}={value}"])
+
+
+def test_every_cap_refuses_the_value_above_it_and_accepts_itself():
+    """The sanity caps (`Range.cap`) refuse absurd values and keep the cap itself (and so every
+    real run below it)."""
+    capped = {key: rule for key, rule in RANGES.items() if rule.cap is not None}
+    assert {"model.hidden_size", "model.seq_length", "train.lr", "model.num_layers"} <= capped.keys()
+    for key, rule in capped.items():
+        above = rule.cap * 2
+        with pytest.raises(ConfigError, match=re.escape(key) + r"=.*out of range.*<= "):
+            load_config([], [f"{key}={above}"])
+        assert rule.contains(rule.cap)
 
 
 def test_shipped_configs_and_boundary_values_still_validate():

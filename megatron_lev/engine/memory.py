@@ -1,0 +1,233 @@
+"""How much memory one training process needs, estimated from the config before anything is allocated.
+
+    est = estimate_memory(cfg, world_size, padded_vocab, cuda=False)
+    check_memory(est, cfg, cuda=False)   # ConfigError on CPU when it cannot fit; a warning line on GPU
+
+Per process (bytes), with P the parameters of this rank's model-parallel part (all / (TP x PP)),
+DP the data-parallel size, L the layers of this rank's pipeline stage:
+
+- model states (mixed precision keeps an fp32 master copy; DeepSpeed's ZeRO-1/2 optimizer keeps
+  its own fp32 partition even in fp32):
+    weights  P x (4 fp32, 2 bf16/fp16)                       / DP under ZeRO-3
+    grads    P x (4 fp32 or fp32 accumulation, else 2)       / DP under ZeRO-2/3
+    Adam     P x (8 moments + 4 fp32 master)                 / DP under ZeRO-1/2/3
+- activations kept for the backward: micro x seq x L x (4 h + (4 h + 4 ffn) / TP) values of 4
+  (fp32) or 2 bytes; with `model.activation_checkpointing`, one layer's worth plus each layer's
+  input (micro x seq x h);
+- attention scores where they are materialised (not the flash kernels: a document mask,
+  `data.reset_attention_mask`, or attention dropout on the scaled-dot-product path): micro x
+  heads / TP x seq^2 x 2 values per layer kept, plus the boolean mask micro x seq^2;
+- logits and the fp32 cross-entropy: micro x seq x vocab / TP x (value + 8) bytes;
+- 0.5 GiB for the framework (torch, DeepSpeed, buffers).
+
+An estimate, not a measurement (within a factor of about 2 of the peak for the shipped
+configs); it refuses what is out of reach by far, such as a million-token sequence on a laptop.
+Where it is wrong for a machine, `MEGATRON_LEV_NO_MEMORY_CHECK=1` skips the check.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_lev.config import RunConfig
+from megatron_lev.errors import ConfigError
+
+SKIP_ENV = "MEGATRON_LEV_NO_MEMORY_CHECK"
+FRAMEWORK_BYTES = 512 << 20
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one process needs, by part; `processes` share this machine's memory."""
+
+    model_states: int
+    activations: int
+    attention: int
+    logits: int
+    framework: int
+    processes: int
+    vocab: int
+
+    @property
+    def per_process(self) -> int:
+        return self.model_states + self.activations + self.attention + self.logits + self.framework
+
+    @property
+    def machine(self) -> int:
+        return self.per_process * self.processes
+
+    def parts(self) -> dict[str, int]:
+        return {
+            "weights, gradients and Adam": self.model_states,
+            "activations": self.activations,
+            "attention scores": self.attention,
+            "logits": self.logits,
+        }
+
+    def text(self) -> str:
+        """`about 3.2 GiB per process (activations 2.1 GiB, logits 600 MiB, ...)`."""
+        shown = ", ".join(
+            f"{name} {size(v)}"
+            for name, v in sorted(self.parts().items(), key=lambda kv: -kv[1])
+            if v >= 1 << 20
+        )
+        return f"about {gib(self.per_process)} per process ({shown}, framework {size(self.framework)})"
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:,.1f} GiB"
+
+
+def size(n: float) -> str:
+    """GiB from 1 GiB on, else MiB."""
+    return gib(n) if n >= GIB else f"{n / (1 << 20):,.0f} MiB"
+
+
+def estimate_memory(cfg: RunConfig, world_size: int, vocab: int, *, cuda: bool) -> MemoryEstimate:
+    """The estimate for a run of `cfg` on `world_size` processes with a (padded) vocabulary `vocab`."""
+    from megatron_lev.model.flops import parameter_count
+
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    dp = max(cfg.data_parallel_size(world_size), 1)
+    params = parameter_count(m, vocab)["total"] / (tp * pp)
+    half = t.precision in ("bf16", "fp16")
+    weight_bytes = 2 if half else 4
+    grad_bytes = 4 if (not half or (pp > 1 and t.precision == "bf16")) else 2
+    optim_bytes = 8 + 4  # exp_avg, exp_avg_sq and an fp32 copy of the weights
+    states = (
+        params * weight_bytes / (dp if p.zero_stage >= 3 else 1)
+        + params * grad_bytes / (dp if p.zero_stage >= 2 else 1)
+        + params * optim_bytes / (dp if p.zero_stage >= 1 else 1)
+    )
+    value = 2 if half else 4
+    b, s, h, f = t.micro_batch_size, m.seq_length, m.hidden_size, m.ffn_size
+    layers = math.ceil(m.num_layers / pp)
+    per_layer = b * s * (4 * h + (4 * h + 4 * f) / tp) * value
+    if m.activation_checkpointing:
+        activations = per_layer + layers * b * s * h * value
+    else:
+        activations = layers * per_layer
+    flash = cuda and half and _flash_attn_installed()
+    materialised = not flash and (cfg.data.reset_attention_mask or m.attention_dropout > 0)
+    attention = 0
+    if materialised:
+        kept = 1 if m.activation_checkpointing else layers
+        attention = kept * b * (m.num_attention_heads / tp) * s * s * 2 * value + b * s * s
+    logits = b * s * vocab / tp * (value + 8)
+    processes = _processes_here(world_size)
+    return MemoryEstimate(
+        int(states), int(activations), int(attention), int(logits), FRAMEWORK_BYTES, processes, vocab
+    )
+
+
+def check_memory(
+    est: MemoryEstimate, cfg: RunConfig, *, cuda: bool, device_bytes: int | None = None
+) -> str | None:
+    """On CPU: raise ConfigError when the processes of this machine need more than its available
+    memory, naming the keys to change. On GPU: a warning line when one process needs more than the
+    device's memory (`device_bytes`), else None. Skipped with MEGATRON_LEV_NO_MEMORY_CHECK=1."""
+    if os.environ.get(SKIP_ENV) == "1":
+        return None
+    if cuda:
+        if device_bytes and est.per_process > device_bytes:
+            return (
+                f"the run may not fit on the GPU: {est.text()} against {gib(device_bytes)} of device "
+                f"memory; {advice(est, cfg)}"
+            )
+        return None
+    available, source = available_memory()
+    if available is None or est.machine <= available:
+        return None
+    who = f"{est.processes} processes x " if est.processes > 1 else ""
+    raise ConfigError(
+        f"the run needs {who}{est.text()} but this machine has {gib(available)} available ({source}): "
+        f"{advice(est, cfg)}; {SKIP_ENV}=1 skips this check"
+    )
+
+
+def advice(est: MemoryEstimate, cfg: RunConfig) -> str:
+    """What to change, by the largest part of the estimate."""
+    m, t = cfg.model, cfg.train
+    shape = f"train.micro_batch_size={t.micro_batch_size} x model.seq_length={m.seq_length}"
+    largest = max(est.parts().items(), key=lambda kv: kv[1])[0]
+    if largest == "activations":
+        fix = f"lower model.seq_length or train.micro_batch_size ({shape}, model.hidden_size={m.hidden_size})"
+        if not m.activation_checkpointing:
+            fix += ", or set model.activation_checkpointing=true"
+        return fix
+    if largest == "attention scores":
+        return (
+            f"lower model.seq_length or train.micro_batch_size ({shape}: the scores grow with the square of "
+            "the sequence), or set data.reset_attention_mask=false and model.attention_dropout=0"
+        )
+    if largest == "logits":
+        return (
+            f"lower train.micro_batch_size or model.seq_length ({shape} x a vocabulary of {est.vocab:,}), or "
+            "raise parallel.tensor_model_parallel_size"
+        )
+    return (
+        f"choose a smaller model (model.hidden_size={m.hidden_size}, model.num_layers={m.num_layers}), raise "
+        f"parallel.zero_stage (now {cfg.parallel.zero_stage}) with more processes, or use "
+        "train.precision=bf16"
+    )
+
+
+def available_memory() -> tuple[int | None, str]:
+    """Bytes this process may still allocate: /proc/meminfo's MemAvailable, lowered to what the
+    cgroup's memory.max leaves; (None, "") when neither can be read."""
+    found: list[tuple[int, str]] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append((int(line.split()[1]) * 1024, "MemAvailable"))
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    if not found:
+        try:
+            found.append((os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free pages"))
+        except (OSError, ValueError):
+            pass
+    limit = _cgroup_room()
+    if limit is not None:
+        found.append((limit, "the cgroup's memory.max"))
+    if not found:
+        return None, ""
+    return min(found)
+
+
+def _cgroup_room() -> int | None:
+    """memory.max - memory.current of this process's cgroup (v2), None when unlimited or unknown."""
+    try:
+        rel = next(
+            line.split(":", 2)[2]
+            for line in Path("/proc/self/cgroup").read_text().splitlines()
+            if line.startswith("0::")
+        )
+        base = Path("/sys/fs/cgroup") / rel.strip().lstrip("/")
+        limit = (base / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(int(limit) - int((base / "memory.current").read_text()), 0)
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
+
+
+def _processes_here(world_size: int) -> int:
+    """Training processes sharing this machine: the launcher's local world size, else all of them."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return max(world_size, 1)
+
+
+def _flash_attn_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
