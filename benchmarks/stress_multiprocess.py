@@ -38,6 +38,7 @@ one log. Exit status: 0 without failures, 1 with any, 130 when interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import io
 import itertools
@@ -461,10 +462,8 @@ def _signal_known(known: dict[int, int], sig: int) -> None:
     """Send `sig` to the processes seen earlier that are still the same processes."""
     for pid, start in known.items():
         if _alive(pid, start):
-            try:
+            with contextlib.suppress(ProcessLookupError):  # exited since it was seen
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
 
 
 class Run:
@@ -526,19 +525,15 @@ class Run:
             self._scan()
         _signal_known(self.known, sig)
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
 
     def _stop(self, first_signal: int) -> None:
         """`first_signal` to the ranks, then SIGKILL to everything the run started."""
         self._scan()
         _signal_known(self.known, first_signal)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # the SIGKILL below ends it
             self.proc.wait(timeout=ABORT_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
         self._kill_all(signal.SIGKILL)
         self.proc.wait()
 
