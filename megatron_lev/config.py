@@ -116,6 +116,12 @@ RANGES: dict[str, Range] = {
     "model.lev.rank": _count(cap=64 * _K),
     "model.lev.chunk_size": _count(cap=64 * _M),
     "model.lev.w_out_init_scale": Range(0, cap=1000, why="multiplies the init std of W_out"),
+    "model.lev.seed_init_scale": Range(
+        0, lo_open=True, cap=1000, why="multiplies the init std of the codebooks and W_l, e.g. 10"
+    ),
+    "model.lev.centre_reference": Range(
+        0, 64 * _M, why="token ids whose mean modes are subtracted (0: off; e.g. 256)"
+    ),
     "model.lev.id_order_seed": Range(0, 2**32 - 1, why="the seed of model.lev.id_order=random"),
     "model.input_init_rms": Range(
         0,
@@ -229,7 +235,14 @@ class LevConfig:
     chunk_size: int = 4096  # unique ids processed per chunk
     recompute: bool = True  # recompute chunks in backward instead of storing activations
     w_out_init_scale: float = 1.0  # multiplies the spec's N(0, 0.02/sqrt(h)) init of W_out
+    # multiplies the spec's N(0, 0.02) init of the codebooks and W_l; the LayerNorm after W_l z makes the
+    # layer's output independent of their scale, so this changes only their gradients (1/scale) and how
+    # far one Adam step turns them (lr/scale)
+    seed_init_scale: float = 1.0
     centred: bool = False  # G = sum_l (M_l - 1) W_out_l: drops the all-ones mode's shared vector
+    # > 0: G = sum_l (M_l - mean_R M_l) W_out_l, R this many evenly spaced token ids (reference_ids),
+    # recomputed from the current weights at every forward, so the readout stays centred in training
+    centre_reference: int = 0
     # token-id order (one of LEV_ID_ORDERS): the digits of token i are those of rank[i], a permutation
     # stored with the model; "bpe": rank[i] = i (the spec), "random": seeded by id_order_seed,
     # "frequency": by count in id_order_counts (a counts.npy; the run plan fills it from data.data_path)
@@ -270,6 +283,11 @@ class ModelConfig:
     def validate(self) -> None:
         check_ranges(self, "model")
         self._validate_id_order()
+        if self.lev.centred and self.lev.centre_reference:
+            raise ConfigError(
+                f"model.lev.centred=true and model.lev.centre_reference={self.lev.centre_reference} both "
+                "centre LEV's modes: keep one (centre_reference subtracts their mean, centred subtracts 1)"
+            )
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} must be divisible by "

@@ -417,6 +417,8 @@ def lev_config(src: SourceCheckpoint) -> dict:
         "lev_rank": lev.rank,
         "lev_residual": lev.residual,
         "lev_centred": lev.centred,
+        "lev_centre_reference": lev.centre_reference,
+        "lev_reference_vocab": src.padded_vocab,  # the reference ids are spread over the padded vocabulary
         "lev_id_order": lev.id_order,  # not bpe: the weights hold it (`embed_tokens.codebooks.id_rank`)
         "lev_chunk_size": 256,
     }

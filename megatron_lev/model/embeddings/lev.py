@@ -8,6 +8,9 @@ forward and recomputes them in backward. With `recompute` the per-chunk basis
 Tensor parallel: the heads are split across TP ranks; codebooks are replicated.
 Option `lev.centred` (default off): `G = sum_l (M_l - 1) W_out_l`, which removes the vector
 `sum_l 1 W_out_l` that the all-ones mode adds to every token (same parameters).
+Option `lev.centre_reference = R` (default 0, off): `G = sum_l (M_l - mean_R M_l) W_out_l`, the mean
+taken over R evenly spaced token ids (`reference_ids`) with the current weights at every forward
+(gradients flow through it), so the readout stays centred during training, not only at step 0.
 """
 
 from __future__ import annotations
@@ -61,6 +64,15 @@ def token_digits(ids: torch.Tensor, base: int, k: int) -> torch.Tensor:
     """Compositional index: `(...,)` ids -> `(..., k)` digits, `i_j = (i // b**j) % b`."""
     powers = base ** torch.arange(k, device=ids.device, dtype=torch.int64)
     return (ids.long().unsqueeze(-1) // powers) % base
+
+
+def reference_ids(vocab_size: int, count: int, device: torch.device | None = None) -> torch.Tensor:
+    """`lev.centre_reference`'s ids: `count` evenly spaced token ids, `floor((2j + 1) V / 2count)`
+    (every id when `count >= V`). A formula, not a draw, so an export recomputes it anywhere."""
+    if count >= vocab_size:
+        return torch.arange(vocab_size, device=device)
+    j = torch.arange(count, device=device, dtype=torch.int64)
+    return ((2 * j + 1) * vocab_size) // (2 * count)
 
 
 def lev_parameter_count(vocab_size: int, hidden_size: int, lev: LevConfig) -> int:
@@ -389,7 +401,8 @@ class LevEmbedding(InputEmbedding):
         self.local_heads = h // tp
         self.head_offset = tp_rank * self.local_heads
         hl = self.local_heads
-        self.codebooks = Codebooks(vocab_size, lev.k, d, init_std, lev)  # replicated (with its token order)
+        seed_std = init_std * lev.seed_init_scale
+        self.codebooks = Codebooks(vocab_size, lev.k, d, seed_std, lev)  # replicated (with its token order)
         # per head l: W_l (d x d), LayerNorm_l, delta_l (d x kappa x r), W_out_l (r x D)
         self.proj = nn.Parameter(torch.empty(hl, d, d))
         self.norm_weight = nn.Parameter(torch.empty(hl, d))
@@ -398,7 +411,7 @@ class LevEmbedding(InputEmbedding):
         self.out_proj = nn.Parameter(torch.empty(hl, r, hidden_size))
         out_std = init_std / math.sqrt(h) * lev.w_out_init_scale
         for name, shape, init in (
-            ("proj", (h, d, d), lambda t: nn.init.normal_(t, 0.0, init_std)),
+            ("proj", (h, d, d), lambda t: nn.init.normal_(t, 0.0, seed_std)),
             ("norm_weight", (h, d), nn.init.ones_),
             ("norm_bias", (h, d), nn.init.zeros_),
             ("delta", (h, d, lev.kappa, r), lambda t: nn.init.normal_(t, 0.0, DELTA_INIT_STD)),
@@ -432,13 +445,8 @@ class LevEmbedding(InputEmbedding):
         )
         return torch.sigmoid(y).clamp(0.0, 1.0)  # bounded latent coordinates
 
-    def heads(self, seed: torch.Tensor, recompute: bool = False) -> torch.Tensor:
-        """Sum over this rank's heads of `M_l @ W_out_l` (`(M_l - 1) @ W_out_l` with `lev.centred`):
-        `(N, d_seed)` -> `(N, D)` (fp32 inside).
-
-        Centring is applied to the modes after the product, so every phi mode, the fused kernels,
-        dedupe, chunking and recompute compute the same function; under tensor parallelism each
-        rank subtracts only its own heads' term before the reduction.
+    def modes(self, seed: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+        """This rank's heads' modes `M_l[rho]`: `(N, d_seed)` -> `(N, h_local * r)` (fp32 inside).
 
         With `recompute` the basis computation is checkpointed (its `(N, h, d)` intermediates
         are rebuilt in backward); the separable product recomputes its own blocks anyway, so
@@ -458,15 +466,42 @@ class LevEmbedding(InputEmbedding):
         else:
             index, weight = inputs
             modes = separable_product(weight, index, self.delta.to(cdt), mode)
-        modes = modes.flatten(1)  # (N, h*r)
+        return modes.flatten(1)  # (N, h*r)
+
+    def heads(
+        self, seed: torch.Tensor, recompute: bool = False, offset: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Sum over this rank's heads of `(M_l - c) @ W_out_l`: `(N, d_seed)` -> `(N, D)`, with `c` 0
+        (the spec), 1 (`lev.centred`) or `offset` (`lev.centre_reference`: the reference ids' mean modes).
+
+        Centring is applied to the modes after the product, so every phi mode, the fused kernels,
+        dedupe, chunking and recompute compute the same function; under tensor parallelism each
+        rank subtracts only its own heads' term before the reduction.
+        """
+        modes = self.modes(seed, recompute)
         if self.lev.centred:  # (M_l - 1) W_out_l: each rank drops its own heads' all-ones term
             modes = modes - 1.0
-        out = modes @ self.out_proj.to(cdt).flatten(0, 1)  # (N, h*r) @ (h*r, D)
+        elif offset is not None:
+            modes = modes - offset
+        out = modes @ self.out_proj.to(modes.dtype).flatten(0, 1)  # (N, h*r) @ (h*r, D)
         return out.to(seed.dtype)
+
+    def reference_modes(self) -> torch.Tensor | None:
+        """`lev.centre_reference`'s offset: the mean over `reference_ids` of this rank's modes,
+        `(h_local * r,)`, differentiable (None when the option is off)."""
+        count = self.lev.centre_reference
+        if not count:
+            return None
+        ids = reference_ids(self.vocab_size, count, self.delta.device)
+        seed = copy_to_tensor_parallel_region(self.codebooks(ids))
+        recompute = self.lev.recompute and torch.is_grad_enabled()
+        parts = [self.modes(chunk, recompute) for chunk in seed.split(self.lev.chunk_size, dim=0)]
+        return torch.cat(parts, dim=0).mean(dim=0)
 
     def _chunked_heads(self, seed: torch.Tensor) -> torch.Tensor:
         recompute = self.lev.recompute and torch.is_grad_enabled()
-        parts = [self.heads(chunk, recompute) for chunk in seed.split(self.lev.chunk_size, dim=0)]
+        offset = self.reference_modes()
+        parts = [self.heads(chunk, recompute, offset) for chunk in seed.split(self.lev.chunk_size, dim=0)]
         return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
