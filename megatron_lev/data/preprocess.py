@@ -231,14 +231,23 @@ class _Pool:
     def __init__(self, opts: PreprocessOptions):
         ctx = mp.get_context("spawn")
         self.workers = []  # [process, connection, (chunk_id, file, first_line) or None]
-        for _ in range(opts.workers):
-            mine, theirs = ctx.Pipe()
-            proc = ctx.Process(
-                target=_worker_main, args=(theirs, opts, os.getpid(), _chunk_hook), daemon=True
-            )
-            proc.start()
-            theirs.close()
-            self.workers.append([proc, mine, None])
+        # An ignored SIGINT stays ignored across exec: the workers start with Ctrl-C ignored, so one
+        # that lands while they still import (before `_worker_main` runs) is the main process's alone
+        # and prints no worker traceback.
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for _ in range(opts.workers):
+                mine, theirs = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_worker_main, args=(theirs, opts, os.getpid(), _chunk_hook), daemon=True
+                )
+                proc.start()
+                theirs.close()
+                self.workers.append([proc, mine, None])
+        finally:
+            if previous is not None:  # None: not the main thread, or a handler not set from Python
+                signal.signal(signal.SIGINT, previous)
 
     def run(self, chunks, sink, window: int) -> None:
         """Feed `chunks` to idle workers (at most `window` ahead of the writer) and pass the

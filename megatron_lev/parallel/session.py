@@ -115,7 +115,10 @@ def join(
         )
     except Exception as exc:
         _restore_default_timeouts(saved)
-        raise _rendezvous_error(exc, rank, world_size, addr, port, timeout_s) from exc
+        error = _rendezvous_error(exc, rank, world_size, addr, port, timeout_s)
+        if error is exc:
+            raise
+        raise error from exc
     heartbeat = None
     try:
         if heartbeat_s > 0 and world_size > 1:
@@ -152,8 +155,9 @@ def shutdown(announce: bool = True) -> None:
                     dist.destroy_process_group()
                     destroyed = True
             _restore_default_timeouts(session.saved_timeouts)
+            quiet = not announce or session.world_size == 1  # one process: nothing to tell apart
             log.log(
-                logging.INFO if announce else logging.DEBUG,
+                logging.DEBUG if quiet else logging.INFO,
                 "rank %d of %d left the process group (%s)",
                 session.rank,
                 session.world_size,
@@ -244,10 +248,7 @@ def _rendezvous_error(
     text = torch_error_text(exc)
     where = f"{addr}:{port}"
     if "EADDRINUSE" in text or "address already in use" in text.lower():
-        return DistributedError(
-            f"rank {rank} cannot listen on MASTER_PORT={port} at {addr}: the port is in use (another "
-            "job?); choose a free MASTER_PORT, or launch with torchrun --standalone, which picks one"
-        )
+        return exc  # the launcher (training/launch.py) names the port with advice for how it was started
     joined = re.search(r"(\d+)/(\d+) clients joined", text)
     if joined:
         return DistributedError(

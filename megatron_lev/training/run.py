@@ -9,6 +9,7 @@ vocabulary, batch layout, DeepSpeed JSON) is taken from the plan, not computed a
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -95,12 +96,11 @@ def lock_run_dirs(held: contextlib.ExitStack, cfg: RunConfig, save_dir: str) -> 
             except LockedError as exc:
                 failure.append(("locked", str(exc)))
             except OSError as exc:
+                unwritable = exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+                what = "is not writable" if unwritable else "cannot be created or locked"
+                why = exc.strerror or exc
                 failure.append(
-                    (
-                        "other",
-                        f"{key}={d}: cannot create or lock the directory ({exc.strerror or exc}); "
-                        "choose a writable directory",
-                    )
+                    ("other", f"{key}={d}: the directory {what} ({why}); choose a writable directory")
                 )
             if failure:
                 break

@@ -49,7 +49,9 @@ def acquire(path: str | os.PathLike, what: str, command: str) -> int | None:
     another process raises LockedError naming `what` (the output), the holder and `path`."""
     path = Path(path)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # read-only: a held lock keeps no file of the directory open for writing, so the directory's
+        # file system can still be remounted read-only under a running job (flock needs no write mode)
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -77,8 +79,11 @@ def acquire(path: str | os.PathLike, what: str, command: str) -> int | None:
             os.close(fd)
             continue
         record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "command": command}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
+        out = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+        try:
+            os.write(out, json.dumps(record).encode())
+        finally:
+            os.close(out)
         return fd
 
 

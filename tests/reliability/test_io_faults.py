@@ -29,6 +29,7 @@ import torch
 import zstandard
 
 from megatron_lev.ckpt import layout as ck
+from megatron_lev.utils.lock import DIR_LOCK_NAME
 from tests.reliability.harness import ROOT, Outcome, expect_error, expect_ok, run_cli
 
 pytestmark = pytest.mark.timeout(600)
@@ -127,10 +128,12 @@ def bind_mounted(path: Path):
 
 
 def snapshot(root: Path) -> dict[str, str]:
+    """Every file's hash, but the run's lock file: a directory made read-only under a run keeps it
+    (the run cannot remove it), and once the run has ended it holds no lock."""
     return {
         p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(root.rglob("*"))
-        if p.is_file()
+        if p.is_file() and p.name != DIR_LOCK_NAME
     }
 
 
