@@ -235,9 +235,10 @@ class LevConfig:
     chunk_size: int = 4096  # unique ids processed per chunk
     recompute: bool = True  # recompute chunks in backward instead of storing activations
     w_out_init_scale: float = 1.0  # multiplies the spec's N(0, 0.02/sqrt(h)) init of W_out
-    # multiplies the spec's N(0, 0.02) init of the codebooks and W_l; the LayerNorm after W_l z makes the
-    # layer's output independent of their scale, so this changes only their gradients (1/scale) and how
-    # far one Adam step turns them (lr/scale)
+    # multiplies the spec's N(0, 0.02) init of the codebooks and W_l. The LayerNorm after W_l z makes the
+    # output depend on their scale only through its eps (1e-5), about the variance of W_l z at the spec's
+    # init: a larger scale spreads u over more knots at init, shrinks their gradients (1/scale) and how
+    # far one Adam step turns them (lr/scale). Without lev.residual, which reads z directly.
     seed_init_scale: float = 1.0
     centred: bool = False  # G = sum_l (M_l - 1) W_out_l: drops the all-ones mode's shared vector
     # > 0: G = sum_l (M_l - mean_R M_l) W_out_l, R this many evenly spaced token ids (reference_ids),

@@ -1,7 +1,8 @@
 """`megatron-lev study`: the rerun of the small grid with seeds and controls (docs/experiments.md).
 
-megatron-lev study plan
+megatron-lev study plan [--plan pilot]
 megatron-lev study run --data-dir ../shared/data/minipile --out runs/study --lanes 2
+megatron-lev study run --plan pilot --data-dir ../shared/data/minipile --out runs/pilot
 megatron-lev study collect runs/study docs/results/study/raw
 megatron-lev study report docs/results/study/raw docs/results/study
 """
@@ -12,8 +13,25 @@ import argparse
 from pathlib import Path
 
 
+def _plan_arg(p: argparse.ArgumentParser) -> None:
+    from megatron_lev.experiments.study import PLANS
+
+    p.add_argument(
+        "--plan",
+        default="study",
+        choices=sorted(PLANS),
+        help="which runs: " + "; ".join(f"{k}: {v.about}" for k, v in PLANS.items()),
+    )
+
+
 def _run_args(p: argparse.ArgumentParser) -> None:
+    _plan_arg(p)
     p.add_argument("--data-dir", required=True, help="Pile-format corpus directory (*.jsonl[.zst])")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizer file (default: a SentencePiece model trained on the split)",
+    )
     p.add_argument("--out", default="runs/study", help="study directory (data, runs, logs, .steps)")
     p.add_argument("--config", default=None, help="run config (default: the study's, study.yaml)")
     p.add_argument("--runs", nargs="+", default=[], metavar="NAME", help="only these runs (study plan)")
@@ -21,7 +39,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="<action>", required=True)
-    sub.add_parser("plan", help="print the study's runs")
+    _plan_arg(sub.add_parser("plan", help="print the plan's runs"))
     run = sub.add_parser(
         "run",
         help="data steps once, then every run's train/convert/evaluate/geometry on lanes (resumable)",
@@ -35,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     collect = sub.add_parser("collect", help="copy every finished run's small raw files into RAW_DIR")
     collect.add_argument("out", metavar="OUT", help="the study directory (--out of study run)")
     collect.add_argument("raw", metavar="RAW_DIR", help="where the raw files go (RAW_DIR/<run>/)")
+    _plan_arg(collect)
     report = sub.add_parser("report", help="every table of the write-up from RAW_DIR alone")
     report.add_argument("raw", metavar="RAW_DIR")
     report.add_argument("out", metavar="OUT_DIR")
@@ -45,15 +64,19 @@ def _study(args: argparse.Namespace, lanes: int = 1):
     from megatron_lev.experiments.study import Study
 
     extra = {"config": Path(args.config)} if args.config else {}
-    return Study(Path(args.data_dir), Path(args.out), lanes=lanes, runs=list(args.runs), **extra)
+    if args.tokenizer:
+        extra["tokenizer"] = Path(args.tokenizer)
+    return Study(
+        Path(args.data_dir), Path(args.out), lanes=lanes, runs=list(args.runs), plan=args.plan, **extra
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     from megatron_lev.experiments import study as s
 
     if args.action == "plan":
-        print(s.plan_markdown(), end="")
-        print(f"{len(s.study_plan())} runs")
+        print(s.plan_markdown(plan=args.plan), end="")
+        print(f"{len(s.study_plan(args.plan))} runs")
         return 0
     if args.action == "run":
         s.run_study(_study(args, args.lanes), log=lambda msg: print(msg, flush=True))
@@ -62,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
         s.run_lane(_study(args), args.lane)
         return 0
     if args.action == "collect":
-        s.collect_study(Path(args.out), Path(args.raw))
+        s.collect_study(Path(args.out), Path(args.raw), plan=args.plan)
         return 0
     from megatron_lev.experiments.study_report import write_report
 

@@ -54,6 +54,83 @@ GROUPS: tuple[tuple[str, str, tuple[int, ...], tuple[str, ...]], ...] = (
     ("LEV-C", "lev", SEEDS, ("model.lev.centred=true",)),
 )
 VARIANT_GROUPS = ("TIED", "UNTIED", "ALBERT", "FLAT-MLP", "FACT-MLP", "LEV")
+
+Group = tuple[str, str, tuple[int, ...], tuple[str, ...]]  # group, model.embedding, seeds, overrides
+
+# The LEV pilot (docs/results/pilot/README.md states its questions and selection rules): 300 steps of
+# the study's model; LEV as is, the remedies, a 10% warm-up for both, and a learning-rate sweep for both.
+PILOT_CONFIG = Path("pretrain/configs/experiments/small/pilot.yaml")
+PILOT_SEEDS = (1234, 1235)
+CENTRE_REFERENCE = "model.lev.centre_reference=256"
+WARMUP_10 = "train.lr_warmup_fraction=0.1"
+LAYER_LR_X01 = 'train.param_groups=[{pattern: "embedding.*", lr_mult: 0.1}]'
+# W_out at lr / (h r): the h r = 72 rows of the study's LEV (h 4, r 18) then move G by about lr per step
+OUT_LR = "train.param_groups=[{pattern: embedding.out_proj, lr_mult: 0.0139}]"
+SEED_LR_X01 = (
+    'train.param_groups=[{pattern: "embedding.codebooks.*", lr_mult: 0.1}, '
+    "{pattern: embedding.proj, lr_mult: 0.1}]"
+)
+
+
+def _lr(lr: float) -> tuple[str, str]:
+    """The peak learning rate and its cosine floor (10%, as in the study's config)."""
+    return (f"train.lr={lr:g}", f"train.min_lr={lr / 10:g}")
+
+
+PILOT_GROUPS: tuple[Group, ...] = (
+    ("TIED", "tied", PILOT_SEEDS, ()),
+    ("TIED-LR1", "tied", PILOT_SEEDS[:1], _lr(1e-3)),
+    ("TIED-LR4", "tied", PILOT_SEEDS[:1], _lr(4e-3)),
+    ("TIED-W10", "tied", PILOT_SEEDS[:1], (WARMUP_10,)),
+    ("LEV", "lev", PILOT_SEEDS, ()),
+    ("LEV-LR1", "lev", PILOT_SEEDS[:1], _lr(1e-3)),
+    ("LEV-LR4", "lev", PILOT_SEEDS[:1], _lr(4e-3)),
+    ("LEV-W10", "lev", PILOT_SEEDS[:1], (WARMUP_10,)),
+    ("LEV-X01", "lev", PILOT_SEEDS[:1], (LAYER_LR_X01,)),
+    ("LEV-O", "lev", PILOT_SEEDS[:1], (OUT_LR,)),
+    ("LEV-R", "lev", PILOT_SEEDS[:1], (CENTRE_REFERENCE,)),
+    ("LEV-RS", "lev", PILOT_SEEDS[:1], (CENTRE_REFERENCE, "model.lev.seed_init_scale=10")),
+    ("LEV-RG", "lev", PILOT_SEEDS[:1], (CENTRE_REFERENCE, SEED_LR_X01)),
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A set of runs `megatron-lev study` runs on resumable lanes: the study's, or another experiment
+    on the same machinery (`PLANS`)."""
+
+    name: str
+    config: Path  # the run config every run starts from
+    groups: tuple[Group, ...]
+    seeds: tuple[int, ...]  # the seed order of `assign_lanes` (first seeds first)
+    tokenizer_hint: str | None = None  # the plan needs `--tokenizer` (this file of the shared data)
+    lambada: bool = True  # the LAMBADA-style passages and their evaluation
+    about: str = ""
+
+
+PLANS: dict[str, Plan] = {
+    "study": Plan(
+        "study", STUDY_CONFIG, GROUPS, SEEDS, about="the small grid's variants with seeds and LEV controls"
+    ),
+    "pilot": Plan(
+        "pilot",
+        PILOT_CONFIG,
+        PILOT_GROUPS,
+        PILOT_SEEDS,
+        lambada=False,
+        about="300 steps of LEV as is, its remedies, warm-up and learning rates, against TIED",
+    ),
+}
+
+
+def get_plan(plan: str | Plan) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if plan not in PLANS:
+        raise ConfigError(f"--plan {plan}: unknown; the plans are {', '.join(PLANS)}")
+    return PLANS[plan]
+
+
 CORPORA = (
     ("mmidx", "validation", "held-out documents of the training subsets"),
     ("text", "zero-shot", "the held-out subset, never trained on"),
@@ -70,42 +147,44 @@ class StudyRun:
     overrides: tuple[str, ...]  # train.seed first, then the group's own
 
 
-def study_plan() -> list[StudyRun]:
-    """The study's 19 runs, in the order of GROUPS and seeds."""
+def study_plan(plan: str | Plan = "study") -> list[StudyRun]:
+    """A plan's runs (the study's 19 by default), in the order of its groups and seeds."""
     return [
         StudyRun(f"{group.lower()}-s{seed}", group, variant, seed, (f"train.seed={seed}", *extra))
-        for group, variant, seeds, extra in GROUPS
+        for group, variant, seeds, extra in get_plan(plan).groups
         for seed in seeds
     ]
 
 
-def select_runs(names: list[str] | None) -> list[StudyRun]:
+def select_runs(names: list[str] | None, plan: str | Plan = "study") -> list[StudyRun]:
     """The plan's runs named, in the order named (a lane runs them in the order `assign_lanes` dealt
     them); all of them, in plan order, when `names` is empty. An unknown name is refused."""
-    plan = study_plan()
+    runs = study_plan(plan)
     if not names:
-        return plan
-    known = {r.name for r in plan}
+        return runs
+    known = {r.name for r in runs}
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise ConfigError(f"--runs: unknown {unknown}; the study's runs are {', '.join(sorted(known))}")
-    by_name = {r.name: r for r in plan}
+        raise ConfigError(
+            f"--runs: unknown {unknown}; the {get_plan(plan).name} plan's runs are {', '.join(sorted(known))}"
+        )
+    by_name = {r.name: r for r in runs}
     return [by_name[n] for n in dict.fromkeys(names)]
 
 
-def assign_lanes(runs: list[StudyRun], lanes: int) -> list[list[StudyRun]]:
+def assign_lanes(runs: list[StudyRun], lanes: int, plan: str | Plan = "study") -> list[list[StudyRun]]:
     """Runs dealt round-robin to `lanes` lanes, first seeds first: every group's first seed finishes
     before any group's second, so a study cut short still has every variant."""
     if lanes < 1:
         raise ConfigError(f"--lanes {lanes}: must be an integer >= 1")
-    order = {seed: i for i, seed in enumerate(SEEDS)}
-    plan_index = {r.name: i for i, r in enumerate(study_plan())}
+    order = {seed: i for i, seed in enumerate(get_plan(plan).seeds)}
+    plan_index = {r.name: i for i, r in enumerate(study_plan(plan))}
     ordered = sorted(runs, key=lambda r: (order.get(r.seed, len(order)), plan_index.get(r.name, 0)))
     return [ordered[k::lanes] for k in range(lanes)]
 
 
-def plan_markdown(runs: list[StudyRun] | None = None) -> str:
-    runs = study_plan() if runs is None else runs
+def plan_markdown(runs: list[StudyRun] | None = None, plan: str | Plan = "study") -> str:
+    runs = study_plan(plan) if runs is None else runs
     lines = ["| run | group | model.embedding | train.seed | overrides |", "|---|---|---|---|---|"]
     for r in runs:
         extra = " ".join(f"`{o}`" for o in r.overrides[1:]) or "-"
@@ -122,24 +201,39 @@ class Study:
 
     data_dir: Path
     out: Path
-    config: Path = STUDY_CONFIG
+    config: Path | None = None  # None: the plan's
     lanes: int = 2
     runs: list[str] = field(default_factory=list)  # run names; empty: all
     lambada_max_passages: int = LAMBADA_MAX_PASSAGES
+    plan: str = "study"  # a key of PLANS
+    tokenizer: Path | None = None  # None: a SentencePiece model trained on the split (plans without a hint)
 
     def __post_init__(self) -> None:
         self.data_dir, self.out = Path(self.data_dir), Path(self.out)
+        spec = get_plan(self.plan)
+        if self.config is None:
+            self.config = spec.config
+        if spec.tokenizer_hint and self.tokenizer is None:
+            raise ConfigError(
+                f"the {spec.name} plan uses a given tokenizer: pass --tokenizer "
+                f"<shared data>/{spec.tokenizer_hint}"
+            )
         self.grid = SmallGrid(
             self.data_dir,
             self.out,
-            variants=list(dict.fromkeys(v for _, v, _, _ in GROUPS)),
+            variants=list(dict.fromkeys(v for _, v, _, _ in spec.groups)),
             config=self.config,
             threads=1,
+            tokenizer=Path(self.tokenizer) if self.tokenizer is not None else None,
         )
 
     @property
+    def spec(self) -> Plan:
+        return get_plan(self.plan)
+
+    @property
     def selected(self) -> list[StudyRun]:
-        return select_runs(self.runs)
+        return select_runs(self.runs, self.plan)
 
     def run_dir(self, run: StudyRun) -> Path:
         return self.out / "runs" / run.name
@@ -165,6 +259,8 @@ class Study:
 
     def data_steps(self) -> list[Step]:
         env = self.grid._env()
+        if not self.spec.lambada:
+            return self.grid.data_steps()
         return self.grid.data_steps() + [
             Step(
                 "lambada",
@@ -191,7 +287,7 @@ class Study:
             self.run_dir(run),
             run.overrides,
             label=run.group,
-            lambada=self.lambada_file,
+            lambada=self.lambada_file if self.spec.lambada else None,
             geometry=True,
         )
 
@@ -211,6 +307,9 @@ class Study:
             str(self.out),
             "--config",
             str(self.config),
+            "--plan",
+            self.plan,
+            *(["--tokenizer", str(self.tokenizer)] if self.tokenizer is not None else []),
             "--lane",
             str(lane),
             "--runs",
@@ -301,7 +400,7 @@ def run_study(study: Study, log=print, poll: float = 1.0) -> list[list[StudyRun]
             os.environ.pop("MEGATRON_LEV_DEMO_QUIET")
         else:
             os.environ["MEGATRON_LEV_DEMO_QUIET"] = quiet
-    lanes = [lane for lane in assign_lanes(study.selected, study.lanes) if lane]
+    lanes = [lane for lane in assign_lanes(study.selected, study.lanes, study.plan) if lane]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_LEV_DEMO_QUIET": "1"}
     env.setdefault("DS_ACCELERATOR", "cpu")
     procs, threads, last = [], [], {}
@@ -382,7 +481,7 @@ def _timing(state_dir: Path, run: StudyRun) -> dict:
     return {"run": run.name, "threads": 1, "steps": steps}
 
 
-def collect_study(out: Path, raw: Path, log=print) -> dict[str, int]:
+def collect_study(out: Path, raw: Path, log=print, plan: str | Plan = "study") -> dict[str, int]:
     """Copy the small raw files of every finished run (all four steps done) of `out` into
     `raw/<run>/`, with the data split, the LAMBADA passages' summary and the plan; returns the bytes
     written per file (relative name)."""
@@ -394,7 +493,9 @@ def collect_study(out: Path, raw: Path, log=print) -> dict[str, int]:
     if raw_resolved == out.resolve() or out.resolve() in raw_resolved.parents:
         raise UserError(f"{raw}: inside the study directory {out}; give another directory")
     sizes: dict[str, int] = {}
-    finished = [r for r in study_plan() if all(read_marker(state / f"{k}-{r.name}.json") for k in RUN_STEPS)]
+    finished = [
+        r for r in study_plan(plan) if all(read_marker(state / f"{k}-{r.name}.json") for k in RUN_STEPS)
+    ]
     if not finished:
         raise UserError(f"{out}: no finished run (train, convert, evaluate and geometry all done)")
     for run in finished:
@@ -428,7 +529,7 @@ def collect_study(out: Path, raw: Path, log=print) -> dict[str, int]:
         sizes["lambada.json"] = (raw / "lambada.json").stat().st_size
     atomic_write_json(raw / "study.json", {"runs": [asdict(r) for r in finished]})
     sizes["study.json"] = (raw / "study.json").stat().st_size
-    missing = [r.name for r in study_plan() if r not in finished]
+    missing = [r.name for r in study_plan(plan) if r not in finished]
     for name, size in sorted(sizes.items()):
         log(f"{size:>10,}  {name}")
     log(f"{sum(sizes.values()):,} bytes in {len(sizes)} files -> {raw}")

@@ -12,9 +12,11 @@ SAMPLE = torch.tensor([0, 5, 17, 30, 47])  # `sample_rows`: distinct ids across 
 
 
 TARGET_RMS = 0.05
-# every variant, then the options: "lev+centred" (model.lev.centred) and "<variant>+rms" (equal-scale
-# init: `rescale_output_` measures the full table, so every layout must scale by the same factor)
-CASES = (*REGISTRY, "lev+centred", *(f"{v}+rms" for v in REGISTRY))
+# every variant, then the options: "lev+centred" (model.lev.centred), "lev+reference"
+# (model.lev.centre_reference: each rank centres its own heads on the same reference ids) and
+# "<variant>+rms" (equal-scale init: `rescale_output_` measures the full table, so every layout must
+# scale by the same factor)
+CASES = (*REGISTRY, "lev+centred", "lev+reference", *(f"{v}+rms" for v in REGISTRY))
 
 
 def _cfg(case):
@@ -31,6 +33,7 @@ def _cfg(case):
         residual=True,
         recompute=False,
         centred=option == "centred",
+        centre_reference=7 if option == "reference" else 0,
     )
     return ModelConfig(hidden_size=8, embedding=variant, lev=lev)
 

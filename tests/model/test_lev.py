@@ -48,39 +48,63 @@ def test_bad_token_ids_raise_clear_errors():
         emb(torch.tensor([[1.0]]))
 
 
-def _reference(emb: LevEmbedding, ids: list[int]) -> torch.Tensor:
-    """The spec written out directly: dense basis, explicit product over coordinates, fp64."""
+def _reference_modes(emb: LevEmbedding, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec written out directly for token i (dense basis, explicit product over coordinates,
+    fp64): its modes `M (h, r)` and its seed `z`."""
     lev, kappa = emb.lev, emb.lev.kappa
     base = digit_base(emb.vocab_size, lev.k)
     C = emb.codebooks.weight.detach().view(lev.k, base, lev.d_seed)
+    z = sum(C[j, (i // base**j) % base] for j in range(lev.k))
+    modes = []
+    for h in range(lev.heads):
+        y = emb.proj[h].detach() @ z
+        y = (y - y.mean()) / torch.sqrt(y.var(unbiased=False) + 1e-5)
+        u = torch.sigmoid(y * emb.norm_weight[h].detach() + emb.norm_bias[h].detach())
+        t = (kappa - 1) * u[:, None] - torch.arange(kappa, dtype=torch.float64)  # (d, kappa)
+        raw = torch.where(
+            t.abs() < 0.5,
+            0.75 - t**2,
+            torch.where(t.abs() < 1.5, 0.5 * (1.5 - t.abs()) ** 2, torch.zeros_like(t)),
+        )
+        basis = raw / raw.sum(-1, keepdim=True)
+        phi = torch.einsum("jm,jmr->jr", basis, 1 + emb.delta[h].detach())  # (d, r)
+        modes.append(phi.prod(dim=0))
+    return torch.stack(modes), z
+
+
+def reference_id_list(emb: LevEmbedding) -> list[int]:
+    """The reference ids by their definition (LevConfig.centre_reference): R evenly spaced ids."""
+    v, count = emb.vocab_size, emb.lev.centre_reference
+    return list(range(v)) if count >= v else [((2 * j + 1) * v) // (2 * count) for j in range(count)]
+
+
+def _reference(emb: LevEmbedding, ids: list[int]) -> torch.Tensor:
+    """G by the spec, with the centring options: `centred` subtracts 1 from every mode,
+    `centre_reference` subtracts the mean modes of the evenly spaced reference ids."""
+    lev = emb.lev
+    offset = 0.0
+    if lev.centred:
+        offset = 1.0
+    elif lev.centre_reference:
+        offset = torch.stack([_reference_modes(emb, j)[0] for j in reference_id_list(emb)]).mean(dim=0)
     rows = []
     for i in ids:
-        z = sum(C[j, (i // base**j) % base] for j in range(lev.k))
-        g = torch.zeros(emb.hidden_size, dtype=torch.float64)
-        for h in range(lev.heads):
-            y = emb.proj[h].detach() @ z
-            y = (y - y.mean()) / torch.sqrt(y.var(unbiased=False) + 1e-5)
-            u = torch.sigmoid(y * emb.norm_weight[h].detach() + emb.norm_bias[h].detach())
-            t = (kappa - 1) * u[:, None] - torch.arange(kappa, dtype=torch.float64)  # (d, kappa)
-            raw = torch.where(
-                t.abs() < 0.5,
-                0.75 - t**2,
-                torch.where(t.abs() < 1.5, 0.5 * (1.5 - t.abs()) ** 2, torch.zeros_like(t)),
-            )
-            basis = raw / raw.sum(-1, keepdim=True)
-            phi = torch.einsum("jm,jmr->jr", basis, 1 + emb.delta[h].detach())  # (d, r)
-            modes = phi.prod(dim=0) - (1.0 if lev.centred else 0.0)  # centred: (M_l - 1) W_out_l
-            g += modes @ emb.out_proj[h].detach()
+        modes, z = _reference_modes(emb, i)
+        g = torch.einsum("hr,hrd->d", modes - offset, emb.out_proj.detach())
         if emb.residual is not None:
             g += emb.residual.weight.detach() @ z
         rows.append(g)
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("centred", [False, True])
+# the readout's centring: the spec's, `lev.centred` (M - 1), `lev.centre_reference` (M - mean over R ids)
+CENTRING = {"spec": {}, "centred": {"centred": True}, "reference": {"centre_reference": 16}}
+
+
+@pytest.mark.parametrize("centring", CENTRING)
 @pytest.mark.parametrize("residual", [False, True])
-def test_forward_matches_reference_implementation(residual, centred):
-    emb = make_lev(residual=residual, centred=centred)
+def test_forward_matches_reference_implementation(residual, centring):
+    emb = make_lev(residual=residual, **CENTRING[centring])
     with torch.no_grad():  # larger delta so phi moves far from 1 and some factors turn negative
         emb.delta.normal_(0.0, 1.5)
         emb.norm_bias.normal_(0.0, 2.0)
@@ -98,8 +122,8 @@ def test_separable_product_gradcheck_with_negative_factors():
     assert torch.autograd.gradcheck(separable_product, (weight, index, delta))
 
 
-@pytest.mark.parametrize("centred", [False, True])
-def test_lev_layer_gradcheck(centred):
+@pytest.mark.parametrize("centring", CENTRING)
+def test_lev_layer_gradcheck(centring):
     emb = make_lev(
         vocab=20,
         hidden=3,
@@ -109,7 +133,7 @@ def test_lev_layer_gradcheck(centred):
         d_seed=3,
         kappa=4,
         rank=2,
-        centred=centred,
+        **({"centre_reference": 7} if centring == "reference" else CENTRING[centring]),
     )
     names = [n for n, _ in emb.named_parameters()]
     ids = torch.tensor([[0, 3, 19, 3, 7, 12]])
@@ -134,28 +158,69 @@ def _value_and_grads(emb, ids, seed=3):
     [dict(dedupe=False), dict(chunk_size=1000), dict(recompute=True)],
     ids=["unique-vs-full", "chunked-vs-unchunked", "recompute-vs-stored"],
 )
-@pytest.mark.parametrize("centred", [False, True])
-def test_execution_paths_agree(change, centred):
+@pytest.mark.parametrize("centring", CENTRING)
+def test_execution_paths_agree(change, centring):
     ids = torch.randint(0, 40, (3, 11), generator=torch.Generator().manual_seed(0))
-    ref_out, ref_grads = _value_and_grads(make_lev(centred=centred), ids)
+    ref_out, ref_grads = _value_and_grads(make_lev(**CENTRING[centring]), ids)
     if "dedupe" in change:
-        emb = make_lev(centred=centred)
+        emb = make_lev(**CENTRING[centring])
         emb.dedupe = False
     else:
-        emb = make_lev(centred=centred, **change)
+        emb = make_lev(**CENTRING[centring], **change)
     out, grads = _value_and_grads(emb, ids)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize("centred", [False, True])
-def test_forward_equals_lookup_into_materialized_table(centred):
-    emb = make_lev(residual=True, centred=centred)
+@pytest.mark.parametrize("centring", CENTRING)
+def test_forward_equals_lookup_into_materialized_table(centring):
+    emb = make_lev(residual=True, **CENTRING[centring])
     table = emb.materialize(chunk_size=7)
     assert table.shape == (40, 8) and not table.requires_grad
     ids = torch.randint(0, 40, (2, 9))
     torch.testing.assert_close(emb(ids), table[ids], rtol=1e-12, atol=1e-12)
+
+
+def test_centre_reference_keeps_the_reference_rows_centred_through_training():
+    """Without the residual path, the rows of the reference ids average to zero: at init and after
+    AdamW steps that moved every parameter (the mean is recomputed from the current weights)."""
+    emb = make_lev(centre_reference=16)
+    ref = torch.tensor(reference_id_list(emb))
+    assert len(set(ref.tolist())) == 16 and int(ref.min()) >= 0 and int(ref.max()) < 40
+    opt = torch.optim.AdamW(emb.parameters(), lr=0.05)
+    for step in range(4):
+        table = emb.materialize()
+        assert float(table[ref].mean(0).norm()) < 1e-12 * float(table.norm()), step
+        opt.zero_grad()
+        emb(torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(step))).sum().backward()
+        opt.step()
+    # the spec's layer: a shared vector of about the rows' own size (every mode is close to 1)
+    shared = make_lev().materialize()
+    assert float(shared.mean(0).norm()) > 0.5 * float(shared.norm(dim=1).mean())
+
+
+def test_seed_init_scale_changes_gradients_not_the_function_beyond_the_norm_eps():
+    """G depends on the scale of the codebooks and W_l only through the LayerNorm's eps (1e-5): at
+    the spec's init (std 0.02, d_seed 6) the variance of W_l z is below eps, so a larger init changes
+    the table; between two inits large enough for eps not to matter (x100, x1000) the table is the same
+    and their gradients are smaller by the scale."""
+    base, x100, x1000 = make_lev(), make_lev(seed_init_scale=100.0), make_lev(seed_init_scale=1000.0)
+    for name in ("codebooks.weight", "proj"):
+        a, b = base.get_parameter(name), x100.get_parameter(name)
+        torch.testing.assert_close(b, 100.0 * a, rtol=1e-6, atol=0)  # drawn in float32
+    z = base.codebooks(torch.arange(40))
+    y = torch.einsum("nd,hed->nhe", z, base.proj)
+    assert float(y.var(dim=-1).mean()) < 1e-5  # the spec's init: below the LayerNorm's eps
+    table = x100.materialize()
+    assert float((base.materialize() - table).norm()) > 0.01 * float(table.norm())
+    torch.testing.assert_close(x1000.materialize(), table, rtol=1e-4, atol=1e-6)
+    ids = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(0))
+    _, g100 = _value_and_grads(x100, ids)
+    _, g1000 = _value_and_grads(x1000, ids)
+    for name in ("codebooks.weight", "proj"):
+        torch.testing.assert_close(g1000[name], g100[name] / 10.0, rtol=1e-3, atol=1e-10)
+    torch.testing.assert_close(g1000["delta"], g100["delta"], rtol=1e-3, atol=1e-10)
 
 
 def test_parameter_count_matches_spec_formula():
