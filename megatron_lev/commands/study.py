@@ -10,6 +10,7 @@ megatron-lev study report docs/results/study/raw docs/results/study
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 
@@ -87,8 +88,14 @@ def main(args: argparse.Namespace) -> int:
     if args.action == "collect":
         s.collect_study(Path(args.out), Path(args.raw), plan=args.plan)
         return 0
-    from megatron_lev.experiments.study_report import write_report
-
+    listing = Path(args.raw) / "study.json"
+    plan = (
+        json.loads(listing.read_text(encoding="utf-8")).get("plan", "study") if listing.is_file() else "study"
+    )
+    if plan == "pilot":
+        from megatron_lev.experiments.pilot_report import write_pilot_report as write_report
+    else:
+        from megatron_lev.experiments.study_report import write_report
     paths = write_report(Path(args.raw), Path(args.out), plots=not args.no_plots)
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0

@@ -527,7 +527,9 @@ def collect_study(out: Path, raw: Path, log=print, plan: str | Plan = "study") -
             },
         )
         sizes["lambada.json"] = (raw / "lambada.json").stat().st_size
-    atomic_write_json(raw / "study.json", {"runs": [asdict(r) for r in finished]})
+    atomic_write_json(
+        raw / "study.json", {"plan": get_plan(plan).name, "runs": [asdict(r) for r in finished]}
+    )
     sizes["study.json"] = (raw / "study.json").stat().st_size
     missing = [r.name for r in study_plan(plan) if r not in finished]
     for name, size in sorted(sizes.items()):

@@ -1,0 +1,405 @@
+"""The LEV pilot's tables and plots, regenerated from its raw files alone (`study collect --plan pilot`).
+
+    write_pilot_report("docs/results/pilot/raw", "docs/results/pilot")
+
+Per run the raw directory holds `eval.json` (the final checkpoint on the validation shard and the
+zero-shot documents, with per-document NLL sums), `metrics.jsonl` (the training dynamics every
+`logging.log_interval` steps), `geometry.json` and `config.yaml`; `study.json` lists the runs.
+The rules the tables apply are those `docs/results/pilot/README.md` fixed before the runs
+(`COLLAPSE_*`, `TIE_NATS`, the group orders below). The output is deterministic (fixed bootstrap
+seed, plan order, fixed formats).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from megatron_lev.config import atomic_write_text
+from megatron_lev.errors import DataError
+from megatron_lev.experiments.study import get_plan
+
+BOOTSTRAP = 1000
+BOOTSTRAP_SEED = 0
+LEVEL = 0.95
+# the rules of docs/results/pilot/README.md
+COLLAPSE_MEAN_ROW = 0.9  # mean-row ratio above this at the last step: collapsed
+COLLAPSE_RANK_FRACTION = 0.5  # centred effective rank below this share of its value at step 10: collapsed
+TIE_NATS = 0.01
+SPEC_ORDER = ("LEV", "LEV-W10", "LEV-X01", "LEV-O", "LEV-R", "LEV-RS", "LEV-RG")  # nearest the spec first
+BASE_LR = 2e-3
+LR_SUFFIX = {"-LR1": 1e-3, "-LR4": 4e-3}
+STEPS_SHOWN = (10, 50, 150, 300)
+INPUT_TENSORS = ("codebooks.weight", "proj", "norm_weight", "norm_bias", "delta", "out_proj", "table.weight")
+TABLE_KEYS = ("rms", "mean_row_ratio", "effective_rank", "effective_rank_centred", "update_ratio")
+PAGES = ("runs.md", "collapse.md", "gradients.md", "selection.md")
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing from the raw results; run `megatron-lev study collect`") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: damaged ({' '.join(str(exc).split())}); collect it again") from None
+
+
+class PilotRaw:
+    """The collected pilot runs in plan order, with their results and logged dynamics read on demand."""
+
+    def __init__(self, raw: Path):
+        self.root = Path(raw)
+        listing = _read_json(self.root / "study.json")
+        plan = get_plan(listing.get("plan", "pilot"))
+        order = {g: i for i, (g, *_rest) in enumerate(plan.groups)}
+        self.runs = sorted(listing["runs"], key=lambda r: (order.get(r["group"], len(order)), r["seed"]))
+        self.by_name = {r["name"]: r for r in self.runs}
+        self._cache: dict[tuple[str, str], object] = {}
+
+    def groups(self) -> dict[str, list[dict]]:
+        out: dict[str, list[dict]] = {}
+        for r in self.runs:
+            out.setdefault(r["group"], []).append(r)
+        return out
+
+    def run(self, group: str, seed: int = 1234) -> dict | None:
+        return next((r for r in self.runs if r["group"] == group and r["seed"] == seed), None)
+
+    def result(self, run: dict, kind: str = "mmidx") -> dict:
+        key = (run["name"], "eval")
+        if key not in self._cache:
+            data = _read_json(self.root / run["name"] / "eval.json")
+            self._cache[key] = data.get("results", []) if isinstance(data, dict) else []
+        found = next((r for r in self._cache[key] if r.get("corpus_kind") == kind), None)
+        if found is None:
+            raise DataError(f"{self.root / run['name'] / 'eval.json'}: no {kind} result")
+        return found
+
+    def train_rows(self, run: dict) -> list[dict]:
+        key = (run["name"], "metrics")
+        if key not in self._cache:
+            path = self.root / run["name"] / "metrics.jsonl"
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines()
+            except FileNotFoundError:
+                raise DataError(f"{path}: missing from the raw results") from None
+            rows = {}
+            for line in lines:
+                rec = json.loads(line)
+                if rec.get("kind") == "train":
+                    rows[rec["iteration"]] = rec  # a resumed run's later line wins
+            self._cache[key] = [rows[k] for k in sorted(rows)]
+        return self._cache[key]
+
+    def at(self, run: dict, iteration: int) -> dict | None:
+        return next((r for r in self.train_rows(run) if r["iteration"] == iteration), None)
+
+
+def learning_rate(group: str) -> float:
+    return next((lr for suffix, lr in LR_SUFFIX.items() if group.endswith(suffix)), BASE_LR)
+
+
+def mean_nll(result: dict) -> float:
+    return float(result["mean_nll"])
+
+
+def paired_interval(a: dict, b: dict) -> tuple[float, float, float]:
+    """Mean NLL of `a` minus that of `b` over the same documents, with a 95% bootstrap interval over
+    documents (per-document token counts and NLL sums of both results)."""
+    da, db = a.get("per_document"), b.get("per_document")
+    if not da or not db or da["tokens"] != db["tokens"]:
+        raise DataError("the two results have no per-document sums over the same documents")
+    tokens = np.asarray(da["tokens"], dtype=np.float64)
+    diff_sum = np.asarray(da["nll_sum"], dtype=np.float64) - np.asarray(db["nll_sum"], dtype=np.float64)
+    point = float(diff_sum.sum() / tokens.sum())
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    idx = rng.integers(0, len(tokens), size=(BOOTSTRAP, len(tokens)))
+    stats = diff_sum[idx].sum(axis=1) / tokens[idx].sum(axis=1)
+    lo, hi = np.quantile(stats, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
+    return point, float(lo), float(hi)
+
+
+def _cell(point: float, lo: float, hi: float) -> str:
+    return f"{point:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def collapsed(raw: PilotRaw, run: dict) -> bool | None:
+    """The README's rule: at the last logged step, mean-row ratio > 0.9 or centred effective rank
+    below half its value at step 10 (None where the run logged no table statistics)."""
+    rows = [r for r in raw.train_rows(run) if "input_table/mean_row_ratio" in r]
+    first = next((r for r in rows if r["iteration"] == 10), None)
+    if not rows or first is None:
+        return None
+    last = rows[-1]
+    low_rank = last["input_table/effective_rank_centred"] < (
+        COLLAPSE_RANK_FRACTION * first["input_table/effective_rank_centred"]
+    )
+    return bool(last["input_table/mean_row_ratio"] > COLLAPSE_MEAN_ROW or low_rank)
+
+
+def runs_markdown(raw: PilotRaw) -> str:
+    lines = [
+        "# Pilot: validation and zero-shot loss of every run at step 300",
+        "",
+        "Mean NLL in nats per token of the final checkpoint (`megatron-lev evaluate`). Differences: "
+        "this run minus the reference run with the same seed where there is one (seed 1234 "
+        f"otherwise), over the same documents; brackets: {LEVEL:.0%} bootstrap interval over "
+        f"documents ({BOOTSTRAP} resamples, seed {BOOTSTRAP_SEED}).",
+        "",
+        "| run | group | seed | peak lr | validation NLL | vs LEV | vs TIED | zero-shot NLL | vs LEV | "
+        "vs TIED | collapsed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in raw.runs:
+        cells = [run["name"], run["group"], str(run["seed"]), f"{learning_rate(run['group']):g}"]
+        for kind in ("mmidx", "text"):
+            res = raw.result(run, kind)
+            cells.append(f"{mean_nll(res):.4f}")
+            for ref_group in ("LEV", "TIED"):
+                ref = raw.run(ref_group, run["seed"]) or raw.run(ref_group)
+                if ref is None or ref["name"] == run["name"]:
+                    cells.append("-")
+                    continue
+                cells.append(_cell(*paired_interval(res, raw.result(ref, kind))))
+        c = collapsed(raw, run)
+        cells.append("-" if c is None else ("yes" if c else "no"))
+        lines.append("| " + " | ".join(cells) + " |")
+    seeds = _seed_spread(raw)
+    if seeds:
+        lines += ["", "Seed to seed (same group, train.seed 1234 vs 1235, validation NLL):", ""]
+        lines += [f"- {g}: {a:.4f} and {b:.4f}, spread {abs(a - b):.4f} nats" for g, (a, b) in seeds.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _seed_spread(raw: PilotRaw) -> dict[str, tuple[float, float]]:
+    out = {}
+    for group, runs in raw.groups().items():
+        by_seed = {r["seed"]: r for r in runs}
+        if 1234 in by_seed and 1235 in by_seed:
+            out[group] = (mean_nll(raw.result(by_seed[1234])), mean_nll(raw.result(by_seed[1235])))
+    return out
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def collapse_markdown(raw: PilotRaw) -> str:
+    lines = [
+        "# Pilot: the input table over training",
+        "",
+        "From each run's `metrics.jsonl` (the training dynamics, over the fixed sample of "
+        "`logging.dynamics_sample_ids` token ids): RMS of the sample rows, mean-row ratio (norm of the "
+        "mean row / mean row norm), effective rank of the rows and of the rows minus their mean, and how "
+        "far the logged step moved the rows (|T_after - T_before| / |T_before|).",
+        "",
+        "| run | step | RMS | mean-row ratio | eff. rank | centred eff. rank | step moved | clipped steps |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in raw.runs:
+        rows = raw.train_rows(run)
+        clipped = [r.get("clipped") for r in rows if r.get("clipped") is not None]
+        share = f"{sum(clipped)}/{len(clipped)}" if clipped else "-"
+        for step in STEPS_SHOWN:
+            r = raw.at(run, step)
+            if r is None:
+                continue
+            vals = [r.get(f"input_table/{k}") for k in TABLE_KEYS]
+            lines.append(
+                f"| {run['name']} | {step} | {_fmt(vals[0], '.4f')} | {_fmt(vals[1], '.4f')} | "
+                f"{_fmt(vals[2], '.1f')} | {_fmt(vals[3], '.1f')} | {_fmt(vals[4], '.4f')} | "
+                f"{share if step == STEPS_SHOWN[-1] else ''} |"
+            )
+    lines += [
+        "",
+        "Clipped steps: logged steps whose global gradient norm was above `train.clip_grad` (1.0), of "
+        "the logged steps.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def gradients_markdown(raw: PilotRaw) -> str:
+    lines = [
+        "# Pilot: gradient norms and update ratios of the input layer",
+        "",
+        "Unclipped gradient norm `||g||` and update ratio `||dw|| / ||w||` of each input-layer tensor "
+        "on the logged step, and the global gradient norm (`grad_norm/global`).",
+        "",
+        "| run | step | tensor | grad norm | update ratio | global grad norm |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in raw.runs:
+        for step in STEPS_SHOWN:
+            r = raw.at(run, step)
+            if r is None:
+                continue
+            for t in INPUT_TENSORS:
+                g = r.get(f"grad_norm/embedding.{t}")
+                if g is None:
+                    continue
+                u = r.get(f"update_ratio/embedding.{t}")
+                lines.append(
+                    f"| {run['name']} | {step} | {t} | {_fmt(g, '.4f')} | {_fmt(u, '.5f')} | "
+                    f"{_fmt(r.get('grad_norm/global'), '.3f')} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def _pick(candidates: list[tuple[str, float]], order: list[str]) -> tuple[str, list[str]]:
+    """The candidate with the lowest NLL; those within TIE_NATS of it are tied and the first of them
+    in `order` wins. Returns the winner and the tied set."""
+    best = min(v for _, v in candidates)
+    tied = [g for g, v in candidates if v - best <= TIE_NATS]
+    return min(tied, key=order.index), tied
+
+
+def selection(raw: PilotRaw) -> dict:
+    """The README's rules applied: the chosen LEV setting, each side's learning rate, the default."""
+    present = {g for g in raw.groups()}
+    settings = [(g, mean_nll(raw.result(raw.run(g)))) for g in SPEC_ORDER if g in present]
+    if not settings:
+        raise DataError("no LEV group at the study's learning rate was collected")
+    chosen, tied = _pick(settings, list(SPEC_ORDER))
+    out = {"settings": settings, "chosen": chosen, "tied": tied, "lr": {}}
+    for side, base in (("TIED", "TIED"), ("LEV", chosen)):
+        stem = "LEV" if base == "LEV" else base
+        options = [(base, BASE_LR)] + [(f"{stem}{sfx}", lr) for sfx, lr in LR_SUFFIX.items()]
+        have = [(g, lr) for g, lr in options if g in present]
+        if len(have) < len(options):
+            out["lr"][side] = None  # not every rate was run yet
+            continue
+        vals = [(g, mean_nll(raw.result(raw.run(g)))) for g, _ in have]
+        nearer = sorted((g for g, _ in have), key=lambda g: abs(math.log(learning_rate(g) / BASE_LR)))
+        out["lr"][side] = _pick(vals, nearer)
+    as_is, pick = raw.run("LEV"), raw.run(chosen)
+    spread = _seed_spread(raw).get("LEV")
+    margin = max(TIE_NATS, abs(spread[0] - spread[1]) if spread else 0.0)
+    if chosen == "LEV":
+        out["default"] = (False, "LEV as the spec defines it is the chosen setting")
+    else:
+        point, lo, hi = paired_interval(raw.result(pick), raw.result(as_is))
+        ok = collapsed(raw, pick) is False and -point > margin and hi < 0
+        out["default"] = (ok, f"{chosen} - LEV = {_cell(point, lo, hi)} nats, margin {margin:.4f}")
+    return out
+
+
+def selection_markdown(raw: PilotRaw) -> str:
+    sel = selection(raw)
+    lines = [
+        "# Pilot: the rules of the README applied",
+        "",
+        "## The LEV setting",
+        "",
+        "| group | validation NLL | collapsed |",
+        "|---|---|---|",
+    ]
+    for g, v in sel["settings"]:
+        c = collapsed(raw, raw.run(g))
+        lines.append(f"| {g} | {v:.4f} | {'-' if c is None else ('yes' if c else 'no')} |")
+    lines += [
+        "",
+        f"Lowest: {min(sel['settings'], key=lambda x: x[1])[0]}; within {TIE_NATS} nats of it: "
+        f"{', '.join(sel['tied'])}; chosen (nearest the spec among those): **{sel['chosen']}**.",
+        "",
+        "## The learning rate",
+        "",
+    ]
+    for side, got in sel["lr"].items():
+        if got is None:
+            lines.append(f"- {side}: not every rate of the sweep has been run yet.")
+        else:
+            winner, tied = got
+            lines.append(
+                f"- {side}: {winner} (peak lr {learning_rate(winner):g}); within {TIE_NATS} nats: "
+                f"{', '.join(tied)}."
+            )
+    ok, why = sel["default"]
+    lines += [
+        "",
+        "## The default",
+        "",
+        f"{'Becomes the default' if ok else 'Does not become the default'}: {why}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _series(raw: PilotRaw, run: dict, key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["iteration"], r[key]) for r in raw.train_rows(run) if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def write_plots(raw: PilotRaw, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = out / "plots"
+    d.mkdir(parents=True, exist_ok=True)
+    seed1 = [r for r in raw.runs if r["seed"] == 1234]
+    panels = [
+        ("loss", "training loss", False),
+        ("input_table/rms", "input table RMS", True),
+        ("input_table/mean_row_ratio", "mean-row ratio", False),
+        ("input_table/effective_rank_centred", "centred effective rank", True),
+        ("grad_norm/global", "global gradient norm", True),
+    ]
+    paths = []
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
+    for ax, (key, title, log) in zip(axes, panels):
+        for run in seed1:
+            xs, ys = _series(raw, run, key)
+            if xs:
+                style = "--" if run["variant"] == "tied" else "-"
+                ax.plot(xs, ys, style, label=run["group"], linewidth=1.2)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if log:
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    paths.append(d / "dynamics.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    levs = [r for r in seed1 if r["variant"] == "lev"]
+    tensors = [t for t in INPUT_TENSORS if t != "table.weight"]
+    fig, axes = plt.subplots(1, len(tensors), figsize=(4.2 * len(tensors), 4.0), sharey=True)
+    for ax, t in zip(axes, tensors):
+        for run in levs:
+            xs, ys = _series(raw, run, f"grad_norm/embedding.{t}")
+            if xs:
+                ax.plot(xs, ys, label=run["group"], linewidth=1.2)
+        ax.set_title(f"grad norm: {t}")
+        ax.set_xlabel("step")
+        ax.set_yscale("log")
+    handles = {lab: h for ax in axes for h, lab in zip(*ax.get_legend_handles_labels())}
+    if handles:
+        axes[0].legend(list(handles.values()), list(handles), fontsize=7)
+    fig.tight_layout()
+    paths.append(d / "gradients.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write_pilot_report(raw_dir: Path, out_dir: Path, plots: bool = True) -> dict[str, Path]:
+    raw = PilotRaw(Path(raw_dir))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pages = {
+        "runs.md": runs_markdown(raw),
+        "collapse.md": collapse_markdown(raw),
+        "gradients.md": gradients_markdown(raw),
+        "selection.md": selection_markdown(raw),
+    }
+    paths = {}
+    for name, text in pages.items():
+        paths[name] = out / name
+        atomic_write_text(paths[name], text)
+    if plots:
+        write_plots(raw, out)
+    return paths

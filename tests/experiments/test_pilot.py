@@ -1,0 +1,152 @@
+"""The LEV pilot: its plan, and its report from synthetic raw files (the README's rules applied: the
+collapse rule, the chosen setting with ties, the learning rate, the default) and, once collected, from
+the committed raw files, which must regenerate the committed tables exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_lev.experiments import pilot_report as pr
+from megatron_lev.experiments.study import PILOT_GROUPS, study_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+PILOT = ROOT / "docs" / "results" / "pilot"
+
+
+def test_the_pilot_plan_has_every_arm_the_readme_names():
+    runs = study_plan("pilot")
+    groups = {r.group for r in runs}
+    readme = (PILOT / "README.md").read_text()
+    assert set(pr.SPEC_ORDER) <= groups
+    for group in pr.SPEC_ORDER:  # every candidate setting is explained in the plan's table
+        assert f"| {group} |" in readme, group
+    assert {"TIED-LR1", "TIED-LR4", "LEV-LR1", "LEV-LR4", "TIED-W10"} <= groups
+    assert {r.seed for r in runs if r.group in ("TIED", "LEV")} == {1234, 1235}
+    lrs = {g: o for g, _, _, o in PILOT_GROUPS}
+    assert lrs["LEV-LR1"] == ("train.lr=0.001", "train.min_lr=0.0001")
+    assert lrs["TIED-LR4"] == ("train.lr=0.004", "train.min_lr=0.0004")
+
+
+def _result(doc_nll: np.ndarray, tokens: np.ndarray, kind: str) -> dict:
+    return {
+        "corpus_kind": kind,
+        "mean_nll": float(doc_nll.sum() / tokens.sum()),
+        "per_document": {"tokens": tokens.astype(int).tolist(), "nll_sum": doc_nll.tolist()},
+    }
+
+
+def _metrics(mean_row: tuple[float, float], rank: tuple[float, float]) -> str:
+    rows = []
+    for it, (m, r) in ((10, (mean_row[0], rank[0])), (300, (mean_row[1], rank[1]))):
+        rows.append(
+            {
+                "kind": "train",
+                "iteration": it,
+                "loss": 5.0,
+                "clipped": 1 if it == 10 else 0,
+                "grad_norm/global": 1.0,
+                "grad_norm/embedding.delta": 0.5,
+                "update_ratio/embedding.delta": 0.01,
+                "input_table/rms": 0.1,
+                "input_table/mean_row_ratio": m,
+                "input_table/effective_rank": r,
+                "input_table/effective_rank_centred": r,
+                "input_table/update_ratio": 0.02,
+            }
+        )
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+# group -> (shift of the per-token NLL, collapsed?) for seed 1234; every document's NLL is shifted
+SHIFTS = {
+    "TIED": (0.00, False),
+    "TIED-LR1": (0.02, False),
+    "TIED-LR4": (-0.005, False),  # within 0.01 of TIED: the tie goes to the rate nearer 2e-3 (TIED)
+    "LEV": (0.50, True),
+    "LEV-W10": (0.45, True),
+    "LEV-X01": (0.40, False),
+    "LEV-R": (0.208, False),
+    "LEV-RS": (0.20, False),  # lowest, but within 0.01 of LEV-R: LEV-R (nearer the spec) is chosen
+    "LEV-RG": (0.30, False),
+}
+
+
+@pytest.fixture
+def raw(tmp_path):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(50, 200, size=40).astype(float)
+    base = tokens * rng.uniform(4.5, 5.5, size=40)
+    runs = []
+    for group, (shift, collapsed) in {**SHIFTS, "LEV:1235": (0.52, True)}.items():
+        name_group, _, seed = group.partition(":")
+        seed = int(seed or 1234)
+        name = f"{name_group.lower()}-s{seed}"
+        d = tmp_path / name
+        d.mkdir()
+        doc = base + shift * tokens + rng.normal(0, 0.5, size=40)
+        results = [_result(doc, tokens, "mmidx"), _result(doc + 0.1 * tokens, tokens, "text")]
+        (d / "eval.json").write_text(json.dumps({"results": results}))
+        mr, rk = ((0.93, 0.99), (66.0, 20.0)) if collapsed else ((0.1, 0.2), (66.0, 50.0))
+        (d / "metrics.jsonl").write_text(_metrics(mr, rk))
+        variant = "lev" if name_group.startswith("LEV") else "tied"
+        runs.append({"name": name, "group": name_group, "variant": variant, "seed": seed, "overrides": []})
+    (tmp_path / "study.json").write_text(json.dumps({"plan": "pilot", "runs": runs}))
+    return tmp_path
+
+
+def test_paired_interval_is_the_difference_over_the_same_documents(raw):
+    r = pr.PilotRaw(raw)
+    a, b = r.result(r.run("LEV-R")), r.result(r.run("TIED"))
+    point, lo, hi = pr.paired_interval(a, b)
+    assert point == pytest.approx(a["mean_nll"] - b["mean_nll"], abs=1e-12)
+    assert lo < point < hi and hi - lo < 0.1
+    with pytest.raises(Exception, match="same documents"):
+        pr.paired_interval(a, {**b, "per_document": {"tokens": [1], "nll_sum": [1.0]}})
+
+
+def test_the_rules_pick_the_setting_the_rate_and_the_default(raw):
+    r = pr.PilotRaw(raw)
+    assert pr.collapsed(r, r.run("LEV")) is True and pr.collapsed(r, r.run("LEV-R")) is False
+    sel = pr.selection(r)
+    assert sel["chosen"] == "LEV-R" and sorted(sel["tied"]) == ["LEV-R", "LEV-RS"]
+    assert sel["lr"]["TIED"] == ("TIED", ["TIED", "TIED-LR4"])
+    assert sel["lr"]["LEV"] is None  # LEV-R-LR1 / -LR4 not run yet
+    ok, why = sel["default"]
+    assert ok and why.startswith("LEV-R - LEV = -0.2")
+
+
+def test_the_report_is_deterministic_and_says_what_it_found(raw, tmp_path):
+    a = pr.write_pilot_report(raw, tmp_path / "a", plots=True)
+    b = pr.write_pilot_report(raw, tmp_path / "b", plots=False)
+    assert sorted(a) == sorted(pr.PAGES)
+    for name in pr.PAGES:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert (tmp_path / "a" / "plots" / "dynamics.png").stat().st_size > 10_000
+    runs = (tmp_path / "a" / "runs.md").read_text()
+    assert "| lev-s1234 | LEV | 1234 | 0.002 |" in runs and "| yes |" in runs
+    assert "- LEV: " in runs and "spread" in runs
+    selection = (tmp_path / "a" / "selection.md").read_text()
+    assert "chosen (nearest the spec among those): **LEV-R**" in selection
+    assert "Becomes the default" in selection
+    collapse = (tmp_path / "a" / "collapse.md").read_text()
+    assert "| lev-s1234 | 300 | 0.1000 | 0.9900 | 20.0 | 20.0 | 0.0200 | 1/2 |" in collapse
+
+
+@pytest.mark.skipif(
+    not (PILOT / "raw" / "study.json").is_file(), reason="the pilot's raw files are not committed"
+)
+def test_the_committed_tables_are_those_of_the_committed_raw_files(tmp_path):
+    pr.write_pilot_report(PILOT / "raw", tmp_path, plots=False)
+    for name in pr.PAGES:
+        committed = PILOT / name
+        assert committed.is_file(), (
+            f"{committed} is missing: megatron-lev study report {PILOT / 'raw'} {PILOT}"
+        )
+        assert (tmp_path / name).read_text() == committed.read_text(), (
+            f"docs/results/pilot/{name} differs from the report of docs/results/pilot/raw; regenerate it "
+            "with `megatron-lev study report docs/results/pilot/raw docs/results/pilot`"
+        )
