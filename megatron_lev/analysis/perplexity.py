@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from megatron_lev.utils.progress import progress_bar
 
 DEFAULT_EDGES = (1e-7, 1e-6, 1e-5, 1e-4)  # relative-frequency decade edges
+# training-count bands of the target and of the input token: 0, 1-9, 10-99, 100-999, >= 1000
+COUNT_EDGES = (1, 10, 100, 1000)
 
 
 @dataclass
@@ -26,6 +28,7 @@ class TokenLosses:
 
     nll: np.ndarray  # (N,) float64
     targets: np.ndarray  # (N,) int64
+    inputs: np.ndarray | None = None  # (N,) int64: the token just before each target (None: not kept)
 
     @property
     def mean_nll(self) -> float:
@@ -48,7 +51,7 @@ def per_token_losses(
     `model_fn(inputs) -> logits (B, S, V)`, or with `returns_loss`, `model_fn(inputs, targets)
     -> per-token NLL (B, S)`.
     """
-    nll_parts, tgt_parts = [], []
+    nll_parts, tgt_parts, inp_parts = [], [], []
     n_tokens, start = 0, time.perf_counter()
     bar = progress_bar(desc="evaluating", unit="tok", unit_scale=True, disable=not progress)
     with torch.inference_mode():
@@ -71,13 +74,18 @@ def per_token_losses(
                 )  # (B, S)
             nll_parts.append(nll.reshape(-1).double().cpu().numpy())
             tgt_parts.append(targets.reshape(-1).cpu().numpy())
+            inp_parts.append(inputs.reshape(-1).cpu().numpy())
             n_tokens += targets.numel()
             bar.update(targets.numel())
             bar.set_postfix(tok_per_s=f"{n_tokens / max(time.perf_counter() - start, 1e-9):.0f}")
     bar.close()
     if not nll_parts:
         raise ValueError("no batches to evaluate (empty corpus or too few tokens for one sequence)")
-    return TokenLosses(np.concatenate(nll_parts), np.concatenate(tgt_parts).astype(np.int64))
+    return TokenLosses(
+        np.concatenate(nll_parts),
+        np.concatenate(tgt_parts).astype(np.int64),
+        np.concatenate(inp_parts).astype(np.int64),
+    )
 
 
 def load_counts(path: str | Path) -> np.ndarray:
@@ -145,6 +153,53 @@ def frequency_buckets(
     return out
 
 
+def count_band_labels(edges: tuple[int, ...] = COUNT_EDGES) -> list[str]:
+    """`0`, `1-9`, `10-99`, ..., `>= 1000` for edges (1, 10, 100, 1000)."""
+    labels = [f"{lo}-{hi - 1}" if hi - lo > 1 else str(lo) for lo, hi in zip((0, *edges[:-1]), edges)]
+    return [*labels, f">= {edges[-1]}"]
+
+
+def count_band_of(ids: np.ndarray, counts: np.ndarray, edges: tuple[int, ...] = COUNT_EDGES) -> np.ndarray:
+    """The training-count band (0 = never seen) of every id; ids beyond `counts` were never seen."""
+    seen = np.zeros(len(ids), dtype=np.int64)
+    inside = ids < len(counts)
+    seen[inside] = counts[ids[inside]]
+    return np.searchsorted(np.asarray(edges), seen, side="right")
+
+
+def count_bands(
+    losses: TokenLosses, counts: np.ndarray, edges: tuple[int, ...] = COUNT_EDGES
+) -> dict[str, list[dict]]:
+    """Mean NLL of the predicted tokens grouped by how often the training data held the **target**
+    (the predicted token) and the **input** (the token before it, the one the input layer embeds):
+    bands of absolute training count, e.g. 0, 1-9, 10-99, 100-999, >= 1000. Every band is listed with
+    its evaluated tokens and its vocabulary ids, so empty bands are visible."""
+    edges = tuple(int(e) for e in edges)
+    if not edges or edges[0] < 1 or any(a >= b for a, b in zip(edges[:-1], edges[1:])):
+        raise ValueError(f"count band edges must be integers >= 1, increasing, got {edges}")
+    vocab_band = np.searchsorted(np.asarray(edges), counts, side="right")
+    out = {}
+    for side, ids in (("target", losses.targets), ("input", losses.inputs)):
+        if ids is None:
+            continue
+        band = count_band_of(ids, counts, edges)
+        rows = []
+        for b, label in enumerate(count_band_labels(edges)):
+            sel = losses.nll[band == b]
+            mean = float(sel.mean()) if len(sel) else None
+            rows.append(
+                {
+                    "band": label,
+                    "tokens": int(len(sel)),
+                    "vocab_ids": int((vocab_band == b).sum()),
+                    "mean_nll": mean,
+                    "perplexity": math.exp(mean) if mean is not None else None,
+                }
+            )
+        out[side] = rows
+    return out
+
+
 class RecordLengths:
     """Passes documents through unchanged and records each one's length in tokens (`lengths`), so
     the evaluation can attribute every predicted token to its document: wrap the documents given
@@ -189,6 +244,7 @@ def per_document_sums(
     n_buckets: int = 0,
     unit_tokens: int = 1024,
     max_units: int = MAX_UNITS,
+    groupings: dict[str, tuple[np.ndarray, int]] | None = None,
 ) -> dict:
     """Token counts and NLL sums per document (overall and per frequency bucket), for resampling
     documents in `compare`'s bootstrap.
@@ -227,6 +283,10 @@ def per_document_sums(
         per_bucket = [sums(bucket_of_token == b) for b in range(n_buckets)]
         out["bucket_tokens"] = [t for t, _ in per_bucket]
         out["bucket_nll_sum"] = [s for _, s in per_bucket]
+    for name, (group_of_token, n_groups) in (groupings or {}).items():  # e.g. the count bands
+        per_group = [sums(group_of_token == g) for g in range(n_groups)]
+        out[f"{name}_tokens"] = [t for t, _ in per_group]
+        out[f"{name}_nll_sum"] = [s for _, s in per_group]
     return out
 
 
@@ -260,10 +320,17 @@ def evaluation_result(
             "; bits_per_byte = total NLL in bits / UTF-8 bytes of the text, comparable across tokenizers"
         )
     bucket_of_token = None
+    groupings = {}
     if counts is not None:
         res["bucket_edges"] = list(edges)
         res["buckets"] = frequency_buckets(losses, counts, edges)
         bucket_of_token = target_buckets(losses, counts, edges)
+        res["count_band_edges"] = list(COUNT_EDGES)
+        res["count_bands"] = count_bands(losses, counts)
+        n_bands = len(COUNT_EDGES) + 1
+        groupings["target_band"] = (count_band_of(losses.targets, counts), n_bands)
+        if losses.inputs is not None:
+            groupings["input_band"] = (count_band_of(losses.inputs, counts), n_bands)
     if len(losses.nll):
         res["per_document"] = per_document_sums(
             losses,
@@ -271,6 +338,7 @@ def evaluation_result(
             bucket_of_token,
             len(edges) + 1,
             unit_tokens=int(extra.get("seq_len") or 1024),
+            groupings=groupings,
         )
     return res
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from megatron_lev.analysis.corpora import sequence_batches
 from megatron_lev.analysis.perplexity import (
     TokenLosses,
+    count_bands,
     evaluation_result,
     frequency_buckets,
     load_counts,
@@ -77,3 +78,31 @@ def test_perplexity_is_exp_mean_nll_of_logits_and_loss_callables():
     assert "per token of the tokenizer toy-tok" in res["normalisation"]
     with pytest.raises(ValueError, match="expected"):
         per_token_losses([batch], lambda ids: table[ids][:, :2], progress=False)
+
+
+def test_count_bands_of_targets_and_inputs_on_known_counts():
+    """Bands by absolute training count (0, 1-9, 10-99, 100-999, >= 1000) of the predicted token and of
+    the token before it, and their per-document sums for the bootstrap."""
+    counts = np.array([0, 3, 9, 10, 99, 500, 1000, 7], dtype=np.int64)  # bands 0 1 1 2 2 3 4 1
+    inputs = np.array([0, 1, 3, 5, 6, 6, 9])  # id 9 is beyond the counts: never seen
+    targets = np.array([1, 2, 4, 6, 0, 7, 5])
+    nll = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    bands = count_bands(TokenLosses(nll, targets, inputs), counts)
+    labels = ["0", "1-9", "10-99", "100-999", ">= 1000"]
+    assert [b["band"] for b in bands["target"]] == labels == [b["band"] for b in bands["input"]]
+    assert [b["vocab_ids"] for b in bands["target"]] == [1, 3, 2, 1, 1]
+    # targets 1,2,7 -> band 1 (nll 1,2,6); 4 -> 2 (3); 6 -> 4 (4); 0 -> 0 (5); 5 -> 3 (7)
+    assert [b["tokens"] for b in bands["target"]] == [1, 3, 1, 1, 1]
+    assert bands["target"][1]["mean_nll"] == pytest.approx(3.0)
+    # inputs 0 -> 0 (1), 1 -> 1 (2), 3 -> 2 (3), 5 -> 3 (4), 6,6 -> 4 (5, 6), 9 -> 0 (7)
+    assert [b["tokens"] for b in bands["input"]] == [2, 1, 1, 1, 2]
+    assert bands["input"][0]["mean_nll"] == pytest.approx(4.0)
+    assert bands["input"][4]["perplexity"] == pytest.approx(math.exp(5.5))
+    res = evaluation_result(TokenLosses(nll, targets, inputs), "x", counts=counts, doc_lengths=[3, 5])
+    doc = res["per_document"]
+    assert res["count_bands"] == bands and res["count_band_edges"] == [1, 10, 100, 1000]
+    # predicted tokens 0-1 belong to document 0 (stream positions 1, 2), 2-6 to document 1
+    assert doc["input_band_tokens"] == [[1, 1], [1, 0], [0, 1], [0, 1], [0, 2]]
+    assert doc["target_band_nll_sum"][1] == [3.0, 6.0]
+    with pytest.raises(ValueError, match="count band edges"):
+        count_bands(TokenLosses(nll, targets, inputs), counts, (0, 10))
