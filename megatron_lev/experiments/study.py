@@ -481,6 +481,50 @@ def _timing(state_dir: Path, run: StudyRun) -> dict:
     return {"run": run.name, "threads": 1, "steps": steps}
 
 
+def vocabulary_buckets(data: Path, edges: tuple[float, ...] | None = None) -> dict | None:
+    """What the frequency buckets of the evaluation hold: per bucket of relative training frequency,
+    the vocabulary ids and how many are SentencePiece byte-fallback pieces (UTF-8 bytes of characters
+    the vocabulary has no piece for) or control/unknown pieces. From the study's SentencePiece model
+    and training counts in `data`; None where they are not there."""
+    import numpy as np
+
+    from megatron_lev.analysis.perplexity import DEFAULT_EDGES, bucket_labels
+
+    models = sorted(data.glob("spm*.model"))
+    counts_file = data / "train_text_document.counts.npy"
+    if len(models) != 1 or not counts_file.is_file():
+        return None
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(models[0]))
+    counts = np.load(counts_file)
+    edges = tuple(edges or DEFAULT_EDGES)
+    freq = counts / counts.sum()
+    bucket = np.searchsorted(edges, freq, side="right")
+    rows = []
+    for b, label in enumerate(bucket_labels(edges)):
+        ids = [int(i) for i in np.flatnonzero(bucket == b)]
+        byte = sum(sp.is_byte(i) for i in ids)
+        special = sum(sp.is_control(i) or sp.is_unknown(i) for i in ids)
+        rows.append(
+            {
+                "bucket": label,
+                "vocab_ids": len(ids),
+                "byte_pieces": byte,
+                "control_or_unknown": special,
+                "other": len(ids) - byte - special,
+                "other_examples": [sp.id_to_piece(i) for i in ids if not sp.is_byte(i)][:10],
+            }
+        )
+    return {
+        "tokenizer": models[0].name,
+        "training_tokens": int(counts.sum()),
+        "buckets": rows,
+        "note": "vocabulary ids per bucket of relative training frequency; byte_pieces are SentencePiece "
+        "byte-fallback pieces (<0x..>)",
+    }
+
+
 def collect_study(out: Path, raw: Path, log=print, plan: str | Plan = "study") -> dict[str, int]:
     """Copy the small raw files of every finished run (all four steps done) of `out` into
     `raw/<run>/`, with the data split, the LAMBADA passages' summary and the plan; returns the bytes
@@ -514,6 +558,10 @@ def collect_study(out: Path, raw: Path, log=print, plan: str | Plan = "study") -
     split = out / "data" / "split.json"
     if split.is_file():
         sizes["split.json"] = _copy_small(split, raw / "split.json", out)
+    pieces = vocabulary_buckets(out / "data")
+    if pieces is not None:
+        atomic_write_json(raw / "vocab_buckets.json", pieces)
+        sizes["vocab_buckets.json"] = (raw / "vocab_buckets.json").stat().st_size
     lambada = out / "data" / "lambada.jsonl"
     if lambada.is_file():
         lengths = [len(json.loads(line)["text"].split()) for line in lambada.read_text().splitlines()]
