@@ -370,3 +370,31 @@ def test_docs_match_report(tmp_path):
     assert quoted, "docs/results/study/README.md quotes no number of the report"
     missing = sorted({q for q in quoted if q not in pages})
     assert not missing, f"docs/results/study/README.md quotes numbers the report does not print: {missing}"
+
+
+def test_vocabulary_buckets_count_the_byte_pieces_of_each_bucket(tmp_path):
+    """What each frequency bucket of the vocabulary holds, from a real SentencePiece model with byte
+    fallback: every byte piece the counts leave at zero is in the lowest bucket and counted as such."""
+    import sentencepiece
+
+    from megatron_lev.experiments.study import vocabulary_buckets
+
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(300)))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(text), model_prefix=str(tmp_path / "spm300"), vocab_size=300, byte_fallback=True
+    )
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "spm300.model"))
+    counts = np.zeros(sp.get_piece_size(), dtype=np.int64)
+    normal = [
+        i for i in range(sp.get_piece_size()) if not (sp.is_byte(i) or sp.is_control(i) or sp.is_unknown(i))
+    ]
+    counts[normal] = 1000  # every normal piece frequent, every byte and control piece unseen
+    np.save(tmp_path / "train_text_document.counts.npy", counts)
+    got = vocabulary_buckets(tmp_path)
+    assert got["tokenizer"] == "spm300.model" and got["training_tokens"] == 1000 * len(normal)
+    lowest, top = got["buckets"][0], got["buckets"][-1]
+    assert lowest["byte_pieces"] == 256 and lowest["other"] == 0
+    assert lowest["vocab_ids"] == 256 + lowest["control_or_unknown"]
+    assert top["vocab_ids"] == len(normal) and top["byte_pieces"] == 0
+    assert vocabulary_buckets(tmp_path / "nothing-here") is None
