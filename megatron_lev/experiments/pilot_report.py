@@ -12,19 +12,13 @@ seed, plan order, fixed formats).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
-import numpy as np
-
 from megatron_lev.config import atomic_write_text
 from megatron_lev.errors import DataError
-from megatron_lev.experiments.study import get_plan
+from megatron_lev.experiments.plan_raw import BOOTSTRAP, BOOTSTRAP_SEED, LEVEL, PlanRaw, paired_interval
 
-BOOTSTRAP = 1000
-BOOTSTRAP_SEED = 0
-LEVEL = 0.95
 # the rules of docs/results/pilot/README.md
 COLLAPSE_MEAN_ROW = 0.9  # mean-row ratio above this at the last step: collapsed
 COLLAPSE_RANK_FRACTION = 0.5  # centred effective rank below this share of its value at step 10: collapsed
@@ -38,66 +32,6 @@ TABLE_KEYS = ("rms", "mean_row_ratio", "effective_rank", "effective_rank_centred
 PAGES = ("runs.md", "collapse.md", "gradients.md", "selection.md")
 
 
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{path}: missing from the raw results; run `megatron-lev study collect`") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: damaged ({' '.join(str(exc).split())}); collect it again") from None
-
-
-class PilotRaw:
-    """The collected pilot runs in plan order, with their results and logged dynamics read on demand."""
-
-    def __init__(self, raw: Path):
-        self.root = Path(raw)
-        listing = _read_json(self.root / "study.json")
-        plan = get_plan(listing.get("plan", "pilot"))
-        order = {g: i for i, (g, *_rest) in enumerate(plan.groups)}
-        self.runs = sorted(listing["runs"], key=lambda r: (order.get(r["group"], len(order)), r["seed"]))
-        self.by_name = {r["name"]: r for r in self.runs}
-        self._cache: dict[tuple[str, str], object] = {}
-
-    def groups(self) -> dict[str, list[dict]]:
-        out: dict[str, list[dict]] = {}
-        for r in self.runs:
-            out.setdefault(r["group"], []).append(r)
-        return out
-
-    def run(self, group: str, seed: int = 1234) -> dict | None:
-        return next((r for r in self.runs if r["group"] == group and r["seed"] == seed), None)
-
-    def result(self, run: dict, kind: str = "mmidx") -> dict:
-        key = (run["name"], "eval")
-        if key not in self._cache:
-            data = _read_json(self.root / run["name"] / "eval.json")
-            self._cache[key] = data.get("results", []) if isinstance(data, dict) else []
-        found = next((r for r in self._cache[key] if r.get("corpus_kind") == kind), None)
-        if found is None:
-            raise DataError(f"{self.root / run['name'] / 'eval.json'}: no {kind} result")
-        return found
-
-    def train_rows(self, run: dict) -> list[dict]:
-        key = (run["name"], "metrics")
-        if key not in self._cache:
-            path = self.root / run["name"] / "metrics.jsonl"
-            try:
-                lines = path.read_text(encoding="utf-8").splitlines()
-            except FileNotFoundError:
-                raise DataError(f"{path}: missing from the raw results") from None
-            rows = {}
-            for line in lines:
-                rec = json.loads(line)
-                if rec.get("kind") == "train":
-                    rows[rec["iteration"]] = rec  # a resumed run's later line wins
-            self._cache[key] = [rows[k] for k in sorted(rows)]
-        return self._cache[key]
-
-    def at(self, run: dict, iteration: int) -> dict | None:
-        return next((r for r in self.train_rows(run) if r["iteration"] == iteration), None)
-
-
 def learning_rate(group: str) -> float:
     return next((lr for suffix, lr in LR_SUFFIX.items() if group.endswith(suffix)), BASE_LR)
 
@@ -106,27 +40,11 @@ def mean_nll(result: dict) -> float:
     return float(result["mean_nll"])
 
 
-def paired_interval(a: dict, b: dict) -> tuple[float, float, float]:
-    """Mean NLL of `a` minus that of `b` over the same documents, with a 95% bootstrap interval over
-    documents (per-document token counts and NLL sums of both results)."""
-    da, db = a.get("per_document"), b.get("per_document")
-    if not da or not db or da["tokens"] != db["tokens"]:
-        raise DataError("the two results have no per-document sums over the same documents")
-    tokens = np.asarray(da["tokens"], dtype=np.float64)
-    diff_sum = np.asarray(da["nll_sum"], dtype=np.float64) - np.asarray(db["nll_sum"], dtype=np.float64)
-    point = float(diff_sum.sum() / tokens.sum())
-    rng = np.random.default_rng(BOOTSTRAP_SEED)
-    idx = rng.integers(0, len(tokens), size=(BOOTSTRAP, len(tokens)))
-    stats = diff_sum[idx].sum(axis=1) / tokens[idx].sum(axis=1)
-    lo, hi = np.quantile(stats, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
-    return point, float(lo), float(hi)
-
-
 def _cell(point: float, lo: float, hi: float) -> str:
     return f"{point:+.3f} [{lo:+.3f}, {hi:+.3f}]"
 
 
-def collapsed(raw: PilotRaw, run: dict) -> bool | None:
+def collapsed(raw: PlanRaw, run: dict) -> bool | None:
     """The README's rule: at the last logged step, mean-row ratio > 0.9 or centred effective rank
     below half its value at step 10 (None where the run logged no table statistics)."""
     rows = [r for r in raw.train_rows(run) if "input_table/mean_row_ratio" in r]
@@ -140,7 +58,7 @@ def collapsed(raw: PilotRaw, run: dict) -> bool | None:
     return bool(last["input_table/mean_row_ratio"] > COLLAPSE_MEAN_ROW or low_rank)
 
 
-def runs_markdown(raw: PilotRaw) -> str:
+def runs_markdown(raw: PlanRaw) -> str:
     lines = [
         "# Pilot: validation and zero-shot loss of every run at step 300",
         "",
@@ -174,7 +92,7 @@ def runs_markdown(raw: PilotRaw) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _seed_spread(raw: PilotRaw) -> dict[str, tuple[float, float]]:
+def _seed_spread(raw: PlanRaw) -> dict[str, tuple[float, float]]:
     out = {}
     for group, runs in raw.groups().items():
         by_seed = {r["seed"]: r for r in runs}
@@ -187,7 +105,7 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
-def collapse_markdown(raw: PilotRaw) -> str:
+def collapse_markdown(raw: PlanRaw) -> str:
     lines = [
         "# Pilot: the input table over training",
         "",
@@ -221,7 +139,7 @@ def collapse_markdown(raw: PilotRaw) -> str:
     return "\n".join(lines) + "\n"
 
 
-def gradients_markdown(raw: PilotRaw) -> str:
+def gradients_markdown(raw: PlanRaw) -> str:
     lines = [
         "# Pilot: gradient norms and update ratios of the input layer",
         "",
@@ -256,7 +174,7 @@ def _pick(candidates: list[tuple[str, float]], order: list[str]) -> tuple[str, l
     return min(tied, key=order.index), tied
 
 
-def selection(raw: PilotRaw) -> dict:
+def selection(raw: PlanRaw) -> dict:
     """The README's rules applied: the chosen LEV setting, each side's learning rate, the default."""
     present = {g for g in raw.groups()}
     settings = [(g, mean_nll(raw.result(raw.run(g)))) for g in SPEC_ORDER if g in present]
@@ -286,7 +204,7 @@ def selection(raw: PilotRaw) -> dict:
     return out
 
 
-def selection_markdown(raw: PilotRaw) -> str:
+def selection_markdown(raw: PlanRaw) -> str:
     sel = selection(raw)
     lines = [
         "# Pilot: the rules of the README applied",
@@ -326,12 +244,12 @@ def selection_markdown(raw: PilotRaw) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _series(raw: PilotRaw, run: dict, key: str) -> tuple[list[int], list[float]]:
+def _series(raw: PlanRaw, run: dict, key: str) -> tuple[list[int], list[float]]:
     pts = [(r["iteration"], r[key]) for r in raw.train_rows(run) if r.get(key) is not None]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def write_plots(raw: PilotRaw, out: Path) -> list[Path]:
+def write_plots(raw: PlanRaw, out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -387,7 +305,7 @@ def write_plots(raw: PilotRaw, out: Path) -> list[Path]:
 
 
 def write_pilot_report(raw_dir: Path, out_dir: Path, plots: bool = True) -> dict[str, Path]:
-    raw = PilotRaw(Path(raw_dir))
+    raw = PlanRaw(Path(raw_dir))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pages = {

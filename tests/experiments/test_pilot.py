@@ -99,7 +99,7 @@ def raw(tmp_path):
 
 
 def test_paired_interval_is_the_difference_over_the_same_documents(raw):
-    r = pr.PilotRaw(raw)
+    r = pr.PlanRaw(raw)
     a, b = r.result(r.run("LEV-R")), r.result(r.run("TIED"))
     point, lo, hi = pr.paired_interval(a, b)
     assert point == pytest.approx(a["mean_nll"] - b["mean_nll"], abs=1e-12)
@@ -109,7 +109,7 @@ def test_paired_interval_is_the_difference_over_the_same_documents(raw):
 
 
 def test_the_rules_pick_the_setting_the_rate_and_the_default(raw):
-    r = pr.PilotRaw(raw)
+    r = pr.PlanRaw(raw)
     assert pr.collapsed(r, r.run("LEV")) is True and pr.collapsed(r, r.run("LEV-R")) is False
     sel = pr.selection(r)
     assert sel["chosen"] == "LEV-R" and sorted(sel["tied"]) == ["LEV-R", "LEV-RS"]

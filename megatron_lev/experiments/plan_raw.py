@@ -1,0 +1,146 @@
+"""The collected raw files of a `megatron-lev study` plan, read for the pilot's and the regime's reports,
+and the paired document bootstrap their intervals use."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from megatron_lev.errors import DataError
+from megatron_lev.experiments.study import get_plan
+
+BOOTSTRAP = 1000
+BOOTSTRAP_SEED = 0
+LEVEL = 0.95
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing from the raw results; run `megatron-lev study collect`") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: damaged ({' '.join(str(exc).split())}); collect it again") from None
+
+
+class PlanRaw:
+    """The collected runs of a plan (`study collect`) in plan order, with their results and logged
+    dynamics read on demand."""
+
+    def __init__(self, raw: Path):
+        self.root = Path(raw)
+        listing = _read_json(self.root / "study.json")
+        plan = get_plan(listing.get("plan", "study"))
+        order = {g: i for i, (g, *_rest) in enumerate(plan.groups)}
+        self.runs = sorted(listing["runs"], key=lambda r: (order.get(r["group"], len(order)), r["seed"]))
+        self.by_name = {r["name"]: r for r in self.runs}
+        self._cache: dict[tuple[str, str], object] = {}
+
+    def groups(self) -> dict[str, list[dict]]:
+        out: dict[str, list[dict]] = {}
+        for r in self.runs:
+            out.setdefault(r["group"], []).append(r)
+        return out
+
+    def run(self, group: str, seed: int = 1234) -> dict | None:
+        return next((r for r in self.runs if r["group"] == group and r["seed"] == seed), None)
+
+    def result(self, run: dict, kind: str = "mmidx") -> dict:
+        key = (run["name"], "eval")
+        if key not in self._cache:
+            data = _read_json(self.root / run["name"] / "eval.json")
+            self._cache[key] = data.get("results", []) if isinstance(data, dict) else []
+        found = next((r for r in self._cache[key] if r.get("corpus_kind") == kind), None)
+        if found is None:
+            raise DataError(f"{self.root / run['name'] / 'eval.json'}: no {kind} result")
+        return found
+
+    def train_rows(self, run: dict) -> list[dict]:
+        key = (run["name"], "metrics")
+        if key not in self._cache:
+            path = self.root / run["name"] / "metrics.jsonl"
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines()
+            except FileNotFoundError:
+                raise DataError(f"{path}: missing from the raw results") from None
+            rows = {}
+            for line in lines:
+                rec = json.loads(line)
+                if rec.get("kind") == "train":
+                    rows[rec["iteration"]] = rec  # a resumed run's later line wins
+            self._cache[key] = [rows[k] for k in sorted(rows)]
+        return self._cache[key]
+
+    def at(self, run: dict, iteration: int) -> dict | None:
+        return next((r for r in self.train_rows(run) if r["iteration"] == iteration), None)
+
+
+def _doc_arrays(result: dict, band: tuple[str, int] | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-document predicted tokens and NLL sums of a result, overall or of one band
+    (`("target_band", 1)`: the per-document sums `evaluate` writes for each count band)."""
+    doc = result.get("per_document")
+    if not doc:
+        raise DataError(f"result {result.get('name', '?')}: no per-document sums (evaluate records them)")
+    if band is None:
+        return np.asarray(doc["tokens"], dtype=np.float64), np.asarray(doc["nll_sum"], dtype=np.float64)
+    name, k = band
+    if f"{name}_tokens" not in doc:
+        raise DataError(f"result {result.get('name', '?')}: no {name} sums (evaluate with training counts)")
+    return (
+        np.asarray(doc[f"{name}_tokens"][k], dtype=np.float64),
+        np.asarray(doc[f"{name}_nll_sum"][k], dtype=np.float64),
+    )
+
+
+def paired_differences(
+    pairs: list[tuple[dict, dict]], band: tuple[str, int] | None = None
+) -> tuple[list[float], tuple[float, float] | None]:
+    """Mean NLL of `a` minus `b` for each pair (seed i against seed i, the same documents), and a 95%
+    bootstrap interval over documents of the mean of those differences (one resample of the documents
+    applied to every pair). The interval is None where a resample can hold no token of the band."""
+    diffs, arrays = [], []
+    for a, b in pairs:
+        ta, na = _doc_arrays(a, band)
+        tb, nb = _doc_arrays(b, band)
+        if len(ta) != len(tb) or not np.array_equal(ta, tb):
+            raise DataError("the two results have no per-document sums over the same documents")
+        if ta.sum() == 0:
+            return [], None
+        diffs.append(float((na.sum() - nb.sum()) / ta.sum()))
+        arrays.append((ta, na - nb))
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    idx = rng.integers(0, len(arrays[0][0]), size=(BOOTSTRAP, len(arrays[0][0])))
+    stats = np.zeros(BOOTSTRAP)
+    for tokens, diff in arrays:
+        t = tokens[idx].sum(axis=1)
+        if (t == 0).any():
+            return diffs, None
+        stats += diff[idx].sum(axis=1) / t
+    stats /= len(arrays)
+    lo, hi = np.quantile(stats, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
+    return diffs, (float(lo), float(hi))
+
+
+def paired_interval(a: dict, b: dict) -> tuple[float, float, float]:
+    """Mean NLL of `a` minus that of `b` over the same documents, with a 95% bootstrap interval over
+    documents."""
+    diffs, interval = paired_differences([(a, b)])
+    if interval is None:
+        raise DataError("no tokens to compare")
+    return diffs[0], interval[0], interval[1]
+
+
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}  # Student t, two-sided 95%, by df
+
+
+def seed_interval(diffs: list[float]) -> tuple[float, float] | None:
+    """The seed-paired 95% Student-t interval of the mean difference (None for one seed)."""
+    n = len(diffs)
+    if n < 2 or n - 1 not in T_975:
+        return None
+    mean = sum(diffs) / n
+    sd = (sum((d - mean) ** 2 for d in diffs) / (n - 1)) ** 0.5
+    half = T_975[n - 1] * sd / n**0.5
+    return mean - half, mean + half
