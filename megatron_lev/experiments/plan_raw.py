@@ -57,8 +57,8 @@ class PlanRaw:
             raise DataError(f"{self.root / run['name'] / 'eval.json'}: no {kind} result")
         return found
 
-    def train_rows(self, run: dict) -> list[dict]:
-        key = (run["name"], "metrics")
+    def _rows(self, run: dict, kind: str) -> list[dict]:
+        key = (run["name"], kind)
         if key not in self._cache:
             path = self.root / run["name"] / "metrics.jsonl"
             try:
@@ -68,10 +68,18 @@ class PlanRaw:
             rows = {}
             for line in lines:
                 rec = json.loads(line)
-                if rec.get("kind") == "train":
+                if rec.get("kind") == kind:
                     rows[rec["iteration"]] = rec  # a resumed run's later line wins
             self._cache[key] = [rows[k] for k in sorted(rows)]
         return self._cache[key]
+
+    def train_rows(self, run: dict) -> list[dict]:
+        """The run's logged training steps, by iteration."""
+        return self._rows(run, "train")
+
+    def valid_rows(self, run: dict) -> list[dict]:
+        """The trainer's validation lines (`train.eval_interval`), by iteration."""
+        return self._rows(run, "valid")
 
     def at(self, run: dict, iteration: int) -> dict | None:
         return next((r for r in self.train_rows(run) if r["iteration"] == iteration), None)

@@ -108,6 +108,22 @@ class Plan:
     about: str = ""
 
 
+# The regime experiment (docs/results/regime/README.md): GPT-NeoX's vocabulary, a model whose input
+# table is 80% of it. LEV_SETTING is the LEV setting the pilot chose (docs/results/pilot/selection.md)
+# and each side's learning rate is the pilot's choice for it.
+REGIME_CONFIG = Path("pretrain/configs/experiments/regime/regime.yaml")
+REGIME_SEEDS = SEEDS
+LEV_SETTING: tuple[str, ...] = ()  # set from the pilot's selection before the regime runs
+TIED_LR: tuple[str, ...] = ()
+LEV_LR: tuple[str, ...] = ()
+REGIME_GROUPS: tuple[Group, ...] = (
+    ("TIED", "tied", REGIME_SEEDS, TIED_LR),
+    ("LEV", "lev", REGIME_SEEDS, (*LEV_SETTING, *LEV_LR)),
+    ("ALBERT-32", "albert", REGIME_SEEDS[:1], ("model.baseline_dim=32", *TIED_LR)),
+    ("UNTIED", "untied", REGIME_SEEDS[:1], TIED_LR),
+    ("LEV-RANDOM", "lev", REGIME_SEEDS[:1], (*LEV_SETTING, *LEV_LR, "model.lev.id_order=random")),
+)
+
 PLANS: dict[str, Plan] = {
     "study": Plan(
         "study", STUDY_CONFIG, GROUPS, SEEDS, about="the small grid's variants with seeds and LEV controls"
@@ -119,6 +135,15 @@ PLANS: dict[str, Plan] = {
         PILOT_SEEDS,
         lambada=False,
         about="300 steps of LEV as is, its remedies, warm-up and learning rates, against TIED",
+    ),
+    "regime": Plan(
+        "regime",
+        REGIME_CONFIG,
+        REGIME_GROUPS,
+        REGIME_SEEDS,
+        tokenizer_hint="tokenizers/gpt-neox-20b.json",
+        lambada=False,
+        about="GPT-NeoX vocabulary, 4 x 256 model: LEV against TIED, ALBERT-32 and UNTIED by count band",
     ),
 }
 

@@ -1,0 +1,295 @@
+"""The regime experiment's tables, plots and verdict, regenerated from its raw files alone.
+
+    write_regime_report("docs/results/regime/raw", "docs/results/regime")
+
+The criteria are those `docs/results/regime/README.md` fixed before the runs; `verdict` applies them.
+Bands are `evaluate`'s training-count bands of the target and of the input token
+(`analysis.perplexity.COUNT_EDGES`). Deterministic output (fixed bootstrap seed, plan order, formats).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from megatron_lev.analysis.perplexity import COUNT_EDGES, count_band_labels
+from megatron_lev.config import atomic_write_text
+from megatron_lev.errors import DataError
+from megatron_lev.experiments.plan_raw import (
+    BOOTSTRAP,
+    BOOTSTRAP_SEED,
+    LEVEL,
+    PlanRaw,
+    paired_differences,
+    seed_interval,
+)
+
+BASE, LEV, ALBERT = "TIED", "LEV", "ALBERT-32"
+RARE_BAND = 1  # the band of ids seen 1-9 times
+CORPORA = (("mmidx", "validation"), ("text", "zero-shot"))
+SIDES = (("target", "target_band"), ("input", "input_band"))
+PAGES = ("overall.md", "bands.md", "curve.md", "verdict.md")
+
+
+def _seeds(raw: PlanRaw, group: str) -> dict[int, dict]:
+    return {r["seed"]: r for r in raw.runs if r["group"] == group}
+
+
+def comparison(raw: PlanRaw, a: str, b: str, kind: str, band: tuple[str, int] | None = None) -> dict | None:
+    """`a` minus `b` over the seeds both have: per-seed differences, their mean, the seed-paired and
+    the document interval; None where the groups share no seed."""
+    sa, sb = _seeds(raw, a), _seeds(raw, b)
+    common = sorted(set(sa) & set(sb))
+    if not common:
+        return None
+    pairs = [(raw.result(sa[s], kind), raw.result(sb[s], kind)) for s in common]
+    diffs, interval = paired_differences(pairs, band)
+    if not diffs:
+        return {"seeds": common, "diffs": [], "mean": None, "document": None, "seed": None}
+    return {
+        "seeds": common,
+        "diffs": diffs,
+        "mean": statistics.fmean(diffs),
+        "document": interval,
+        "seed": seed_interval(diffs),
+    }
+
+
+def _interval(iv) -> str:
+    return "-" if iv is None else f"[{iv[0]:+.3f}, {iv[1]:+.3f}]"
+
+
+def _diff_cells(c: dict | None) -> list[str]:
+    if c is None or c["mean"] is None:
+        return ["-", "-", "-", "-"]
+    return [
+        f"{c['mean']:+.3f}",
+        _interval(c["document"]),
+        _interval(c["seed"]),
+        ", ".join(f"{d:+.3f}" for d in c["diffs"]),
+    ]
+
+
+def _mean_nll(raw: PlanRaw, group: str, kind: str) -> list[float]:
+    return [float(raw.result(r, kind)["mean_nll"]) for r in _seeds(raw, group).values()]
+
+
+def _fmt_seeds(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}"
+
+
+def seed_noise(raw: PlanRaw) -> float | None:
+    vals = _mean_nll(raw, BASE, "mmidx")
+    return statistics.stdev(vals) if len(vals) > 1 else None
+
+
+def overall_markdown(raw: PlanRaw) -> str:
+    lines = [
+        "# Regime: overall validation and zero-shot loss",
+        "",
+        "Mean NLL (nats per predicted token) of each group's final checkpoints, mean ± sd over seeds.",
+        "",
+        "| group | seeds | validation NLL | zero-shot NLL |",
+        "|---|---|---|---|",
+    ]
+    for group in dict.fromkeys(r["group"] for r in raw.runs):
+        seeds = ", ".join(str(s) for s in sorted(_seeds(raw, group)))
+        cells = [_fmt_seeds(_mean_nll(raw, group, kind)) for kind, _ in CORPORA]
+        lines.append(f"| {group} | {seeds} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Differences (nats; negative: the first group is ahead), over the seeds both groups have: "
+        f"document bootstrap {LEVEL:.0%} ({BOOTSTRAP} resamples of the documents, seed {BOOTSTRAP_SEED}, "
+        "the same resample for every seed pair) and seed-paired Student-t.",
+        "",
+        "| comparison | corpus | difference | document 95% | seed-paired 95% | per seed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for a, b in ((LEV, BASE), (ALBERT, BASE), ("UNTIED", BASE), (LEV, ALBERT), ("LEV-RANDOM", LEV)):
+        for kind, label in CORPORA:
+            c = comparison(raw, a, b, kind)
+            if c is not None:
+                lines.append(f"| {a} - {b} | {label} | " + " | ".join(_diff_cells(c)) + " |")
+    noise = seed_noise(raw)
+    if noise is not None:
+        lines += ["", f"Seed noise (sd of TIED's validation NLL over its seeds): {noise:.4f} nats."]
+    return "\n".join(lines) + "\n"
+
+
+def bands_markdown(raw: PlanRaw) -> str:
+    labels = count_band_labels(COUNT_EDGES)
+    lines = [
+        "# Regime: loss by how often the training data held the token",
+        "",
+        "Bands of the training count (in the training split's `counts.npy`) of the **target** (the "
+        "predicted token) and of the **input** (the token before it, the one the input layer embeds). "
+        "Tokens: predicted tokens of the band in the first seed's evaluation (the same for every run).",
+    ]
+    for kind, label in CORPORA:
+        for side, key in SIDES:
+            lines += [
+                "",
+                f"## {label}, by {side} count",
+                "",
+                "| band | tokens | vocab ids | TIED NLL | LEV - TIED | document 95% | seed-paired 95% "
+                "| per seed | LEV - ALBERT-32 | document 95% | ALBERT-32 - TIED |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            first = next(iter(_seeds(raw, BASE).values()), None)
+            if first is None:
+                lines.append("Not available: no TIED run.")
+                continue
+            rows = raw.result(first, kind).get("count_bands", {}).get(side)
+            if rows is None:
+                lines.append("Not available: the evaluation has no count bands.")
+                continue
+            tied = {b: [] for b in range(len(labels))}
+            for r in _seeds(raw, BASE).values():
+                for b, row in enumerate(raw.result(r, kind)["count_bands"][side]):
+                    if row["mean_nll"] is not None:
+                        tied[b].append(row["mean_nll"])
+            for b, band_label in enumerate(labels):
+                c = comparison(raw, LEV, BASE, kind, (key, b))
+                la = comparison(raw, LEV, ALBERT, kind, (key, b))
+                at = comparison(raw, ALBERT, BASE, kind, (key, b))
+                cells = [
+                    band_label,
+                    f"{rows[b]['tokens']:,}",
+                    f"{rows[b]['vocab_ids']:,}",
+                    _fmt_seeds(tied[b]),
+                    *_diff_cells(c),
+                    *_diff_cells(la)[:2],
+                    _diff_cells(at)[0],
+                ]
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def curve_markdown(raw: PlanRaw) -> str:
+    """The trainer's validation loss (its `eval_iters` batches) over steps, and the LEV-TIED gap."""
+    per_group: dict[str, dict[int, list[float]]] = {}
+    for r in raw.runs:
+        for rec in raw.valid_rows(r):
+            per_group.setdefault(r["group"], {}).setdefault(rec["iteration"], []).append(rec["loss"])
+    steps = sorted({s for g in per_group.values() for s in g})
+    groups = list(per_group)
+    lines = [
+        "# Regime: validation loss over training",
+        "",
+        "The trainer's validation loss (`train.eval_iters` batches of the validation shard) at every "
+        "`train.eval_interval`, mean over each group's seeds; the gap is LEV's mean minus TIED's.",
+        "",
+        "| step | " + " | ".join(groups) + " | LEV - TIED |",
+        "|---|" + "---|" * (len(groups) + 1),
+    ]
+    for s in steps:
+        vals = {g: statistics.fmean(per_group[g][s]) for g in groups if s in per_group[g]}
+        gap = f"{vals[LEV] - vals[BASE]:+.3f}" if LEV in vals and BASE in vals else "-"
+        lines.append(
+            f"| {s} | " + " | ".join(f"{vals[g]:.3f}" if g in vals else "-" for g in groups) + f" | {gap} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def verdict(raw: PlanRaw) -> tuple[str, list[str]]:
+    """The README's criteria applied to the validation shard: (verdict, the reasons)."""
+    reasons, ahead, behind = [], [], []
+    for side, key in SIDES:
+        c = comparison(raw, LEV, BASE, "mmidx", (key, RARE_BAND))
+        a = comparison(raw, LEV, ALBERT, "mmidx", (key, RARE_BAND))
+        for name, cmp in ((f"LEV - TIED, {side} 1-9", c), (f"LEV - ALBERT-32, {side} 1-9", a)):
+            if cmp is None or cmp["document"] is None:
+                reasons.append(f"{name}: not available")
+                continue
+            lo, hi = cmp["document"]
+            reasons.append(f"{name}: {cmp['mean']:+.3f} {_interval(cmp['document'])}")
+            (ahead if hi < 0 else behind if lo > 0 else []).append(name)
+    overall = comparison(raw, LEV, BASE, "mmidx")
+    noise = seed_noise(raw)
+    if overall is None or noise is None:
+        return "inconclusive", [*reasons, "overall LEV - TIED or the seed noise is not available"]
+    worse = overall["mean"] > noise
+    reasons.append(
+        f"overall LEV - TIED: {overall['mean']:+.3f} against a seed noise of {noise:.4f} "
+        f"({'worse' if worse else 'no worse'} beyond it)"
+    )
+    needed = [f"LEV - {o}, {s} 1-9" for o in ("TIED", "ALBERT-32") for s, _ in SIDES]
+    if behind:
+        return "refute", reasons
+    tied_rare = [n for n in needed if n.startswith("LEV - TIED")]
+    if all(n in ahead for n in needed) and not worse:
+        return "support", reasons
+    if all(n in ahead for n in tied_rare) and worse:
+        return "trade-off", reasons
+    missing = [n for n in needed if n not in ahead]
+    return "inconclusive", [*reasons, "not ahead with an interval below zero: " + ", ".join(missing)]
+
+
+def verdict_markdown(raw: PlanRaw) -> str:
+    v, reasons = verdict(raw)
+    lines = [
+        "# Regime: the criteria of the README applied",
+        "",
+        f"**{v}**",
+        "",
+        *[f"- {r}" for r in reasons],
+        "",
+        "Validation shard; differences in nats, document bootstrap 95% over the seed pairs.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(raw: PlanRaw, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = count_band_labels(COUNT_EDGES)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, (side, key) in zip(axes, SIDES):
+        for other, color in ((BASE, "C0"), (ALBERT, "C1")):
+            xs, ys, err = [], [], []
+            for b in range(len(labels)):
+                c = comparison(raw, LEV, other, "mmidx", (key, b))
+                if c and c["mean"] is not None and c["document"] is not None:
+                    xs.append(b + (0.1 if other == ALBERT else 0))
+                    ys.append(c["mean"])
+                    err.append([c["mean"] - c["document"][0], c["document"][1] - c["mean"]])
+            if xs:
+                ax.errorbar(xs, ys, yerr=list(zip(*err)), fmt="o", color=color, label=f"LEV - {other}")
+        ax.axhline(0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_title(f"validation, by {side} training count")
+        ax.set_xlabel("training count band")
+    axes[0].set_ylabel("NLL difference (nats)")
+    axes[0].legend()
+    fig.tight_layout()
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "plots" / "bands.png", dpi=110)
+    plt.close(fig)
+
+
+def write_regime_report(raw_dir: Path, out_dir: Path, plots: bool = True) -> dict[str, Path]:
+    raw = PlanRaw(Path(raw_dir))
+    if not any(r["group"] == BASE for r in raw.runs):
+        raise DataError(f"{raw_dir}: no {BASE} run collected; the regime report compares against it")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pages = {
+        "overall.md": overall_markdown(raw),
+        "bands.md": bands_markdown(raw),
+        "curve.md": curve_markdown(raw),
+        "verdict.md": verdict_markdown(raw),
+    }
+    paths = {}
+    for name, text in pages.items():
+        paths[name] = out / name
+        atomic_write_text(paths[name], text)
+    if plots:
+        write_plots(raw, out)
+    return paths

@@ -1,0 +1,108 @@
+"""The regime report from synthetic raw files with known differences: the band comparisons and their
+intervals, and the README's criteria giving support, trade-off and refute where they should."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from megatron_lev.experiments import regime_report as rr
+from megatron_lev.experiments.plan_raw import PlanRaw, paired_differences, seed_interval
+
+DOCS, BANDS = 40, 5
+BAND_NLL = np.array([9.0, 8.0, 6.0, 5.0, 4.0])  # TIED's per-token NLL in bands 0, 1-9, 10-99, ...
+
+
+def _result(kind: str, shift: np.ndarray, rng, tokens: np.ndarray) -> dict:
+    """Per-document sums: NLL per token = BAND_NLL + shift (per band) + small noise."""
+    nll = tokens * (BAND_NLL + shift) + rng.normal(0, 0.05, size=tokens.shape) * tokens
+    doc = {"tokens": tokens.sum(1).astype(int).tolist(), "nll_sum": nll.sum(1).tolist()}
+    rows = []
+    for b in range(BANDS):
+        n = tokens[:, b].sum()
+        rows.append(
+            {"band": str(b), "tokens": int(n), "vocab_ids": 10 * b, "mean_nll": float(nll[:, b].sum() / n)}
+        )
+    for side in ("target_band", "input_band"):
+        doc[f"{side}_tokens"] = tokens.T.astype(int).tolist()
+        doc[f"{side}_nll_sum"] = nll.T.tolist()
+    return {
+        "corpus_kind": kind,
+        "mean_nll": float(nll.sum() / tokens.sum()),
+        "count_bands": {"target": rows, "input": rows},
+        "per_document": doc,
+    }
+
+
+def _raw(tmp_path, lev_shift, albert_shift, tied_seed_sd=0.02):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 30, size=(DOCS, BANDS)).astype(float)
+    tokens[:, 4] *= 20  # most tokens are frequent
+    plan = [("TIED", 3, np.zeros(BANDS)), ("LEV", 3, lev_shift), ("ALBERT-32", 1, albert_shift)]
+    plan += [("UNTIED", 1, np.full(BANDS, -0.01)), ("LEV-RANDOM", 1, lev_shift + 0.01)]
+    runs = []
+    for group, n, shift in plan:
+        for k, seed in enumerate((1234, 1235, 1236)[:n]):
+            name = f"{group.lower()}-s{seed}"
+            (tmp_path / name).mkdir()
+            jitter = np.full(BANDS, (k - 1) * tied_seed_sd)  # seed-to-seed spread of every group
+            results = [_result(kind, shift + jitter, rng, tokens) for kind in ("mmidx", "text")]
+            (tmp_path / name / "eval.json").write_text(json.dumps({"results": results}))
+            curve = [
+                {"kind": "valid", "iteration": it, "loss": 6.0 - it / 1000 + shift.mean()}
+                for it in (100, 200)
+            ]
+            (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(c) + "\n" for c in curve))
+            runs.append({"name": name, "group": group, "variant": "x", "seed": seed, "overrides": []})
+    (tmp_path / "study.json").write_text(json.dumps({"plan": "regime", "runs": runs}))
+    return PlanRaw(tmp_path)
+
+
+RARE_AHEAD = np.array([0.0, -0.5, 0.0, 0.0, 0.0])
+
+
+def test_band_differences_and_intervals(tmp_path):
+    raw = _raw(tmp_path, RARE_AHEAD, np.zeros(BANDS))
+    c = rr.comparison(raw, "LEV", "TIED", "mmidx", ("input_band", 1))
+    assert c["seeds"] == [1234, 1235, 1236] and c["mean"] == pytest.approx(-0.5, abs=0.05)
+    assert c["document"][0] < c["mean"] < c["document"][1] < 0
+    frequent = rr.comparison(raw, "LEV", "TIED", "mmidx", ("target_band", 4))
+    assert frequent["document"][0] < 0 < frequent["document"][1]
+    diffs, interval = paired_differences([(raw.result(raw.run("LEV")), raw.result(raw.run("TIED")))])
+    assert len(diffs) == 1 and interval[0] < diffs[0] < interval[1]
+    assert seed_interval([1.0]) is None and seed_interval([1.0, 2.0, 3.0])[0] < 2.0
+
+
+@pytest.mark.parametrize(
+    "lev_shift, albert_shift, expected",
+    [
+        (RARE_AHEAD, np.zeros(BANDS), "support"),  # ahead on 1-9, overall within the seed noise
+        (RARE_AHEAD + np.array([0, 0, 0, 0, 0.3]), np.zeros(BANDS), "trade-off"),  # frequent tokens worse
+        (np.array([0.0, 0.4, 0, 0, 0]), np.zeros(BANDS), "refute"),  # behind TIED on 1-9
+        (RARE_AHEAD, RARE_AHEAD * 2, "refute"),  # generic sharing does better on 1-9
+        (np.zeros(BANDS), np.zeros(BANDS), "inconclusive"),
+    ],
+    ids=["support", "trade-off", "refute-tied", "refute-albert", "inconclusive"],
+)
+def test_the_criteria(tmp_path, lev_shift, albert_shift, expected):
+    raw = _raw(tmp_path, lev_shift, albert_shift)
+    verdict, reasons = rr.verdict(raw)
+    assert verdict == expected, reasons
+
+
+def test_the_report_pages(tmp_path):
+    (tmp_path / "raw").mkdir()
+    _raw(tmp_path / "raw", RARE_AHEAD, np.zeros(BANDS))
+    paths = rr.write_regime_report(tmp_path / "raw", tmp_path / "out", plots=True)
+    assert sorted(paths) == sorted(rr.PAGES)
+    assert (tmp_path / "out" / "plots" / "bands.png").stat().st_size > 5_000
+    assert "**support**" in (tmp_path / "out" / "verdict.md").read_text()
+    bands = (tmp_path / "out" / "bands.md").read_text()
+    assert "## validation, by input count" in bands and "| 1-9 |" in bands
+    curve = (tmp_path / "out" / "curve.md").read_text()
+    assert "| 100 |" in curve and "| 200 |" in curve
+    again = rr.write_regime_report(tmp_path / "raw", tmp_path / "again", plots=False)
+    for name in rr.PAGES:
+        assert paths[name].read_text() == again[name].read_text()
