@@ -124,6 +124,12 @@ REGIME_GROUPS: tuple[Group, ...] = (
     ("LEV-RANDOM", "lev", REGIME_SEEDS[:1], (*LEV_SETTING, *LEV_LR, "model.lev.id_order=random")),
 )
 
+# LEV's token-id order on the pilot's config: the chosen setting in bpe, random and frequency order.
+ORDER_GROUPS: tuple[Group, ...] = tuple(
+    (f"LEV-{name}", "lev", SEEDS, (*LEV_SETTING, *LEV_LR, f"model.lev.id_order={order}"))
+    for name, order in (("BPE", "bpe"), ("RANDOM", "random"), ("FREQUENCY", "frequency"))
+)
+
 PLANS: dict[str, Plan] = {
     "study": Plan(
         "study", STUDY_CONFIG, GROUPS, SEEDS, about="the small grid's variants with seeds and LEV controls"
@@ -144,6 +150,14 @@ PLANS: dict[str, Plan] = {
         tokenizer_hint="tokenizers/gpt-neox-20b.json",
         lambada=False,
         about="GPT-NeoX vocabulary, 4 x 256 model: LEV against TIED, ALBERT-32 and UNTIED by count band",
+    ),
+    "order": Plan(
+        "order",
+        PILOT_CONFIG,
+        ORDER_GROUPS,
+        SEEDS,
+        lambada=False,
+        about="LEV's token-id order (bpe, random, frequency) on the pilot's config, three seeds",
     ),
 }
 

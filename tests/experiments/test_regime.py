@@ -106,3 +106,23 @@ def test_the_report_pages(tmp_path):
     again = rr.write_regime_report(tmp_path / "raw", tmp_path / "again", plots=False)
     for name in rr.PAGES:
         assert paths[name].read_text() == again[name].read_text()
+
+
+def test_the_order_page(tmp_path):
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(1, 30, size=(DOCS, BANDS)).astype(float)
+    runs = []
+    for group, shift in (("LEV-BPE", 0.0), ("LEV-RANDOM", -0.2), ("LEV-FREQUENCY", 0.1)):
+        for seed in (1234, 1235, 1236):
+            name = f"{group.lower()}-s{seed}"
+            (tmp_path / name).mkdir()
+            results = [_result(k, np.full(BANDS, shift), rng, tokens) for k in ("mmidx", "text")]
+            (tmp_path / name / "eval.json").write_text(json.dumps({"results": results}))
+            runs.append({"name": name, "group": group, "variant": "lev", "seed": seed, "overrides": []})
+    (tmp_path / "study.json").write_text(json.dumps({"plan": "order", "runs": runs}))
+    page = rr.write_order_report(tmp_path, tmp_path / "out")["order.md"].read_text()
+    row = next(
+        line for line in page.splitlines() if line.startswith("| LEV-RANDOM - LEV-BPE | validation | all |")
+    )
+    assert float(row.split(" | ")[3]) == pytest.approx(-0.2, abs=0.03)
+    assert "| LEV-FREQUENCY - LEV-BPE | zero-shot | >= 1000 |" in page
