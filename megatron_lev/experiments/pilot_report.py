@@ -15,9 +15,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from megatron_lev.config import atomic_write_text
 from megatron_lev.errors import DataError
-from megatron_lev.experiments.plan_raw import BOOTSTRAP, BOOTSTRAP_SEED, LEVEL, PlanRaw, paired_interval
+from megatron_lev.experiments.plan_raw import (
+    BOOTSTRAP,
+    BOOTSTRAP_SEED,
+    LEVEL,
+    PlanRaw,
+    paired_interval,
+    write_pages,
+)
 
 # the rules of docs/results/pilot/README.md
 COLLAPSE_MEAN_ROW = 0.9  # mean-row ratio above this at the last step: collapsed
@@ -307,17 +313,15 @@ def write_plots(raw: PlanRaw, out: Path) -> list[Path]:
 def write_pilot_report(raw_dir: Path, out_dir: Path, plots: bool = True) -> dict[str, Path]:
     raw = PlanRaw(Path(raw_dir))
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    pages = {
-        "runs.md": runs_markdown(raw),
-        "collapse.md": collapse_markdown(raw),
-        "gradients.md": gradients_markdown(raw),
-        "selection.md": selection_markdown(raw),
-    }
-    paths = {}
-    for name, text in pages.items():
-        paths[name] = out / name
-        atomic_write_text(paths[name], text)
+    paths = write_pages(
+        out,
+        {
+            "runs.md": runs_markdown(raw),
+            "collapse.md": collapse_markdown(raw),
+            "gradients.md": gradients_markdown(raw),
+            "selection.md": selection_markdown(raw),
+        },
+    )
     if plots:
         write_plots(raw, out)
     return paths

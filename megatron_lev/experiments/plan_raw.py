@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_lev.config import atomic_write_text
 from megatron_lev.errors import DataError
 from megatron_lev.experiments.study import get_plan
 
@@ -16,7 +17,8 @@ BOOTSTRAP_SEED = 0
 LEVEL = 0.95
 
 
-def _read_json(path: Path):
+def read_raw_json(path: Path):
+    """A raw JSON file; missing or damaged is one line naming it."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -25,13 +27,23 @@ def _read_json(path: Path):
         raise DataError(f"{path}: damaged ({' '.join(str(exc).split())}); collect it again") from None
 
 
+def write_pages(out: Path, pages: dict[str, str]) -> dict[str, Path]:
+    """Write each report page (name -> markdown) atomically under `out`; returns name -> path."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, text in pages.items():
+        paths[name] = out / name
+        atomic_write_text(paths[name], text)
+    return paths
+
+
 class PlanRaw:
     """The collected runs of a plan (`study collect`) in plan order, with their results and logged
     dynamics read on demand."""
 
     def __init__(self, raw: Path):
         self.root = Path(raw)
-        listing = _read_json(self.root / "study.json")
+        listing = read_raw_json(self.root / "study.json")
         plan = get_plan(listing.get("plan", "study"))
         order = {g: i for i, (g, *_rest) in enumerate(plan.groups)}
         self.runs = sorted(listing["runs"], key=lambda r: (order.get(r["group"], len(order)), r["seed"]))
@@ -50,7 +62,7 @@ class PlanRaw:
     def result(self, run: dict, kind: str = "mmidx") -> dict:
         key = (run["name"], "eval")
         if key not in self._cache:
-            data = _read_json(self.root / run["name"] / "eval.json")
+            data = read_raw_json(self.root / run["name"] / "eval.json")
             self._cache[key] = data.get("results", []) if isinstance(data, dict) else []
         found = next((r for r in self._cache[key] if r.get("corpus_kind") == kind), None)
         if found is None:

@@ -13,7 +13,6 @@ import statistics
 from pathlib import Path
 
 from megatron_lev.analysis.perplexity import COUNT_EDGES, count_band_labels
-from megatron_lev.config import atomic_write_text
 from megatron_lev.errors import DataError
 from megatron_lev.experiments.plan_raw import (
     BOOTSTRAP,
@@ -22,6 +21,7 @@ from megatron_lev.experiments.plan_raw import (
     PlanRaw,
     paired_differences,
     seed_interval,
+    write_pages,
 )
 
 BASE, LEV, ALBERT = "TIED", "LEV", "ALBERT-32"
@@ -312,12 +312,7 @@ def order_markdown(raw: PlanRaw) -> str:
 
 
 def write_order_report(raw_dir: Path, out_dir: Path, plots: bool = False) -> dict[str, Path]:
-    raw = PlanRaw(Path(raw_dir))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "order.md"
-    atomic_write_text(path, order_markdown(raw))
-    return {"order.md": path}
+    return write_pages(Path(out_dir), {"order.md": order_markdown(PlanRaw(Path(raw_dir)))})
 
 
 def write_regime_report(raw_dir: Path, out_dir: Path, plots: bool = True) -> dict[str, Path]:
@@ -325,17 +320,15 @@ def write_regime_report(raw_dir: Path, out_dir: Path, plots: bool = True) -> dic
     if not any(r["group"] == BASE for r in raw.runs):
         raise DataError(f"{raw_dir}: no {BASE} run collected; the regime report compares against it")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    pages = {
-        "overall.md": overall_markdown(raw),
-        "bands.md": bands_markdown(raw),
-        "curve.md": curve_markdown(raw),
-        "verdict.md": verdict_markdown(raw),
-    }
-    paths = {}
-    for name, text in pages.items():
-        paths[name] = out / name
-        atomic_write_text(paths[name], text)
+    paths = write_pages(
+        out,
+        {
+            "overall.md": overall_markdown(raw),
+            "bands.md": bands_markdown(raw),
+            "curve.md": curve_markdown(raw),
+            "verdict.md": verdict_markdown(raw),
+        },
+    )
     if plots:
         write_plots(raw, out)
     return paths

@@ -10,7 +10,6 @@ same raw files give byte-identical tables. A comparison whose runs are missing s
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
@@ -23,20 +22,12 @@ from megatron_lev.analysis.compare import (
 )
 from megatron_lev.config import atomic_write_text
 from megatron_lev.errors import DataError
+from megatron_lev.experiments.plan_raw import read_raw_json as _read_json
 from megatron_lev.experiments.study import CORPORA, EQUAL_SCALE_RMS, GROUPS, VARIANT_GROUPS
 
 BOOTSTRAP = 1000
 BOOTSTRAP_SEED = 0
 GEOMETRY_METRICS = ("eps", "mu", "sigma", "mean_row_ratio", "effective_rank")
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{path}: missing from the raw results; run `megatron-lev study collect`") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: damaged ({' '.join(str(exc).split())}); collect it again") from None
 
 
 class Raw:
