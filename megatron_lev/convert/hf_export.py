@@ -455,7 +455,10 @@ def validate_export(
     exported = hf_stages(hf, ids)
     del hf
     tol = TOLERANCE[dtype]
-    report = compare_stages(reference, exported, atol=tol, rtol=tol)
+    # relative to each stage's scale: rounding grows with the size of the values summed, and a trained
+    # model's residual stream reaches tens (a run at lr 4e-3 differed by 6e-4 at a layer output of
+    # that size, float32 rounding, not a conversion error)
+    report = compare_stages(reference, exported, atol=tol, rtol=tol, relative=True)
     report.probe_max_abs_diff = probe_export(src, hf_dir, remote_code, buffers).max_abs_diff
     return report
 
