@@ -180,6 +180,13 @@ def _pick(candidates: list[tuple[str, float]], order: list[str]) -> tuple[str, l
     return min(tied, key=order.index), tied
 
 
+def warmed(group: str) -> str:
+    """The group with the 10% warm-up (the amendment of the README): LEV-W10 for LEV as is."""
+    if group == "LEV":
+        return "LEV-W10"
+    return group if group.endswith("-W10") else f"{group}-W10"
+
+
 def selection(raw: PlanRaw) -> dict:
     """The README's rules applied: the chosen LEV setting, each side's learning rate, the default."""
     present = {g for g in raw.groups()}
@@ -188,9 +195,9 @@ def selection(raw: PlanRaw) -> dict:
         raise DataError("no LEV group at the study's learning rate was collected")
     chosen, tied = _pick(settings, list(SPEC_ORDER))
     out = {"settings": settings, "chosen": chosen, "tied": tied, "lr": {}}
-    for side, base in (("TIED", "TIED"), ("LEV", chosen)):
-        stem = "LEV" if base == "LEV" else base
-        options = [(base, BASE_LR)] + [(f"{stem}{sfx}", lr) for sfx, lr in LR_SUFFIX.items()]
+    # the amendment: both sides' sweeps run with the 10% warm-up
+    for side, base in (("TIED", "TIED-W10"), ("LEV", warmed(chosen))):
+        options = [(base, BASE_LR)] + [(f"{base}{sfx}", lr) for sfx, lr in LR_SUFFIX.items()]
         have = [(g, lr) for g, lr in options if g in present]
         if len(have) < len(options):
             out["lr"][side] = None  # not every rate was run yet

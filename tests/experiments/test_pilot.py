@@ -65,11 +65,14 @@ def _metrics(mean_row: tuple[float, float], rank: tuple[float, float]) -> str:
 SHIFTS = {
     "TIED": (0.00, False),
     "TIED-LR1": (0.02, False),
-    "TIED-LR4": (-0.005, False),  # within 0.01 of TIED: the tie goes to the rate nearer 2e-3 (TIED)
+    "TIED-LR4": (0.03, False),
+    "TIED-W10": (-0.10, False),
+    "TIED-W10-LR1": (-0.08, False),
+    "TIED-W10-LR4": (-0.105, False),  # within 0.01 of TIED-W10: the tie goes to the rate nearer 2e-3
     "LEV": (0.50, True),
     "LEV-W10": (0.45, True),
     "LEV-X01": (0.40, False),
-    "LEV-R": (0.208, False),
+    "LEV-R": (0.205, False),
     "LEV-RS": (0.20, False),  # lowest, but within 0.01 of LEV-R: LEV-R (nearer the spec) is chosen
     "LEV-RG": (0.30, False),
 }
@@ -113,8 +116,13 @@ def test_the_rules_pick_the_setting_the_rate_and_the_default(raw):
     assert pr.collapsed(r, r.run("LEV")) is True and pr.collapsed(r, r.run("LEV-R")) is False
     sel = pr.selection(r)
     assert sel["chosen"] == "LEV-R" and sorted(sel["tied"]) == ["LEV-R", "LEV-RS"]
-    assert sel["lr"]["TIED"] == ("TIED", ["TIED", "TIED-LR4"])
-    assert sel["lr"]["LEV"] is None  # LEV-R-LR1 / -LR4 not run yet
+    assert sel["lr"]["TIED"] == ("TIED-W10", ["TIED-W10", "TIED-W10-LR4"])
+    assert sel["lr"]["LEV"] is None  # LEV-R-W10 and its rates not run yet
+    assert (
+        pr.warmed("LEV") == "LEV-W10"
+        and pr.warmed("LEV-W10") == "LEV-W10"
+        and pr.warmed("LEV-R") == "LEV-R-W10"
+    )
     ok, why = sel["default"]
     assert ok and why.startswith("LEV-R - LEV = -0.2")
 
