@@ -91,6 +91,9 @@ PILOT_GROUPS: tuple[Group, ...] = (
     ("LEV-R", "lev", PILOT_SEEDS[:1], (CENTRE_REFERENCE,)),
     ("LEV-RS", "lev", PILOT_SEEDS[:1], (CENTRE_REFERENCE, "model.lev.seed_init_scale=10")),
     ("LEV-RG", "lev", PILOT_SEEDS[:1], (CENTRE_REFERENCE, SEED_LR_X01)),
+    # the amendment (docs/results/pilot/README.md): the learning-rate sweep with the 10% warm-up
+    ("TIED-W10-LR1", "tied", PILOT_SEEDS[:1], (WARMUP_10, *_lr(1e-3))),
+    ("TIED-W10-LR4", "tied", PILOT_SEEDS[:1], (WARMUP_10, *_lr(4e-3))),
 )
 
 
