@@ -27,6 +27,7 @@ Where it is wrong for a machine, `MEGATRON_LEV_NO_MEMORY_CHECK=1` skips the chec
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -181,18 +182,14 @@ def available_memory() -> tuple[int | None, str]:
     """Bytes this process may still allocate: /proc/meminfo's MemAvailable, lowered to what the
     cgroup's memory.max leaves; (None, "") when neither can be read."""
     found: list[tuple[int, str]] = []
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):  # no /proc (not Linux) or an odd line
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 found.append((int(line.split()[1]) * 1024, "MemAvailable"))
                 break
-    except (OSError, ValueError, IndexError):
-        pass
     if not found:
-        try:
+        with contextlib.suppress(OSError, ValueError):  # sysconf without these names
             found.append((os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free pages"))
-        except (OSError, ValueError):
-            pass
     limit = _cgroup_room()
     if limit is not None:
         found.append((limit, "the cgroup's memory.max"))

@@ -32,6 +32,40 @@ class Outcome:
         return [line for line in self.err.splitlines() if line.strip()]
 
 
+def tiny_run_overrides(prefix, tokenizer, cache, out: Path, **extra) -> list[str]:
+    """`key=value` overrides of a seconds-long CPU run of `pretrain/configs/tiny.yaml` on the shard
+    `prefix` (a LEV model of width 32, 4 steps, a checkpoint every 2) writing under `out`; `extra`
+    adds or replaces keys."""
+    base = {
+        "data.data_path": f"[{prefix}]",
+        "data.tokenizer_path": str(tokenizer),
+        "data.split": "98,2,0",
+        "data.cache_dir": str(cache),
+        "model.num_layers": 2,
+        "model.hidden_size": 32,
+        "model.num_attention_heads": 2,
+        "model.seq_length": 32,
+        "model.lev.d_seed": 8,
+        "model.lev.heads": 2,
+        "model.lev.rank": 4,
+        "model.lev.kappa": 4,
+        "train.micro_batch_size": 2,
+        "train.train_iters": 4,
+        "train.lr": 3e-3,
+        "train.min_lr": 3e-4,
+        "train.lr_warmup_iters": 2,
+        "train.save_interval": 2,
+        "train.keep_last": 2,
+        "train.save": str(out / "ckpt"),
+        "logging.output_dir": str(out),
+        "logging.log_interval": 1,
+        "logging.progress_bar": False,
+        "logging.tensorboard": False,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
 def run_cli(argv: list[str], capsys) -> Outcome:
     """`megatron-lev *argv` in this process; an exception escaping it fails the test."""
     from megatron_lev.cli import main

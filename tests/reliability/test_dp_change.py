@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from megatron_lev.testing.distributed import run_distributed
-from tests.reliability.harness import ROOT, expect_ok, run_cli_process
+from tests.reliability.harness import ROOT, expect_ok, run_cli_process, tiny_run_overrides
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -44,34 +44,9 @@ ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": 
 
 
 def overrides(data: dict, out: Path, **extra) -> list[str]:
-    base = {
-        "data.data_path": f"[{data['prefix']}]",
-        "data.tokenizer_path": data["tokenizer"],
-        "data.split": "98,2,0",
-        "data.cache_dir": str(data["cache"]),
-        "model.num_layers": 2,
-        "model.hidden_size": 32,
-        "model.num_attention_heads": 2,
-        "model.seq_length": 32,
-        "model.lev.d_seed": 8,
-        "model.lev.heads": 2,
-        "model.lev.rank": 4,
-        "model.lev.kappa": 4,
-        "train.micro_batch_size": 2,
-        "train.train_iters": 4,
-        "train.lr": 3e-3,
-        "train.min_lr": 3e-4,
-        "train.lr_warmup_iters": 2,
-        "train.save_interval": 2,
-        "train.keep_last": 4,
-        "train.save": str(out / "ckpt"),
-        "logging.output_dir": str(out),
-        "logging.log_interval": 1,
-        "logging.progress_bar": False,
-        "logging.tensorboard": False,
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+    return tiny_run_overrides(
+        data["prefix"], data["tokenizer"], data["cache"], out, **{"train.keep_last": 4, **extra}
+    )
 
 
 def _cli_rank(argv: list[str]) -> dict:

@@ -26,7 +26,15 @@ import zstandard
 from megatron_lev.ckpt import layout as ck
 from megatron_lev.ckpt.provenance import PROVENANCE_FILE, manifest_digest
 from megatron_lev.utils.io import sha256_file
-from tests.reliability.harness import ROOT, Outcome, expect_error, expect_ok, run_cli, run_cli_process
+from tests.reliability.harness import (
+    ROOT,
+    Outcome,
+    expect_error,
+    expect_ok,
+    run_cli,
+    run_cli_process,
+    tiny_run_overrides,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -81,34 +89,7 @@ class World:
 
 
 def overrides(w: World, out: Path, **extra) -> list[str]:
-    base = {
-        "data.data_path": f"[{w.prefix}]",
-        "data.tokenizer_path": str(w.tokenizer),
-        "data.split": "98,2,0",
-        "data.cache_dir": str(w.work / "cache"),
-        "model.num_layers": 2,
-        "model.hidden_size": 32,
-        "model.num_attention_heads": 2,
-        "model.seq_length": 32,
-        "model.lev.d_seed": 8,
-        "model.lev.heads": 2,
-        "model.lev.rank": 4,
-        "model.lev.kappa": 4,
-        "train.micro_batch_size": 2,
-        "train.train_iters": 4,
-        "train.lr": 3e-3,
-        "train.min_lr": 3e-4,
-        "train.lr_warmup_iters": 2,
-        "train.save_interval": 2,
-        "train.keep_last": 2,
-        "train.save": str(out / "ckpt"),
-        "logging.output_dir": str(out),
-        "logging.log_interval": 1,
-        "logging.progress_bar": False,
-        "logging.tensorboard": False,
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+    return tiny_run_overrides(w.prefix, w.tokenizer, w.work / "cache", out, **extra)
 
 
 def train(argv: list, timeout: float = 300) -> Outcome:

@@ -33,7 +33,13 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from tests.reliability.harness import ROOT, expect_error, leftover_processes, run_cli_process
+from tests.reliability.harness import (
+    ROOT,
+    expect_error,
+    leftover_processes,
+    run_cli_process,
+    tiny_run_overrides,
+)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -80,34 +86,13 @@ def data(tmp_path_factory, shared_data) -> dict:
 
 
 def overrides(data: dict, out: Path, **extra) -> list[str]:
-    base = {
-        "data.data_path": f"[{data['prefix']}]",
-        "data.tokenizer_path": data["tokenizer"],
-        "data.split": "98,2,0",
-        "data.cache_dir": str(data["cache"]),
-        "model.num_layers": 2,
-        "model.hidden_size": 32,
-        "model.num_attention_heads": 2,
-        "model.seq_length": 32,
-        "model.lev.d_seed": 8,
-        "model.lev.heads": 2,
-        "model.lev.rank": 4,
-        "model.lev.kappa": 4,
-        "train.micro_batch_size": 2,
-        "train.train_iters": 4,
-        "train.lr": 3e-3,
-        "train.min_lr": 3e-4,
-        "train.lr_warmup_iters": 2,
-        "train.save_interval": 0,
-        "train.save": str(out / "ckpt"),
-        "logging.output_dir": str(out),
-        "logging.log_interval": 1,
-        "logging.log_all_ranks": True,
-        "logging.progress_bar": False,
-        "logging.tensorboard": False,
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+    return tiny_run_overrides(
+        data["prefix"],
+        data["tokenizer"],
+        data["cache"],
+        out,
+        **{"train.save_interval": 0, "logging.log_all_ranks": True, **extra},
+    )
 
 
 def _free_port() -> int:
