@@ -94,6 +94,10 @@ PILOT_GROUPS: tuple[Group, ...] = (
     # the amendment (docs/results/pilot/README.md): the learning-rate sweep with the 10% warm-up
     ("TIED-W10-LR1", "tied", PILOT_SEEDS[:1], (WARMUP_10, *_lr(1e-3))),
     ("TIED-W10-LR4", "tied", PILOT_SEEDS[:1], (WARMUP_10, *_lr(4e-3))),
+    # the chosen setting (LEV-RG, selection.md) with the 10% warm-up at the three learning rates
+    ("LEV-RG-W10", "lev", PILOT_SEEDS, (CENTRE_REFERENCE, SEED_LR_X01, WARMUP_10)),
+    ("LEV-RG-W10-LR1", "lev", PILOT_SEEDS[:1], (CENTRE_REFERENCE, SEED_LR_X01, WARMUP_10, *_lr(1e-3))),
+    ("LEV-RG-W10-LR4", "lev", PILOT_SEEDS[:1], (CENTRE_REFERENCE, SEED_LR_X01, WARMUP_10, *_lr(4e-3))),
 )
 
 
