@@ -119,6 +119,9 @@ RANGES: dict[str, Range] = {
     "model.lev.seed_init_scale": Range(
         0, lo_open=True, cap=1000, why="multiplies the init std of the codebooks and W_l, e.g. 10"
     ),
+    "model.lev.seed_lr_mult": Range(
+        0, lo_open=True, cap=1000, why="multiplies the learning rate of the codebooks and W_l, e.g. 0.1"
+    ),
     "model.lev.centre_reference": Range(
         0, 64 * _M, why="token ids whose mean modes are subtracted (0: off; e.g. 256)"
     ),
@@ -240,6 +243,10 @@ class LevConfig:
     # init: a larger scale spreads u over more knots at init, shrinks their gradients (1/scale) and how
     # far one Adam step turns them (lr/scale). Without lev.residual, which reads z directly.
     seed_init_scale: float = 1.0
+    # multiplies the learning rate of the codebooks and W_l (the same scale-free seed side): a tenth
+    # turns them by lr/0.02 x 0.1 per Adam step. Two train.param_groups rules put first
+    # (`RunConfig.param_group_rules`), so it applies with any model.embedding in one config file.
+    seed_lr_mult: float = 1.0
     centred: bool = False  # G = sum_l (M_l - 1) W_out_l: drops the all-ones mode's shared vector
     # > 0: G = sum_l (M_l - mean_R M_l) W_out_l, R this many evenly spaced token ids (reference_ids),
     # recomputed from the current weights at every forward, so the readout stays centred in training
@@ -436,6 +443,11 @@ def _check_blend(key: str, paths: list[str]) -> None:
         raise ConfigError(f"{key}: every blend weight is 0; give at least one positive weight")
 
 
+# The seed side of LEV (codebooks and W_l, canonical names): what model.lev.seed_lr_mult scales.
+LEV_SEED_PARAMS = ("embedding.codebooks.*", "embedding.proj")
+LEV_SEED_NAMES = ("embedding.codebooks.weight", "embedding.proj")
+
+
 @dataclass
 class ParamGroupRule:
     """Optimizer settings for the parameters whose canonical name matches `pattern` (a shell-style
@@ -555,6 +567,17 @@ class RunConfig:
         for section in (self.model, self.parallel, self.data, self.train, self.logging):
             section.validate()
         m, p, t = self.model, self.parallel, self.train
+        if m.embedding == "lev" and m.lev.seed_lr_mult != 1.0:
+            import fnmatch
+
+            for i, rule in enumerate(t.param_groups):
+                hit = [n for n in LEV_SEED_NAMES if fnmatch.fnmatchcase(n, rule.pattern)]
+                if hit:
+                    raise ConfigError(
+                        f"model.lev.seed_lr_mult={m.lev.seed_lr_mult} and train.param_groups[{i}] "
+                        f"(pattern {rule.pattern!r}) both set the learning rate of {hit[0]}: set it in one "
+                        "place (seed_lr_mult=1 to leave it to the rule, or a pattern that leaves it out)"
+                    )
         tp = p.tensor_model_parallel_size
         if m.num_attention_heads % tp:
             raise ConfigError(
@@ -595,6 +618,16 @@ class RunConfig:
                     "batch or the micro-batch so that gradient accumulation is a whole number"
                 )
         return self
+
+    def param_group_rules(self) -> list[ParamGroupRule]:
+        """The optimizer's rules by parameter name: those `model.lev.seed_lr_mult` implies (LEV only)
+        before `train.param_groups`. Every reader of the optimizer's groups (the engine, the optimizer
+        files of a checkpoint) takes them from here."""
+        lev = self.model.lev
+        if self.model.embedding != "lev" or lev.seed_lr_mult == 1.0:
+            return list(self.train.param_groups)
+        implied = [ParamGroupRule(pattern, lr_mult=lev.seed_lr_mult) for pattern in LEV_SEED_PARAMS]
+        return implied + list(self.train.param_groups)
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (

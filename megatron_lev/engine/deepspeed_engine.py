@@ -393,7 +393,7 @@ def build_engine(
     t = cfg.train
     canonical = (lambda name: STAGE_PREFIX.sub("", name, count=1)) if pipeline else str
     groups = param_groups(
-        model, t.weight_decay, keep_empty=pipeline, rules=t.param_groups, canonical=canonical
+        model, t.weight_decay, keep_empty=pipeline, rules=cfg.param_group_rules(), canonical=canonical
     )
     if pipeline and uses_zero_optimizer_per_group(ds_config):
         groups = same_groups_on_every_stage(model, groups)

@@ -139,11 +139,11 @@ def _zero0_local(src) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
         else:
             first = next_layer if mp % tp == 0 else first_of_stage
             names, last = _stage_names(
-                layers, tied, first, mp % tp, shapes, opt["param_groups"], path, src.cfg.train.param_groups
+                layers, tied, first, mp % tp, shapes, opt["param_groups"], path, src.cfg.param_group_rules()
             )
             if mp % tp == 0:
                 first_of_stage, next_layer = first, last + 1
-        groups = _group_names(names, opt["param_groups"], path, src.cfg.train.param_groups)
+        groups = _group_names(names, opt["param_groups"], path, src.cfg.param_group_rules())
         for g, group in enumerate(opt["param_groups"]):
             for index, name in zip(group["params"], groups[g], strict=True):
                 entry = opt["state"].get(index)

@@ -116,24 +116,28 @@ class Plan:
 
 
 # The regime experiment (docs/results/regime/README.md): GPT-NeoX's vocabulary, a model whose input
-# table is 80% of it. LEV_SETTING is the LEV setting the pilot chose (docs/results/pilot/selection.md)
-# and each side's learning rate is the pilot's choice for it.
+# table is 80% of it. Each side runs as the pilot chose (docs/results/pilot/selection.md): LEV in the
+# chosen setting at LEV's chosen learning rate, TIED, ALBERT and UNTIED at TIED's, all with the 10%
+# warm-up (the amendment). tests/experiments/test_pilot.py checks these names against the rules
+# applied to the committed pilot raw files.
 REGIME_CONFIG = Path("pretrain/configs/experiments/regime/regime.yaml")
 REGIME_SEEDS = SEEDS
-LEV_SETTING: tuple[str, ...] = ()  # set from the pilot's selection before the regime runs
-TIED_LR: tuple[str, ...] = ()
-LEV_LR: tuple[str, ...] = ()
+PILOT_TIED_CHOICE = "TIED-W10"
+PILOT_LEV_CHOICE = "LEV-RG-W10"
+_PILOT_OVERRIDES = {group: extra for group, _, _, extra in PILOT_GROUPS}
+TIED_SETTING: tuple[str, ...] = _PILOT_OVERRIDES[PILOT_TIED_CHOICE]
+LEV_SETTING: tuple[str, ...] = _PILOT_OVERRIDES[PILOT_LEV_CHOICE]
 REGIME_GROUPS: tuple[Group, ...] = (
-    ("TIED", "tied", REGIME_SEEDS, TIED_LR),
-    ("LEV", "lev", REGIME_SEEDS, (*LEV_SETTING, *LEV_LR)),
-    ("ALBERT-32", "albert", REGIME_SEEDS[:1], ("model.baseline_dim=32", *TIED_LR)),
-    ("UNTIED", "untied", REGIME_SEEDS[:1], TIED_LR),
-    ("LEV-RANDOM", "lev", REGIME_SEEDS[:1], (*LEV_SETTING, *LEV_LR, "model.lev.id_order=random")),
+    ("TIED", "tied", REGIME_SEEDS, TIED_SETTING),
+    ("LEV", "lev", REGIME_SEEDS, LEV_SETTING),
+    ("ALBERT-32", "albert", REGIME_SEEDS[:1], ("model.baseline_dim=32", *TIED_SETTING)),
+    ("UNTIED", "untied", REGIME_SEEDS[:1], TIED_SETTING),
+    ("LEV-RANDOM", "lev", REGIME_SEEDS[:1], (*LEV_SETTING, "model.lev.id_order=random")),
 )
 
 # LEV's token-id order on the pilot's config: the chosen setting in bpe, random and frequency order.
 ORDER_GROUPS: tuple[Group, ...] = tuple(
-    (f"LEV-{name}", "lev", SEEDS, (*LEV_SETTING, *LEV_LR, f"model.lev.id_order={order}"))
+    (f"LEV-{name}", "lev", SEEDS, (*LEV_SETTING, f"model.lev.id_order={order}"))
     for name, order in (("BPE", "bpe"), ("RANDOM", "random"), ("FREQUENCY", "frequency"))
 )
 

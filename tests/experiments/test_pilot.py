@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from megatron_lev.experiments import pilot_report as pr
+from megatron_lev.experiments import study
 from megatron_lev.experiments.study import PILOT_GROUPS, study_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,9 +145,6 @@ def test_the_report_is_deterministic_and_says_what_it_found(raw, tmp_path):
     assert "| lev-s1234 | 300 | 0.1000 | 0.9900 | 20.0 | 20.0 | 0.0200 | 1/2 |" in collapse
 
 
-@pytest.mark.skipif(
-    not (PILOT / "raw" / "study.json").is_file(), reason="the pilot's raw files are not committed"
-)
 def test_the_committed_tables_are_those_of_the_committed_raw_files(tmp_path):
     pr.write_pilot_report(PILOT / "raw", tmp_path, plots=False)
     for name in pr.PAGES:
@@ -158,3 +156,18 @@ def test_the_committed_tables_are_those_of_the_committed_raw_files(tmp_path):
             f"docs/results/pilot/{name} differs from the report of docs/results/pilot/raw; regenerate it "
             "with `megatron-lev study report docs/results/pilot/raw docs/results/pilot`"
         )
+
+
+def test_the_regime_and_order_plans_run_what_the_committed_pilot_chose():
+    """The settings the later experiments use are those the README's rules give on the committed raw
+    files, not numbers copied by hand."""
+    sel = pr.selection(pr.PlanRaw(PILOT / "raw"))
+    assert sel["lr"]["TIED"] is not None and sel["lr"]["LEV"] is not None, "the pilot's sweeps are incomplete"
+    assert study.PILOT_TIED_CHOICE == sel["lr"]["TIED"][0]
+    assert study.PILOT_LEV_CHOICE == sel["lr"]["LEV"][0]
+    assert sel["lr"]["LEV"][0].startswith(pr.warmed(sel["chosen"]))
+    overrides = {g: o for g, _, _, o in PILOT_GROUPS}
+    regime = {g: o for g, _, _, o in study.REGIME_GROUPS}
+    assert regime["TIED"] == overrides[study.PILOT_TIED_CHOICE]
+    assert regime["LEV"] == overrides[study.PILOT_LEV_CHOICE]
+    assert all(o[: len(regime["LEV"])] == regime["LEV"] for g, _, _, o in study.ORDER_GROUPS)

@@ -123,11 +123,39 @@ def _cfg(*extra):
         ),
         ("train.param_groups=[{pattern: 'embedding.*', adam_eps: 0}]", r"adam_eps=0.0 must be > 0"),
         ("train.param_groups=[{pattern: 'embedding.*', lr: 1}]", r"lr"),
+        ("model.lev.seed_lr_mult=0", r"model.lev.seed_lr_mult"),
+        (
+            ("model.lev.seed_lr_mult=0.1", "train.param_groups=[{pattern: 'embedding.*', lr_mult: 0.5}]"),
+            r"seed_lr_mult=0.1 and train.param_groups\[0\] \(pattern 'embedding.\*'\) both set the "
+            r"learning rate of embedding.codebooks.weight",
+        ),
     ],
 )
 def test_bad_rules_are_config_errors(override, message):
+    overrides = override if isinstance(override, tuple) else (override,)
     with pytest.raises(ConfigError, match=message):
-        validate_run(_cfg(override), 1, cuda=False)
+        validate_run(_cfg(*overrides), 1, cuda=False)
+
+
+def test_seed_lr_mult_is_two_rules_for_lev_only():
+    """model.lev.seed_lr_mult puts the pilot's two rules (codebooks and W_l at a tenth, LEV-RG's
+    train.param_groups) before the user's; other embeddings ignore it, so one config file serves
+    every variant."""
+    from megatron_lev.experiments.study import SEED_LR_X01
+
+    pilot = _cfg(SEED_LR_X01).param_group_rules()
+    assert [r.pattern for r in pilot] == ["embedding.codebooks.*", "embedding.proj"]
+    assert _cfg("model.lev.seed_lr_mult=0.1").param_group_rules() == pilot
+    user = "train.param_groups=[{pattern: 'embedding.out_proj', lr_mult: 0.5}]"
+    both = _cfg("model.lev.seed_lr_mult=0.1", user).param_group_rules()
+    assert both[:2] == pilot and both[2].pattern == "embedding.out_proj"
+    tied = load_config(
+        ["pretrain/configs/tiny.yaml"],
+        ["model.embedding=tied", "data.data_path=[x]", "data.tokenizer_path=t", "model.lev.seed_lr_mult=0.1"],
+        validate=False,
+    )
+    assert tied.param_group_rules() == []
+    validate_run(tied, 1, cuda=False)  # no rule to match a parameter TIED does not have
 
 
 def test_a_good_rule_passes():
@@ -167,3 +195,9 @@ def test_lr_mult_halves_the_update_of_exactly_the_named_parameters(tokenizer_pat
         want = 0.5 * delta if name in named else delta
         # fp32 differences of weights near 1 round at ~6e-8; the updates are ~1e-3
         torch.testing.assert_close(half[name], want, rtol=1e-4, atol=2e-7, msg=name)
+    seed = run_distributed(
+        _one_step, world_size=1, args=(tokenizer_path, ("model.lev.seed_lr_mult=0.1",)), timeout=600
+    )[0]
+    for name, delta in base.items():  # Adam's first step is lr x sign: a tenth of it, exactly there
+        want = 0.1 * delta if name in ("embedding.codebooks.weight", "embedding.proj") else delta
+        torch.testing.assert_close(seed[name], want, rtol=1e-4, atol=2e-7, msg=name)
