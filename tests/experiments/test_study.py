@@ -50,9 +50,11 @@ def test_plan_has_19_runs_in_9_groups_with_their_seeds_and_overrides():
         "LEV-C": list(SEEDS),
     }
     assert SEEDS == (1234, 1235, 1236)
-    for g in ("TIED-EQ", "LEV-EQ"):
-        assert all(r.overrides[1:] == (f"model.input_init_rms={EQUAL_SCALE_RMS}",) for r in by_group[g])
-    assert all(r.overrides[1:] == ("model.lev.centred=true",) for r in by_group["LEV-C"])
+    spec = ("model.lev.centre_reference=0", "model.lev.seed_lr_mult=1")  # the study measured the spec
+    assert all(r.overrides[1:] == (f"model.input_init_rms={EQUAL_SCALE_RMS}",) for r in by_group["TIED-EQ"])
+    assert all(r.overrides[1:] == (*spec, f"model.input_init_rms={EQUAL_SCALE_RMS}") for r in by_group["LEV-EQ"])
+    assert all(r.overrides[1:] == (*spec, "model.lev.centred=true") for r in by_group["LEV-C"])
+    assert all(r.overrides[1:] == spec for r in by_group["LEV"])
     assert {r.variant for r in by_group["LEV-C"] + by_group["LEV-EQ"]} == {"lev"}
     with pytest.raises(ValueError, match="unknown"):
         select_runs(["lev-s9"])
@@ -81,6 +83,9 @@ def test_every_run_config_passes_the_trainers_validation_and_keeps_data_order(tm
     assert len({c.data.seed for c in cfgs.values()}) == 1  # one data order
     assert cfgs["lev-eq-s1235"].model.input_init_rms == EQUAL_SCALE_RMS
     assert cfgs["lev-c-s1236"].model.lev.centred and not cfgs["lev-s1236"].model.lev.centred
+    for name in ("lev-s1234", "lev-eq-s1235", "lev-c-s1236"):  # the spec's LEV, as the raw files were made
+        lev = cfgs[name].model.lev
+        assert lev.centre_reference == 0 and lev.seed_lr_mult == 1.0 and cfgs[name].param_group_rules() == []
     steps = [s.name for s in study.all_steps()]
     assert steps[:5] == ["split", "tokenizer", "preprocess-train", "preprocess-valid", "lambada"]
     assert len(steps) == 5 + 19 * 4 and len(set(steps)) == len(steps)
@@ -88,7 +93,12 @@ def test_every_run_config_passes_the_trainers_validation_and_keeps_data_order(tm
     for flag in ("--data", "--counts", "--text", "--lambada"):
         assert flag in evaluate
     train = next(s for s in study.all_steps() if s.name == "train-lev-c-s1234")
-    assert train.command()[-2:] == ["train.seed=1234", "model.lev.centred=true"]
+    assert train.command()[-4:] == [
+        "train.seed=1234",
+        "model.lev.centre_reference=0",
+        "model.lev.seed_lr_mult=1",
+        "model.lev.centred=true",
+    ]
     assert train.env["OMP_NUM_THREADS"] == "1"
 
 
