@@ -247,6 +247,19 @@ def selection_markdown(raw: PlanRaw) -> str:
                 f"- {side}: {winner} (peak lr {learning_rate(winner):g}); within {TIE_NATS} nats: "
                 f"{', '.join(tied)}."
             )
+    if all(sel["lr"].get(side) for side in ("TIED", "LEV")):
+        tied, lev = raw.run(sel["lr"]["TIED"][0]), raw.run(sel["lr"]["LEV"][0])
+        lines += [
+            "",
+            "## Each side at its chosen setting",
+            "",
+            f"{sel['lr']['LEV'][0]} minus {sel['lr']['TIED'][0]} (seed 1234, the same documents; 95% "
+            "bootstrap interval over documents):",
+            "",
+        ]
+        for kind, label in (("mmidx", "validation"), ("text", "zero-shot")):
+            point, lo, hi = paired_interval(raw.result(lev, kind), raw.result(tied, kind))
+            lines.append(f"- {label}: {_cell(point, lo, hi)} nats")
     ok, why = sel["default"]
     lines += [
         "",
@@ -271,6 +284,8 @@ def write_plots(raw: PlanRaw, out: Path) -> list[Path]:
     d = out / "plots"
     d.mkdir(parents=True, exist_ok=True)
     seed1 = [r for r in raw.runs if r["seed"] == 1234]
+    palette = plt.get_cmap("tab20").colors  # one colour per group (up to 20), the same in every panel
+    colour = {r["group"]: palette[i % len(palette)] for i, r in enumerate(seed1)}
     panels = [
         ("loss", "training loss", False),
         ("input_table/rms", "input table RMS", True),
@@ -285,7 +300,7 @@ def write_plots(raw: PlanRaw, out: Path) -> list[Path]:
             xs, ys = _series(raw, run, key)
             if xs:
                 style = "--" if run["variant"] == "tied" else "-"
-                ax.plot(xs, ys, style, label=run["group"], linewidth=1.2)
+                ax.plot(xs, ys, style, color=colour[run["group"]], label=run["group"], linewidth=1.2)
         ax.set_title(title)
         ax.set_xlabel("step")
         if log:
@@ -303,7 +318,7 @@ def write_plots(raw: PlanRaw, out: Path) -> list[Path]:
         for run in levs:
             xs, ys = _series(raw, run, f"grad_norm/embedding.{t}")
             if xs:
-                ax.plot(xs, ys, label=run["group"], linewidth=1.2)
+                ax.plot(xs, ys, color=colour[run["group"]], label=run["group"], linewidth=1.2)
         ax.set_title(f"grad norm: {t}")
         ax.set_xlabel("step")
         ax.set_yscale("log")

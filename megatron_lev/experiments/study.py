@@ -126,8 +126,8 @@ class Plan:
 # applied to the committed pilot raw files.
 REGIME_CONFIG = Path("pretrain/configs/experiments/regime/regime.yaml")
 REGIME_SEEDS = SEEDS
-PILOT_TIED_CHOICE = "TIED-W10"
-PILOT_LEV_CHOICE = "LEV-RG-W10"
+PILOT_TIED_CHOICE = "TIED-W10-LR1"
+PILOT_LEV_CHOICE = "LEV-RG-W10-LR1"
 _PILOT_OVERRIDES = {group: extra for group, _, _, extra in PILOT_GROUPS}
 TIED_SETTING: tuple[str, ...] = _PILOT_OVERRIDES[PILOT_TIED_CHOICE]
 LEV_SETTING: tuple[str, ...] = _PILOT_OVERRIDES[PILOT_LEV_CHOICE]
