@@ -49,9 +49,11 @@ class SmallGrid:
     def __post_init__(self) -> None:
         self.config = config_path(self.config)  # as given, else the packaged copy (outside the repo)
 
-    def check(self) -> None:
-        """Refuse a grid that cannot run, before any step starts; errors name the flag."""
-        if "tied" not in self.variants:
+    def check(self, variants: bool = True) -> None:
+        """Refuse a grid that cannot run, before any step starts; errors name the flag. `variants`:
+        also each variant's run config at the grid's defaults through the trainer's validation (a
+        plan whose runs override the variants' sizes validates its runs instead)."""
+        if variants and "tied" not in self.variants:  # the grid's report compares against TIED
             raise ConfigError("--variants must include tied: every variant is compared against TIED")
         unknown = [v for v in self.variants if v not in REGISTRY]
         if unknown:
@@ -88,14 +90,19 @@ class SmallGrid:
 
         from megatron_lev.engine.plan import validate_run
 
-        vocab = self._tokenizer_vocab() if self.tokenizer is not None else None
+        if not variants:
+            return
+        vocab = self.tokenizer_vocab()
         for variant in self.variants:  # the trainer's own checks, before hours of work start
             # with --tokenizer the vocabulary is the file's: the variant's width rules at its size too
             validate_run(
                 self.run_config(variant), self.nproc, cuda=torch.cuda.is_available(), tokenizer_vocab=vocab
             )
 
-    def _tokenizer_vocab(self) -> int:
+    def tokenizer_vocab(self) -> int | None:
+        """The given tokenizer's vocabulary (None when the grid trains its own)."""
+        if self.tokenizer is None:
+            return None
         from megatron_lev.data.tokenizers import build_tokenizer
 
         return build_tokenizer(tokenizer_type_of(self.tokenizer), self.tokenizer).vocab_size

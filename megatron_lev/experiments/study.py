@@ -304,9 +304,10 @@ class Study:
 
         if self.lanes < 1:
             raise ConfigError(f"--lanes {self.lanes}: must be an integer >= 1")
-        self.grid.check()
+        self.grid.check(variants=False)  # the runs carry their own overrides (e.g. ALBERT-32's width)
+        vocab = self.grid.tokenizer_vocab()
         for run in self.selected:
-            validate_run(self.run_config(run), 1, cuda=torch.cuda.is_available())
+            validate_run(self.run_config(run), 1, cuda=torch.cuda.is_available(), tokenizer_vocab=vocab)
 
     def run_config(self, run: StudyRun):
         return self.grid.run_config(run.variant, self.run_dir(run), run.overrides)

@@ -4,6 +4,7 @@ intervals, and the README's criteria giving support, trade-off and refute where 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -126,3 +127,38 @@ def test_the_order_page(tmp_path):
     )
     assert float(row.split(" | ")[3]) == pytest.approx(-0.2, abs=0.03)
     assert "| LEV-FREQUENCY - LEV-BPE | zero-shot | >= 1000 |" in page
+
+
+@pytest.mark.parametrize("plan", ["regime", "order"])
+def test_every_run_of_the_plan_passes_the_trainers_checks_before_any_step(plan, shared_data, tmp_path):
+    """`study run --plan regime` validates each run with its own overrides at the given tokenizer's
+    vocabulary (ALBERT-32 is 32 wide by override; at the grid's parameter matching it would be 4 and
+    refused), and a run that cannot start is refused before the data steps."""
+    from megatron_lev.errors import ConfigError
+    from megatron_lev.experiments.study import Study, study_plan
+
+    tokenizer = shared_data / "tokenizers" / "gpt-neox-20b.json"
+    study = Study(shared_data / "minipile", tmp_path / "out", plan=plan, tokenizer=tokenizer)
+    study.check()
+    cfgs = {r.name: study.run_config(r) for r in study_plan(plan)}
+    if plan == "regime":
+        assert cfgs["albert-32-s1234"].model.baseline_dim == 32
+        assert all(c.train.lr == 1e-3 and c.train.lr_warmup_fraction == 0.1 for c in cfgs.values())
+        lev = cfgs["lev-s1234"]
+        assert lev.model.lev.centre_reference == 256 and [r.lr_mult for r in lev.param_group_rules()] == [0.1, 0.1]
+        from megatron_lev.experiments.study import REGIME_CONFIG
+
+        narrow = tmp_path / "narrow.yaml"  # the regime config with a floor ALBERT-32 is under
+        root = Path(__file__).resolve().parents[2]
+        narrow.write_text(f"include: {root / REGIME_CONFIG}\nmodel: {{min_compressed_width: 64}}\n")
+        broken = Study(
+            shared_data / "minipile",
+            tmp_path / "out2",
+            config=narrow,
+            plan=plan,
+            tokenizer=tokenizer,
+            runs=["albert-32-s1234"],
+        )
+        with pytest.raises(ConfigError, match="min_compressed_width"):
+            broken.check()
+        assert not (tmp_path / "out2").exists()
