@@ -164,7 +164,7 @@ PLANS: dict[str, Plan] = {
         REGIME_SEEDS,
         tokenizer_hint="tokenizers/gpt-neox-20b.json",
         lambada=False,
-        about="GPT-NeoX vocabulary, 4 x 256 model: LEV against TIED, ALBERT-32 and UNTIED by count band",
+        about="GPT-NeoX vocabulary, 4 x 192 model: LEV against TIED, ALBERT-32 and UNTIED by count band",
     ),
     "order": Plan(
         "order",

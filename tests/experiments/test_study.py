@@ -52,7 +52,8 @@ def test_plan_has_19_runs_in_9_groups_with_their_seeds_and_overrides():
     assert SEEDS == (1234, 1235, 1236)
     spec = ("model.lev.centre_reference=0", "model.lev.seed_lr_mult=1")  # the study measured the spec
     assert all(r.overrides[1:] == (f"model.input_init_rms={EQUAL_SCALE_RMS}",) for r in by_group["TIED-EQ"])
-    assert all(r.overrides[1:] == (*spec, f"model.input_init_rms={EQUAL_SCALE_RMS}") for r in by_group["LEV-EQ"])
+    eq = (*spec, f"model.input_init_rms={EQUAL_SCALE_RMS}")
+    assert all(r.overrides[1:] == eq for r in by_group["LEV-EQ"])
     assert all(r.overrides[1:] == (*spec, "model.lev.centred=true") for r in by_group["LEV-C"])
     assert all(r.overrides[1:] == spec for r in by_group["LEV"])
     assert {r.variant for r in by_group["LEV-C"] + by_group["LEV-EQ"]} == {"lev"}
