@@ -347,8 +347,10 @@ def hf_tensors(src: SourceCheckpoint, canonical, dtype: torch.dtype, keep_lev: b
     embedding: dict[str, torch.Tensor] = {}
     for name, tensor in canonical:
         if keep_lev and name.startswith("embedding."):  # LEV kept as a layer: same names under embed_tokens
-            if name.rsplit(".", 1)[-1] == ID_RANK:  # the token order of the exported ids, exact (int64)
-                yield "model.embed_tokens." + name.removeprefix("embedding."), tensor[: src.vocab_size]
+            if name.rsplit(".", 1)[-1] == ID_RANK:  # the token order of the exported ids, exact (int64);
+                # with a reference mean also of the padded ids it reads (modeling_lev_llama._Codebooks)
+                rows = src.padded_vocab if src.cfg.model.lev.centre_reference else src.vocab_size
+                yield "model.embed_tokens." + name.removeprefix("embedding."), tensor[:rows]
                 continue
             yield "model.embed_tokens." + name.removeprefix("embedding."), tensor.to(dtype)
             continue

@@ -95,8 +95,14 @@ class LevEmbedding(nn.Module):
         self.centred = getattr(config, "lev_centred", False)
         self.reference = getattr(config, "lev_centre_reference", 0)
         self.reference_vocab = getattr(config, "lev_reference_vocab", None) or config.vocab_size
+        # the token order covers the ids the layer reads: the tokens and, with a reference mean, the
+        # reference ids, which are spread over the padded vocabulary (and may lie past the last token)
         self.codebooks = _Codebooks(
-            config.lev_k, config.lev_base, d, config.vocab_size, getattr(config, "lev_id_order", "bpe")
+            config.lev_k,
+            config.lev_base,
+            d,
+            max(config.vocab_size, self.reference_vocab if self.reference else 0),
+            getattr(config, "lev_id_order", "bpe"),
         )
         self.proj = nn.Parameter(torch.zeros(h, d, d))
         self.norm_weight = nn.Parameter(torch.ones(h, d))

@@ -70,3 +70,39 @@ def test_exports_compute_the_centred_layer(remedy_run, tmp_path, capsys):
     table = AutoModelForCausalLM.from_pretrained(plain).get_input_embeddings().weight.detach().double()
     rows = table[reference_ids(src.padded_vocab, REFERENCE)]  # every reference id is a real row here
     assert float(rows.mean(0).norm()) < 1e-4 * float(rows.norm(dim=1).mean())
+
+
+def test_keep_lev_export_of_a_permuted_order_with_reference_ids_in_the_padding(
+    minipile_prefix, tokenizer_path, tmp_path, capsys
+):
+    """With `id_order=random` the exported layer maps the reference ids through `id_rank`; R = 1024
+    spreads them over the padded vocabulary up to id 50,279, past the tokenizer's 50,277, so the
+    export must carry the padded rows of the order too."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_lev.cli import main
+    from megatron_lev.convert.hf_export import source_model
+    from megatron_lev.convert.source import open_checkpoint
+    from megatron_lev.model.embeddings.lev import reference_ids
+
+    out = tmp_path / "run"
+    extra = {
+        "train.train_iters": 2,
+        "train.save_interval": 2,
+        "model.lev.centre_reference": 1024,
+        "model.lev.id_order": "random",
+    }
+    proc = run_train(1, tiny_overrides(minipile_prefix, tokenizer_path, out, **extra))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    src = open_checkpoint(out / "ckpt")
+    assert int(reference_ids(src.padded_vocab, 1024).max()) >= src.vocab_size  # the case this tests
+    ids = torch.tensor([[5, 50276, 17, 1000, 3]])
+    with torch.no_grad():
+        reference = source_model(src, progress=False)(ids)
+    lev_dir = tmp_path / "lev_layer"
+    assert main(["convert", str(out / "ckpt"), str(lev_dir), "--keep-lev", "--no-progress"]) == 0
+    assert "validation passed" in capsys.readouterr().out
+    with torch.no_grad():
+        exported = AutoModelForCausalLM.from_pretrained(lev_dir, trust_remote_code=True).eval()(ids).logits
+    n = min(reference.shape[-1], exported.shape[-1])
+    torch.testing.assert_close(exported[..., :n], reference[..., :n], atol=1e-4, rtol=1e-4)
