@@ -14,14 +14,16 @@ import json
 from pathlib import Path
 
 
-def _plan_arg(p: argparse.ArgumentParser) -> None:
+def _plan_arg(p: argparse.ArgumentParser, default: str | None = "study") -> None:
     from megatron_lev.experiments.study import PLANS
 
     p.add_argument(
         "--plan",
-        default="study",
+        default=default,
         choices=sorted(PLANS),
-        help="which runs: " + "; ".join(f"{k}: {v.about}" for k, v in PLANS.items()),
+        help="which runs: "
+        + "; ".join(f"{k}: {v.about}" for k, v in PLANS.items())
+        + ("" if default else " (default: the plan `study run` recorded in OUT)"),
     )
 
 
@@ -54,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     collect = sub.add_parser("collect", help="copy every finished run's small raw files into RAW_DIR")
     collect.add_argument("out", metavar="OUT", help="the study directory (--out of study run)")
     collect.add_argument("raw", metavar="RAW_DIR", help="where the raw files go (RAW_DIR/<run>/)")
-    _plan_arg(collect)
+    _plan_arg(collect, default=None)
     report = sub.add_parser("report", help="every table of the write-up from RAW_DIR alone")
     report.add_argument("raw", metavar="RAW_DIR")
     report.add_argument("out", metavar="OUT_DIR")

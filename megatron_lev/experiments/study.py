@@ -435,10 +435,36 @@ def _stop(procs: list[subprocess.Popen], grace: float = 60.0) -> None:
             p.wait()
 
 
+PLAN_FILE = "plan.json"  # in a study directory: which plan's runs it holds
+
+
+def recorded_plan(out: Path) -> str | None:
+    """The plan whose runs `out` holds (`study run` records it), or None for a directory from before
+    the record."""
+    rec = read_marker(Path(out) / PLAN_FILE)
+    return rec.get("plan") if rec else None
+
+
+def claim_plan(out: Path, plan: str) -> None:
+    """Record `plan` as the one `out` holds; refuse another plan's directory. The plans share run names
+    (tied-s1234 is in the study, the pilot and the regime), so a second plan would take the first's
+    finished runs as its own."""
+    held = recorded_plan(out)
+    if held is not None and held != plan:
+        raise UserError(
+            f"--out {out}: holds the runs of the {held} plan; give --plan {held} to go on with it, or "
+            f"another --out for the {plan} plan"
+        )
+    if held is None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        atomic_write_json(Path(out) / PLAN_FILE, {"plan": plan})
+
+
 def run_study(study: Study, log=print, poll: float = 1.0) -> list[list[StudyRun]]:
     """Data steps here, then the selected runs on `study.lanes` lanes side by side (subprocesses with
     OMP_NUM_THREADS=1); a failing lane stops the others and raises with its run and log."""
     study.check()
+    claim_plan(study.out, study.spec.name)
     runner = StepRunner(study.out, log=_file_log(study.out / "logs" / "data.log"))
     check_finished_steps(runner.state_dir, study.all_steps())
     start = time.time()
@@ -580,14 +606,22 @@ def vocabulary_buckets(data: Path, edges: tuple[float, ...] | None = None) -> di
     }
 
 
-def collect_study(out: Path, raw: Path, log=print, plan: str | Plan = "study") -> dict[str, int]:
+def collect_study(out: Path, raw: Path, log=print, plan: str | Plan | None = None) -> dict[str, int]:
     """Copy the small raw files of every finished run (all four steps done) of `out` into
     `raw/<run>/`, with the data split, the LAMBADA passages' summary and the plan; returns the bytes
-    written per file (relative name)."""
+    written per file (relative name). `plan`: None for the one `study run` recorded in `out` (the
+    study's for a directory without a record); another than the recorded one is refused."""
     out, raw = Path(out), Path(raw)
     state = out / ".steps"
     if not state.is_dir():
         raise UserError(f"{out}: no study here (no .steps directory); give the --out of `study run`")
+    held = recorded_plan(out)
+    if plan is None:
+        plan = held or "study"
+    elif held is not None and get_plan(plan).name != held:
+        raise UserError(
+            f"{out}: holds the runs of the {held} plan, not {get_plan(plan).name}: give --plan {held}"
+        )
     raw_resolved = raw.resolve()
     if raw_resolved == out.resolve() or out.resolve() in raw_resolved.parents:
         raise UserError(f"{raw}: inside the study directory {out}; give another directory")

@@ -409,3 +409,22 @@ def test_vocabulary_buckets_count_the_byte_pieces_of_each_bucket(tmp_path):
     assert lowest["vocab_ids"] == 256 + lowest["control_or_unknown"]
     assert top["vocab_ids"] == len(normal) and top["byte_pieces"] == 0
     assert vocabulary_buckets(tmp_path / "nothing-here") is None
+
+
+def test_a_study_directory_holds_one_plan(tmp_path):
+    """The plans share run names (tied-s1234 is in the study, the pilot and the regime): `study run`
+    records its plan in --out and refuses another's directory, and `collect` takes the recorded plan
+    (refusing a --plan that contradicts it)."""
+    from megatron_lev.experiments.study import claim_plan, recorded_plan
+
+    out = _finished_study(tmp_path)
+    assert recorded_plan(out) is None
+    claim_plan(out, "regime")
+    claim_plan(out, "regime")  # going on with the same plan
+    assert recorded_plan(out) == "regime"
+    with pytest.raises(UserError, match="holds the runs of the regime plan; give --plan regime"):
+        claim_plan(out, "study")
+    with pytest.raises(UserError, match="not pilot: give --plan regime"):
+        collect_study(out, tmp_path / "raw1", log=lambda *_: None, plan="pilot")
+    collect_study(out, tmp_path / "raw2", log=lambda *_: None)
+    assert json.loads((tmp_path / "raw2" / "study.json").read_text())["plan"] == "regime"
