@@ -647,6 +647,11 @@ def collect_study(out: Path, raw: Path, log=print, plan: str | Plan | None = Non
     split = out / "data" / "split.json"
     if split.is_file():
         sizes["split.json"] = _copy_small(split, raw / "split.json", out)
+        record = json.loads((raw / "split.json").read_text(encoding="utf-8"))
+        if Path(str(record.get("data_dir", ""))).is_absolute():  # a path of this machine: its last part
+            record["data_dir"] = f"<data>/{Path(record['data_dir']).name}"
+            atomic_write_json(raw / "split.json", record)
+            sizes["split.json"] = (raw / "split.json").stat().st_size
     pieces = vocabulary_buckets(out / "data")
     if pieces is not None:
         atomic_write_json(raw / "vocab_buckets.json", pieces)

@@ -323,7 +323,8 @@ def _finished_study(tmp_path: Path) -> Path:
         )
     (state / "train-tied-s1234.json").write_text(json.dumps({"seconds": 1.0, "command": ["x"]}))  # unfinished
     (out / "data").mkdir()
-    (out / "data" / "split.json").write_text('{"zero_shot_subset": "W"}')
+    split = {"zero_shot_subset": "W", "data_dir": str(tmp_path.resolve() / "corpora" / "minipile")}
+    (out / "data" / "split.json").write_text(json.dumps(split))
     (out / "data" / "lambada.jsonl").write_text('{"text": "a b c"}\n{"text": "a b"}\n')
     return out
 
@@ -352,6 +353,8 @@ def test_collect_copies_small_files_of_finished_runs_and_never_checkpoints(tmp_p
     assert timing["steps"]["train"] == {"seconds": 12.5, "command": ["python", "-m", "megatron_lev", "train"]}
     assert [r["name"] for r in json.loads((raw / "study.json").read_text())["runs"]] == ["lev-s1234"]
     assert json.loads((raw / "lambada.json").read_text())["passages"] == 2
+    # an absolute --data-dir is a path of this machine: the raw split names its last part only
+    assert json.loads((raw / "split.json").read_text())["data_dir"] == "<data>/minipile"
     ckpt = out / "runs" / "lev-s1234" / "checkpoints" / "iter_0000150" / "model.pt"
     with pytest.raises(UserError, match="checkpoint"):
         _copy_small(ckpt, raw / "x.pt", out)
