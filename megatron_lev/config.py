@@ -669,13 +669,35 @@ def load_config(
     merged: dict[str, Any] = {}
     for path in paths:
         _deep_merge(merged, _read_tree(config_path(path), ()))
+    given = set()
     for item in overrides or []:
         key, value = parse_override(item)
         _set_dotted(merged, key, value)
+        given.add(key)
     cfg = from_dict(RunConfig, merged, prefix="")
+    _check_length_override(cfg, given)
     if validate:
         cfg.validate(world_size)
     return cfg
+
+
+def _check_length_override(cfg: RunConfig, given: set[str]) -> None:
+    """An override of train.train_iters that a token budget of the config file would silently outrank
+    (training/schedule.py: chinchilla, then train_tokens, then train_iters) is refused."""
+    t = cfg.train
+    if "train.train_iters" not in given or t.train_iters is None:
+        return
+    if t.chinchilla and "train.chinchilla" not in given:
+        raise ConfigError(
+            f"train.train_iters={t.train_iters} would be ignored: the config sets train.chinchilla=true, "
+            "which decides the run's length; add train.chinchilla=false"
+        )
+    if t.train_tokens is not None and "train.train_tokens" not in given:
+        raise ConfigError(
+            f"train.train_iters={t.train_iters} would be ignored: the config sets "
+            f"train.train_tokens={t.train_tokens}, which decides the run's length; add "
+            "train.train_tokens=null (or give the length as train.train_tokens)"
+        )
 
 
 class _ConfigLoader(yaml.SafeLoader):

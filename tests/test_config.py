@@ -156,3 +156,21 @@ def test_cli_config_file_followed_by_overrides(capsys):
     )
     out = capsys.readouterr().out
     assert "embedding: tied" in out and "lr: 0.0005" in out and "name: tiny" in out
+
+
+def test_a_length_override_a_token_budget_would_outrank_is_refused(tmp_path):
+    """The schedule takes chinchilla, then train_tokens, then train_iters: an override of
+    train.train_iters on a config with a token budget would be ignored without a word."""
+    from megatron_lev.config import ConfigError, load_config
+
+    budget = tmp_path / "budget.yaml"
+    budget.write_text("train:\n  train_tokens: 614400\n")
+    with pytest.raises(ConfigError, match=r"train.train_iters=20 would be ignored: .*train_tokens=614400"):
+        load_config([budget], ["train.train_iters=20"], validate=False)
+    cfg = load_config([budget], ["train.train_iters=20", "train.train_tokens=null"], validate=False)
+    assert cfg.train.train_iters == 20 and cfg.train.train_tokens is None
+    assert load_config([budget], validate=False).train.train_tokens == 614400  # the file alone is fine
+    chinchilla = tmp_path / "chinchilla.yaml"
+    chinchilla.write_text("train:\n  chinchilla: true\n")
+    with pytest.raises(ConfigError, match="add train.chinchilla=false"):
+        load_config([chinchilla], ["train.train_iters=20"], validate=False)
