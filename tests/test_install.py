@@ -26,6 +26,7 @@ from megatron_lev.config import load_config
 from megatron_lev.engine.config import resolve_template_path
 from tests.conftest import ROOT
 from tests.data.conftest import read_docs
+from tests.tiny_run import CONFIG_SCHEDULE, tiny_overrides
 
 LINKS = {ROOT / "pretrain" / "configs": resources.CONFIG_DIR, ROOT / "ds_configs": resources.DS_CONFIG_DIR}
 
@@ -173,28 +174,9 @@ def test_installed_package_runs_params_and_trains(installed, tmp_path, shared_da
     prefix = tmp_path / "shard" / "wiki"
     preprocess(PreprocessOptions([str(jsonl)], str(prefix), "hf", tokenizer, workers=1, progress=False))
     out = tmp_path / "run"
-    overrides = {
-        "data.data_path": f"[{prefix}]",
-        "data.tokenizer_path": tokenizer,
-        "data.split": "98,2,0",
-        "data.cache_dir": str(tmp_path / "index-cache"),
-        "model.num_layers": 2,
-        "model.hidden_size": 32,
-        "model.num_attention_heads": 2,
-        "model.seq_length": 32,
-        "model.lev.d_seed": 8,
-        "model.lev.heads": 2,
-        "model.lev.rank": 4,
-        "model.lev.kappa": 4,
-        "train.micro_batch_size": 2,
-        "train.train_iters": 2,
-        "train.lr_warmup_iters": 1,
-        "train.save": str(out / "ckpt"),
-        "logging.output_dir": str(out),
-        "logging.log_interval": 1,
-        "logging.progress_bar": False,
-        "logging.tensorboard": False,
-    }
+    overrides = tiny_overrides(
+        prefix, tokenizer, out, **{**CONFIG_SCHEDULE, "train.train_iters": 2, "train.lr_warmup_iters": 1}
+    )
     _run(
         installed,
         tmp_path,
@@ -203,7 +185,7 @@ def test_installed_package_runs_params_and_trains(installed, tmp_path, shared_da
         "train",
         "--config",
         "tiny.yaml",
-        *(f"{k}={v}" for k, v in overrides.items()),
+        *overrides,
         timeout=240,
     )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiny_run import tiny_overrides
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -33,37 +35,11 @@ class Outcome:
 
 
 def tiny_run_overrides(prefix, tokenizer, cache, out: Path, **extra) -> list[str]:
-    """`key=value` overrides of a seconds-long CPU run of `pretrain/configs/tiny.yaml` on the shard
-    `prefix` (a LEV model of width 32, 4 steps, a checkpoint every 2) writing under `out`; `extra`
-    adds or replaces keys."""
-    base = {
-        "data.data_path": f"[{prefix}]",
-        "data.tokenizer_path": str(tokenizer),
-        "data.split": "98,2,0",
-        "data.cache_dir": str(cache),
-        "model.num_layers": 2,
-        "model.hidden_size": 32,
-        "model.num_attention_heads": 2,
-        "model.seq_length": 32,
-        "model.lev.d_seed": 8,
-        "model.lev.heads": 2,
-        "model.lev.rank": 4,
-        "model.lev.kappa": 4,
-        "train.micro_batch_size": 2,
-        "train.train_iters": 4,
-        "train.lr": 3e-3,
-        "train.min_lr": 3e-4,
-        "train.lr_warmup_iters": 2,
-        "train.save_interval": 2,
-        "train.keep_last": 2,
-        "train.save": str(out / "ckpt"),
-        "logging.output_dir": str(out),
-        "logging.log_interval": 1,
-        "logging.progress_bar": False,
-        "logging.tensorboard": False,
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+    """`tests.tiny_run.tiny_overrides` for 4 steps with a checkpoint every 2, the index cache in
+    `cache`; `extra` adds, replaces or (None) drops keys."""
+    return tiny_overrides(
+        prefix, tokenizer, out, cache=cache, **{"train.train_iters": 4, "train.save_interval": 2, **extra}
+    )
 
 
 def run_cli(argv: list[str], capsys) -> Outcome:

@@ -23,6 +23,7 @@ import pytest
 import zstandard
 
 from tests.reliability.harness import ROOT, expect_ok, run_cli_process
+from tests.tiny_run import CONFIG_SCHEDULE, tiny_overrides
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -95,34 +96,26 @@ def trained(tmp_path_factory, corpus, neox) -> dict:
     prefix = work / "wiki"
     expect_ok(run_cli_process(preprocess_argv(corpus, prefix, neox), env=_env()))
     out = work / "run"
-    over = {
-        "data.data_path": f"[{prefix}]",
-        "data.tokenizer_path": neox,
-        "data.split": "90,10,0",
-        "data.cache_dir": str(work / "cache"),
-        "model.num_layers": 2,
-        "model.hidden_size": 32,
-        "model.num_attention_heads": 2,
-        "model.seq_length": 32,
-        "model.lev.d_seed": 8,
-        "model.lev.heads": 2,
-        "model.lev.rank": 4,
-        "model.lev.kappa": 4,
-        "train.micro_batch_size": 2,
-        "train.train_iters": 4,
-        "train.eval_interval": 2,
-        "train.eval_iters": 2,
-        "train.save": str(out / "ckpt"),
-        "logging.output_dir": str(out),
-        "logging.log_interval": 1,
-        "logging.tensorboard": False,  # logging.progress_bar keeps its default (true)
-    }
+    over = tiny_overrides(
+        prefix,
+        neox,
+        out,
+        cache=work / "cache",
+        **{
+            **CONFIG_SCHEDULE,
+            "data.split": "90,10,0",
+            "train.train_iters": 4,
+            "train.eval_interval": 2,
+            "train.eval_iters": 2,
+            "logging.progress_bar": None,  # keeps its default (true)
+        },
+    )
     proc = subprocess.run(
         [
             str(ROOT / "scripts" / "torchrun_local.sh"),
             "--config",
             str(TINY),
-            *[f"{k}={v}" for k, v in over.items()],
+            *over,
         ],
         cwd=ROOT,
         env=_env(NPROC="2", DS_ACCELERATOR="cpu"),

@@ -25,6 +25,7 @@ import zstandard
 
 from megatron_lev.utils.lock import DIR_LOCK_NAME
 from tests.reliability.harness import ROOT, Outcome, expect_error, expect_ok, run_cli_process
+from tests.tiny_run import CONFIG_SCHEDULE, tiny_overrides
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -99,29 +100,9 @@ def preprocess_argv(corpus, prefix, neox, *extra) -> list:
 
 
 def train_overrides(shard: str, neox: str, out: Path, **extra) -> list[str]:
-    base = {
-        "data.data_path": f"[{shard}]",
-        "data.tokenizer_path": neox,
-        "data.split": "98,2,0",
-        "data.cache_dir": str(out.parent / "cache"),
-        "model.num_layers": 2,
-        "model.hidden_size": 32,
-        "model.num_attention_heads": 2,
-        "model.seq_length": 32,
-        "model.lev.d_seed": 8,
-        "model.lev.heads": 2,
-        "model.lev.rank": 4,
-        "model.lev.kappa": 4,
-        "train.micro_batch_size": 2,
-        "train.train_iters": 2,
-        "train.save": str(out / "ckpt"),
-        "logging.output_dir": str(out),
-        "logging.log_interval": 1,
-        "logging.progress_bar": False,
-        "logging.tensorboard": False,
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+    return tiny_overrides(
+        shard, neox, out, cache=out.parent / "cache", **{**CONFIG_SCHEDULE, "train.train_iters": 2, **extra}
+    )
 
 
 # ------------------------------------------------------------------ the holders

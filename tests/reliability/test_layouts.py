@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from megatron_lev.config import load_config
 from megatron_lev.errors import ConfigError
 from megatron_lev.testing.distributed import DistributedTestError, run_distributed
+from tests.tiny_run import tiny_overrides
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -103,33 +104,19 @@ WORLD4 = [(*lay, False) for lay in ACCEPTED if _world(*lay[:2]) == 4]
 
 
 def _overrides(prefix: str, tok: str, out: Path, **extra) -> list[str]:
-    base = {
-        "data.data_path": f"[{prefix}]",
-        "data.tokenizer_path": tok,
-        "data.split": "100,0,0",
-        "data.cache_dir": str(out.parent / "index-cache"),
-        "model.num_layers": 2,
-        "model.hidden_size": 32,
-        "model.num_attention_heads": 2,
-        "model.seq_length": 32,
-        "model.lev.d_seed": 8,
-        "model.lev.heads": 2,
-        "model.lev.rank": 4,
-        "model.lev.kappa": 4,
-        "train.micro_batch_size": 2,
-        "train.global_batch_size": 4,
-        "train.train_iters": ITERS,
-        "train.lr": 3e-3,
-        "train.min_lr": 3e-4,
-        "train.lr_warmup_iters": 1,
-        "train.save": str(out / "ckpt"),
-        "logging.output_dir": str(out),
-        "logging.log_interval": 1,
-        "logging.progress_bar": False,
-        "logging.tensorboard": False,
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+    return tiny_overrides(
+        prefix,
+        tok,
+        out,
+        **{
+            "data.split": "100,0,0",
+            "train.global_batch_size": 4,
+            "train.train_iters": ITERS,
+            "train.lr_warmup_iters": 1,
+            "train.keep_last": None,
+            **extra,
+        },
+    )
 
 
 def _write_result(path: Path, value) -> None:

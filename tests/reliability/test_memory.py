@@ -30,6 +30,7 @@ import zstandard
 from megatron_lev.config import load_config
 from megatron_lev.errors import ConfigError
 from tests.reliability.harness import ROOT, Outcome, expect_error, expect_ok
+from tests.tiny_run import CONFIG_SCHEDULE, tiny_overrides
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -106,30 +107,8 @@ def shard(tmp_path_factory, wiki_lines, neox) -> str:
 
 
 def train_argv(shard: str, neox: str, out: Path, **extra) -> list:
-    base = {
-        "data.data_path": f"[{shard}]",
-        "data.tokenizer_path": neox,
-        "data.split": "98,2,0",
-        "data.cache_dir": str(out / "cache"),
-        "model.num_layers": 2,
-        "model.hidden_size": 32,
-        "model.num_attention_heads": 2,
-        "model.seq_length": 32,
-        "model.lev.d_seed": 8,
-        "model.lev.heads": 2,
-        "model.lev.rank": 4,
-        "model.lev.kappa": 4,
-        "train.micro_batch_size": 2,
-        "train.train_iters": 2,
-        "train.save_interval": 0,
-        "train.save": str(out / "ckpt"),
-        "logging.output_dir": str(out),
-        "logging.log_interval": 1,
-        "logging.progress_bar": False,
-        "logging.tensorboard": False,
-    }
-    base.update(extra)
-    return ["train", "--config", TINY, *[f"{k}={v}" for k, v in base.items()]]
+    extra = {**CONFIG_SCHEDULE, "train.train_iters": 2, "train.save_interval": 0, **extra}
+    return ["train", "--config", TINY, *tiny_overrides(shard, neox, out, cache=out / "cache", **extra)]
 
 
 # ------------------------------------------------------------------ train: refused before allocating

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import zstandard
 
+from tests.tiny_run import tiny_overrides
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "pretrain" / "configs" / "tiny.yaml"
 DOCS_PER_SUBSET = {"Wikipedia_en": 1500, "Fortunes": 1500}
@@ -49,37 +51,6 @@ def minipile_prefix(tmp_path_factory, shared_data, tokenizer_path) -> str:
     prefix = work / "minipile_text_document"
     preprocess(PreprocessOptions([str(jsonl)], str(prefix), "hf", tokenizer_path, workers=1, progress=False))
     return str(prefix)
-
-
-def tiny_overrides(data_prefix: str, tokenizer: str, out: Path, **extra) -> list[str]:
-    """Overrides for a seconds-long CPU run of pretrain/configs/tiny.yaml."""
-    base = {
-        "data.data_path": f"[{data_prefix}]",
-        "data.tokenizer_path": tokenizer,
-        "data.split": "98,2,0",
-        "data.cache_dir": str(out.parent / "index-cache"),
-        "model.num_layers": 2,
-        "model.hidden_size": 32,
-        "model.num_attention_heads": 2,
-        "model.seq_length": 32,
-        "model.lev.d_seed": 8,
-        "model.lev.heads": 2,
-        "model.lev.rank": 4,
-        "model.lev.kappa": 4,
-        "train.micro_batch_size": 2,
-        "train.train_iters": 6,
-        "train.lr": 3e-3,
-        "train.min_lr": 3e-4,
-        "train.lr_warmup_iters": 2,
-        "train.save": str(out / "ckpt"),
-        "train.keep_last": 2,
-        "logging.output_dir": str(out),
-        "logging.log_interval": 1,
-        "logging.progress_bar": False,
-        "logging.tensorboard": False,
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
 
 
 def train_command(nproc: int, overrides: list[str]) -> list[str]:
