@@ -28,7 +28,10 @@ BASE, LEV, ALBERT = "TIED", "LEV", "ALBERT-32"
 RARE_BAND = 1  # the band of ids seen 1-9 times
 CORPORA = (("mmidx", "validation"), ("text", "zero-shot"))
 SIDES = (("target", "target_band"), ("input", "input_band"))
-PAGES = ("overall.md", "bands.md", "curve.md", "verdict.md")
+PAGES = ("overall.md", "bands.md", "curve.md", "dynamics.md", "verdict.md")
+DYNAMICS_STEPS = (10, 100, 300, 600, 1000)  # the logged steps the dynamics page shows
+TABLE_KEYS = ("rms", "mean_row_ratio", "effective_rank", "effective_rank_centred", "update_ratio")
+SEED_SIDE = ("embedding.codebooks.weight", "embedding.proj")  # LEV's codebooks and W_l
 
 
 def _seeds(raw: PlanRaw, group: str) -> dict[int, dict]:
@@ -195,6 +198,77 @@ def curve_markdown(raw: PlanRaw) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _seed_side_share(row: dict) -> float | None:
+    """Share of the squared global gradient norm that LEV's codebooks and `W_l` carry (None when the
+    run has no such tensors)."""
+    parts = [row.get(f"grad_norm/{t}") for t in SEED_SIDE]
+    total = row.get("grad_norm/global")
+    if any(p is None for p in parts) or not total:
+        return None
+    return sum(p * p for p in parts) / (total * total)
+
+
+def dynamics_markdown(raw: PlanRaw) -> str:
+    """The input table and the input layer's gradients over training, from each run's `metrics.jsonl`."""
+    lines = [
+        "# Regime: the input layer over training",
+        "",
+        "From each run's `metrics.jsonl` (the trainer's dynamics, over the fixed sample of "
+        "`logging.dynamics_sample_ids` token ids): RMS of the sample rows of the input table, mean-row "
+        "ratio (norm of the mean row / mean row norm; 1 is every token the same vector), effective rank "
+        "of the rows and of the rows minus their mean, and how far the logged step moved the rows "
+        "(|T_after - T_before| / |T_before|). Clipped: logged steps whose global gradient norm was above "
+        "`train.clip_grad`, of the logged steps up to that step.",
+        "",
+        "| run | step | RMS | mean-row ratio | eff. rank | centred eff. rank | step moved | clipped |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in raw.runs:
+        rows = raw.train_rows(run)
+        for step in DYNAMICS_STEPS:
+            r = raw.at(run, step)
+            if r is None:
+                continue
+            upto = [x["clipped"] for x in rows if x["iteration"] <= step and x.get("clipped") is not None]
+            vals = [r.get(f"input_table/{k}") for k in TABLE_KEYS]
+            lines.append(
+                f"| {run['name']} | {step} | {_fmt(vals[0], '.4f')} | {_fmt(vals[1], '.4f')} | "
+                f"{_fmt(vals[2], '.1f')} | {_fmt(vals[3], '.1f')} | {_fmt(vals[4], '.5f')} | "
+                + (f"{sum(upto)}/{len(upto)}" if upto else "-")
+                + " |"
+            )
+    lines += [
+        "",
+        "## Gradient norms of the input layer",
+        "",
+        "Unclipped gradient norm of each input-layer tensor on the logged step, the global gradient norm, "
+        "and for LEV the share of the squared global norm carried by its codebooks and `W_l` (the seed "
+        "side). Seed 1234 of each group.",
+        "",
+        "| run | step | global | seed-side share | input-layer tensors (grad norm) |",
+        "|---|---|---|---|---|",
+    ]
+    for run in raw.runs:
+        if run["seed"] != 1234:
+            continue
+        for step in DYNAMICS_STEPS:
+            r = raw.at(run, step)
+            if r is None:
+                continue
+            tensors = sorted(k for k in r if k.startswith("grad_norm/embedding."))
+            cells = ", ".join(f"{k.removeprefix('grad_norm/embedding.')} {r[k]:.4f}" for k in tensors)
+            share = _seed_side_share(r)
+            lines.append(
+                f"| {run['name']} | {step} | {_fmt(r.get('grad_norm/global'), '.3f')} | "
+                f"{_fmt(share, '.3f')} | {cells or '-'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def verdict(raw: PlanRaw) -> tuple[str, list[str]]:
     """The README's criteria applied to the validation shard: (verdict, the reasons)."""
     reasons, ahead, behind = [], [], []
@@ -273,6 +347,55 @@ def write_plots(raw: PlanRaw, out: Path) -> None:
     fig.savefig(out / "plots" / "bands.png", dpi=110)
     plt.close(fig)
 
+    groups = list(dict.fromkeys(r["group"] for r in raw.runs))
+    colour = {g: plt.get_cmap("tab10").colors[i % 10] for i, g in enumerate(groups)}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    curves: dict[str, dict[int, list[float]]] = {}
+    for run in raw.runs:
+        for rec in raw.valid_rows(run):
+            curves.setdefault(run["group"], {}).setdefault(rec["iteration"], []).append(rec["loss"])
+    for g, pts in curves.items():
+        steps = sorted(pts)
+        axes[0].plot(steps, [statistics.fmean(pts[s]) for s in steps], "o-", color=colour[g], label=g)
+    if LEV in curves and BASE in curves:
+        steps = sorted(set(curves[LEV]) & set(curves[BASE]))
+        gap = [statistics.fmean(curves[LEV][s]) - statistics.fmean(curves[BASE][s]) for s in steps]
+        axes[1].plot(steps, gap, "o-", color=colour[LEV])
+    axes[0].set_title("validation loss (mean over seeds)")
+    axes[1].set_title("LEV - TIED validation loss")
+    axes[1].axhline(0, color="grey", linewidth=0.8)
+    for ax in axes:
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "plots" / "curve.png", dpi=110)
+    plt.close(fig)
+
+    panels = [
+        ("input_table/rms", "input table RMS", True),
+        ("input_table/mean_row_ratio", "mean-row ratio", False),
+        ("input_table/effective_rank_centred", "centred effective rank", True),
+        ("grad_norm/global", "global gradient norm", True),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.0))
+    for ax, (key, title, log) in zip(axes, panels):
+        for run in raw.runs:
+            if run["seed"] != 1234:
+                continue
+            pts = [(r["iteration"], r[key]) for r in raw.train_rows(run) if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), color=colour[run["group"]], label=run["group"], linewidth=1.1)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if log:
+            ax.set_yscale("log")
+    handles = {lab: h for ax in axes for h, lab in zip(*ax.get_legend_handles_labels())}
+    if handles:
+        axes[0].legend(list(handles.values()), list(handles), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "plots" / "dynamics.png", dpi=110)
+    plt.close(fig)
+
 
 ORDERS = ("LEV-BPE", "LEV-RANDOM", "LEV-FREQUENCY")
 
@@ -326,6 +449,7 @@ def write_regime_report(raw_dir: Path, out_dir: Path, plots: bool = True) -> dic
             "overall.md": overall_markdown(raw),
             "bands.md": bands_markdown(raw),
             "curve.md": curve_markdown(raw),
+            "dynamics.md": dynamics_markdown(raw),
             "verdict.md": verdict_markdown(raw),
         },
     )

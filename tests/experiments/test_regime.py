@@ -37,6 +37,20 @@ def _result(kind: str, shift: np.ndarray, rng, tokens: np.ndarray) -> dict:
     }
 
 
+def _train_row(it: int, group: str) -> dict:
+    """A logged step with the trainer's dynamics keys; LEV's seed side carries 3/4 of the squared
+    global gradient norm, and its step 10 is clipped."""
+    row = {"kind": "train", "iteration": it, "loss": 5.0, "clipped": int(it == 10), "grad_norm/global": 2.0}
+    row.update(
+        {f"input_table/{k}": v for k, v in zip(rr.TABLE_KEYS, (0.1, 0.2 + it / 1000, 30.0, 31.0, 0.01))}
+    )
+    if group.startswith("LEV"):
+        row.update({"grad_norm/embedding.codebooks.weight": 1.0, "grad_norm/embedding.proj": 2**0.5})
+    else:
+        row["grad_norm/embedding.table.weight"] = 0.5
+    return row
+
+
 def _raw(tmp_path, lev_shift, albert_shift, tied_seed_sd=0.02):
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 30, size=(DOCS, BANDS)).astype(float)
@@ -55,6 +69,7 @@ def _raw(tmp_path, lev_shift, albert_shift, tied_seed_sd=0.02):
                 {"kind": "valid", "iteration": it, "loss": 6.0 - it / 1000 + shift.mean()}
                 for it in (100, 200)
             ]
+            curve += [_train_row(it, group) for it in (10, 100)]
             (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(c) + "\n" for c in curve))
             runs.append({"name": name, "group": group, "variant": "x", "seed": seed, "overrides": []})
     (tmp_path / "study.json").write_text(json.dumps({"plan": "regime", "runs": runs}))
@@ -104,6 +119,13 @@ def test_the_report_pages(tmp_path):
     assert "## validation, by input count" in bands and "| 1-9 |" in bands
     curve = (tmp_path / "out" / "curve.md").read_text()
     assert "| 100 |" in curve and "| 200 |" in curve
+    for plot in ("curve.png", "dynamics.png"):
+        assert (tmp_path / "out" / "plots" / plot).stat().st_size > 5_000
+    dynamics = (tmp_path / "out" / "dynamics.md").read_text()
+    assert "| tied-s1235 | 100 | 0.1000 | 0.3000 | 30.0 | 31.0 | 0.01000 | 1/2 |" in dynamics
+    assert "| lev-s1234 | 10 | 2.000 | 0.750 | codebooks.weight 1.0000, proj 1.4142 |" in dynamics
+    assert "| tied-s1234 | 100 | 2.000 | - | table.weight 0.5000 |" in dynamics
+    assert "lev-s1235 | 10 | 2.000" not in dynamics  # the gradient table shows seed 1234 only
     again = rr.write_regime_report(tmp_path / "raw", tmp_path / "again", plots=False)
     for name in rr.PAGES:
         assert paths[name].read_text() == again[name].read_text()
