@@ -609,15 +609,20 @@ def vocabulary_buckets(data: Path, edges: tuple[float, ...] | None = None) -> di
 def collect_study(out: Path, raw: Path, log=print, plan: str | Plan | None = None) -> dict[str, int]:
     """Copy the small raw files of every finished run (all four steps done) of `out` into
     `raw/<run>/`, with the data split, the LAMBADA passages' summary and the plan; returns the bytes
-    written per file (relative name). `plan`: None for the one `study run` recorded in `out` (the
-    study's for a directory without a record); another than the recorded one is refused."""
+    written per file (relative name). `plan`: None for the one `study run` recorded in `out` (refused for a
+    directory without a record); another than the recorded one is refused."""
     out, raw = Path(out), Path(raw)
     state = out / ".steps"
     if not state.is_dir():
         raise UserError(f"{out}: no study here (no .steps directory); give the --out of `study run`")
     held = recorded_plan(out)
+    if plan is None and held is None:  # the plans share run names: guessing would mix them up
+        raise UserError(
+            f"{out}: no record of which plan's runs it holds ({PLAN_FILE}: `study run` writes it since "
+            f"the plans share run names); give --plan {'|'.join(PLANS)}"
+        )
     if plan is None:
-        plan = held or "study"
+        plan = held
     elif held is not None and get_plan(plan).name != held:
         raise UserError(
             f"{out}: holds the runs of the {held} plan, not {get_plan(plan).name}: give --plan {held}"

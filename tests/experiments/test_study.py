@@ -334,7 +334,7 @@ def test_collect_copies_small_files_of_finished_runs_and_never_checkpoints(tmp_p
 
     out = _finished_study(tmp_path)
     raw = tmp_path / "raw"
-    sizes = collect_study(out, raw, log=lambda *_: None)
+    sizes = collect_study(out, raw, log=lambda *_: None, plan="study")
     files = sorted(str(p.relative_to(raw)) for p in raw.rglob("*") if p.is_file())
     assert files == [
         "lambada.json",
@@ -361,7 +361,7 @@ def test_collect_copies_small_files_of_finished_runs_and_never_checkpoints(tmp_p
     with pytest.raises(UserError, match="checkpoint"):
         _copy_small(out / "runs" / "lev-s1234" / "hf" / "model.safetensors", raw / "y", out)
     with pytest.raises(UserError, match="inside the study"):
-        collect_study(out, out / "raw", log=lambda *_: None)
+        collect_study(out, out / "raw", log=lambda *_: None, plan="study")
 
 
 def test_docs_match_report(tmp_path):
@@ -422,6 +422,9 @@ def test_a_study_directory_holds_one_plan(tmp_path):
 
     out = _finished_study(tmp_path)
     assert recorded_plan(out) is None
+    with pytest.raises(UserError, match="no record of which plan.*give --plan study"):
+        collect_study(out, tmp_path / "raw0", log=lambda *_: None)  # a directory from before the record
+    assert not (tmp_path / "raw0").exists()
     claim_plan(out, "regime")
     claim_plan(out, "regime")  # going on with the same plan
     assert recorded_plan(out) == "regime"
