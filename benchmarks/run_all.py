@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "index": (["--scale", "0.05"], []),
     "model_cpu": (["--steps", "4"], []),
     "train": (["--steps", "5"], []),
+    "host_malloc": (["--steps", "3", "--warmup", "1", "--repeats", "1"], []),
     "capacity": (
         ["--no-agreement"],
         [],
