@@ -180,16 +180,15 @@ def main() -> None:
         f"| {r['own_cpu'] / r['plain_cpu']:.1%} |\n"
         for r in rows
     )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    if not RESULTS.exists():
-        RESULTS.write_text(
-            "# Training dynamics overhead (benchmarks/bench_dynamics.py)\n\nA log step that measures the "
-            "training dynamics vs a plain step, same trainer, interleaved. Steps between log lines "
-            "do none of this work.\n"
-        )
-    with open(RESULTS, "a") as f:
-        f.write(head + lines)
-    print(f"appended to {RESULTS}")
+    from results_file import append_section
+
+    append_section(
+        RESULTS,
+        "# Training dynamics overhead (benchmarks/bench_dynamics.py)\n\nA log step that measures the "
+        "training dynamics vs a plain step, same trainer, interleaved. Steps between log lines "
+        "do none of this work.\n",
+        head + lines,
+    )
 
 
 if __name__ == "__main__":

@@ -167,18 +167,17 @@ def main() -> None:
         for e, m, same in rows
         for s in SETTINGS
     )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    if not RESULTS.exists():
-        RESULTS.write_text(
-            "# Host memory allocation in a CPU training step (benchmarks/bench_host_malloc.py)\n\n"
-            "`off`: glibc's and torch's defaults; `thp`: `THP_MEM_ALLOC_ENABLE=1` (torch page-aligns its "
-            "CPU allocations and asks for transparent huge pages on those of 2 MiB and more); `heap`: "
-            "glibc's mmap off and its trim threshold at 1 GiB (freed memory stays in the heap). "
-            "off / setting > 1: the setting saves that factor.\n"
-        )
-    with open(RESULTS, "a") as f:
-        f.write(head + lines)
-    print(f"appended to {RESULTS}")
+    from results_file import append_section
+
+    append_section(
+        RESULTS,
+        "# Host memory allocation in a CPU training step (benchmarks/bench_host_malloc.py)\n\n"
+        "`off`: glibc's and torch's defaults; `thp`: `THP_MEM_ALLOC_ENABLE=1` (torch page-aligns its "
+        "CPU allocations and asks for transparent huge pages on those of 2 MiB and more); `heap`: "
+        "glibc's mmap off and its trim threshold at 1 GiB (freed memory stays in the heap). "
+        "off / setting > 1: the setting saves that factor.\n",
+        head + lines,
+    )
 
 
 if __name__ == "__main__":

@@ -175,15 +175,14 @@ def main() -> None:
         f"{tc / bc:.2f} |\n"
         for e, bw, tw, bc, tc in rows
     )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    if not RESULTS.exists():
-        RESULTS.write_text(
-            "# Trainer overhead (benchmarks/bench_train.py)\n\nTrainer on a DeepSpeed engine vs a "
-            "bare PyTorch loop, same model and batches. Ratio > 1: the machinery costs that factor.\n"
-        )
-    with open(RESULTS, "a") as f:
-        f.write(head + lines)
-    print(f"appended to {RESULTS}")
+    from results_file import append_section
+
+    append_section(
+        RESULTS,
+        "# Trainer overhead (benchmarks/bench_train.py)\n\nTrainer on a DeepSpeed engine vs a "
+        "bare PyTorch loop, same model and batches. Ratio > 1: the machinery costs that factor.\n",
+        head + lines,
+    )
 
 
 if __name__ == "__main__":
