@@ -282,6 +282,8 @@ def verdict(raw: PlanRaw) -> tuple[str, list[str]]:
             lo, hi = cmp["document"]
             reasons.append(f"{name}: {cmp['mean']:+.3f} {_interval(cmp['document'])}")
             (ahead if hi < 0 else behind if lo > 0 else []).append(name)
+    if behind:  # refute is checked first and decides whatever else holds (the README's order)
+        return "refute", reasons
     overall = comparison(raw, LEV, BASE, "mmidx")
     noise = seed_noise(raw)
     if overall is None or noise is None:
@@ -292,8 +294,6 @@ def verdict(raw: PlanRaw) -> tuple[str, list[str]]:
         f"({'worse' if worse else 'no worse'} beyond it)"
     )
     needed = [f"LEV - {o}, {s} 1-9" for o in ("TIED", "ALBERT-32") for s, _ in SIDES]
-    if behind:
-        return "refute", reasons
     tied_rare = [n for n in needed if n.startswith("LEV - TIED")]
     if all(n in ahead for n in needed) and not worse:
         return "support", reasons

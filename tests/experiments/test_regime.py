@@ -108,6 +108,27 @@ def test_the_criteria(tmp_path, lev_shift, albert_shift, expected):
     assert verdict == expected, reasons
 
 
+def _one_tied_seed(path: Path, lev_shift) -> PlanRaw:
+    path.mkdir()
+    _raw(path, lev_shift, np.zeros(BANDS))
+    listing = json.loads((path / "study.json").read_text())
+    keep = [r for r in listing["runs"] if r["group"] != "TIED" or r["seed"] == 1234]
+    (path / "study.json").write_text(json.dumps({**listing, "runs": keep}))
+    return PlanRaw(path)
+
+
+def test_a_refute_decides_before_the_seed_noise_is_known(tmp_path):
+    """Refute is checked first (the README's order): with one TIED seed there is no seed noise, so
+    support and trade-off cannot be decided, but LEV behind TIED on a 1-9 band is a refute all the
+    same."""
+    behind = _one_tied_seed(tmp_path / "behind", np.array([0.0, 0.4, 0, 0, 0]))
+    assert rr.seed_noise(behind) is None
+    verdict, reasons = rr.verdict(behind)
+    assert verdict == "refute", reasons
+    verdict, reasons = rr.verdict(_one_tied_seed(tmp_path / "ahead", RARE_AHEAD))
+    assert verdict == "inconclusive" and "seed noise is not available" in reasons[-1], reasons
+
+
 def test_the_report_pages(tmp_path):
     (tmp_path / "raw").mkdir()
     _raw(tmp_path / "raw", RARE_AHEAD, np.zeros(BANDS))
