@@ -17,10 +17,10 @@ system-packages:
 demo: setup
 	$(PY) -m megatron_lev demo
 
-# Two workers (CI has two cores); a file's tests stay on one worker (tests/conftest.py).
+# Two pytest-xdist workers (CI has two cores), tests dealt out one by one.
 TEST_WORKERS ?= 2
 test: setup system-packages
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist load
 
 LINT_PATHS := megatron_lev tests tools pretrain benchmarks
 lint: setup
