@@ -484,8 +484,8 @@ def run_study(study: Study, log=print, poll: float = 1.0) -> list[list[StudyRun]
     lanes = [lane for lane in assign_lanes(study.selected, study.lanes, study.plan) if lane]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_LEV_DEMO_QUIET": "1"}
     env.setdefault("DS_ACCELERATOR", "cpu")
-    # CPU trainers keep their step's large buffers in the heap (utils/host_malloc.py: 1.4-1.7x faster
-    # steps over GPT-NeoX's vocabulary, bit-identical losses, more resident memory)
+    # CPU trainers keep their step's large buffers in the heap (utils/host_malloc.py: 1.45-1.57x less
+    # CPU time per step over GPT-NeoX's vocabulary, bit-identical losses, more resident memory)
     env.setdefault("MEGATRON_LEV_HOST_MALLOC", "1")
     procs, threads, last = [], [], {}
     try:

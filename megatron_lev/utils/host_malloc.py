@@ -8,12 +8,12 @@ allocation comes from the heap, and with a high `M_TRIM_THRESHOLD` freed memory 
 the next step.
 
 Measured (`benchmarks/bench_host_malloc.py`, `benchmarks/results/host_malloc.md`), on the regime
-experiment's shape: system time 1.2-1.5 s -> under 0.02 s per step, page faults about 340,000 -> 0
-per step, the step 1.74x (TIED) and 1.37x (LEV) faster, losses bit-identical. torch's own switch,
-transparent huge pages (`THP_MEM_ALLOC_ENABLE=1`), cuts the faults 50-fold but not the system time.
-The cost is memory: the heap stays at its peak between steps (peak RSS 1.75 instead of 1.50 GiB in
-the benchmark; in the regime runs, which also evaluate, the trainers' RSS settled at 2.4-4.7 GiB
-against a memory estimate of 2.0-2.2 GiB).
+experiment's model shape: system time 1.2-1.5 s -> under 0.02 s per step, page faults about 340,000
+-> 0 per step, the step's CPU time 1.57x (TIED) and 1.45x (LEV) lower, losses bit-identical.
+torch's own switch, transparent huge pages (`THP_MEM_ALLOC_ENABLE=1`), cuts the faults 50-fold but
+not the system time. The cost is memory: the heap stays near its peak between steps and grows with
+the variety of buffers (peak RSS 1.75 instead of 1.50 GiB in the benchmark; in the regime runs,
+which also evaluate, the trainers' RSS reached 2.8-5.6 GiB against a memory estimate of 2.0-2.2 GiB).
 
 Hence opt-in: `MEGATRON_LEV_HOST_MALLOC=1` makes `train` call it on CPU (never with CUDA, whose
 caching allocator holds the large buffers); `megatron-lev study run` sets it for its runs.
