@@ -55,16 +55,7 @@ def child(args) -> None:
     cfg = bt._config(args, args.embedding)
     model = build_model(cfg, args.vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
-    batches = bt._batches(args, args.vocab, torch.device("cpu"))
-
-    def step():
-        input_ids, labels = next(batches)
-        loss = model(input_ids, labels=labels).float().mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_grad)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+    step = bt.bare_step(model, opt, bt._batches(args, args.vocab, torch.device("cpu")), cfg.train.clip_grad)
 
     for _ in range(args.warmup):
         step()

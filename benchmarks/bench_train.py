@@ -71,18 +71,25 @@ def bare_loop(args, cfg, vocab: int, device) -> tuple[float, float]:
     # checkpointed as the engine would (build_engine applies it), so both loops run the same model
     model = apply_activation_checkpointing(build_model(cfg, vocab), cfg.model).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
-    batches = _batches(args, vocab, device)
+    return _timed(
+        bare_step(model, opt, _batches(args, vocab, device), cfg.train.clip_grad), args.steps, args.warmup
+    )
 
-    def step():
+
+def bare_step(model, opt, batches, clip: float):
+    """One plain PyTorch training step per call (forward, backward, clip, AdamW); returns the loss."""
+    import torch
+
+    def step() -> float:
         input_ids, labels = next(batches)
         loss = model(input_ids, labels=labels).float().mean()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_grad)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        float(loss.detach())
+        return float(loss.detach())
 
-    return _timed(step, args.steps, args.warmup)
+    return step
 
 
 def trainer_loop(args, cfg, vocab: int, device, out: str) -> tuple[float, float]:
