@@ -59,8 +59,9 @@ def _train(args: argparse.Namespace) -> int:
     world_size = read_dist_env().world_size
     cfg = load_config(files, overrides, validate=False)  # parsed and type-checked; validated just below
     # every rule once, before anything heavy; the plan carries what they derive down to the engine
-    plan = validate_run(cfg, world_size, cuda=torch.cuda.is_available())
-    if not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    plan = validate_run(cfg, world_size, cuda=cuda)
+    if not cuda:
         from megatron_lev.utils.host_malloc import keep_freed_memory
 
         keep_freed_memory()  # with MEGATRON_LEV_HOST_MALLOC=1: a step's large buffers are reused

@@ -20,7 +20,9 @@ from megatron_lev.experiments.plan_raw import (
     BOOTSTRAP,
     BOOTSTRAP_SEED,
     LEVEL,
+    TABLE_KEYS,
     PlanRaw,
+    fmt_value,
     paired_interval,
     write_pages,
 )
@@ -34,7 +36,6 @@ BASE_LR = 2e-3
 LR_SUFFIX = {"-LR1": 1e-3, "-LR4": 4e-3}
 STEPS_SHOWN = (10, 50, 150, 300)
 INPUT_TENSORS = ("codebooks.weight", "proj", "norm_weight", "norm_bias", "delta", "out_proj", "table.weight")
-TABLE_KEYS = ("rms", "mean_row_ratio", "effective_rank", "effective_rank_centred", "update_ratio")
 PAGES = ("runs.md", "collapse.md", "gradients.md", "selection.md")
 
 
@@ -107,10 +108,6 @@ def _seed_spread(raw: PlanRaw) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
 def collapse_markdown(raw: PlanRaw) -> str:
     lines = [
         "# Pilot: the input table over training",
@@ -133,8 +130,8 @@ def collapse_markdown(raw: PlanRaw) -> str:
                 continue
             vals = [r.get(f"input_table/{k}") for k in TABLE_KEYS]
             lines.append(
-                f"| {run['name']} | {step} | {_fmt(vals[0], '.4f')} | {_fmt(vals[1], '.4f')} | "
-                f"{_fmt(vals[2], '.1f')} | {_fmt(vals[3], '.1f')} | {_fmt(vals[4], '.4f')} | "
+                f"| {run['name']} | {step} | {fmt_value(vals[0], '.4f')} | {fmt_value(vals[1], '.4f')} | "
+                f"{fmt_value(vals[2], '.1f')} | {fmt_value(vals[3], '.1f')} | {fmt_value(vals[4], '.4f')} | "
                 f"{share if step == STEPS_SHOWN[-1] else ''} |"
             )
     lines += [
@@ -166,8 +163,8 @@ def gradients_markdown(raw: PlanRaw) -> str:
                     continue
                 u = r.get(f"update_ratio/embedding.{t}")
                 lines.append(
-                    f"| {run['name']} | {step} | {t} | {_fmt(g, '.4f')} | {_fmt(u, '.5f')} | "
-                    f"{_fmt(r.get('grad_norm/global'), '.3f')} |"
+                    f"| {run['name']} | {step} | {t} | {fmt_value(g, '.4f')} | {fmt_value(u, '.5f')} | "
+                    f"{fmt_value(r.get('grad_norm/global'), '.3f')} |"
                 )
     return "\n".join(lines) + "\n"
 
@@ -270,11 +267,6 @@ def selection_markdown(raw: PlanRaw) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _series(raw: PlanRaw, run: dict, key: str) -> tuple[list[int], list[float]]:
-    pts = [(r["iteration"], r[key]) for r in raw.train_rows(run) if r.get(key) is not None]
-    return [p[0] for p in pts], [p[1] for p in pts]
-
-
 def write_plots(raw: PlanRaw, out: Path) -> list[Path]:
     import matplotlib
 
@@ -297,7 +289,7 @@ def write_plots(raw: PlanRaw, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
     for ax, (key, title, log) in zip(axes, panels):
         for run in seed1:
-            xs, ys = _series(raw, run, key)
+            xs, ys = raw.series(run, key)
             if xs:
                 style = "--" if run["variant"] == "tied" else "-"
                 ax.plot(xs, ys, style, color=colour[run["group"]], label=run["group"], linewidth=1.2)
@@ -316,7 +308,7 @@ def write_plots(raw: PlanRaw, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, len(tensors), figsize=(4.2 * len(tensors), 4.0), sharey=True)
     for ax, t in zip(axes, tensors):
         for run in levs:
-            xs, ys = _series(raw, run, f"grad_norm/embedding.{t}")
+            xs, ys = raw.series(run, f"grad_norm/embedding.{t}")
             if xs:
                 ax.plot(xs, ys, color=colour[run["group"]], label=run["group"], linewidth=1.2)
         ax.set_title(f"grad norm: {t}")

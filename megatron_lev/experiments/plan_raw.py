@@ -4,6 +4,7 @@ and the paired document bootstrap their intervals use."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,14 @@ from megatron_lev.experiments.study import get_plan
 BOOTSTRAP = 1000
 BOOTSTRAP_SEED = 0
 LEVEL = 0.95
+# the input-table statistics the trainer logs as `input_table/<key>` (`training.dynamics.TABLE_KEYS`,
+# repeated here so that the reports do not import torch; a test keeps the two equal)
+TABLE_KEYS = ("rms", "mean_row_ratio", "effective_rank", "effective_rank_centred", "update_ratio")
+
+
+def fmt_value(value, spec: str) -> str:
+    """A table cell: `value` in `spec`, or "-" when it is missing or NaN."""
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
 def read_raw_json(path: Path):
@@ -92,6 +101,11 @@ class PlanRaw:
     def valid_rows(self, run: dict) -> list[dict]:
         """The trainer's validation lines (`train.eval_interval`), by iteration."""
         return self._rows(run, "valid")
+
+    def series(self, run: dict, key: str) -> tuple[list[int], list[float]]:
+        """(iterations, values) of one logged training key over the run, where it was logged."""
+        pts = [(r["iteration"], r[key]) for r in self.train_rows(run) if r.get(key) is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
 
     def at(self, run: dict, iteration: int) -> dict | None:
         return next((r for r in self.train_rows(run) if r["iteration"] == iteration), None)

@@ -18,7 +18,9 @@ from megatron_lev.experiments.plan_raw import (
     BOOTSTRAP,
     BOOTSTRAP_SEED,
     LEVEL,
+    TABLE_KEYS,
     PlanRaw,
+    fmt_value,
     paired_differences,
     seed_interval,
     write_pages,
@@ -30,7 +32,6 @@ CORPORA = (("mmidx", "validation"), ("text", "zero-shot"))
 SIDES = (("target", "target_band"), ("input", "input_band"))
 PAGES = ("overall.md", "bands.md", "curve.md", "dynamics.md", "verdict.md")
 DYNAMICS_STEPS = (10, 100, 300, 600, 1000)  # the logged steps the dynamics page shows
-TABLE_KEYS = ("rms", "mean_row_ratio", "effective_rank", "effective_rank_centred", "update_ratio")
 SEED_SIDE = ("embedding.codebooks.weight", "embedding.proj")  # LEV's codebooks and W_l
 
 
@@ -198,10 +199,6 @@ def curve_markdown(raw: PlanRaw) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _seed_side_share(row: dict) -> float | None:
     """Share of the squared global gradient norm that LEV's codebooks and `W_l` carry (None when the
     run has no such tensors)."""
@@ -236,8 +233,8 @@ def dynamics_markdown(raw: PlanRaw) -> str:
             upto = [x["clipped"] for x in rows if x["iteration"] <= step and x.get("clipped") is not None]
             vals = [r.get(f"input_table/{k}") for k in TABLE_KEYS]
             lines.append(
-                f"| {run['name']} | {step} | {_fmt(vals[0], '.4f')} | {_fmt(vals[1], '.4f')} | "
-                f"{_fmt(vals[2], '.1f')} | {_fmt(vals[3], '.1f')} | {_fmt(vals[4], '.5f')} | "
+                f"| {run['name']} | {step} | {fmt_value(vals[0], '.4f')} | {fmt_value(vals[1], '.4f')} | "
+                f"{fmt_value(vals[2], '.1f')} | {fmt_value(vals[3], '.1f')} | {fmt_value(vals[4], '.5f')} | "
                 + (f"{sum(upto)}/{len(upto)}" if upto else "-")
                 + " |"
             )
@@ -263,8 +260,8 @@ def dynamics_markdown(raw: PlanRaw) -> str:
             cells = ", ".join(f"{k.removeprefix('grad_norm/embedding.')} {r[k]:.4f}" for k in tensors)
             share = _seed_side_share(r)
             lines.append(
-                f"| {run['name']} | {step} | {_fmt(r.get('grad_norm/global'), '.3f')} | "
-                f"{_fmt(share, '.3f')} | {cells or '-'} |"
+                f"| {run['name']} | {step} | {fmt_value(r.get('grad_norm/global'), '.3f')} | "
+                f"{fmt_value(share, '.3f')} | {cells or '-'} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -382,9 +379,9 @@ def write_plots(raw: PlanRaw, out: Path) -> None:
         for run in raw.runs:
             if run["seed"] != 1234:
                 continue
-            pts = [(r["iteration"], r[key]) for r in raw.train_rows(run) if r.get(key) is not None]
-            if pts:
-                ax.plot(*zip(*pts), color=colour[run["group"]], label=run["group"], linewidth=1.1)
+            xs, ys = raw.series(run, key)
+            if xs:
+                ax.plot(xs, ys, color=colour[run["group"]], label=run["group"], linewidth=1.1)
         ax.set_title(title)
         ax.set_xlabel("step")
         if log:

@@ -206,3 +206,11 @@ def test_every_run_of_the_plan_passes_the_trainers_checks_before_any_step(plan, 
         with pytest.raises(ConfigError, match="min_compressed_width"):
             broken.check()
         assert not (tmp_path / "out2").exists()
+
+
+def test_the_reports_read_the_table_statistics_the_trainer_logs():
+    """plan_raw repeats `training.dynamics.TABLE_KEYS` so that the reports need not import torch."""
+    from megatron_lev.experiments.plan_raw import TABLE_KEYS
+    from megatron_lev.training.dynamics import TABLE_KEYS as LOGGED
+
+    assert TABLE_KEYS == LOGGED
