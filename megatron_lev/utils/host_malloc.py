@@ -4,8 +4,10 @@ glibc serves an allocation above its mmap threshold (at most 32 MiB on 64-bit) w
 and unmaps it on free, so the next step's buffer of the same size is new zero-filled pages again. A
 CPU step over GPT-NeoX's vocabulary allocates several such buffers (the logits of one micro-batch
 of 8 x 256 tokens are 412 MB in fp32, the table's gradient 39 MB). With `M_MMAP_MAX` 0 every
-allocation comes from the heap, and with a high `M_TRIM_THRESHOLD` freed memory stays there for
-the next step.
+allocation comes from the heap, and with `M_TRIM_THRESHOLD` at -1 (mallopt(3): no trimming) freed
+memory stays there for the next step. A finite threshold is not enough: the regime trainer frees
+about 1.6 GB at the top of its heap at once, so a 1 GiB threshold gave the heap back every step
+(326,000 page faults and 1.3 s of system time a step, as with glibc's defaults).
 
 Measured (`benchmarks/bench_host_malloc.py`, `benchmarks/results/host_malloc.md`), on the regime
 experiment's model shape: system time 1.2-1.5 s -> under 0.02 s per step, page faults about 340,000
@@ -28,12 +30,12 @@ import os
 ENV_SWITCH = "MEGATRON_LEV_HOST_MALLOC"  # "1": `train` on CPU keeps freed memory (default: glibc's)
 M_TRIM_THRESHOLD = -1  # mallopt parameters, glibc's malloc.h
 M_MMAP_MAX = -4
-TRIM_THRESHOLD = 1 << 30  # keep up to 1 GiB of freed memory at the top of the heap
+TRIM_THRESHOLD = -1  # mallopt(3): -1 turns trimming off (stored as SIZE_MAX); an int cannot say more than 2 GiB
 
 
 def keep_freed_memory(force: bool = False) -> bool:
     """With MEGATRON_LEV_HOST_MALLOC=1 (or `force`), set glibc's `M_MMAP_MAX` to 0 and
-    `M_TRIM_THRESHOLD` to 1 GiB for this process and the processes it forks. Returns whether it did
+    `M_TRIM_THRESHOLD` to -1 (never trim) for this process and the processes it forks. Returns whether it did
     (False without the switch, or off glibc)."""
     if not force and os.environ.get(ENV_SWITCH, "0") != "1":
         return False
