@@ -169,7 +169,7 @@ def main() -> None:
         "# Host memory allocation in a CPU training step (benchmarks/bench_host_malloc.py)\n\n"
         "`off`: glibc's and torch's defaults; `thp`: `THP_MEM_ALLOC_ENABLE=1` (torch page-aligns its "
         "CPU allocations and asks for transparent huge pages on those of 2 MiB and more); `heap`: "
-        "glibc's mmap off and its trim threshold at 1 GiB (freed memory stays in the heap). "
+        "glibc's mmap off and its trimming off (freed memory stays in the heap). "
         "off / setting > 1: the setting saves that factor.\n",
         head + lines,
     )
