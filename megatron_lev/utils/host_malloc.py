@@ -30,7 +30,8 @@ import os
 ENV_SWITCH = "MEGATRON_LEV_HOST_MALLOC"  # "1": `train` on CPU keeps freed memory (default: glibc's)
 M_TRIM_THRESHOLD = -1  # mallopt parameters, glibc's malloc.h
 M_MMAP_MAX = -4
-TRIM_THRESHOLD = -1  # mallopt(3): -1 turns trimming off (stored as SIZE_MAX); an int cannot say more than 2 GiB
+# mallopt(3): -1 turns trimming off (glibc stores it as SIZE_MAX; an int cannot say more than 2 GiB)
+TRIM_THRESHOLD = -1
 
 
 def keep_freed_memory(force: bool = False) -> bool:
