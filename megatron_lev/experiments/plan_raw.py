@@ -11,7 +11,7 @@ import numpy as np
 
 from megatron_lev.config import atomic_write_text
 from megatron_lev.errors import DataError
-from megatron_lev.experiments.study import get_plan
+from megatron_lev.experiments.study import get_plan, study_plan
 
 BOOTSTRAP = 1000
 BOOTSTRAP_SEED = 0
@@ -54,10 +54,15 @@ class PlanRaw:
         self.root = Path(raw)
         listing = read_raw_json(self.root / "study.json")
         plan = get_plan(listing.get("plan", "study"))
+        self.plan = plan.name
         order = {g: i for i, (g, *_rest) in enumerate(plan.groups)}
         self.runs = sorted(listing["runs"], key=lambda r: (order.get(r["group"], len(order)), r["seed"]))
         self.by_name = {r["name"]: r for r in self.runs}
         self._cache: dict[tuple[str, str], object] = {}
+
+    def missing(self) -> list[str]:
+        """The plan's runs not collected here (yet), in plan order."""
+        return [r.name for r in study_plan(self.plan) if r.name not in self.by_name]
 
     def groups(self) -> dict[str, list[dict]]:
         out: dict[str, list[dict]] = {}

@@ -302,9 +302,17 @@ def verdict(raw: PlanRaw) -> tuple[str, list[str]]:
 
 def verdict_markdown(raw: PlanRaw) -> str:
     v, reasons = verdict(raw)
-    lines = [
-        "# Regime: the criteria of the README applied",
-        "",
+    missing = raw.missing()
+    lines = ["# Regime: the criteria of the README applied", ""]
+    if missing:
+        planned = len(missing) + len(raw.runs)
+        lines += [
+            f"**Preliminary**: {len(raw.runs)} of the plan's {planned} runs collected; not yet: "
+            f"{', '.join(missing)}. The criteria are applied to the runs collected, and the verdict may "
+            "change when the rest are.",
+            "",
+        ]
+    lines += [
         f"**{v}**",
         "",
         *[f"- {r}" for r in reasons],

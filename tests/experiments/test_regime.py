@@ -129,6 +129,17 @@ def test_a_refute_decides_before_the_seed_noise_is_known(tmp_path):
     assert verdict == "inconclusive" and "seed noise is not available" in reasons[-1], reasons
 
 
+def test_the_verdict_page_says_when_runs_of_the_plan_are_missing(tmp_path):
+    (tmp_path / "full").mkdir()
+    full = _raw(tmp_path / "full", RARE_AHEAD, np.zeros(BANDS))
+    assert full.missing() == []
+    assert "Preliminary" not in rr.verdict_markdown(full)
+    partial = _one_tied_seed(tmp_path / "partial", RARE_AHEAD)
+    assert partial.missing() == ["tied-s1235", "tied-s1236"]
+    page = rr.verdict_markdown(partial)
+    assert "**Preliminary**: 7 of the plan's 9 runs collected; not yet: tied-s1235, tied-s1236." in page
+
+
 def test_the_report_pages(tmp_path):
     (tmp_path / "raw").mkdir()
     _raw(tmp_path / "raw", RARE_AHEAD, np.zeros(BANDS))
@@ -214,3 +225,21 @@ def test_the_reports_read_the_table_statistics_the_trainer_logs():
     from megatron_lev.training.dynamics import TABLE_KEYS as LOGGED
 
     assert TABLE_KEYS == LOGGED
+
+
+REGIME = Path(__file__).resolve().parents[2] / "docs" / "results" / "regime"
+
+
+def test_the_committed_tables_are_those_of_the_committed_raw_files(tmp_path):
+    """Every committed page of the regime experiment is the report of its committed raw files."""
+    assert (REGIME / "raw").is_dir(), "docs/results/regime/raw is missing: megatron-lev study collect"
+    rr.write_regime_report(REGIME / "raw", tmp_path, plots=False)
+    for name in rr.PAGES:
+        committed = REGIME / name
+        assert committed.is_file(), (
+            f"{committed} is missing: megatron-lev study report {REGIME / 'raw'} {REGIME}"
+        )
+        assert (tmp_path / name).read_text() == committed.read_text(), (
+            f"docs/results/regime/{name} differs from the report of docs/results/regime/raw; regenerate it "
+            "with `megatron-lev study report docs/results/regime/raw docs/results/regime`"
+        )
