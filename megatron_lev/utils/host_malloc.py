@@ -15,7 +15,8 @@ experiment's model shape: system time 1.2-1.5 s -> under 0.02 s per step, page f
 torch's own switch, transparent huge pages (`THP_MEM_ALLOC_ENABLE=1`), cuts the faults 50-fold but
 not the system time. The cost is memory: the heap stays near its peak between steps and grows with
 the variety of buffers (peak RSS 1.75 instead of 1.50 GiB in the benchmark; in the regime runs,
-which also evaluate, the trainers' RSS reached 2.8-5.6 GiB against a memory estimate of 2.0-2.2 GiB).
+which also evaluate, the trainers' RSS reached 3.1 GiB (LEV) and 4.4 GiB (TIED) against a memory
+estimate of about 2.0 GiB).
 
 Hence opt-in: `MEGATRON_LEV_HOST_MALLOC=1` makes `train` call it on CPU (never with CUDA, whose
 caching allocator holds the large buffers); `megatron-lev study run` sets it for its runs.
