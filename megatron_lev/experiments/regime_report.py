@@ -408,9 +408,15 @@ ORDERS = ("LEV-BPE", "LEV-RANDOM", "LEV-FREQUENCY")
 def order_markdown(raw: PlanRaw) -> str:
     """The token-id order experiment (plan `order`): each order against BPE order, overall and by the
     input token's training count."""
-    lines = [
-        "# LEV's token-id order",
-        "",
+    missing = raw.missing()
+    lines = ["# LEV's token-id order", ""]
+    if missing:
+        lines += [
+            f"**Preliminary**: {len(raw.runs)} of the plan's {len(missing) + len(raw.runs)} runs collected; "
+            f"not yet: {', '.join(missing)}.",
+            "",
+        ]
+    lines += [
         "Mean NLL (nats per predicted token), mean ± sd over seeds; differences against BPE order "
         f"(the spec's) with the document bootstrap {LEVEL:.0%} over the seed pairs and the seed-paired "
         "Student-t interval.",

@@ -180,7 +180,12 @@ def test_the_order_page(tmp_path):
         line for line in page.splitlines() if line.startswith("| LEV-RANDOM - LEV-BPE | validation | all |")
     )
     assert float(row.split(" | ")[3]) == pytest.approx(-0.2, abs=0.03)
-    assert "| LEV-FREQUENCY - LEV-BPE | zero-shot | >= 1000 |" in page
+    assert "| LEV-FREQUENCY - LEV-BPE | zero-shot | >= 1000 |" in page and "Preliminary" not in page
+    listing = json.loads((tmp_path / "study.json").read_text())
+    keep = [r for r in listing["runs"] if r["seed"] == 1234]
+    (tmp_path / "study.json").write_text(json.dumps({**listing, "runs": keep}))
+    page = rr.write_order_report(tmp_path, tmp_path / "part")["order.md"].read_text()
+    assert "**Preliminary**: 3 of the plan's 9 runs collected; not yet: lev-bpe-s1235, lev-bpe-s1236," in page
 
 
 @pytest.mark.parametrize("plan", ["regime", "order"])
