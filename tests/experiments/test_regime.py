@@ -248,3 +248,15 @@ def test_the_committed_tables_are_those_of_the_committed_raw_files(tmp_path):
             f"docs/results/regime/{name} differs from the report of docs/results/regime/raw; regenerate it "
             "with `megatron-lev study report docs/results/regime/raw docs/results/regime`"
         )
+
+
+ORDER = REGIME.parent / "order"
+
+
+def test_the_committed_order_page_is_that_of_the_committed_raw_files(tmp_path):
+    assert (ORDER / "raw").is_dir(), "docs/results/order/raw is missing: megatron-lev study collect"
+    rr.write_order_report(ORDER / "raw", tmp_path)
+    assert (tmp_path / "order.md").read_text() == (ORDER / "order.md").read_text(), (
+        "docs/results/order/order.md differs from the report of docs/results/order/raw; regenerate it with "
+        "`megatron-lev study report docs/results/order/raw docs/results/order`"
+    )
