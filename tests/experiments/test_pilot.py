@@ -13,6 +13,7 @@ import pytest
 from megatron_lev.experiments import pilot_report as pr
 from megatron_lev.experiments import study
 from megatron_lev.experiments.study import PILOT_GROUPS, study_plan
+from tests.experiments.committed import assert_pages_regenerate
 
 ROOT = Path(__file__).resolve().parents[2]
 PILOT = ROOT / "docs" / "results" / "pilot"
@@ -146,16 +147,7 @@ def test_the_report_is_deterministic_and_says_what_it_found(raw, tmp_path):
 
 
 def test_the_committed_tables_are_those_of_the_committed_raw_files(tmp_path):
-    pr.write_pilot_report(PILOT / "raw", tmp_path, plots=False)
-    for name in pr.PAGES:
-        committed = PILOT / name
-        assert committed.is_file(), (
-            f"{committed} is missing: megatron-lev study report {PILOT / 'raw'} {PILOT}"
-        )
-        assert (tmp_path / name).read_text() == committed.read_text(), (
-            f"docs/results/pilot/{name} differs from the report of docs/results/pilot/raw; regenerate it "
-            "with `megatron-lev study report docs/results/pilot/raw docs/results/pilot`"
-        )
+    assert_pages_regenerate(pr.write_pilot_report, PILOT, pr.PAGES, tmp_path, plots=False)
 
 
 def test_the_regime_and_order_plans_run_what_the_committed_pilot_chose():

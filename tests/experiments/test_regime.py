@@ -11,6 +11,7 @@ import pytest
 
 from megatron_lev.experiments import regime_report as rr
 from megatron_lev.experiments.plan_raw import PlanRaw, paired_differences, seed_interval
+from tests.experiments.committed import assert_pages_regenerate
 
 DOCS, BANDS = 40, 5
 BAND_NLL = np.array([9.0, 8.0, 6.0, 5.0, 4.0])  # TIED's per-token NLL in bands 0, 1-9, 10-99, ...
@@ -237,26 +238,11 @@ REGIME = Path(__file__).resolve().parents[2] / "docs" / "results" / "regime"
 
 def test_the_committed_tables_are_those_of_the_committed_raw_files(tmp_path):
     """Every committed page of the regime experiment is the report of its committed raw files."""
-    assert (REGIME / "raw").is_dir(), "docs/results/regime/raw is missing: megatron-lev study collect"
-    rr.write_regime_report(REGIME / "raw", tmp_path, plots=False)
-    for name in rr.PAGES:
-        committed = REGIME / name
-        assert committed.is_file(), (
-            f"{committed} is missing: megatron-lev study report {REGIME / 'raw'} {REGIME}"
-        )
-        assert (tmp_path / name).read_text() == committed.read_text(), (
-            f"docs/results/regime/{name} differs from the report of docs/results/regime/raw; regenerate it "
-            "with `megatron-lev study report docs/results/regime/raw docs/results/regime`"
-        )
+    assert_pages_regenerate(rr.write_regime_report, REGIME, rr.PAGES, tmp_path, plots=False)
 
 
 ORDER = REGIME.parent / "order"
 
 
 def test_the_committed_order_page_is_that_of_the_committed_raw_files(tmp_path):
-    assert (ORDER / "raw").is_dir(), "docs/results/order/raw is missing: megatron-lev study collect"
-    rr.write_order_report(ORDER / "raw", tmp_path)
-    assert (tmp_path / "order.md").read_text() == (ORDER / "order.md").read_text(), (
-        "docs/results/order/order.md differs from the report of docs/results/order/raw; regenerate it with "
-        "`megatron-lev study report docs/results/order/raw docs/results/order`"
-    )
+    assert_pages_regenerate(rr.write_order_report, ORDER, ["order.md"], tmp_path)
