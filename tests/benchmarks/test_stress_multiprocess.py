@@ -331,3 +331,68 @@ def test_summary_of_clean_and_empty_campaigns(sm):
     empty = sm.summarise([_record(1, "tp2-zero1", "interrupted", 1.0)])
     assert empty["runs"] == 0 and empty["failure_rate"] is None and empty["interval_95"] is None
     assert "no finished run" in sm.format_summary(empty)
+
+
+# ---------------------------------------------------------------- batches and the cumulative report
+
+
+def test_batches_add_up_by_label_without_machine_paths(sm, tmp_path):
+    out = tmp_path / "stress-night"
+    terminate = "rank-signal:SIGABRT | terminate called without an active exception"
+
+    def rec(i, status, **failure):
+        r = _record(i, "pp2-zero0", status, 30.0 + i, **failure)
+        r["dir"] = str(out / r["run"])
+        r["phases"][0]["stderr"] = str(out / r["run"] / "train.stderr.log")
+        return r
+
+    failed = rec(
+        2,
+        "failed",
+        klass="rank-signal:SIGABRT",
+        signature=terminate,
+        phase="train",
+        log=str(out / "run_0002" / "train.stderr.log"),
+        excerpt=[f"terminate called without an active exception in {sm.ROOT}/megatron_lev/x.py"],
+    )
+    options = {"host": "node-17", "started": "2026-12-02T10:00:00", "layouts": ["pp2-zero0"]}
+    folder = tmp_path / "stress"
+    batches = {
+        "after-1.json": ("after", [rec(1, "ok"), failed, rec(3, "ok")]),
+        "after-2.json": ("after", [rec(1, "ok"), rec(2, "ok"), rec(3, "interrupted")]),
+        "before-1.json": ("before", [rec(1, "ok")]),
+    }
+    for name, (label, records) in batches.items():
+        records[0]["phases"][0]["command"] = f"torchrun ... data.tokenizer_path={tmp_path}/data/tok.json"
+        batch = sm.batch_record(label, options, records, out, {str(tmp_path / "data"): "<shared-data>"})
+        text = json.dumps(batch)
+        assert str(tmp_path) not in text and str(sm.ROOT) not in text and "node-17" not in text
+        assert "data.tokenizer_path=<shared-data>/tok.json" in text
+        assert batch["label"] == label and "dir" not in batch["records"][0]
+        assert batch["records"][0]["phases"][0]["stderr"] == "<out>/run_0001/train.stderr.log"
+        sm.write_atomic(folder / name, text)
+    md = sm.report(folder)
+    before, after = md.index("## before"), md.index("## after")
+    assert before < after  # before first, whatever the file names
+    assert "**0 failures in 1 runs" in md[before:after]
+    assert "**1 failure in 5 runs (20%)" in md[after:]  # the interrupted run is not counted
+    assert "| `after-1.json` |" in md and "| 3 | 1 | 0 |" in md and "| 2 | 0 | 1 |" in md
+    assert f"**1x** `{terminate}` (pp2-zero0 x1; runs after-1/run_0002)" in md
+    assert "terminate called without an active exception in <repo>/megatron_lev/x.py" in md
+
+
+def test_report_of_a_folder_without_batches_says_so(sm, tmp_path):
+    (tmp_path / "notes.json").write_text('{"label": "after"}')
+    with pytest.raises(SystemExit, match=r"notes.json: not a batch file written by --record"):
+        sm.report(tmp_path)
+    with pytest.raises(SystemExit, match=r"--report .*empty: no batch file"):
+        sm.report(tmp_path / "empty")
+
+
+def test_record_needs_a_label_and_a_new_file(sm, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        sm.parse_args(["--record", str(tmp_path / "b.json")])
+    assert "--record needs --label" in capsys.readouterr().err
+    (tmp_path / "b.json").write_text("{}")
+    with pytest.raises(SystemExit, match="already exists; give a new file"):
+        sm.main(["--record", str(tmp_path / "b.json"), "--label", "after"])
