@@ -1085,7 +1085,8 @@ def main(argv=None) -> int:
     print("\n" + format_summary(summary), flush=True)
     print(f"\nsummary: {out / 'summary.json'}", flush=True)
     if args.record:
-        roots = {str(shared.resolve()): "<shared-data>", str(args.record.resolve().parent): "<batches>"}
+        roots = {str(p): "<shared-data>" for p in (shared, shared.absolute(), shared.resolve())}
+        roots[str(args.record.resolve().parent)] = "<batches>"
         batch = batch_record(args.label, options, records, out, roots)
         write_atomic(args.record, json.dumps(batch, indent=1) + "\n")
         print(f"batch ({args.label}): {args.record}", flush=True)
