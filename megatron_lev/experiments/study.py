@@ -609,10 +609,29 @@ def vocabulary_buckets(data: Path, edges: tuple[float, ...] | None = None) -> di
     }
 
 
+def _collected_before(raw: Path, plan: str) -> set[str]:
+    """The runs an earlier collection listed in `raw/study.json` whose files are still there: a
+    session's lanes hold only that session's runs, and collecting them must not drop the others."""
+    listing = raw / "study.json"
+    if not listing.is_file():
+        return set()
+    try:
+        held = json.loads(listing.read_text(encoding="utf-8"))
+        names = {r["name"] for r in held["runs"]}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{listing}: unreadable ({exc}); move it away to collect afresh") from exc
+    if held.get("plan") != plan:
+        raise UserError(
+            f"{raw}: holds runs of the {held.get('plan')} plan, not {plan}; give another directory"
+        )
+    return {n for n in names if (raw / n / "eval.json").is_file()}
+
+
 def collect_study(out: Path, raw: Path, log=print, plan: str | Plan | None = None) -> dict[str, int]:
     """Copy the small raw files of every finished run (all four steps done) of `out` into
-    `raw/<run>/`, with the data split, the LAMBADA passages' summary and the plan; returns the bytes
-    written per file (relative name). `plan`: None for the one `study run` recorded in `out` (refused for a
+    `raw/<run>/`, with the data split, the LAMBADA passages' summary and the plan; `study.json` lists
+    these runs and those an earlier collection into `raw` listed. Returns the bytes written per file
+    (relative name). `plan`: None for the one `study run` recorded in `out` (refused for a
     directory without a record); another than the recorded one is refused."""
     out, raw = Path(out), Path(raw)
     state = out / ".steps"
@@ -677,11 +696,11 @@ def collect_study(out: Path, raw: Path, log=print, plan: str | Plan | None = Non
             },
         )
         sizes["lambada.json"] = (raw / "lambada.json").stat().st_size
-    atomic_write_json(
-        raw / "study.json", {"plan": get_plan(plan).name, "runs": [asdict(r) for r in finished]}
-    )
+    listed = {r.name for r in finished} | _collected_before(raw, get_plan(plan).name)
+    runs = [r for r in study_plan(plan) if r.name in listed]  # this collection's and earlier ones'
+    atomic_write_json(raw / "study.json", {"plan": get_plan(plan).name, "runs": [asdict(r) for r in runs]})
     sizes["study.json"] = (raw / "study.json").stat().st_size
-    missing = [r.name for r in study_plan(plan) if r not in finished]
+    missing = [r.name for r in study_plan(plan) if r not in runs]
     for name, size in sorted(sizes.items()):
         log(f"{size:>10,}  {name}")
     log(f"{sum(sizes.values()):,} bytes in {len(sizes)} files -> {raw}")

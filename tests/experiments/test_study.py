@@ -364,6 +364,28 @@ def test_collect_copies_small_files_of_finished_runs_and_never_checkpoints(tmp_p
         collect_study(out, out / "raw", log=lambda *_: None, plan="study")
 
 
+def test_collect_keeps_the_runs_an_earlier_session_collected(tmp_path):
+    """Each session's lanes hold only that session's runs: collecting them into a raw directory that
+    already holds other runs lists both in study.json (in plan order), and drops a listed run whose
+    files are gone; a raw directory of another plan is refused."""
+    out = _finished_study(tmp_path)
+    raw = tmp_path / "raw"
+    earlier = {"name": "tied-s1234", "group": "TIED", "variant": "tied", "seed": 1234, "overrides": []}
+    gone = {**earlier, "name": "tied-s1235", "seed": 1235}
+    (raw / "tied-s1234").mkdir(parents=True)
+    (raw / "tied-s1234" / "eval.json").write_text("{}")
+    (raw / "study.json").write_text(json.dumps({"plan": "study", "runs": [earlier, gone]}))
+    lines = []
+    collect_study(out, raw, log=lines.append, plan="study")
+    listed = [r["name"] for r in json.loads((raw / "study.json").read_text())["runs"]]
+    assert listed == ["tied-s1234", "lev-s1234"]
+    not_collected = lines[-1].split()
+    assert "tied-s1234" not in not_collected and "tied-s1235" in not_collected
+    (raw / "study.json").write_text(json.dumps({"plan": "pilot", "runs": [earlier]}))
+    with pytest.raises(UserError, match="holds runs of the pilot plan, not study; give another directory"):
+        collect_study(out, raw, log=lambda *_: None, plan="study")
+
+
 def test_docs_match_report(tmp_path):
     raw = ROOT / "docs" / "results" / "study" / "raw"
     if not raw.is_dir():
