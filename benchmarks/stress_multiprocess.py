@@ -157,10 +157,15 @@ def run_overrides(data: DataSet, out: Path, layout: Layout, iters: int, extra: l
     return [f"{k}={v}" for k, v in base.items()] + list(extra)
 
 
-def refusal(layout: Layout, data: DataSet, extra: list[str]) -> str | None:
-    """The config's one-line message when it refuses this layout on 2 CPU processes, else None."""
+def _checkout_importable() -> None:
+    """`import megatron_lev` finds this checkout's package (a `before` batch runs an old commit)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
+
+
+def refusal(layout: Layout, data: DataSet, extra: list[str]) -> str | None:
+    """The config's one-line message when it refuses this layout on 2 CPU processes, else None."""
+    _checkout_importable()
     from megatron_lev.config import ConfigError, load_config
 
     try:
@@ -675,17 +680,24 @@ def check_outputs(out: Path, phase: dict, stderr: str) -> list[str]:
 # ---------------------------------------------------------------- batches and the cumulative report
 
 
-def git_state(root: Path = ROOT) -> dict:
-    """The commit the checkout is at and whether tracked files differ from it (the `before` batches
-    run an old commit with this script copied in)."""
+def git_state(root: Path = ROOT, ignore: Path | None = None) -> dict:
+    """The commit the checkout is at and the files that differ from it (the `before` batches run an
+    old commit with this script copied in); paths under `ignore` (the batch folder) are left out."""
 
     def git(*a):
         r = subprocess.run(["git", *a], cwd=root, capture_output=True, text=True)
         return r.stdout if r.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain") or ""  # ' M path' (modified), '?? path' (not tracked)
-    changed = sorted(line[3:] + (" (untracked)" if line[:2] == "??" else "") for line in status.splitlines())
+    # ' M path' (modified), '?? path' (not tracked; each file, so that the batch folder's can be left out)
+    status = git("status", "--porcelain", "--untracked-files=all") or ""
+    top, where = root.resolve(), ignore.resolve() if ignore else None
+    skip = where.relative_to(top).as_posix() + "/" if where and where.is_relative_to(top) else None
+    changed = sorted(
+        line[3:] + (" (untracked)" if line[:2] == "??" else "")
+        for line in status.splitlines()
+        if not (skip and line[3:].startswith(skip))
+    )
     return {"commit": commit.strip() if commit else None, "modified": changed}
 
 
@@ -702,21 +714,22 @@ def portable(value, roots: dict[str, str]):
 
 
 def batch_record(
-    label: str, options: dict, records: list[dict], out: Path, roots: dict | None = None
+    label: str, options: dict, records: list[dict], out: Path, roots: dict | None = None, folder=None
 ) -> dict:
     """One batch as committed: no host name, every path relative to a named root (the out folder,
-    the checkout, the interpreter's prefix and any of `roots`, e.g. the shared data)."""
+    the checkout, the interpreter's prefix and any of `roots`, e.g. the shared data); `folder`, where
+    the batches go, is not counted as a change to the checkout."""
     roots = {**(roots or {}), str(out): "<out>", str(ROOT): "<repo>", sys.prefix: "<python>"}
     opts = {k: v for k, v in options.items() if k != "host"}
     recs = [{k: v for k, v in r.items() if k != "dir"} for r in records]
-    return portable({"label": label, **git_state(), "options": opts, "records": recs}, roots)
+    return portable({"label": label, **git_state(ignore=folder), "options": opts, "records": recs}, roots)
 
 
 def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    _checkout_importable()
+    from megatron_lev.utils.io import atomic_write_text
+
+    atomic_write_text(path, text)
 
 
 def load_batches(folder: Path) -> list[tuple[str, dict]]:
@@ -775,9 +788,9 @@ def report(folder: Path) -> str:
             out.append(f"| {lay} | {e['runs']} | {e['failures']} | {spread} |")
         out.append("")
         for sig in summary["signatures"]:
-            where = ", ".join(f"{k} x{v}" for k, v in sig["layouts"].items())
+            seen = ", ".join(f"{k} x{v}" for k, v in sig["layouts"].items())
             out.append(
-                f"- **{sig['count']}x** `{sig['signature']}` ({where}; runs {', '.join(sig['runs'][:10])})"
+                f"- **{sig['count']}x** `{sig['signature']}` ({seen}; runs {', '.join(sig['runs'][:10])})"
             )
             lines = sig["example"]["lines"]
             if lines:
@@ -1087,7 +1100,7 @@ def main(argv=None) -> int:
     if args.record:
         roots = {str(p): "<shared-data>" for p in (shared, shared.absolute(), shared.resolve())}
         roots[str(args.record.resolve().parent)] = "<batches>"
-        batch = batch_record(args.label, options, records, out, roots)
+        batch = batch_record(args.label, options, records, out, roots, args.record.parent)
         write_atomic(args.record, json.dumps(batch, indent=1) + "\n")
         print(f"batch ({args.label}): {args.record}", flush=True)
     if interrupted:

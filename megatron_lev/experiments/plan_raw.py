@@ -64,6 +64,16 @@ class PlanRaw:
         """The plan's runs not collected here (yet), in plan order."""
         return [r.name for r in study_plan(self.plan) if r.name not in self.by_name]
 
+    def preliminary(self) -> str | None:
+        """The line a report page opens with while some of the plan's runs are not collected."""
+        missing = self.missing()
+        if not missing:
+            return None
+        return (
+            f"**Preliminary**: {len(self.runs)} of the plan's {len(missing) + len(self.runs)} runs "
+            f"collected; not yet: {', '.join(missing)}."
+        )
+
     def groups(self) -> dict[str, list[dict]]:
         out: dict[str, list[dict]] = {}
         for r in self.runs:

@@ -302,13 +302,10 @@ def verdict(raw: PlanRaw) -> tuple[str, list[str]]:
 
 def verdict_markdown(raw: PlanRaw) -> str:
     v, reasons = verdict(raw)
-    missing = raw.missing()
     lines = ["# Regime: the criteria of the README applied", ""]
-    if missing:
-        planned = len(missing) + len(raw.runs)
+    if preliminary := raw.preliminary():
         lines += [
-            f"**Preliminary**: {len(raw.runs)} of the plan's {planned} runs collected; not yet: "
-            f"{', '.join(missing)}. The criteria are applied to the runs collected, and the verdict may "
+            f"{preliminary} The criteria are applied to the runs collected, and the verdict may "
             "change when the rest are.",
             "",
         ]
@@ -408,14 +405,9 @@ ORDERS = ("LEV-BPE", "LEV-RANDOM", "LEV-FREQUENCY")
 def order_markdown(raw: PlanRaw) -> str:
     """The token-id order experiment (plan `order`): each order against BPE order, overall and by the
     input token's training count."""
-    missing = raw.missing()
     lines = ["# LEV's token-id order", ""]
-    if missing:
-        lines += [
-            f"**Preliminary**: {len(raw.runs)} of the plan's {len(missing) + len(raw.runs)} runs collected; "
-            f"not yet: {', '.join(missing)}.",
-            "",
-        ]
+    if preliminary := raw.preliminary():
+        lines += [preliminary, ""]
     lines += [
         "Mean NLL (nats per predicted token), mean ± sd over seeds; differences against BPE order "
         f"(the spec's) with the document bootstrap {LEVEL:.0%} over the seed pairs and the seed-paired "

@@ -396,3 +396,23 @@ def test_record_needs_a_label_and_a_new_file(sm, tmp_path, capsys):
     (tmp_path / "b.json").write_text("{}")
     with pytest.raises(SystemExit, match="already exists; give a new file"):
         sm.main(["--record", str(tmp_path / "b.json"), "--label", "after"])
+
+
+def test_git_state_names_changed_files_but_not_the_batch_folder(sm, tmp_path):
+    import subprocess
+
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "script.py").write_text("old\n")
+    git("add", "script.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    (tmp_path / "script.py").write_text("new\n")  # the `before` batches: this script copied in
+    (tmp_path / "results" / "stress").mkdir(parents=True)
+    (tmp_path / "results" / "stress" / "after-1.json").write_text("{}")  # an earlier batch, uncommitted
+    (tmp_path / "notes.txt").write_text("x")
+    state = sm.git_state(tmp_path, ignore=tmp_path / "results" / "stress")
+    assert len(state["commit"]) == 40
+    assert state["modified"] == ["notes.txt (untracked)", "script.py"]
+    assert "results/stress/after-1.json (untracked)" in sm.git_state(tmp_path)["modified"]
