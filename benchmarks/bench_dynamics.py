@@ -68,7 +68,7 @@ def _trainer(config: Path, embedding: str, vocab: int, steps: int, out: str):
         world_size=1,
         device=torch.device("cpu"),
     )
-    dynamics = TrainingDynamics(1, t.clip_grad, cfg.logging.dynamics_sample_ids, vocab)
+    dynamics = TrainingDynamics(1, cfg.logging.dynamics_sample_ids, vocab)
     dynamics.on_train_begin(trainer, Control())
     return cfg, trainer, dynamics, batches()
 

@@ -122,6 +122,9 @@ RANGES: dict[str, Range] = {
     "model.lev.seed_lr_mult": Range(
         0, lo_open=True, cap=1000, why="multiplies the learning rate of the codebooks and W_l, e.g. 0.1"
     ),
+    "model.lev.seed_clip_grad": Range(
+        0, cap=1e6, why="the seed side's own clipping threshold (0: its own group, never clipped)"
+    ),
     "model.lev.centre_reference": Range(
         0, 64 * _M, why="token ids whose mean modes are subtracted (0: off; e.g. 256)"
     ),
@@ -247,6 +250,12 @@ class LevConfig:
     # turns them by lr/0.02 x 0.1 per Adam step. Two train.param_groups rules put first
     # (`RunConfig.param_group_rules`), so it applies with any model.embedding in one config file.
     seed_lr_mult: float = 1.0
+    # None (the spec): the codebooks and W_l are in the global gradient norm, where they carry most of
+    # it (their gradients scale as one over their size) and so decide how much train.clip_grad shrinks
+    # every step. A number: they are clipped on their own norm at this threshold and left out of the
+    # global norm (0: their own group, never clipped). A train.clip_groups rule put first
+    # (`RunConfig.clip_group_rules`), named LEV_SEED_CLIP_GROUP.
+    seed_clip_grad: float | None = None
     centred: bool = False  # G = sum_l (M_l - 1) W_out_l: drops the all-ones mode's shared vector
     # > 0: G = sum_l (M_l - mean_R M_l) W_out_l, R this many evenly spaced token ids (reference_ids),
     # recomputed from the current weights at every forward, so the readout stays centred in training
@@ -460,6 +469,21 @@ class ParamGroupRule:
     adam_eps: float | None = None  # None: train.adam_eps
 
 
+LEV_SEED_CLIP_GROUP = "lev_seed"  # the clip group model.lev.seed_clip_grad implies
+GLOBAL_CLIP_GROUP = "global"  # every parameter no clip group names
+
+
+@dataclass
+class ClipGroupRule:
+    """The parameters whose canonical name matches one of `patterns` (shell-style globs) are clipped on
+    their own gradient norm at `max_norm` and left out of the global norm; the first matching rule of
+    `train.clip_groups` takes a parameter."""
+
+    name: str = ""  # an identifier, logged as clip_factor/<name> and grad_norm/clip/<name>
+    patterns: list[str] = field(default_factory=list)
+    max_norm: float | None = None  # None: train.clip_grad; 0: never clipped (still out of the global norm)
+
+
 @dataclass
 class TrainConfig:
     micro_batch_size: int = 4
@@ -491,6 +515,7 @@ class TrainConfig:
     max_update_ratio: float | None = 2.0  # an update growing the global weight norm more stops the run
     callbacks: list[str] = field(default_factory=list)  # extra trainer callbacks, "module:Class"
     param_groups: list[ParamGroupRule] = field(default_factory=list)  # per-pattern lr/decay/eps
+    clip_groups: list[ClipGroupRule] = field(default_factory=list)  # clipped on their own norm
 
     def validate(self) -> None:
         check_ranges(self, "train")
@@ -511,6 +536,26 @@ class TrainConfig:
                 raise ConfigError(f"{key}.weight_decay={rule.weight_decay} must be >= 0 (0 exempts them)")
             if rule.adam_eps is not None and not rule.adam_eps > 0:
                 raise ConfigError(f"{key}.adam_eps={rule.adam_eps} must be > 0")
+        seen: set[str] = set()
+        for i, rule in enumerate(self.clip_groups):
+            key = f"train.clip_groups[{i}]"
+            if not rule.name.isidentifier() or rule.name in (GLOBAL_CLIP_GROUP, LEV_SEED_CLIP_GROUP):
+                raise ConfigError(
+                    f"{key}.name={rule.name!r} must be an identifier other than "
+                    f"'{GLOBAL_CLIP_GROUP}' and '{LEV_SEED_CLIP_GROUP}', e.g. 'head'"
+                )
+            if rule.name in seen:
+                raise ConfigError(f"{key}.name={rule.name!r} names two clip groups: give each its own name")
+            seen.add(rule.name)
+            if not rule.patterns or not all(p.strip() for p in rule.patterns):
+                raise ConfigError(
+                    f"{key}.patterns is empty: give globs of parameter names, e.g. [embedding.*]"
+                )
+            if rule.max_norm is not None and not (0 <= rule.max_norm < math.inf):
+                raise ConfigError(
+                    f"{key}.max_norm={rule.max_norm} must be a finite number >= 0 (0: never clipped; "
+                    "leave it out for train.clip_grad)"
+                )
         check_choice("train.precision", self.precision, PRECISIONS)
         check_choice("train.lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
         if self.train_iters is None and self.train_tokens is None and not self.chinchilla:
@@ -578,6 +623,17 @@ class RunConfig:
                         f"(pattern {rule.pattern!r}) both set the learning rate of {hit[0]}: set it in one "
                         "place (seed_lr_mult=1 to leave it to the rule, or a pattern that leaves it out)"
                     )
+        if m.embedding == "lev" and m.lev.seed_clip_grad is not None:
+            import fnmatch
+
+            for i, rule in enumerate(t.clip_groups):
+                hit = [n for n in LEV_SEED_NAMES for pat in rule.patterns if fnmatch.fnmatchcase(n, pat)]
+                if hit:
+                    raise ConfigError(
+                        f"model.lev.seed_clip_grad={m.lev.seed_clip_grad} and train.clip_groups[{i}] "
+                        f"({rule.name!r}) both clip {hit[0]}: set it in one place (seed_clip_grad=null "
+                        "to leave it to the rule, or patterns that leave it out)"
+                    )
         tp = p.tensor_model_parallel_size
         if m.num_attention_heads % tp:
             raise ConfigError(
@@ -628,6 +684,20 @@ class RunConfig:
             return list(self.train.param_groups)
         implied = [ParamGroupRule(pattern, lr_mult=lev.seed_lr_mult) for pattern in LEV_SEED_PARAMS]
         return implied + list(self.train.param_groups)
+
+    def clip_group_rules(self) -> list[ClipGroupRule]:
+        """The clip groups by parameter name: the one `model.lev.seed_clip_grad` implies (LEV only,
+        named LEV_SEED_CLIP_GROUP) before `train.clip_groups`, each with its threshold resolved
+        (`train.clip_grad` where a rule gives none). Every reader of the optimizer's groups (the
+        engine, the optimizer files of a checkpoint) takes them from here."""
+        rules = []
+        lev = self.model.lev
+        if self.model.embedding == "lev" and lev.seed_clip_grad is not None:
+            rules.append(ClipGroupRule(LEV_SEED_CLIP_GROUP, list(LEV_SEED_PARAMS), lev.seed_clip_grad))
+        for rule in self.train.clip_groups:
+            max_norm = self.train.clip_grad if rule.max_norm is None else rule.max_norm
+            rules.append(ClipGroupRule(rule.name, list(rule.patterns), max_norm))
+        return rules
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (

@@ -48,7 +48,8 @@ class Engine(Protocol):
     """An engine runs optimizer steps and writes and reads its checkpoint files.
 
     `train_batch` returns a `StepOutput`-like object with `loss` (device `()`), `skipped` (host bool:
-    the update was held back), `scaler_overflow` (host bool) and `grad_norm` (device `()` or None).
+    the update was held back), `scaler_overflow` (host bool), `grad_norm` (device `()` or None: the
+    norm clipping used) and `clip` (device: the clip groups' norms then factors, or None).
     """
 
     @property
@@ -111,6 +112,11 @@ class Engine(Protocol):
 
     def step_measurement(self) -> StepMeasurement | None:
         """The measurement of the last step asked for (None when none was taken)."""
+        ...
+
+    def clip_record(self) -> Any:
+        """The last step's clipping (`engine.clipping.ClipRecord`: norms and factors by clip group, device
+        tensors), None before the first step. `train_batch`'s output carries the same as `clip`."""
         ...
 
     def full_parameters(self, module: nn.Module) -> contextlib.AbstractContextManager:

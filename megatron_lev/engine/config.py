@@ -118,7 +118,6 @@ def build_ds_config(
         "train_micro_batch_size_per_gpu": (micro, "train.micro_batch_size"),
         "gradient_accumulation_steps": (gas, "train.global_batch_size / (micro_batch_size x DP)"),
         "train_batch_size": (global_batch, "train.global_batch_size"),
-        "gradient_clipping": (float(t.clip_grad), "train.clip_grad"),
         "bf16.enabled": (t.precision == "bf16", "train.precision"),
         "fp16.enabled": (t.precision == "fp16", "train.precision"),
         "zero_optimization.stage": (p.zero_stage, "parallel.zero_stage"),
@@ -133,6 +132,16 @@ def build_ds_config(
                 "remove the key from the DeepSpeed template (the run fills it) or change the run config"
             )
         _set(out, key, value)
+    # the project clips (engine.clipping), with the true norm in every layout: DeepSpeed does not. A
+    # template may still say the run's own threshold (as templates did before), never another one.
+    have = _get(out, "gradient_clipping")
+    if have is not None and float(have) not in (0.0, float(t.clip_grad)):
+        raise ConfigError(
+            f"{source}: 'gradient_clipping': {have!r} conflicts with the run's train.clip_grad "
+            f"(= {float(t.clip_grad)!r}); remove the key from the DeepSpeed template (the run clips "
+            "with train.clip_grad and train.clip_groups) or change the run config"
+        )
+    out["gradient_clipping"] = 0.0
     if _offloads(out) and not p.cpu_offload:
         raise ConfigError(
             f"{source} offloads to CPU but parallel.cpu_offload=false: set "

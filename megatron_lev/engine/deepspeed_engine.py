@@ -33,6 +33,7 @@ from torch import nn
 from megatron_lev.config import RunConfig
 from megatron_lev.engine.base import StepMeasurement
 from megatron_lev.engine.checkpoint_files import ENGINE_HELPER_FILES
+from megatron_lev.engine.clipping import ClipRecord, GradClipper
 from megatron_lev.engine.config import batch_layout, build_ds_config
 from megatron_lev.engine.loss import micro_batch_loss
 from megatron_lev.engine.mpu import TensorParallelMPU
@@ -100,7 +101,8 @@ class StepOutput:
     loss: torch.Tensor  # () this rank's mean loss over the step's micro-batches (pipeline: DP mean)
     skipped: bool  # the update was held back (non-finite gradients or loss; the guard agreed on it)
     scaler_overflow: bool  # DeepSpeed's fp16 loss scaler held it back (gradient overflow)
-    grad_norm: torch.Tensor | None  # () global gradient norm (inf when skipped), None if unknown
+    grad_norm: torch.Tensor | None  # () global gradient norm, the one clipping used; None if unknown
+    clip: torch.Tensor | None = None  # the clip groups' norms then their factors (`ClipRecord`)
 
 
 class DeepSpeedEngine:
@@ -121,6 +123,7 @@ class DeepSpeedEngine:
         self.device = next(iter(ds_engine.module.parameters())).device
         self.groups = [(name, list(params)) for name, params in groups]  # the optimizer's, by name
         self._probe = None  # engine.step_probe.StepProbe, built at the first measured step
+        self.clipper: GradClipper | None = None  # set by build_engine: every step's clipping
 
     @staticmethod
     def owned_files() -> tuple[str, ...]:
@@ -173,12 +176,15 @@ class DeepSpeedEngine:
                 self.ds_engine.step()
             loss = total / self.gas
         skipped = self.optimizer.iteration_skipped  # the same on every rank (the guard agrees)
-        norm = self.ds_engine.get_global_grad_norm()  # a device tensor, a float (inf when skipped), or None
-        if isinstance(norm, torch.Tensor):
-            norm = norm.detach().to(torch.float32, copy=True).reshape(())  # the engine may reuse its buffer
-        elif norm is not None:
-            norm = torch.tensor(float(norm))
-        return StepOutput(loss, skipped, skipped and self._loss_scaler_overflow(), norm)
+        record = self.clip_record()
+        norm = clip = None
+        if record is not None:
+            norm, clip = record.full.reshape(()), torch.cat([record.norms, record.factors])
+        return StepOutput(loss, skipped, skipped and self._loss_scaler_overflow(), norm, clip)
+
+    def clip_record(self) -> ClipRecord | None:
+        """The last optimizer step's clipping (`engine.clipping`): norms and factors by clip group."""
+        return None if self.clipper is None else self.clipper.record
 
     # ------------------------------------------------------------------ step measurements
 
@@ -284,6 +290,8 @@ class DeepSpeedEngine:
                 f"DeepSpeed could not load checkpoint {Path(root) / tag}; move it away to resume from an "
                 "older one"
             )
+        if self.clipper is not None:
+            self.clipper.disable_engine_clipping()  # a checkpoint of a run DeepSpeed clipped restores it
         return client_state or {}
 
     def load_optimizer_moments(
@@ -392,8 +400,14 @@ def build_engine(
     model = apply_activation_checkpointing(model, cfg.model)
     t = cfg.train
     canonical = (lambda name: STAGE_PREFIX.sub("", name, count=1)) if pipeline else str
+    clip_rules = cfg.clip_group_rules()
     groups = param_groups(
-        model, t.weight_decay, keep_empty=pipeline, rules=cfg.param_group_rules(), canonical=canonical
+        model,
+        t.weight_decay,
+        keep_empty=pipeline,
+        rules=cfg.param_group_rules(),
+        canonical=canonical,
+        clip_rules=clip_rules,
     )
     if pipeline and uses_zero_optimizer_per_group(ds_config):
         groups = same_groups_on_every_stage(model, groups)
@@ -406,4 +420,17 @@ def build_engine(
     ds_engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=copy.deepcopy(ds_config), mpu=mpu, dist_init_required=False
     )
-    return DeepSpeedEngine(ds_engine, optimizer, cfg, pipeline=pipeline, gas=gas, groups=named_groups)
+    engine = DeepSpeedEngine(ds_engine, optimizer, cfg, pipeline=pipeline, gas=gas, groups=named_groups)
+    device = engine.device
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    engine.clipper = GradClipper(
+        ds_engine,
+        optimizer,
+        [(g.get("clip", 0), params) for g, (_, params) in zip(groups, named_groups, strict=True)],
+        clip_rules,
+        t.clip_grad,
+        device,
+        fp16=t.precision == "fp16",
+    )
+    return engine

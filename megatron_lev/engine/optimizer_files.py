@@ -27,7 +27,7 @@ import torch
 
 from megatron_lev.engine.checkpoint_files import CheckpointError, load_file
 from megatron_lev.engine.pipeline import STAGE_PREFIX
-from megatron_lev.optim import GROUP_NAMES, group_name
+from megatron_lev.optim import CLIP_SEPARATOR, GROUP_NAMES, group_name
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FILLER = (
@@ -139,11 +139,11 @@ def _zero0_local(src) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
         else:
             first = next_layer if mp % tp == 0 else first_of_stage
             names, last = _stage_names(
-                layers, tied, first, mp % tp, shapes, opt["param_groups"], path, src.cfg.param_group_rules()
+                layers, tied, first, mp % tp, shapes, opt["param_groups"], path, _rules(src.cfg)
             )
             if mp % tp == 0:
                 first_of_stage, next_layer = first, last + 1
-        groups = _group_names(names, opt["param_groups"], path, src.cfg.param_group_rules())
+        groups = _group_names(names, opt["param_groups"], path, _rules(src.cfg))
         for g, group in enumerate(opt["param_groups"]):
             for index, name in zip(group["params"], groups[g], strict=True):
                 entry = opt["state"].get(index)
@@ -155,21 +155,28 @@ def _zero0_local(src) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     return out
 
 
+def _rules(cfg) -> tuple[Sequence, Sequence]:
+    """The checkpoint's optimizer group rules: (`param_group_rules()`, `clip_group_rules()`)."""
+    return cfg.param_group_rules(), cfg.clip_group_rules()
+
+
 def _group_names(
-    names: list[tuple[str, int]], param_groups: list[dict], path, rules: Sequence = ()
+    names: list[tuple[str, int]], param_groups: list[dict], path, rules: tuple[Sequence, Sequence] = ((), ())
 ) -> list[list[str]]:
     """The module names of each optimizer group, in the order `optim.param_groups` put them (`rules`:
-    the checkpoint's `train.param_groups`)."""
+    the checkpoint's `_rules`)."""
     by_group: dict[str, list[str]] = {}
     for n, d in names:
-        by_group.setdefault(group_name(n, d, rules), []).append(n)
+        by_group.setdefault(group_name(n, d, *rules), []).append(n)
     for name in GROUP_NAMES:  # a stage without one of the default groups holds a filler
         by_group.setdefault(name, [FILLER])
     out = []
     for group in param_groups:
         members = by_group.get(group.get("name"))
-        if members is None and group.get("name", "").startswith("rule"):
-            members = [FILLER]  # a rule's group this stage has no parameter of
+        if members is None and (
+            group.get("name", "").startswith("rule") or CLIP_SEPARATOR in group.get("name", "")
+        ):
+            members = [FILLER]  # a rule's or clip group's group this stage has no parameter of
         if members is None or len(members) != len(group["params"]):
             raise CheckpointError(
                 f"{path}: optimizer group {group.get('name')!r} holds {len(group['params'])} "
@@ -196,7 +203,7 @@ def _layer_params(src) -> dict[int, dict[int, list[tuple[str, tuple[int, ...]]]]
 
 
 def _stage_names(
-    layers, tied: set[int], first: int, rank: int, shapes, param_groups, path, rules: Sequence = ()
+    layers, tied: set[int], first: int, rank: int, shapes, param_groups, path, rules: tuple = ((), ())
 ) -> tuple[list[tuple[str, int]], int]:
     """The parameter names of the stage starting at layer `first` whose optimizer holds `shapes`, and its last
     layer: the layer range is grown until the groups' shapes match (DeepSpeed saves no stage boundaries).

@@ -258,9 +258,10 @@ def _training_rules(cfg: RunConfig, cuda: bool) -> None:
 
 
 def _param_group_rules(cfg: RunConfig) -> None:
-    """Every `train.param_groups` pattern matches some parameter of the model (a typo would silently
-    leave the rule unused); names are the canonical ones, the same on every layout."""
-    if not cfg.train.param_groups:
+    """Every `train.param_groups` pattern and every `train.clip_groups` pattern matches some parameter
+    of the model (a typo would silently leave the rule unused); names are the canonical ones, the same
+    on every layout."""
+    if not cfg.train.param_groups and not cfg.train.clip_groups:
         return
     import fnmatch
 
@@ -268,11 +269,14 @@ def _param_group_rules(cfg: RunConfig) -> None:
 
     specs = canonical_state_dict_spec(cfg.model, cfg.model.make_vocab_size_divisible_by)
     names = [name for name, spec in specs.items() if not spec.buffer]
-    for i, rule in enumerate(cfg.train.param_groups):
-        if not any(fnmatch.fnmatchcase(name, rule.pattern) for name in names):
-            shown = ", ".join(sorted({n.rsplit(".", 1)[0] for n in names if not n.startswith("layers.")})[:6])
+    shown = ", ".join(sorted({n.rsplit(".", 1)[0] for n in names if not n.startswith("layers.")})[:6])
+    patterns = [(f"train.param_groups[{i}].pattern", r.pattern) for i, r in enumerate(cfg.train.param_groups)]
+    for i, rule in enumerate(cfg.train.clip_groups):
+        patterns += [(f"train.clip_groups[{i}].patterns[{j}]", p) for j, p in enumerate(rule.patterns)]
+    for key, pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             raise ConfigError(
-                f"train.param_groups[{i}].pattern={rule.pattern!r} matches no parameter of this model "
+                f"{key}={pattern!r} matches no parameter of this model "
                 f"(model.embedding={cfg.model.embedding}); names look like layers.0.attention.qkv.weight, "
                 f"{shown}: e.g. 'embedding.*' or 'embedding.out_proj'"
             )

@@ -1,10 +1,12 @@
 """The optimizer: AdamW with weight-decay groups and a guard that skips non-finite updates."""
 
 from megatron_lev.optim.adamw import (
+    CLIP_SEPARATOR,
     GROUP_NAMES,
     NO_DECAY_NAME_PARTS,
     GuardedAdamW,
     all_finite,
+    clip_group_of,
     decays,
     group_name,
     group_names,
@@ -13,10 +15,12 @@ from megatron_lev.optim.adamw import (
 )
 
 __all__ = [
+    "CLIP_SEPARATOR",
     "GROUP_NAMES",
     "NO_DECAY_NAME_PARTS",
     "GuardedAdamW",
     "all_finite",
+    "clip_group_of",
     "decays",
     "group_name",
     "group_names",

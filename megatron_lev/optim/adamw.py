@@ -69,19 +69,42 @@ def decays(name: str, ndim: int) -> bool:
     return ndim >= 2 and not any(part in name.lower() for part in NO_DECAY_NAME_PARTS)
 
 
-def group_name(name: str, ndim: int, rules: Sequence = ()) -> str:
+CLIP_SEPARATOR = "@"  # `decay@lev_seed`: the `decay` parameters of clip group `lev_seed`
+
+
+def clip_group_of(name: str, clip_rules: Sequence = ()) -> str | None:
+    """The clip group (`train.clip_groups`, `RunConfig.clip_group_rules`) of parameter `name`: the
+    first rule with a pattern that matches it, None for the global group."""
+    for rule in clip_rules:
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in rule.patterns):
+            return rule.name
+    return None
+
+
+def group_name(name: str, ndim: int, rules: Sequence = (), clip_rules: Sequence = ()) -> str:
     """The optimizer group of parameter `name`: `decay` / `no_decay`, or `rule<i>.decay` /
-    `rule<i>.no_decay` for the first of `rules` (`train.param_groups`) whose pattern matches it."""
+    `rule<i>.no_decay` for the first of `rules` (`train.param_groups`) whose pattern matches it;
+    followed by `@<clip group>` when a clip rule takes it (a group is clipped as one)."""
     kind = "decay" if decays(name, ndim) else "no_decay"
+    base = kind
     for i, rule in enumerate(rules):
         if fnmatch.fnmatchcase(name, rule.pattern):
-            return f"rule{i}.{kind}"
-    return kind
+            base = f"rule{i}.{kind}"
+            break
+    clip = clip_group_of(name, clip_rules)
+    return base if clip is None else f"{base}{CLIP_SEPARATOR}{clip}"
 
 
-def group_names(rules: Sequence = ()) -> list[str]:
-    """Every group name, in the optimizer's order: the two default groups, then two per rule."""
-    return [*GROUP_NAMES, *(f"rule{i}.{kind}" for i in range(len(rules)) for kind in GROUP_NAMES)]
+def group_names(rules: Sequence = (), clip_rules: Sequence = ()) -> list[str]:
+    """Every group name, in the optimizer's order: the two default groups, then two per rule; each of
+    them again for every clip group."""
+    bases = [*GROUP_NAMES, *(f"rule{i}.{kind}" for i in range(len(rules)) for kind in GROUP_NAMES)]
+    return bases + [f"{b}{CLIP_SEPARATOR}{c.name}" for c in clip_rules for b in bases]
+
+
+def base_group(name: str) -> str:
+    """The optimizer group's name without its clip group."""
+    return name.split(CLIP_SEPARATOR, 1)[0]
 
 
 def param_groups(
@@ -90,6 +113,7 @@ def param_groups(
     keep_empty: bool = False,
     rules: Sequence = (),
     canonical: Callable[[str], str] = str,
+    clip_rules: Sequence = (),
 ) -> list[dict]:
     """Decayed matrices and undecayed norms, biases and other 1-D parameters; with `rules`
     (`train.param_groups`), two more groups per rule, each with its `lr_mult` (read by the engine's
@@ -98,17 +122,25 @@ def param_groups(
     `canonical` maps a module's parameter name to the model's canonical one (a pipeline prefixes
     its layer index), which the rules' patterns match. An empty group is dropped unless `keep_empty`
     (the caller then fills it).
+
+    With `clip_rules` (`RunConfig.clip_group_rules`) every group is split by clip group: a group's
+    `clip` is the index of its clip group in `["global", *clip_rules]`, which the engine's clipper
+    reads.
     """
-    members: dict[str, list] = {name: [] for name in group_names(rules)}
+    members: dict[str, list] = {name: [] for name in group_names(rules, clip_rules)}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            members[group_name(canonical(name), param.ndim, rules)].append(param)
+            members[group_name(canonical(name), param.ndim, rules, clip_rules)].append(param)
+    clip_index = {rule.name: i + 1 for i, rule in enumerate(clip_rules)}
     groups = []
     for name, params in members.items():
-        rule = rules[int(name[4 : name.index(".")])] if name.startswith("rule") else None
+        base, _, clip = name.partition(CLIP_SEPARATOR)
+        rule = rules[int(base[4 : base.index(".")])] if base.startswith("rule") else None
         decay = weight_decay if rule is None or rule.weight_decay is None else rule.weight_decay
-        matrices = not name.endswith("no_decay")
+        matrices = not base.endswith("no_decay")
         group = {"params": params, "weight_decay": decay if matrices else 0.0, "name": name}
+        if clip_rules:
+            group["clip"] = clip_index[clip] if clip else 0
         if rule is not None:
             group["lr_mult"] = rule.lr_mult
             if rule.adam_eps is not None:
@@ -127,10 +159,15 @@ class GuardedAdamW(torch.optim.AdamW):
     folded into the flag on the device, so the trainer never waits for the loss);
     `iteration_skipped` says afterwards whether anything was held back (or DeepSpeed
     never called us). The flag's one read per call is the step's only host sync here.
+
+    Clipping: `grad_factors`, when set (the engine's `GradClipper` sets it before every step), is a
+    device vector of clip factors; each group's gradients are multiplied by the factor of its clip
+    group (`group["clip"]`, 0 when absent: the global group) before the update, on the device.
     """
 
     def __init__(self, params, **kwargs) -> None:
         super().__init__(params, **kwargs)
+        self.grad_factors: torch.Tensor | None = None
         self.begin_iteration()
 
     def begin_iteration(self, force_skip: bool | torch.Tensor = False) -> None:
@@ -161,4 +198,19 @@ class GuardedAdamW(torch.optim.AdamW):
         if bad.item() > 0:
             self.skipped_calls += 1
             return None
+        if self.grad_factors is not None:
+            self._clip(self.grad_factors)
         return super().step(closure)
+
+    def _clip(self, factors: torch.Tensor) -> None:
+        """Multiply each group's gradients by its clip group's factor (one foreach kernel per group,
+        device and dtype; the factor is moved to the gradients' device only where they live elsewhere,
+        as under CPU offload)."""
+        for group in self.param_groups:
+            by_kind: dict[tuple, list[torch.Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_kind.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+            factor = factors[group.get("clip", 0)]
+            for (device, dtype), grads in by_kind.items():
+                torch._foreach_mul_(grads, factor.to(device=device, dtype=dtype))

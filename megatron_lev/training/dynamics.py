@@ -9,7 +9,6 @@ callback adds to the log line:
     param_norm/group/<g>, param_norm/<tensor> weight norm before the step
     update_ratio/group/<g>, update_ratio/<tensor>
                                               |w_after - w_before| / |w_before| over the step
-    grad_norm/global, clipped                 the global gradient norm; 1 when above train.clip_grad
     input_table/rms, input_table/mean_row_ratio, input_table/effective_rank,
     input_table/effective_rank_centred        the input table over a fixed sample of token ids
     input_table/update_ratio                  |T_after - T_before| / |T_before| of those rows over the step
@@ -21,14 +20,19 @@ statistics use `utils.matrix`, as `megatron-lev geometry` does over a checkpoint
 of it when smaller), the same in every run and layout; `InputEmbedding.sample_rows` computes only
 those rows. Under pipeline parallelism the first stage computes them (rank 0, which writes, is on it).
 
-Where the engine reports no global gradient norm of its own (ZeRO-0), `grad_norm` on the log line is
-the measured one. Steps between log lines are not measured and cost nothing; a log line costs one
-more host read.
+Steps between log lines are not measured and cost nothing; a log line costs one more host read.
+
+`ClipMetrics`, on in every run, logs how the step was clipped (`engine.clipping`) at every log line:
+
+    grad_norm/global                          the norm of every gradient together (= `grad_norm`)
+    clipped                                   1 when the global group's gradients were scaled down
+    clip_factor/<g>                           what clip group <g>'s gradients were multiplied by
+                                              (`global`, and each of `RunConfig.clip_group_rules()`)
+    grad_norm/clip/<g>                        clip group <g>'s own norm (only with clip groups)
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,21 +75,45 @@ def table_statistics(rows: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
     )
 
 
+class ClipMetrics(Callback):
+    """How each logged step was clipped (see the module doc): read with the step's loss, no host read
+    of its own."""
+
+    order = 1  # after MetricsLogger (0)
+
+    def __init__(self) -> None:
+        self._last: StepRecord | None = None
+
+    def on_step_values(self, trainer: Trainer, record: StepRecord, control: Control) -> None:
+        self._last = record
+
+    def metrics(self, trainer: Trainer, iteration: int) -> dict[str, Any]:
+        record, self._last = self._last, None
+        clip = trainer.engine.clip_record()
+        if record is None or record.iteration != iteration or record.clip is None or clip is None:
+            return {}
+        n = len(clip.names)
+        norms, factors = record.clip[:n], record.clip[n:]
+        out: dict[str, Any] = {"grad_norm/global": record.grad_norm, "clipped": int(factors[0] < 1.0)}
+        for name, norm, factor in zip(clip.names, norms, factors):
+            out[f"clip_factor/{name}"] = factor
+            if n > 1:
+                out[f"grad_norm/clip/{name}"] = norm
+        return out
+
+
 class TrainingDynamics(Callback):
-    """Gradient and update norms per group and input-layer tensor, clipping, and the input table's
-    shape at every log line (see the module doc)."""
+    """Gradient and update norms per group and input-layer tensor, and the input table's shape at
+    every log line (see the module doc)."""
 
-    order = 1  # after MetricsLogger (0): its `grad_norm` is replaced where the engine has none
+    order = 1  # after MetricsLogger (0)
 
-    def __init__(
-        self, log_interval: int, clip_grad: float, sample: int = 1024, vocab_size: int | None = None
-    ) -> None:
-        self.log_interval, self.clip_grad = log_interval, clip_grad
+    def __init__(self, log_interval: int, sample: int = 1024, vocab_size: int | None = None) -> None:
+        self.log_interval = log_interval
         self.sample, self.vocab_size = sample, vocab_size
         self.embedding: InputEmbedding | None = None
         self.ids: torch.Tensor | None = None
         self._measured: int | None = None  # the iteration whose step the engine measures
-        self._engine_norm: float | None = None  # the engine's own norm of that step
         self._rows_before: torch.Tensor | None = None  # the sample rows before that step
 
     def on_train_begin(self, trainer: Trainer, control: Control) -> None:
@@ -105,12 +133,8 @@ class TrainingDynamics(Callback):
     def on_step_begin(self, trainer: Trainer, iteration: int) -> None:
         if self.due(trainer, iteration):
             trainer.engine.measure_next_step((INPUT_LAYER,))
-            self._measured, self._engine_norm = iteration, None
+            self._measured = iteration
             self._rows_before = self.rows(trainer)  # stays on the device
-
-    def on_step_values(self, trainer: Trainer, record: StepRecord, control: Control) -> None:
-        if record.iteration == self._measured:
-            self._engine_norm = record.grad_norm
 
     def metrics(self, trainer: Trainer, iteration: int) -> dict[str, Any]:
         if iteration != self._measured:
@@ -122,7 +146,7 @@ class TrainingDynamics(Callback):
             return {}
         parts = []
         if step is not None:
-            parts += [step.grad, step.weight, step.update, step.global_grad_norm().reshape(1)]
+            parts += [step.grad, step.weight, step.update]
         if table is not None:
             parts.append(table.to(parts[0].device) if parts else table)
         values = torch.cat([p.to(torch.float64) for p in parts]).tolist()  # the one host read
@@ -130,16 +154,11 @@ class TrainingDynamics(Callback):
         if step is not None:
             n = len(step.names)
             grad, weight, update = values[:n], values[n : 2 * n], values[2 * n : 3 * n]
-            norm = values[3 * n]
             for name, g, w, u in zip(step.names, grad, weight, update):
                 out[f"grad_norm/{name}"] = g
                 out[f"param_norm/{name}"] = w
                 out[f"update_ratio/{name}"] = u / w if w > 0 else float("nan")
-            out["grad_norm/global"] = norm
-            out["clipped"] = int(self.clip_grad > 0 and math.isfinite(norm) and norm > self.clip_grad)
-            if self._engine_norm is None:  # ZeRO-0: DeepSpeed computes none; the measured one is the same
-                out["grad_norm"] = norm
-            values = values[3 * n + 1 :]
+            values = values[3 * n :]
         if table is not None:
             out.update({f"input_table/{k}": v for k, v in zip(TABLE_KEYS, values)})
         return out
@@ -160,4 +179,4 @@ class TrainingDynamics(Callback):
         return None if rows is None or before is None else table_statistics(rows, before)
 
 
-__all__ = ["INPUT_LAYER", "TABLE_KEYS", "TrainingDynamics", "sample_ids", "table_statistics"]
+__all__ = ["INPUT_LAYER", "TABLE_KEYS", "ClipMetrics", "TrainingDynamics", "sample_ids", "table_statistics"]

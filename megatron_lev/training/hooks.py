@@ -102,6 +102,7 @@ class StepRecord:
     scaler_overflow: bool  # the fp16 loss scaler held it back
     weights_bad: bool  # the update made a weight inf/NaN on some rank
     weight_growth: float = 1.0  # the global weight norm after the update / before it (1: skipped)
+    clip: tuple[float, ...] | None = None  # the clip groups' norms, then their factors (engine.clipping)
 
 
 class Callback:

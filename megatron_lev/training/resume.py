@@ -113,6 +113,7 @@ FIXED_KEYS = frozenset(
         "parallel.partition_method",
         "parallel.zero_stage",
         "train.precision",
+        "train.clip_groups",  # splits the optimizer's groups: its saved states are grouped by them
     }
 )
 

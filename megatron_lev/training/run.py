@@ -35,7 +35,7 @@ from megatron_lev.training.callbacks import (
     Preemption,
     Validation,
 )
-from megatron_lev.training.dynamics import TrainingDynamics
+from megatron_lev.training.dynamics import ClipMetrics, TrainingDynamics
 from megatron_lev.training.hooks import Callback, TrainResult, callbacks_from_specs
 from megatron_lev.training.launch import device as current_device
 from megatron_lev.training.launch import init_distributed
@@ -286,9 +286,10 @@ def default_callbacks(
         Validation(t.eval_interval),
         MetricsLogger(writer, lg.log_interval, lg.progress_bar, flops_per_token, lg.peak_tflops),
         Preemption(watcher),
+        ClipMetrics(),
     ]
     if lg.train_dynamics:
-        callbacks.append(TrainingDynamics(lg.log_interval, t.clip_grad, lg.dynamics_sample_ids, vocab_size))
+        callbacks.append(TrainingDynamics(lg.log_interval, lg.dynamics_sample_ids, vocab_size))
     return [cb for cb in callbacks if cb is not None]
 
 

@@ -105,7 +105,7 @@ class Trainer:
         made any rank's weights inf/NaN.
         """
         step = self.device_step(batches)
-        loss, norm, weights_bad, _ = _read([step])[0]
+        loss, norm, weights_bad, _, _ = _read([step])[0]
         if weights_bad:
             raise NonFiniteWeights(f"iteration {step.iteration}: the update made the weights non-finite")
         return loss, norm, step.skipped or not math.isfinite(loss)
@@ -134,7 +134,10 @@ class Trainer:
         stats = torch.stack([out.loss.reshape(()), bad.reshape(()), before.reshape(()), after.reshape(())])
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(stats)
-        return _Step(it + 1, stats, max(self.world_size, 1), out.grad_norm, out.skipped, out.scaler_overflow)
+        clip = getattr(out, "clip", None)
+        return _Step(
+            it + 1, stats, max(self.world_size, 1), out.grad_norm, out.skipped, out.scaler_overflow, clip
+        )
 
     # ------------------------------------------------------------------ validation
 
@@ -213,7 +216,7 @@ class Trainer:
         start = time.perf_counter()
         values = _read(self.pending)
         self.read_seconds += time.perf_counter() - start
-        for step, (loss, norm, weights_bad, growth) in zip(self.pending, values):
+        for step, (loss, norm, weights_bad, growth, clip) in zip(self.pending, values):
             record = StepRecord(
                 step.iteration,
                 loss,
@@ -222,6 +225,7 @@ class Trainer:
                 step.scaler_overflow,
                 weights_bad,
                 growth,
+                clip,
             )
             result.losses[step.iteration] = loss
             self._call("on_step_values", record, control)
@@ -239,29 +243,39 @@ class _Step:
     norm: torch.Tensor | None  # global gradient norm, or None when the engine has none
     skipped: bool  # the guard held the update back (a host value: the guard read its flag)
     scaler_overflow: bool = False  # the fp16 loss scaler held it back (gradient overflow)
+    clip: torch.Tensor | None = None  # the clip groups' norms then factors (`StepOutput.clip`)
 
 
-def _read(steps: list[_Step]) -> list[tuple[float, float | None, bool, float]]:
-    """(loss, grad norm, weights non-finite, weight-norm growth) of each step, with one host read for
-    all of them."""
+def _read(steps: list[_Step]) -> list[tuple[float, float | None, bool, float, tuple | None]]:
+    """(loss, grad norm, weights non-finite, weight-norm growth, clip norms and factors) of each step,
+    with one host read for all of them."""
     if not steps:
         return []
     device = steps[0].stats.device
-    nan = torch.full((), float("nan"), device=device)
+    nan = torch.full((), float("nan"), device=device, dtype=torch.float64)
+    width = max(0 if s.clip is None else s.clip.numel() for s in steps)  # the same for every step of a run
+    none = torch.full((width,), float("nan"), device=device, dtype=torch.float64)
     rows = torch.stack(
         [
             torch.cat(
                 [
-                    s.stats.to(torch.float32),
-                    (nan if s.norm is None else s.norm.to(device=device, dtype=torch.float32)).reshape(1),
+                    s.stats.to(torch.float64),  # float32 values, widened exactly: the norm keeps its digits
+                    (nan if s.norm is None else s.norm.to(device=device, dtype=torch.float64)).reshape(1),
+                    none if s.clip is None else s.clip.to(device=device, dtype=torch.float64).reshape(-1),
                 ]
             )
             for s in steps
         ]
-    )  # (steps, 5)
+    )  # (steps, 5 + clip groups x 2)
     return [
-        (loss / s.world_size, None if s.norm is None else norm, bad > 0, growth(before, after))
-        for s, (loss, bad, before, after, norm) in zip(steps, rows.tolist())
+        (
+            loss / s.world_size,
+            None if s.norm is None else norm,
+            bad > 0,
+            growth(before, after),
+            None if s.clip is None else tuple(clip),
+        )
+        for s, (loss, bad, before, after, norm, *clip) in zip(steps, rows.tolist())
     ]
 
 

@@ -4,7 +4,8 @@ A run trains 2 steps at TP=2 x PP=2 (the trainer's engine, GuardedAdamW: two wei
 or six with a `train.param_groups` rule only one stage has parameters of) and saves. Continued for
 3 more steps on fixed batches, it gives the same losses at TP=1 from the resharded checkpoint as at
 TP=2 x PP=2 from the original, which holds only if exp_avg, exp_avg_sq and the step survive; with
-the moments dropped they differ.
+the moments dropped they differ. With clip groups (`train.clip_groups`, a group only the first stage
+has parameters of, every step clipped) the resharded run keeps them: the same losses again.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def _train(engine, batches: list[torch.Tensor]) -> list[float]:
 
 # a rule only the first pipeline stage has parameters of: the other stage's rule groups hold fillers
 RULES = ("train.param_groups=[{pattern: 'layers.0.*', lr_mult: 0.5, adam_eps: 1e-6}]",)
+CLIPS = (
+    "train.clip_grad=0.05",
+    "train.clip_groups=[{name: first, patterns: ['layers.0.*'], max_norm: 0.01}]",
+)
 
 
 def train_and_save(root: str, tokenizer: str, zero: int, extra=()) -> None:
@@ -85,7 +90,11 @@ def resume_and_train(root: str) -> tuple[list[float], dict]:
     return losses, client
 
 
-@pytest.fixture(scope="module", params=[(1, ()), (1, RULES)], ids=["zero1", "zero1-param-groups"])
+@pytest.fixture(
+    scope="module",
+    params=[(1, ()), (1, RULES), (1, CLIPS)],
+    ids=["zero1", "zero1-param-groups", "zero1-clip-groups"],
+)
 def source(request, tmp_path_factory, tokenizer_path):
     zero, extra = request.param
     root = tmp_path_factory.mktemp(f"optim_zero{zero}") / "src"

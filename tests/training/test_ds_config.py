@@ -63,7 +63,7 @@ def test_batch_sizes_clipping_precision_and_stage_come_from_the_run():
     assert ds["train_micro_batch_size_per_gpu"] == 2
     assert ds["gradient_accumulation_steps"] == 2  # 16 / (2 x DP 4)
     assert ds["train_batch_size"] == 16
-    assert ds["gradient_clipping"] == 0.5
+    assert ds["gradient_clipping"] == 0.0  # the project clips with train.clip_grad (engine.clipping)
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
     assert ds["zero_optimization"]["stage"] == 2
     assert batch_layout(cfg, 4) == (2, 2, 16)
@@ -103,6 +103,13 @@ def test_a_template_that_disagrees_with_the_run_is_refused(template, message):
     cfg = _cfg(**{"train.micro_batch_size": 4, "parallel.zero_stage": 1})
     with pytest.raises(ConfigError, match=message):
         build_ds_config(cfg, world_size=2, template=template, source="my.json")
+
+
+def test_a_template_with_the_run_s_own_clipping_is_accepted_and_deepspeed_clips_nothing():
+    cfg = _cfg(**{"train.micro_batch_size": 4, "parallel.zero_stage": 1, "train.clip_grad": 0.5})
+    for value in (0.5, 0.0):
+        ds = build_ds_config(cfg, world_size=2, template={"gradient_clipping": value}, source="my.json")
+        assert ds["gradient_clipping"] == 0.0
 
 
 def test_a_template_that_agrees_is_accepted():

@@ -4,7 +4,9 @@ A real step (GPTModel, DeepSpeed ZeRO-1, the guarded AdamW, 2 micro-batches) on 
 rank. On a GPU each counted read waits for the device; the project's own code may read
 only the guard's flag (one per `optimizer.step()` call) in a step, also in a step whose norms the
 engine measures for the training dynamics, and the losses and the dynamics once each per log
-line. DeepSpeed's ZeRO optimizer reads its norm-validity check itself (listed, not ours).
+line. Clipping (`engine.clipping`, here also by clip group: LEV's seed side and the head) reads
+nothing: its norms and factors stay on the device and are read with the losses.
+DeepSpeed's ZeRO optimizer reads its norm-validity check itself (listed, not ours).
 `torch.unique`'s size is a sync in C++ and is counted on the GPU only
 (benchmarks/gpu_acceptance.py).
 """
@@ -22,10 +24,19 @@ from megatron_lev.testing.syncs import HostReads
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 VOCAB, SEQ, MICRO, STEPS, LOG_INTERVAL = 500, 16, 2, 7, 3
+VARIANTS = {
+    "lev": ["model.embedding=lev"],
+    "tied": ["model.embedding=tied"],
+    "lev-clipgroups": [
+        "model.embedding=lev",
+        "model.lev.seed_clip_grad=0.01",
+        "train.clip_groups=[{name: head, patterns: [output_head.*], max_norm: 0.1}]",
+    ],
+}
 OURS = os.sep + "megatron_lev" + os.sep
 
 
-def _tiny(embedding: str):
+def _tiny(variant: str):
     from megatron_lev.config import load_config
     from megatron_lev.engine.build import build_model
     from megatron_lev.engine.config import build_ds_config
@@ -39,7 +50,7 @@ def _tiny(embedding: str):
     cfg = load_config(
         [TINY],
         [
-            f"model.embedding={embedding}",
+            *VARIANTS[variant],
             "model.num_layers=1",
             "model.hidden_size=32",
             "model.num_attention_heads=2",
@@ -84,7 +95,7 @@ def count_reads() -> dict:
     disable_cpu_shm_comm()
     state.initialize_model_parallel(1, 1)
     out = {}
-    for embedding in ("lev", "tied"):
+    for embedding in VARIANTS:
         tr = _tiny(embedding)
         batches = tr.data.train(0)
         tr.device_step(batches)  # the first step creates the optimizer state
@@ -134,7 +145,7 @@ def reads():
     return res
 
 
-@pytest.mark.parametrize("embedding", ["lev", "tied"])
+@pytest.mark.parametrize("embedding", list(VARIANTS))
 def test_a_step_reads_only_the_guard_flag(reads, embedding):
     for step in reads[embedding]["steps"]:
         assert step["guard_calls"] >= 1
@@ -144,14 +155,14 @@ def test_a_step_reads_only_the_guard_flag(reads, embedding):
         assert step["total"] == step["ours"] + step["deepspeed"], step["sites"]  # no other library reads
 
 
-@pytest.mark.parametrize("embedding", ["lev", "tied"])
+@pytest.mark.parametrize("embedding", list(VARIANTS))
 def test_a_measured_step_reads_nothing_more(reads, embedding):
     m = reads[embedding]["measured"]
     assert m["taken"] and m["guard_calls"] >= 1
     assert m["ours"] == m["guard_calls"], m["sites"]
 
 
-@pytest.mark.parametrize("embedding", ["lev", "tied"])
+@pytest.mark.parametrize("embedding", list(VARIANTS))
 def test_the_loop_reads_losses_once_per_log_line(reads, embedding):
     r = reads[embedding]
     assert r["exit"] == 0 and r["losses"] == list(range(1, STEPS + 1))  # every loss still recorded

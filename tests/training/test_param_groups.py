@@ -94,10 +94,23 @@ def test_the_checkpoint_reader_maps_rule_groups_back_to_names():
         {"name": n, "params": [0] * k}
         for n, k in (("decay", 1), ("no_decay", 1), ("rule0.decay", 1), ("rule0.no_decay", 1))
     ]
-    got = _group_names(names, saved, "x", rules)
+    got = _group_names(names, saved, "x", (rules, ()))
     assert got == [["layers.1.weight"], ["layers.1.bias"], [FILLER], [FILLER]]
     with pytest.raises(CheckpointDataError, match="rule0.decay"):
-        _group_names(names, [*saved[:2], {"name": "rule0.decay", "params": [0, 1]}], "x", rules)
+        _group_names(names, [*saved[:2], {"name": "rule0.decay", "params": [0, 1]}], "x", (rules, ()))
+
+
+def test_the_checkpoint_reader_maps_clip_groups_back_to_names():
+    from megatron_lev.config import ClipGroupRule
+
+    clip = [ClipGroupRule("seed", ["embedding.proj", "embedding.codebooks.*"], 1.0)]
+    names = [("embedding.proj", 2), ("embedding.norm_weight", 1), ("output_head.weight", 2)]
+    saved = [
+        {"name": n, "params": [0] * k}
+        for n, k in (("decay", 1), ("no_decay", 1), ("decay@seed", 1), ("no_decay@seed", 1))
+    ]
+    got = _group_names(names, saved, "x", ((), clip))
+    assert got == [["output_head.weight"], ["embedding.norm_weight"], ["embedding.proj"], [FILLER]]
 
 
 def _cfg(*extra):
