@@ -145,6 +145,20 @@ ORDER_GROUPS: tuple[Group, ...] = tuple(
     for name, order in (("BPE", "bpe"), ("RANDOM", "random"), ("FREQUENCY", "frequency"))
 )
 
+# The clip experiment (docs/results/clip/README.md, plan and criteria fixed before its runs): the
+# regime's comparison with LEV's seed side clipped on its own (`model.lev.seed_clip_grad`, at the
+# global threshold), TIED rerun on the same code (its clipping is now the project's), one seed of each
+# without clipping as controls, and UNTIED's seeds 1235 and 1236 for a head-matched comparison.
+SEED_CLIP = "model.lev.seed_clip_grad=1"
+NO_CLIP = "train.clip_grad=0"
+CLIP_GROUPS: tuple[Group, ...] = (
+    ("TIED", "tied", REGIME_SEEDS, TIED_SETTING),
+    ("LEV-SC", "lev", REGIME_SEEDS, (*LEV_SETTING, SEED_CLIP)),
+    ("TIED-C0", "tied", REGIME_SEEDS[:1], (*TIED_SETTING, NO_CLIP)),
+    ("LEV-C0", "lev", REGIME_SEEDS[:1], (*LEV_SETTING, NO_CLIP)),
+    ("UNTIED", "untied", REGIME_SEEDS[1:], TIED_SETTING),
+)
+
 PLANS: dict[str, Plan] = {
     "study": Plan(
         "study", STUDY_CONFIG, GROUPS, SEEDS, about="the small grid's variants with seeds and LEV controls"
@@ -165,6 +179,15 @@ PLANS: dict[str, Plan] = {
         tokenizer_hint="tokenizers/gpt-neox-20b.json",
         lambada=False,
         about="GPT-NeoX vocabulary, 4 x 192 model: LEV against TIED, ALBERT-32 and UNTIED by count band",
+    ),
+    "clip": Plan(
+        "clip",
+        REGIME_CONFIG,
+        CLIP_GROUPS,
+        REGIME_SEEDS,
+        tokenizer_hint="tokenizers/gpt-neox-20b.json",
+        lambada=False,
+        about="the regime with LEV's seed side clipped on its own, TIED rerun, no-clip controls, UNTIED",
     ),
     "order": Plan(
         "order",
