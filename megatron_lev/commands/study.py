@@ -100,6 +100,8 @@ def main(args: argparse.Namespace) -> int:
         from megatron_lev.experiments.regime_report import write_regime_report as write_report
     elif plan == "order":
         from megatron_lev.experiments.regime_report import write_order_report as write_report
+    elif plan == "clip":
+        from megatron_lev.experiments.clip_report import write_clip_report as write_report
     else:
         from megatron_lev.experiments.study_report import write_report
     paths = write_report(Path(args.raw), Path(args.out), plots=not args.no_plots)

@@ -159,17 +159,24 @@ def paired_differences(
             return [], None
         diffs.append(float((na.sum() - nb.sum()) / ta.sum()))
         arrays.append((ta, na - nb))
+    return diffs, _bootstrap(arrays)
+
+
+def _bootstrap(arrays: list[tuple[np.ndarray, np.ndarray]]) -> tuple[float, float] | None:
+    """The 95% interval of the mean over `arrays` (per-document tokens and NLL sums of a difference,
+    one per seed) of token-weighted means, over `BOOTSTRAP` resamples of the documents (one resample
+    applied to every seed); None where a resample holds no token."""
     rng = np.random.default_rng(BOOTSTRAP_SEED)
     idx = rng.integers(0, len(arrays[0][0]), size=(BOOTSTRAP, len(arrays[0][0])))
     stats = np.zeros(BOOTSTRAP)
     for tokens, diff in arrays:
         t = tokens[idx].sum(axis=1)
         if (t == 0).any():
-            return diffs, None
+            return None
         stats += diff[idx].sum(axis=1) / t
     stats /= len(arrays)
     lo, hi = np.quantile(stats, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
-    return diffs, (float(lo), float(hi))
+    return float(lo), float(hi)
 
 
 def paired_interval(a: dict, b: dict) -> tuple[float, float, float]:
@@ -193,3 +200,30 @@ def seed_interval(diffs: list[float]) -> tuple[float, float] | None:
     sd = (sum((d - mean) ** 2 for d in diffs) / (n - 1)) ** 0.5
     half = T_975[n - 1] * sd / n**0.5
     return mean - half, mean + half
+
+
+def seed_contrasts(
+    sets: list[list[tuple[float, dict]]], band: tuple[str, int] | None = None
+) -> tuple[list[float], tuple[float, float] | None]:
+    """A signed combination of results per seed (`sets[i]`: `[(+1, a), (-1, b), ...]` of seed i, all
+    over the same documents): each seed's value `sum(sign x mean NLL)` over the band, and a 95%
+    bootstrap interval over documents of their mean (one resample of the documents applied to every
+    seed and term), as `paired_differences` does for one pair."""
+    values, arrays = [], []
+    for terms in sets:
+        tokens, combined = None, None
+        for sign, result in terms:
+            t, n = _doc_arrays(result, band)
+            if tokens is None:
+                tokens, combined = t, sign * n
+            elif len(t) != len(tokens) or not np.array_equal(t, tokens):
+                raise DataError("the results have no per-document sums over the same documents")
+            else:
+                combined = combined + sign * n
+        if tokens is None or tokens.sum() == 0:
+            return [], None
+        values.append(float(combined.sum() / tokens.sum()))
+        arrays.append((tokens, combined))
+    if not arrays:
+        return [], None
+    return values, _bootstrap(arrays)

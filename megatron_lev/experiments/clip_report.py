@@ -1,0 +1,389 @@
+"""The clip experiment's tables, plots and verdict, from its raw files and the regime's.
+
+    write_clip_report("docs/results/clip/raw", "docs/results/clip")
+
+The criteria are those `docs/results/clip/README.md` fixed before the runs. The experiment's own runs
+(plan `clip`) are read beside the regime's (`../regime/raw`, plan `regime`), whose groups are shown
+with a suffix: `TIED-R`, `LEV-R` and `ALBERT-32-R` ran on the regime's code (DeepSpeed clipped them);
+UNTIED's seed 1234 is the regime's and its seeds 1235 and 1236 this experiment's, one group.
+Deterministic output (fixed bootstrap seed, plan order, formats).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from megatron_lev.analysis.perplexity import COUNT_EDGES, count_band_labels
+from megatron_lev.errors import DataError
+from megatron_lev.experiments import regime_report as rr
+from megatron_lev.experiments.plan_raw import (
+    BOOTSTRAP,
+    BOOTSTRAP_SEED,
+    LEVEL,
+    PlanRaw,
+    fmt_value,
+    seed_contrasts,
+    seed_interval,
+    write_pages,
+)
+
+PAGES = ("overall.md", "bands.md", "clipping.md", "verdict.md")
+REGIME_NAMES = {"TIED": "TIED-R", "LEV": "LEV-R", "ALBERT-32": "ALBERT-32-R", "UNTIED": "UNTIED"}
+TIED, LEV_SC, TIED_R, LEV_R, ALBERT_R = "TIED", "LEV-SC", "TIED-R", "LEV-R", "ALBERT-32-R"
+UNTIED, TIED_C0, LEV_C0 = "UNTIED", "TIED-C0", "LEV-C0"
+# the paper's target buckets: training frequency < 1e-7, ..., >= 1e-4 (evaluate's `buckets`)
+PAPER = "bucket"
+FACTOR_STEPS = (10, 100, 300, 600, 1000)
+CLIP_GRAD = 1.0  # train.clip_grad of every clipped run (the regime's config)
+
+
+class CombinedRaw:
+    """The clip plan's runs and the regime's (renamed, `REGIME_NAMES`), read through their own
+    `PlanRaw`; the interface `regime_report.comparison` and `verdict` use."""
+
+    def __init__(self, clip: PlanRaw, regime: PlanRaw, names: dict[str, str] | None = None):
+        self.clip, self.regime = clip, regime
+        runs = [{**r, "source": "clip"} for r in clip.runs]
+        runs += [
+            {**r, "group": REGIME_NAMES[r["group"]], "source": "regime"}
+            for r in regime.runs
+            if r["group"] in REGIME_NAMES
+        ]
+        if names:  # a view under other group names (the regime's verdict reads TIED, LEV, ALBERT-32)
+            runs = [{**r, "group": names[r["group"]]} for r in runs if r["group"] in names]
+        self.runs = runs
+
+    def _raw(self, run: dict) -> PlanRaw:
+        return self.clip if run["source"] == "clip" else self.regime
+
+    def result(self, run: dict, kind: str = "mmidx") -> dict:
+        return self._raw(run).result(run, kind)
+
+    def train_rows(self, run: dict) -> list[dict]:
+        return self._raw(run).train_rows(run)
+
+    def valid_rows(self, run: dict) -> list[dict]:
+        return self._raw(run).valid_rows(run)
+
+    def at(self, run: dict, iteration: int) -> dict | None:
+        return self._raw(run).at(run, iteration)
+
+    def preliminary(self) -> str | None:
+        return self.clip.preliminary()
+
+    def seeds(self, group: str) -> dict[int, dict]:
+        return {r["seed"]: r for r in self.runs if r["group"] == group}
+
+    def view(self, names: dict[str, str]) -> CombinedRaw:
+        """These runs with only the groups in `names`, renamed."""
+        return CombinedRaw(self.clip, self.regime, names)
+
+
+def change(raw: CombinedRaw, kind: str, band: tuple[str, int] | None = None) -> dict | None:
+    """`C = (LEV-SC - TIED) - (LEV-R - TIED-R)` per seed, over the seeds all four have."""
+    groups = (LEV_SC, TIED, LEV_R, TIED_R)
+    common = sorted(set.intersection(*(set(raw.seeds(g)) for g in groups)))
+    if not common:
+        return None
+    signs = (1.0, -1.0, -1.0, 1.0)
+    sets = [[(s, raw.result(raw.seeds(g)[seed], kind)) for s, g in zip(signs, groups)] for seed in common]
+    values, interval = seed_contrasts(sets, band)
+    if not values:
+        return {"seeds": common, "diffs": [], "mean": None, "document": None, "seed": None}
+    return {
+        "seeds": common,
+        "diffs": values,
+        "mean": statistics.fmean(values),
+        "document": interval,
+        "seed": seed_interval(values),
+    }
+
+
+COMPARISONS = (  # (a, b): a - b over the seeds both have
+    (LEV_SC, TIED),
+    (LEV_R, TIED_R),
+    (LEV_R, UNTIED),
+    (LEV_SC, UNTIED),
+    (LEV_SC, LEV_R),
+    (TIED, TIED_R),
+    (UNTIED, TIED),
+    (TIED_C0, TIED),
+    (LEV_C0, LEV_R),
+)
+CONTRAST = "C = (LEV-SC - TIED) - (LEV-R - TIED-R)"
+
+
+def _rows(raw: CombinedRaw, kind: str, band: tuple[str, int] | None) -> list[str]:
+    lines = []
+    for a, b in COMPARISONS:
+        c = rr.comparison(raw, a, b, kind, band)
+        if c is not None:
+            lines.append(f"| {a} - {b} | " + " | ".join(rr._diff_cells(c)) + " |")
+    c = change(raw, kind, band)
+    if c is not None:
+        lines.append(f"| {CONTRAST} | " + " | ".join(rr._diff_cells(c)) + " |")
+    return lines
+
+
+def _header(raw: CombinedRaw, title: str) -> list[str]:
+    lines = [f"# Clip: {title}", ""]
+    if preliminary := raw.preliminary():
+        lines += [preliminary, ""]
+    lines += [
+        "Groups: this experiment's TIED, LEV-SC (LEV with its seed side clipped on its own), TIED-C0 and "
+        "LEV-C0 (no clipping), UNTIED (seed 1234 the regime's run, 1235 and 1236 this experiment's); "
+        "the regime's TIED-R, LEV-R and ALBERT-32-R (its code: DeepSpeed clipped them). Differences in "
+        "nats per predicted token, negative: the first group is ahead; document bootstrap "
+        f"{LEVEL:.0%} over the seed pairs ({BOOTSTRAP} resamples, seed {BOOTSTRAP_SEED}) and the "
+        "seed-paired Student-t.",
+    ]
+    return lines
+
+
+def overall_markdown(raw: CombinedRaw) -> str:
+    lines = _header(raw, "overall validation and zero-shot loss")
+    lines += ["", "| group | seeds | validation NLL | zero-shot NLL |", "|---|---|---|---|"]
+    for group in dict.fromkeys(r["group"] for r in raw.runs):
+        runs = raw.seeds(group)
+        cells = [
+            rr._fmt_seeds([float(raw.result(r, kind)["mean_nll"]) for r in runs.values()])
+            for kind, _ in rr.CORPORA
+        ]
+        lines.append(f"| {group} | {', '.join(str(s) for s in sorted(runs))} | " + " | ".join(cells) + " |")
+    for kind, label in rr.CORPORA:
+        lines += [
+            "",
+            f"## {label}",
+            "",
+            "| comparison | difference | document 95% | seed-paired 95% | per seed |",
+            "|---|---|---|---|---|",
+            *_rows(raw, kind, None),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _band_sets(raw: CombinedRaw, kind: str) -> list[tuple[str, str, list[str]]]:
+    """(section title, band key, band labels): input and target count bands, and the paper's target
+    frequency buckets where the evaluation has them."""
+    labels = count_band_labels(COUNT_EDGES)
+    out = [("input count", "input_band", labels), ("target count", "target_band", labels)]
+    first = next(iter(raw.seeds(TIED).values()), None) or next(iter(raw.runs), None)
+    if first is not None:
+        buckets = raw.result(first, kind).get("buckets") or []
+        if buckets:
+            out.append(("target frequency (the paper's buckets)", PAPER, [str(b["bucket"]) for b in buckets]))
+    return out
+
+
+def bands_markdown(raw: CombinedRaw) -> str:
+    lines = _header(raw, "loss by band")
+    lines += [
+        "",
+        "Count bands: the training count of the input token or of the target (`evaluate`'s "
+        "`count_bands`). The paper's buckets: the target's frequency in the training split (its count "
+        "over the split's tokens), `< 1e-07` being the paper's rare tokens; on this split that is the "
+        "targets never seen in training. Beside each band: the first TIED seed's predicted tokens of the "
+        "band.",
+    ]
+    for kind, label in rr.CORPORA:
+        for title, key, labels in _band_sets(raw, kind):
+            lines += [
+                "",
+                f"## {label}, by {title}",
+                "",
+                "| band | tokens | comparison | difference | document 95% | seed-paired 95% | per seed |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            first = next(iter(raw.seeds(TIED).values()), None)
+            for b, band_label in enumerate(labels):
+                tokens = "-"
+                if first is not None:
+                    doc = raw.result(first, kind).get("per_document") or {}
+                    counts = doc.get(f"{key}_tokens")
+                    if counts is not None:
+                        tokens = f"{int(sum(counts[b])):,}"
+                for row in _rows(raw, kind, (key, b)):
+                    lines.append(f"| {band_label} | {tokens} " + row)
+    return "\n".join(lines) + "\n"
+
+
+def factors(raw: CombinedRaw, run: dict) -> list[tuple[int, float, float | None]]:
+    """(step, global factor, seed-side factor) at each logged step: the logged `clip_factor/*`, or for
+    a regime run (whose clipping DeepSpeed did, not logged) `min(1, 1 / (grad_norm + 1e-6))` from its
+    logged norm."""
+    out = []
+    for r in raw.train_rows(run):
+        if "clip_factor/global" in r:
+            out.append((r["iteration"], r["clip_factor/global"], r.get("clip_factor/lev_seed")))
+        elif r.get("grad_norm") is not None and "clip_grad=0" not in " ".join(run.get("overrides", [])):
+            out.append((r["iteration"], min(1.0, CLIP_GRAD / (r["grad_norm"] + 1e-6)), None))
+    return out
+
+
+def clipping_markdown(raw: CombinedRaw) -> str:
+    lines = [
+        "# Clip: the clip factors over training",
+        "",
+        "What each logged step's gradients were multiplied by (every 10 steps, `metrics.jsonl`): "
+        "`clip_factor/global` (every parameter no clip group takes) and, for LEV-SC, `clip_factor/lev_seed` "
+        "(the codebooks and `W_l`, clipped on their own norm). The regime's runs logged no factor: "
+        "theirs is `min(1, 1 / (grad_norm + 1e-6))` from the norm DeepSpeed clipped with. Runs without "
+        "clipping (C0) have factor 1.",
+        "",
+        "| run | logged steps | clipped (global) | median global factor | median seed-side factor | "
+        + " | ".join(f"global at {s}" for s in FACTOR_STEPS)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * len(FACTOR_STEPS),
+    ]
+    for run in raw.runs:
+        rows = factors(raw, run)
+        if not rows:
+            continue
+        by_step = {s: g for s, g, _ in rows}
+        seed = [f for _, _, f in rows if f is not None]
+        cells = [
+            run["name"] if run["source"] == "clip" else f"{run['name']} (regime)",
+            str(len(rows)),
+            f"{sum(g < 1 for _, g, _ in rows)}/{len(rows)}",
+            f"{statistics.median(g for _, g, _ in rows):.3f}",
+            f"{statistics.median(seed):.3f}" if seed else "-",
+            *(fmt_value(by_step.get(s), ".3f") for s in FACTOR_STEPS),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def question1(raw: CombinedRaw) -> tuple[str, list[str], str]:
+    """The README's first question: (outcome, reasons, the regime criteria's verdict on LEV-SC)."""
+    view = raw.view({LEV_SC: "LEV", TIED: "TIED", ALBERT_R: "ALBERT-32"})
+    regime_verdict, regime_reasons = rr.verdict(view)
+    reasons = [f"the regime's criteria on LEV-SC against TIED and ALBERT-32-R: {regime_verdict}"]
+    reasons += [f"  {r}" for r in regime_reasons]
+    below, above = {}, {}
+    for name, band in (("overall", None), ("input 1-9", ("input_band", rr.RARE_BAND))):
+        c = change(raw, "mmidx", band)
+        if c is None or c["document"] is None or c["seed"] is None:
+            reasons.append(f"C, {name}: not available")
+            below[name] = above[name] = False
+            continue
+        doc, seed = rr._interval(c["document"]), rr._interval(c["seed"])
+        reasons.append(f"C, {name}: {c['mean']:+.3f} document {doc}, seed-paired {seed}")
+        below[name] = c["document"][1] < 0 and c["seed"][1] < 0
+        above[name] = c["document"][0] > 0 and c["seed"][0] > 0
+    if above["overall"]:
+        return "clipping the seed side on its own hurts", reasons, regime_verdict
+    if regime_verdict != "refute" and below["input 1-9"]:
+        return "the clipping carried the refute", reasons, regime_verdict
+    if regime_verdict == "refute" and (below["input 1-9"] or below["overall"]):
+        return "the clipping was part of it", reasons, regime_verdict
+    if regime_verdict == "refute":
+        return "not the clipping", reasons, regime_verdict
+    return "none of the stated outcomes", reasons, regime_verdict
+
+
+def question2(raw: CombinedRaw) -> tuple[str, list[str]]:
+    c = rr.comparison(raw, LEV_R, UNTIED, "mmidx", ("input_band", rr.RARE_BAND))
+    if c is None or c["document"] is None or c["seed"] is None or len(c["seeds"]) < 3:
+        return "not available yet", ["LEV-R - UNTIED, input 1-9: fewer than three seed pairs"]
+    reason = (
+        f"LEV-R - UNTIED, input 1-9: {c['mean']:+.3f} document {rr._interval(c['document'])}, "
+        f"seed-paired {rr._interval(c['seed'])} (seeds {', '.join(map(str, c['seeds']))})"
+    )
+    if c["document"][0] > 0 and c["seed"][0] > 0:
+        return "the input layer's deficit holds with the head matched", [reason]
+    if c["document"][0] <= 0 and c["seed"][0] <= 0:
+        return "the deficit on rare inputs was not the input layer's", [reason]
+    return "between the stated outcomes (one interval above zero)", [reason]
+
+
+def verdict_markdown(raw: CombinedRaw) -> str:
+    lines = ["# Clip: the criteria of the README applied", ""]
+    if preliminary := raw.preliminary():
+        lines += [f"{preliminary} The outcomes may change when the rest are collected.", ""]
+    outcome, reasons, regime_verdict = question1(raw)
+    lines += [
+        "## 1. Clipping the seed side on its own",
+        "",
+        f"**{outcome}**",
+        "",
+        *[f"- {r}" for r in reasons],
+    ]
+    c = change(raw, "mmidx")
+    setting = "LEV-SC" if c is not None and c["mean"] is not None and c["mean"] < 0 else "LEV (the regime's)"
+    outcome2, reasons2 = question2(raw)
+    lines += [
+        "",
+        "## 2. The head matched",
+        "",
+        f"**{outcome2}**",
+        "",
+        *[f"- {r}" for r in reasons2],
+        "",
+        "## The LEV setting the later experiments use",
+        "",
+        f"**{setting}** (LEV-SC if C overall is below zero, point estimate).",
+        "",
+        "Validation shard; at this scale only (`README.md`, *What this scale cannot show*).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(raw: CombinedRaw, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for run in raw.runs:
+        if run["seed"] != 1234 or run["group"] not in (TIED, LEV_SC, TIED_R, LEV_R):
+            continue
+        rows = factors(raw, run)
+        ax.plot(
+            [s for s, _, _ in rows], [g for _, g, _ in rows], label=f"{run['group']} global", linewidth=1.1
+        )
+        seed = [(s, f) for s, _, f in rows if f is not None]
+        if seed:
+            ax.plot([s for s, _ in seed], [f for _, f in seed], "--", label=f"{run['group']} seed side")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("clip factor")
+    ax.set_title("clip factors, seed 1234")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "plots" / "factors.png", dpi=110)
+    plt.close(fig)
+
+
+def write_clip_report(
+    raw_dir: Path, out_dir: Path, plots: bool = True, regime_raw: Path | None = None
+) -> dict[str, Path]:
+    """The pages from `raw_dir` (plan `clip`) and the regime's raw files (default: `../regime/raw`
+    beside `raw_dir`'s results folder)."""
+    raw_dir = Path(raw_dir)
+    regime_raw = Path(regime_raw) if regime_raw is not None else raw_dir.parent.parent / "regime" / "raw"
+    if not (regime_raw / "study.json").is_file():
+        raise DataError(
+            f"{regime_raw}: the regime's raw files are missing; the clip report compares with them"
+        )
+    raw = CombinedRaw(PlanRaw(raw_dir), PlanRaw(regime_raw))
+    if not raw.seeds(TIED):
+        raise DataError(f"{raw_dir}: no {TIED} run collected; the clip report compares against it")
+    out = Path(out_dir)
+    paths = write_pages(
+        out,
+        {
+            "overall.md": overall_markdown(raw),
+            "bands.md": bands_markdown(raw),
+            "clipping.md": clipping_markdown(raw),
+            "verdict.md": verdict_markdown(raw),
+        },
+    )
+    if plots:
+        write_plots(raw, out)
+    return paths
+
+
+__all__ = ["CombinedRaw", "change", "write_clip_report"]
