@@ -9,7 +9,9 @@ Layout under a save directory:
 
 A directory without `complete` (a save interrupted by a kill) is never loaded, and one whose
 files disagree with the checksums in `complete` is refused. Directories and files without our
-markers are never pruned. This module is the one home of the format: the engine, the trainer,
+markers are never pruned. Pruning first renames a tag to `.trash-<tag>-<pid>` (one atomic rename)
+and then deletes it, so a kill in the middle leaves either the whole tag (pruned again next time) or
+a trash directory, which the next save or start removes (`empty_trash`) and names in the log. This module is the one home of the format: the engine, the trainer,
 the converters and the analyses all read it from here.
 """
 
@@ -33,6 +35,8 @@ STARTED_MARKER = "started"
 LATEST_FILE = "latest"
 CONFIG_FILE = "config.yaml"
 _TAG_RE = re.compile(r"^iter_(\d+)$")
+TRASH_PREFIX = ".trash-"  # a pruned tag on its way out: `.trash-iter_0000100-<pid>`
+_TRASH_RE = re.compile(r"^\.trash-(iter_\d+)-(\d+)$")
 
 log = get_logger(__name__)
 
@@ -242,6 +246,38 @@ def verify_checkpoint(path: str | os.PathLike) -> list[str]:
 _warned_abandoned: set[tuple[str, str]] = set()  # (root, tags): each abandoned branch is named once
 
 
+def _discard(path: Path) -> None:
+    """Rename tag directory `path` to a trash name (atomic), then delete it: a kill leaves the whole tag
+    or a trash directory, never a tag without its markers."""
+    trash = path.parent / f"{TRASH_PREFIX}{path.name}-{os.getpid()}"
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def empty_trash(root: str | os.PathLike) -> list[str]:
+    """Delete what a killed prune left under `root` (`.trash-<tag>-<pid>` of another process: the save
+    directory's lock lets one trainer at a time save and prune there) and say so in one line; returns
+    the tags it removed."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for child in sorted(root.iterdir()):
+        m = _TRASH_RE.match(child.name)
+        if m is None or not child.is_dir() or child.is_symlink() or int(m.group(2)) == os.getpid():
+            continue
+        shutil.rmtree(child, ignore_errors=True)
+        if not child.exists():
+            removed.append(m.group(1))
+    if removed:
+        log.info(
+            "removed %s under %s: checkpoint(s) an interrupted prune had started to delete",
+            ", ".join(removed),
+            root,
+        )
+    return removed
+
+
 def prune_checkpoints(root: str | os.PathLike, keep_last: int, current: str | None = None) -> list[str]:
     """Delete all but the newest `keep_last` complete checkpoints, and our partial saves older than
     those. Never deleted: directories without our markers, `current` (the tag just saved), the tag
@@ -250,6 +286,7 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int, current: str | No
     rolled back); they are kept, named in a warning, and not counted in `keep_last`, so they can
     never push the run's own new checkpoints out."""
     root = Path(root)
+    empty_trash(root)
     ckpts = list_checkpoints(root)
     at = iteration_of(current) if current else None
     ahead = [c for c in ckpts if at is not None and c.iteration > at]
@@ -263,7 +300,7 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int, current: str | No
     for c in ckpts:
         if c.tag in keep or not c.ours or (not c.complete and c.iteration > newest):
             continue
-        shutil.rmtree(c.path, ignore_errors=True)
+        _discard(c.path)
         removed.append(c.tag)
     abandoned = [c for c in ahead if c.ours]
     key = (str(root), ",".join(c.tag for c in abandoned))

@@ -45,6 +45,7 @@ from megatron_lev.ckpt.layout import (
     CONFIG_FILE,
     LATEST_FILE,
     STARTED_MARKER,
+    empty_trash,
     interrupted_start,
     iteration_of,
     read_latest,
@@ -480,6 +481,8 @@ def plan_resume(
     for d in (save_dir, load_dir):
         if d and all(_resolved(d) != _resolved(r) for r in roots):
             roots.append(Path(d))
+    if save_dir and ranks.rank() == 0:
+        empty_trash(save_dir)  # what a prune killed part-way left (this run's lock owns the directory)
     for root in roots:
         tags, notes = resume_candidates(root)
         if ranks.rank() == 0:

@@ -1,0 +1,71 @@
+"""What a killed or stopped run leaves behind, and the start that follows it.
+
+- A SIGKILL inside checkpoint pruning (after the tag's markers are gone, before its data files) must
+  not strand the tag: the next save or start removes what is left and says so, so `keep_last`
+  bounds the disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_lev.ckpt import layout as ck
+from megatron_lev.training import resume
+from tests.reliability.harness import ROOT
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _tag(root: Path, iteration: int, size: int = 1 << 16) -> Path:
+    """A complete tag as a save leaves it (markers and data files; their content is not read here)."""
+    path = root / ck.tag_for(iteration)
+    path.mkdir(parents=True)
+    (path / ck.STARTED_MARKER).write_text("{}")
+    (path / ck.COMPLETE_MARKER).write_text("{}")
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        (path / name).write_bytes(os.urandom(size))
+    return path
+
+
+KILLED_PRUNE = textwrap.dedent(
+    """
+    import os, shutil, sys
+    from pathlib import Path
+    from megatron_lev.ckpt import layout as ck
+
+    real = shutil.rmtree
+
+    def killed(path, *args, **kwargs):  # the markers go first (os.scandir order is not ours to pick)
+        path = Path(path)
+        for marker in (ck.COMPLETE_MARKER, ck.STARTED_MARKER):
+            (path / marker).unlink(missing_ok=True)
+        os._exit(9)  # SIGKILL-like: no cleanup, no finally
+
+    shutil.rmtree = killed
+    ck.prune_checkpoints(sys.argv[1], keep_last=1, current=ck.tag_for(3))
+    """
+)
+
+
+def test_a_prune_killed_part_way_strands_nothing(tmp_path, caplog):
+    root = tmp_path / "ckpt"
+    for it in (1, 2, 3):
+        _tag(root, it)
+    (root / ck.LATEST_FILE).write_text(ck.tag_for(3) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", KILLED_PRUNE, str(root)], env=env, capture_output=True)
+    assert proc.returncode == 9, proc.stderr.decode()[-2000:]
+    with caplog.at_level(logging.INFO):
+        resume.plan_resume(None, root)  # the next start (a start that resumes iter 3)
+    stranded = [p.name for p in root.iterdir() if p.is_dir() and not (p / ck.COMPLETE_MARKER).exists()]
+    assert stranded == [], stranded  # neither a tag without markers nor a trash directory
+    assert "interrupted prune" in caplog.text  # and the start said what it removed
+    ck.prune_checkpoints(root, keep_last=1, current=ck.tag_for(3))  # the next save's prune
+    assert sorted(p.name for p in root.iterdir()) == [ck.tag_for(3), ck.LATEST_FILE]
