@@ -11,7 +11,8 @@ A directory without `complete` (a save interrupted by a kill) is never loaded, a
 files disagree with the checksums in `complete` is refused. Directories and files without our
 markers are never pruned. Pruning first renames a tag to `.trash-<tag>-<pid>` (one atomic rename)
 and then deletes it, so a kill in the middle leaves either the whole tag (pruned again next time) or
-a trash directory, which the next save or start removes (`empty_trash`) and names in the log. This module is the one home of the format: the engine, the trainer,
+a trash directory, which the next save or start removes (`empty_trash`) and names in the log.
+This module is the one home of the format: the engine, the trainer,
 the converters and the analyses all read it from here.
 """
 

@@ -31,6 +31,7 @@ from megatron_lev.training.health import (
     AllStepsSkipped,
     NonFiniteWeights,
     SkipTracker,
+    StoppedAtSkipLimit,
     TooManySkippedSteps,
     WeightsBlewUp,
 )
@@ -144,6 +145,17 @@ class NonFiniteGuard(Callback):
         # a resumed run's short tail may be all skipped (the run before it learnt); and overflow
         # steps whose loss scale the fp16 scaler lowers are its normal work, not a failure
         it = trainer.state.iteration
+        checkpointer = trainer.callback(Checkpointer)
+        resumed = getattr(checkpointer, "resumed_from", None) or trainer.load_dir
+        limit = self.skips.max_consecutive
+        if result.exit_code == 0 and self._run == 0 and limit and self.skips.consecutive >= limit:
+            raise StoppedAtSkipLimit(
+                f"nothing left to train: the checkpoint this run resumed, {resumed} (iteration {it}), was "
+                f"saved when the run stopped at the skip limit ({self.skips.consecutive} consecutive "
+                f"non-finite steps up to iteration {it}, train.max_consecutive_skips={limit}), so the run "
+                "did not complete; find the cause (check the data, lower train.lr, or use "
+                "train.precision=fp32), then resume from an earlier checkpoint or start again"
+            )
         if result.exit_code == 0 and self.nothing_learnt(it):
             if self._started_at == 0:
                 raise AllStepsSkipped(
@@ -151,8 +163,6 @@ class NonFiniteGuard(Callback):
                     "gradients and were skipped: the run learnt nothing and saved nothing; check the data, "
                     "lower train.lr, or use train.precision=fp32 to find the cause"
                 )
-            checkpointer = trainer.callback(Checkpointer)
-            resumed = getattr(checkpointer, "resumed_from", None) or trainer.load_dir
             raise AllStepsSkipped(
                 f"every one of the {it} iterations up to {it} was skipped (non-finite loss or gradients), "
                 f"{self._run} in this run and the others before the checkpoint it resumed, {resumed}: "

@@ -51,6 +51,13 @@ class SkipTracker:
         self.consecutive = int(state.get("consecutive", 0))
 
 
+class StoppedAtSkipLimit(UserError, RuntimeError):
+    """A rerun resumed a checkpoint saved when the run stopped at the skip limit, with nothing left to
+    train: it must not look like a completed run."""
+
+    exit_code = 3
+
+
 class AllStepsSkipped(UserError, RuntimeError):
     """Every step of a run was skipped as non-finite: it learnt nothing and must not look successful."""
 

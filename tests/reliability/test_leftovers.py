@@ -3,6 +3,8 @@
 - A SIGKILL inside checkpoint pruning (after the tag's markers are gone, before its data files) must
   not strand the tag: the next save or start removes what is left and says so, so `keep_last`
   bounds the disk.
+- A run stopped at the skip limit (exit 3) and rerun with the same command exits 3 again, saying why,
+  instead of 0 "completed".
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import pytest
 from megatron_lev.ckpt import layout as ck
 from megatron_lev.training import resume
 from tests.reliability.harness import ROOT
+from tests.reliability.test_checkpoint import data  # noqa: F401 - the shared tiny corpus fixture
+
+FAULTS = "[megatron_lev.testing.faults:FaultInjection]"
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,3 +74,21 @@ def test_a_prune_killed_part_way_strands_nothing(tmp_path, caplog):
     assert "interrupted prune" in caplog.text  # and the start said what it removed
     ck.prune_checkpoints(root, keep_last=1, current=ck.tag_for(3))  # the next save's prune
     assert sorted(p.name for p in root.iterdir()) == [ck.tag_for(3), ck.LATEST_FILE]
+
+
+# ---------------------------------------------------------------- a rerun after a skip-limit stop
+
+
+def test_a_rerun_after_a_skip_limit_stop_stays_non_zero_and_says_why(data, tmp_path):  # noqa: F811
+    """The run stops at the skip limit at its last iteration with a checkpoint of the last good weights
+    (exit 3); the same command again has nothing left to train and must not exit 0 as completed."""
+    from tests.reliability.harness import expect_error
+    from tests.reliability.test_checkpoint import overrides, train
+
+    over = overrides(data, tmp_path / "run", **{"train.callbacks": FAULTS, "train.max_consecutive_skips": 2})
+    first = train(over, MEGATRON_LEV_INJECT_NAN_AT_STEP="3,4")
+    assert first.rc == 3 and "stopped with a checkpoint of the last good weights" in first.err, first.err[
+        -2000:
+    ]
+    again = train(over, MEGATRON_LEV_INJECT_NAN_AT_STEP="3,4")
+    expect_error(again, "nothing left to train", "stopped at the skip limit", r"iteration 4", rc=3)
