@@ -215,13 +215,56 @@ def _cgroup_room() -> int | None:
         return None
 
 
-def _processes_here(world_size: int) -> int:
-    """Training processes sharing this machine: the launcher's local world size, else all of them."""
-    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(key, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return max(world_size, 1)
+def _processes_here(world_size: int, environ=None) -> int:
+    """Training processes sharing this machine: the launcher's local world size (torchrun's
+    LOCAL_WORLD_SIZE, Slurm's tasks on this node), else all of them."""
+    env = os.environ if environ is None else environ
+    value = str(env.get("LOCAL_WORLD_SIZE", "")).strip()
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    slurm = slurm_tasks_here(env)
+    return slurm if slurm else max(world_size, 1)
+
+
+def _expand_tasks_per_node(spec: str) -> list[int] | None:
+    """Slurm's compressed tasks-per-node list (`8(x64)`, `2(x3),1`) as one count per node."""
+    out: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        count, _, rest = part.partition("(")
+        if not count.isdigit():
+            return None
+        times = 1
+        if rest:
+            reps = rest.rstrip(")").lstrip("x")
+            if not reps.isdigit():
+                return None
+            times = int(reps)
+        out += [int(count)] * times
+    return out or None
+
+
+def slurm_tasks_here(env) -> int | None:
+    """This node's tasks of a Slurm launch: SLURM_NTASKS_PER_NODE, else this node's entry
+    (SLURM_NODEID) of SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE (their largest without a node
+    id), else SLURM_NTASKS over the nodes rounded up; None outside Slurm."""
+    value = str(env.get("SLURM_NTASKS_PER_NODE", "")).strip()
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        counts = _expand_tasks_per_node(str(env.get(key, "")))
+        if counts:
+            node = str(env.get("SLURM_NODEID", "")).strip()
+            if node.isdigit() and int(node) < len(counts):
+                return counts[int(node)]
+            return max(counts)
+    tasks = str(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "").strip()
+    nodes = str(
+        env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or ""
+    )
+    if tasks.isdigit() and nodes.strip().isdigit() and int(nodes) > 0:
+        return -(-int(tasks) // int(nodes))
+    return None
 
 
 def _flash_attn_installed() -> bool:

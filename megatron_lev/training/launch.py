@@ -77,6 +77,8 @@ def _torchrun_env(env) -> DistEnv | None:
     if not (has_rank or has_world):
         return None
     if has_rank != has_world:
+        if has_rank and str(env["RANK"]).strip() == str(env.get("SLURM_PROCID", "")).strip():
+            return None  # srun's own rank, repeated: the task variables describe the launch
         present, missing = ("RANK", "WORLD_SIZE") if has_rank else ("WORLD_SIZE", "RANK")
         value = _int_var(env, present, lo=0 if has_rank else 1)
         if value == (0 if has_rank else 1):
@@ -148,11 +150,33 @@ def _slurm_env(env) -> DistEnv | None:
     return DistEnv(rank, world, local_rank, addr, port, "slurm")
 
 
+def _contradicting_rank(env) -> None:
+    """Refuse a RANK that contradicts srun's SLURM_PROCID in a task of a multi-task step, when torchrun
+    did not set it (torchrun under srun sets TORCHELASTIC_RUN_ID; its ranks differ from the tasks'):
+    `export RANK=0` in a batch script makes every task rank 0, and one of them then fails on the
+    port while the others wait out the whole timeout."""
+    if "RANK" not in env or "SLURM_PROCID" not in env or "TORCHELASTIC_RUN_ID" in env:
+        return
+    if not ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
+        return
+    count = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1"
+    if not str(count).strip().isdigit() or int(count) <= 1:
+        return
+    if str(env["RANK"]).strip() != str(env["SLURM_PROCID"]).strip():
+        raise LaunchError(
+            f"RANK={env['RANK']} contradicts SLURM_PROCID={env['SLURM_PROCID']} in this srun task of "
+            f"{count}: RANK was set outside torchrun (exported in the batch script?), so every task "
+            "would claim the same rank; unset RANK (and WORLD_SIZE, MASTER_PORT) before srun, and let "
+            "srun number the tasks"
+        )
+
+
 def read_dist_env(environ: dict | None = None) -> DistEnv:
     """Rank layout from the environment. A partial or inconsistent launcher environment (which
     would leave this process waiting for ranks that never come) raises `LaunchError`, one line
     naming the variable."""
     env = os.environ if environ is None else environ
+    _contradicting_rank(env)
     info = _torchrun_env(env) or _slurm_env(env)
     return info or DistEnv(0, 1, 0, "127.0.0.1", 0, "single")
 
