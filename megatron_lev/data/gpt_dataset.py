@@ -3,7 +3,8 @@
 `build_train_valid_test_datasets(data_cfg, seq_length, (n_train, n_valid, n_test))`
 returns three torch Datasets (None for an empty split) whose item i is
 `{"tokens": int64 array of S + 1}`. Their index arrays (see `indices.py`) are cached
-as `.npy` files keyed by a hash of what defines them; one rank builds, the others wait.
+as `.npy` files keyed by a hash of what defines them, the shard's content included (the `.idx`
+digest its manifest records: `index_digest`); one rank builds, the others wait.
 Every shard set is checked against its manifest (and the run's tokenizer) first, and a
 damaged cache file is rebuilt with a warning naming it.
 """
@@ -118,6 +119,7 @@ class GPTDataset(torch.utils.data.Dataset):
         description = {
             "class": "GPTDataset",
             "prefix": Path(indexed.prefix).name,
+            "index": index_digest(indexed),  # the content, not only the name and the counts
             "sequences": len(indexed),
             "tokens": indexed.num_tokens,
             "documents": [start, end],
@@ -251,9 +253,28 @@ def open_shards(
 
         fingerprint = tokenizer_fingerprint(data_cfg.tokenizer_type, data_cfg.tokenizer_path)
         vocab_size = vocab_size or fingerprint["vocab_size"]
-    for _, prefix in blend:
-        verify_shard_set(prefix, tokenizer_fp=fingerprint, vocab_size=vocab_size)
-    return [(w, IndexedDataset(p)) for w, p in blend]
+    out = []
+    for weight, prefix in blend:
+        manifest = verify_shard_set(prefix, tokenizer_fp=fingerprint, vocab_size=vocab_size)
+        ds = IndexedDataset(prefix)
+        entry = manifest.get("files", {}).get(f"{Path(prefix).name}.idx") or {}
+        ds.index_digest = entry.get("sha256")  # what the sample index depends on (index_digest())
+        out.append((weight, ds))
+    return out
+
+
+def index_digest(indexed: IndexedDataset) -> str:
+    """The identity of what a shard's sample index is built from (its `.idx`: sequence sizes and
+    document boundaries): the sha256 the shard set's manifest records for the `.idx` (`open_shards`),
+    else a hash of the arrays themselves. Keys the index cache, so another content under the same
+    name never meets an old index."""
+    known = getattr(indexed, "index_digest", None)
+    if known:
+        return known
+    h = hashlib.sha256()
+    for arr in (indexed.sizes, indexed.doc_idx):
+        h.update(np.ascontiguousarray(arr).view(np.uint8))
+    return "arrays:" + h.hexdigest()
 
 
 def build_train_valid_test_datasets(
