@@ -71,6 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead of preprocessing: check the shards at PREFIX (PREFIX.bin or PREFIX_*.bin) "
         "made without a manifest, and write PREFIX.manifest.json for them with --tokenizer",
     )
+    parser.add_argument(
+        "--verify",
+        metavar="PREFIX",
+        default=None,
+        help="instead of preprocessing: check every byte of the shard set at PREFIX against its "
+        "manifest (sha256 and chunk digests, --workers files at a time), and add the chunk digests "
+        "a manifest written before them lacks (a start then checks a sample of chunks)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -79,8 +87,21 @@ def main(args: argparse.Namespace) -> int:
 
     if args.write_manifest_for:
         return _write_manifest_for(args)
+    if args.verify:
+        from megatron_lev.data.manifest import verify_every_byte
+
+        r = verify_every_byte(args.verify, workers=max(1, args.workers))
+        rate = r["bytes"] / max(r["seconds"], 1e-9) / 1e9
+        added = "; chunk digests added to the manifest" if r["added_chunks"] else ""
+        print(
+            f"{args.verify}: {r['files']} files, {r['bytes'] / 1e9:.2f} GB match the manifest "
+            f"({r['seconds']:.1f} s, {rate:.2f} GB/s){added}"
+        )
+        return 0
     if not args.input or not args.output_prefix:
-        raise FlagError("--input and --output-prefix are required (or --write-manifest-for PREFIX)")
+        raise FlagError(
+            "--input and --output-prefix are required (or --write-manifest-for PREFIX, or --verify PREFIX)"
+        )
     if not args.chunk_mb > 0 or args.chunk_mb == float("inf"):
         raise FlagError(f"--chunk-mb must be a positive number, got {args.chunk_mb}")
     opts = PreprocessOptions(

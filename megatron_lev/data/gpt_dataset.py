@@ -242,10 +242,11 @@ def _blend(
 
 
 def open_shards(
-    data_cfg, paths: list[str], vocab_size: int | None = None
+    data_cfg, paths: list[str], vocab_size: int | None = None, allow_tokenizer_change: bool = False
 ) -> list[tuple[float, IndexedDataset]]:
     """(weight, shard) of a blend, each checked against its set's manifest and, when
-    `data.tokenizer_path` is set, against the run's tokenizer and vocabulary."""
+    `data.tokenizer_path` is set, against the run's tokenizer and vocabulary (another tokenizer than
+    the set's is refused unless `allow_tokenizer_change`: `--allow-change tokenizer`)."""
     blend = parse_blend(list(paths))
     fingerprint = None
     if getattr(data_cfg, "tokenizer_path", None):
@@ -255,7 +256,12 @@ def open_shards(
         vocab_size = vocab_size or fingerprint["vocab_size"]
     out = []
     for weight, prefix in blend:
-        manifest = verify_shard_set(prefix, tokenizer_fp=fingerprint, vocab_size=vocab_size)
+        manifest = verify_shard_set(
+            prefix,
+            tokenizer_fp=fingerprint,
+            vocab_size=vocab_size,
+            allow_tokenizer_change=allow_tokenizer_change,
+        )
         ds = IndexedDataset(prefix)
         entry = manifest.get("files", {}).get(f"{Path(prefix).name}.idx") or {}
         ds.index_digest = entry.get("sha256")  # what the sample index depends on (index_digest())
@@ -283,6 +289,7 @@ def build_train_valid_test_datasets(
     num_samples: tuple[int, int, int],
     cache_dir: str | os.PathLike | None = None,
     vocab_size: int | None = None,
+    allow_tokenizer_change: bool = False,
 ):
     """(train, valid, test) from `data.data_path` split by `data.split`, or valid from `data.valid_data_path`.
 
@@ -293,11 +300,11 @@ def build_train_valid_test_datasets(
     if any(n < 0 for n in num_samples):
         raise DataError(f"sample counts must be non-negative, got {tuple(num_samples)}")
     cache_dir = cache_dir or data_cfg.cache_dir
-    train_blend = open_shards(data_cfg, data_cfg.data_path, vocab_size)
+    train_blend = open_shards(data_cfg, data_cfg.data_path, vocab_size, allow_tokenizer_change)
     n_train, n_valid, n_test = num_samples
     seed = data_cfg.seed
     if data_cfg.valid_data_path:
-        valid_blend = open_shards(data_cfg, data_cfg.valid_data_path, vocab_size)
+        valid_blend = open_shards(data_cfg, data_cfg.valid_data_path, vocab_size, allow_tokenizer_change)
         train = _blend(
             "train",
             [(w, ds, (0, ds.num_documents)) for w, ds in train_blend],

@@ -6,11 +6,17 @@ tokenizer fingerprint (`tokenizers.tokenizer_fingerprint`) and the largest token
 A set without one is incomplete (its run died) or predates manifests.
 
 `verify_shard_set(shard)` is what the dataset builder, `build-indices` and `train`
-call. Policy: file sizes are checked on every open (a `stat` per file); sha256 sums
-are checked once per file version and remembered in a checksum cache keyed by
-(path, size, mtime), so a large set is hashed once, not at every start. Under
-`torch.distributed` rank 0 hashes and tells the others the outcome, so every rank
-raises the same error (no rank waits at a barrier for one that failed).
+call. Policy: file sizes are checked on every open (a `stat` per file). Each shard
+file also has its chunk digests in the manifest (sha256 of every `CHUNK_BYTES`, computed
+by `preprocess` where it writes the set): every start checks a fresh random sample of
+chunks (always the last, at most `SAMPLE_BYTES` a set), split over the ranks, so a 600 GB
+shard costs the same seconds as a small one and no rank waits long in a collective; a
+file rewritten with its size and mtime restored (`rsync -a`, `tar x`, `cp -p`) differs in
+every chunk. `megatron-lev preprocess --verify PREFIX` checks every byte. A manifest
+written before chunk digests is checked by its whole-file sha256s as before, on rank 0, in a
+group whose timeout is sized to the bytes (not the collective timeout), remembered in a
+checksum cache keyed by (path, size, mtime, ctime, inode); ctime changes on every write, so a
+restored mtime does not fool it. Every rank raises the same error.
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ SUFFIX = ".manifest.json"
 SHARD_FILES = (".bin", ".idx")
 SET_FILES = (".stats.json", ".counts.npy")
 CACHE_ENV = "MEGATRON_LEV_CACHE_DIR"  # where the checksum cache lives (default ~/.cache/megatron_lev)
+CHUNK_BYTES = 64 << 20  # the unit of the chunk digests a manifest records for each shard file
+SAMPLE_BYTES = 1 << 30  # chunks checked at a start, per shard set (the last chunk of every file always)
+CHUNK_DIGEST_HEX = 32  # a chunk digest is the first 128 bits of its sha256
+LEGACY_HASH_BYTES_PER_S = 100e6  # the slowest whole-file hashing a legacy check's wait allows for
 
 
 class ShardSetError(DataError):
@@ -70,7 +80,16 @@ def write_manifest(
     files = {}
     for name in names:
         path = directory / name
-        files[name] = {"size": path.stat().st_size, "sha256": known.get(name) or sha256_file(path)}
+        if name.endswith(SHARD_FILES):  # one read: the chunk digests (and the sha256 if not known)
+            whole, chunks = file_digests(path)
+            files[name] = {
+                "size": path.stat().st_size,
+                "sha256": known.get(name) or whole,
+                "chunk_bytes": CHUNK_BYTES,
+                "chunks": chunks,
+            }
+        else:
+            files[name] = {"size": path.stat().st_size, "sha256": known.get(name) or sha256_file(path)}
         _remember(path, files[name]["sha256"])
     manifest = {
         "format": FORMAT,
@@ -85,6 +104,28 @@ def write_manifest(
     path = manifest_path(prefix)
     atomic_write_json(path, manifest)
     return path
+
+
+def file_digests(path: str | os.PathLike) -> tuple[str, list[str]]:
+    """(sha256 of the file, the chunk digests: the first CHUNK_DIGEST_HEX hex digits of the sha256 of
+    each CHUNK_BYTES of it), in one read."""
+    import hashlib
+
+    whole, chunks = hashlib.sha256(), []
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK_BYTES):
+            whole.update(block)
+            chunks.append(hashlib.sha256(block).hexdigest()[:CHUNK_DIGEST_HEX])
+    return whole.hexdigest(), chunks
+
+
+def chunk_digest(path: str | os.PathLike, index: int, chunk_bytes: int = CHUNK_BYTES) -> str:
+    """The digest of chunk `index` of `path` (as `file_digests` records it)."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        f.seek(index * chunk_bytes)
+        return hashlib.sha256(f.read(chunk_bytes)).hexdigest()[:CHUNK_DIGEST_HEX]
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
@@ -141,6 +182,7 @@ def verify_shard_set(
     tokenizer_fp: dict | None = None,
     vocab_size: int | None = None,
     checksums: bool = True,
+    allow_tokenizer_change: bool = False,
 ) -> dict:
     """Refuse a shard whose set has no manifest, whose files differ from it (size always, sha256
     once per file version), whose tokenizer differs from `tokenizer_fp`, or whose largest token
@@ -175,16 +217,30 @@ def verify_shard_set(
     if checksums:
         mine = [f"{shard.name}{ext}" for ext in SHARD_FILES]
         mine += [n for n in manifest["files"] if any(n.endswith(ext) for ext in SET_FILES)]
-        _agree_on(lambda: _checksum_problem(directory, path, manifest, mine))
+        chunked = [n for n in mine if manifest["files"].get(n, {}).get("chunks") is not None]
+        whole = [n for n in mine if n not in chunked]
+        if chunked:
+            _check_sampled_chunks(directory, path, manifest, chunked)
+        if whole:
+            _agree_on_slowly(lambda: _checksum_problem(directory, path, manifest, whole), directory, whole)
     if tokenizer_fp is not None and manifest.get("tokenizer"):
         from megatron_lev.data.tokenizers import fingerprint_mismatch
 
         diff = fingerprint_mismatch(manifest["tokenizer"], tokenizer_fp)
-        if diff:
+        if diff and allow_tokenizer_change:
+            from megatron_lev.log import get_logger
+
+            get_logger(__name__).warning(
+                "%s: made with another tokenizer than the one given (%s); used anyway (--allow-change "
+                "tokenizer)",
+                shard,
+                diff,
+            )
+        elif diff:
             raise ShardSetError(
                 f"{shard}: made with another tokenizer than the one given ({diff}, see {path}); set "
-                "data.tokenizer_path/--tokenizer to the tokenizer preprocess used, "
-                "or rerun preprocess with this one"
+                "data.tokenizer_path/--tokenizer to the tokenizer preprocess used, rerun preprocess "
+                "with this one, or pass --allow-change tokenizer to train on them with it"
             )
     if vocab_size is not None and manifest["max_token_id"] >= vocab_size:
         raise ShardSetError(
@@ -209,7 +265,101 @@ def _checksum_problem(directory: Path, path: Path, manifest: dict, names: list[s
     return None
 
 
-def _agree_on(check) -> None:
+def sample_chunks(manifest: dict, names: list[str], seed: int, budget: int = SAMPLE_BYTES):
+    """(name, chunk index) to check at a start: the last chunk of every file, then chunks drawn at
+    random (`seed`) over all of them until `budget` bytes."""
+    import random
+
+    pool, picked = [], []
+    for name in names:
+        n = len(manifest["files"][name]["chunks"])
+        if n:
+            picked.append((name, n - 1))
+            pool += [(name, i) for i in range(n - 1)]
+    chunk = max((manifest["files"][n].get("chunk_bytes", CHUNK_BYTES) for n in names), default=CHUNK_BYTES)
+    room = max(budget // chunk - len(picked), 0)
+    if pool and room:
+        picked += random.Random(seed).sample(pool, min(room, len(pool)))
+    return picked
+
+
+def _check_sampled_chunks(directory: Path, path: Path, manifest: dict, names: list[str]) -> None:
+    """Check a random sample of the files' chunks against the manifest, split over the ranks (each
+    rank reads its share, then one small all-gather); every rank raises the same error."""
+    td = _dist()
+    rank, world = (td.get_rank(), td.get_world_size()) if td else (0, 1)
+    box = [int.from_bytes(os.urandom(4), "little")]
+    if td:
+        td.broadcast_object_list(box, src=0)
+    mine = sample_chunks(manifest, names, box[0])[rank::world]
+    problem = None
+    try:
+        for name, index in mine:
+            entry = manifest["files"][name]
+            unit = entry.get("chunk_bytes", CHUNK_BYTES)
+            if chunk_digest(directory / name, index, unit) != entry["chunks"][index]:
+                problem = (
+                    f"{directory / name}: the sha256 of chunk {index} (bytes {index * unit:,}...) differs "
+                    f"from the one recorded in {path}, though the size is the same: the file was rewritten "
+                    f"or damaged; {how_to_fix(directory / manifest['prefix'])}"
+                )
+                break
+    except OSError as exc:
+        problem = (
+            f"checking the shard set on rank {rank} failed: {directory / mine[0][0]} is unreadable "
+            f"({exc}); {how_to_fix(directory / manifest['prefix'])}"
+        )
+    found = [problem]
+    if td:
+        found = [None] * world
+        td.all_gather_object(found, problem)
+    first = next((p for p in found if p), None)
+    if first:
+        raise ShardSetError(first)
+
+
+def _dist():
+    """torch.distributed when a group of more than one rank is up, else None."""
+    try:
+        import torch.distributed as td
+
+        if td.is_available() and td.is_initialized() and td.get_world_size() > 1:
+            return td
+    except ImportError:
+        pass
+    return None
+
+
+def _agree_on_slowly(check, directory: Path, names: list[str]) -> None:
+    """`_agree_on` for whole-file hashing on rank 0 (a manifest without chunk digests): the others wait
+    in a gloo group whose timeout is sized to the bytes, not in one bounded by the collective timeout
+    (a cold 600 GB shard takes about 11 minutes to hash). The log says what it is doing."""
+    td = _dist()
+    if td is None:
+        _agree_on(check)
+        return
+    import datetime
+
+    from megatron_lev.log import get_logger
+
+    size = sum((directory / n).stat().st_size for n in names)
+    seconds = max(600.0, size / LEGACY_HASH_BYTES_PER_S)
+    if td.get_rank() == 0 and size > (1 << 30):
+        get_logger(__name__).info(
+            "checking the sha256 of %s (%.1f GB; its manifest has no chunk digests): rank 0 reads it all, "
+            "the others wait up to %.0f s; `megatron-lev preprocess --verify PREFIX` adds them",
+            ", ".join(names),
+            size / 1e9,
+            seconds,
+        )
+    group = td.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+    try:
+        _agree_on(check, group)
+    finally:
+        td.destroy_process_group(group)
+
+
+def _agree_on(check, group=None) -> None:
     """Run `check()` (an error message or None) once, on rank 0 under torch.distributed, and
     raise the same error on every rank. When `check()` itself raises on rank 0 (an unreadable
     file, say), the other ranks are told too and raise a ShardSetError with its message, so no
@@ -233,7 +383,7 @@ def _agree_on(check) -> None:
             except Exception as exc:  # told to every rank below, so that all of them raise
                 failure = exc
                 box = [("raised", f"checking the shard set on rank 0 failed: {type(exc).__name__}: {exc}")]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         kind, message = box[0]
         if kind == "raised":
             raise ShardSetError(message) from failure
@@ -243,7 +393,7 @@ def _agree_on(check) -> None:
 
 # --------------------------------------------------------------------------- checksum cache
 
-_memory: dict[str, tuple[int, int, str]] = {}
+_memory: dict[str, tuple] = {}
 
 
 def _cache_file() -> Path:
@@ -259,26 +409,34 @@ def _load_cache() -> dict:
         return {}
 
 
+def _version(st: os.stat_result) -> list[int]:
+    """What identifies one version of a file: size, mtime, ctime and inode. ctime is set by the kernel
+    on every write or metadata change and cannot be restored (unlike the mtime `rsync -a`, `tar x` or
+    `cp -p` put back), and a file replaced by another has another inode."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
 def _remember(path: Path, digest: str) -> None:
     st = path.stat()
     key = str(path.resolve())
-    _memory[key] = (st.st_size, st.st_mtime_ns, digest)
+    _memory[key] = (*_version(st), digest)
     cache = _load_cache()
     if len(cache) > 2000:  # forget files that are gone
         cache = {k: v for k, v in cache.items() if os.path.exists(k)}
-    cache[key] = [st.st_size, st.st_mtime_ns, digest]
+    cache[key] = [*_version(st), digest]
     with contextlib.suppress(OSError):  # an unwritable home only costs a re-hash next time
         atomic_write_json(_cache_file(), cache)
 
 
 def cached_sha256(path: str | os.PathLike) -> str:
-    """sha256 of `path`, hashed only when this (path, size, mtime) has not been hashed before."""
+    """sha256 of `path`, hashed only when this version of it (`_version`: path, size, mtime, ctime,
+    inode) has not been hashed before."""
     path = Path(path)
     st = path.stat()
     key = str(path.resolve())
     hit = _memory.get(key) or tuple(_load_cache().get(key) or ())
-    if len(hit) == 3 and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
-        return hit[2]
+    if len(hit) == 5 and list(hit[:4]) == _version(st):
+        return hit[4]
     digest = sha256_file(path)
     _remember(path, digest)
     return digest
@@ -337,6 +495,47 @@ def write_manifest_for(
         note="written by --write-manifest-for for shards made without a manifest",
     )
     return path, shards
+
+
+def verify_every_byte(prefix: str | os.PathLike, workers: int = 2, log=None) -> dict:
+    """The full check of a shard set (`preprocess --verify`): the sha256 of every file its manifest
+    lists, and the chunk digests of each shard file; files are read on `workers` threads (hashlib
+    releases the GIL). A manifest written before chunk digests gets them once every file matched
+    (rewritten atomically). Raises ShardSetError naming the first file that differs. Returns
+    {"files", "bytes", "seconds", "added_chunks"}."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, manifest, _ = find_manifest(prefix)
+    if manifest is None:
+        raise ShardSetError(f"{prefix}: no shard-set manifest lists it; {how_to_fix(prefix)}")
+    directory, start = path.parent, time.perf_counter()
+
+    def one(name: str) -> tuple[str, str, list[str] | None]:
+        if name.endswith(SHARD_FILES):
+            whole, chunks = file_digests(directory / name)
+            return name, whole, chunks
+        return name, sha256_file(directory / name), None
+
+    names = list(manifest["files"])
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(names)))) as pool:
+        results = list(pool.map(one, names))
+    added = False
+    for name, whole, chunks in results:
+        entry = manifest["files"][name]
+        if whole != entry.get("sha256"):
+            raise ShardSetError(
+                f"{directory / name}: sha256 {whole[:12]}... differs from {str(entry.get('sha256'))[:12]}... "
+                f"recorded in {path}; the file is damaged: {how_to_fix(directory / manifest['prefix'])}"
+            )
+        if chunks is not None and entry.get("chunks") is None:
+            entry.update(chunk_bytes=CHUNK_BYTES, chunks=chunks)
+            added = True
+        _remember(directory / name, whole)
+    if added:
+        atomic_write_json(path, manifest)
+    size = sum(manifest["files"][n]["size"] for n in names)
+    return {"files": len(names), "bytes": size, "seconds": time.perf_counter() - start, "added_chunks": added}
 
 
 def max_token_id(tokens: np.ndarray, block: int = 1 << 26) -> int:

@@ -339,11 +339,64 @@ def probe_digest(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(" ".join(str(int(i)) for i in ids).encode()).hexdigest()
 
 
+# the parts of a tokenizer.json that decide its encoding; the rest (formatting, key order, `version`,
+# `truncation`, `padding`, the decoder) may differ between two saves of the same tokenizer
+_HF_CONTENT = ("model", "added_tokens", "normalizer", "pre_tokenizer", "post_processor")
+
+
+def _merge_pair(merge):
+    """A BPE merge as a pair: `"a b"` (older tokenizers files) and `["a", "b"]` (newer) alike."""
+    if isinstance(merge, str):
+        left, _, right = merge.partition(" ")
+        return [left, right]
+    return list(merge)
+
+
+def content_digest(tokenizer_type: str, path: str | os.PathLike, tokenizer: Tokenizer | None = None) -> str:
+    """sha256 of what a tokenizer is, not of its file's bytes: for a `tokenizer.json` its model
+    (vocabulary, merges), added and special tokens, normaliser, pre-tokenizer and post-processor,
+    dumped canonically (sorted keys, merges as pairs), so the same tokenizer loaded and saved again
+    has the same digest (read through the `tokenizers` library, which writes out the defaults an
+    older file leaves implicit); for SentencePiece every piece with its score and kind; for tiktoken its
+    ranks. Together with the vocabulary size and EOD id this decides whether two files are one
+    tokenizer (`fingerprint_mismatch`)."""
+    if tokenizer_type == "hf":
+        from tokenizers import Tokenizer as HFFile  # its own serialisation: defaults written out alike
+
+        data = json.loads(HFFile.from_file(str(path)).to_str())
+        parts = {k: data.get(k) for k in _HF_CONTENT}
+        model = dict(parts.get("model") or {})
+        if isinstance(model.get("merges"), list):
+            model["merges"] = [_merge_pair(m) for m in model["merges"]]
+        parts["model"] = model
+        text = json.dumps(parts, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    tok = tokenizer if tokenizer is not None else build_tokenizer(tokenizer_type, path)
+    if tokenizer_type == "sentencepiece":
+        sp = tok._sp
+        rows = [
+            [
+                sp.id_to_piece(i),
+                round(float(sp.get_score(i)), 6),
+                sp.is_control(i),
+                sp.is_unknown(i),
+                sp.is_byte(i),
+            ]
+            for i in range(sp.get_piece_size())
+        ]
+        text = json.dumps(rows, ensure_ascii=False, separators=(",", ":"))
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    from megatron_lev.utils.io import sha256_file  # tiktoken: the ranks file is the content
+
+    return sha256_file(path)
+
+
 def tokenizer_fingerprint(
     tokenizer_type: str, path: str | os.PathLike, tokenizer: Tokenizer | None = None
 ) -> dict:
     """What identifies a tokenizer across preprocessing, training and export: type, name,
-    file name, sha256 of the file, vocabulary size, EOD id and `probe_sha256` (`probe_digest`)."""
+    file name, sha256 of the file, vocabulary size, EOD id, `probe_sha256` (`probe_digest`) and
+    `content_sha256` (`content_digest`: the same for the same tokenizer saved again)."""
     from megatron_lev.utils.io import sha256_file
 
     tok = tokenizer if tokenizer is not None else build_tokenizer(tokenizer_type, path)
@@ -355,6 +408,7 @@ def tokenizer_fingerprint(
         "vocab_size": int(tok.vocab_size),
         "eod": int(tok.eod),
         "probe_sha256": probe_digest(tok),
+        "content_sha256": content_digest(tokenizer_type, path, tok),
     }
 
 
@@ -374,8 +428,12 @@ def encoding_mismatch(expected: dict, actual: dict) -> str | None:
 
 
 def fingerprint_mismatch(expected: dict, actual: dict) -> str | None:
-    """None when two fingerprints name the same tokenizer, else what differs (one phrase)."""
-    for key in ("sha256", "vocab_size", "eod", "type"):
+    """None when two fingerprints name the same tokenizer, else what differs (one phrase). The same
+    tokenizer is the same content (`content_sha256`: vocabulary, merges or model, special tokens,
+    normaliser), whatever the bytes of its file; a record without a content digest (written by an
+    older version) is compared by the file's sha256."""
+    content = "content_sha256" in expected and "content_sha256" in actual
+    for key in ("content_sha256" if content else "sha256", "vocab_size", "eod", "type"):
         if key in expected and key in actual and expected[key] != actual[key]:
             return (
                 f"{key} {actual[key]!r} != {expected[key]!r} "

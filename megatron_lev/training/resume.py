@@ -105,6 +105,9 @@ FREE_KEYS = frozenset(
     }
 )
 DATA, TOKENIZER = "data", "tokenizer"  # --allow-change names for the provenance checks
+# where the data and the tokenizer are: compared by content (provenance.json's digests), not as strings,
+# when the checkpoint records its provenance; a copy of the same shards elsewhere resumes exactly
+CONTENT_KEYS = frozenset({"data.data_path", "data.valid_data_path", "data.tokenizer_path"})
 EXACT_KEYS = frozenset({"model.seq_length"})  # under a fixed prefix, yet allowed by --allow-change
 FIXED_PREFIXES = ("model.",)
 FIXED_KEYS = frozenset(
@@ -394,6 +397,16 @@ def check_resume_config(path: str | os.PathLike, cfg, allow=(), saved: SavedBatc
         if current["train"]["global_batch_size"] is None:
             current["train"]["global_batch_size"] = saved.global_batch
     diffs = differences(stored, current)
+    if diffs and _records_provenance(Path(path)):
+        moved = [d for d in diffs if d[0] in CONTENT_KEYS]
+        diffs = [d for d in diffs if d[0] not in CONTENT_KEYS]
+        if moved and ranks.rank() == 0:
+            log.info(
+                "%s: the checkpoint's data and tokenizer are compared by content (%s), not by path: %s",
+                path,
+                "provenance.json",
+                "; ".join(f"{k} {old!r} -> {new!r}" for k, old, new in moved),
+            )
     if not diffs:
         return
     lines, fixed, exact = judge(diffs, frozenset(allow))
@@ -412,6 +425,13 @@ def check_resume_config(path: str | os.PathLike, cfg, allow=(), saved: SavedBatc
             f"cannot resume exactly from {path}: {', '.join(exact)} differ from the checkpoint's config "
             f"({stored_file}): restore them, or pass {flags} to accept a resume that is not exact"
         )
+
+
+def _records_provenance(path: Path) -> bool:
+    """Whether checkpoint `path` records the content of its data and tokenizer (`provenance.json`)."""
+    from megatron_lev.ckpt.provenance import PROVENANCE_FILE
+
+    return (path / PROVENANCE_FILE).is_file()
 
 
 def check_resume_provenance(path: str | os.PathLike, cfg, allow=(), current: dict | None = None) -> None:

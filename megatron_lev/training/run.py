@@ -40,7 +40,7 @@ from megatron_lev.training.hooks import Callback, TrainResult, callbacks_from_sp
 from megatron_lev.training.launch import device as current_device
 from megatron_lev.training.launch import init_distributed
 from megatron_lev.training.metrics import MetricsWriter
-from megatron_lev.training.resume import plan_resume
+from megatron_lev.training.resume import TOKENIZER, plan_resume
 from megatron_lev.training.schedule import training_budget
 from megatron_lev.training.signals import PreemptionWatcher
 from megatron_lev.training.trainer import TrainData, Trainer
@@ -199,7 +199,11 @@ def _pretrain(
         done = min(resume.iteration, budget.train_iters)
         n_train = max(n_train, done * resume.saved.global_batch + (budget.train_iters - done) * global_batch)
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
-        cfg.data, cfg.model.seq_length, (n_train, n_valid, 0), cfg.data.cache_dir
+        cfg.data,
+        cfg.model.seq_length,
+        (n_train, n_valid, 0),
+        cfg.data.cache_dir,
+        allow_tokenizer_change=TOKENIZER in allow_changes,  # the escape the resume check names
     )
     if train_ds is None:
         raise ConfigError(f"data.split={cfg.data.split!r} leaves no training documents")
