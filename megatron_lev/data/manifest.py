@@ -190,6 +190,15 @@ def verify_shard_set(
     shard = Path(prefix)
     path, manifest, others = find_manifest(shard)
     if manifest is None:
+        if others and not Path(f"{shard}.bin").exists() and not Path(f"{shard}.idx").exists():
+            listed = read_manifest(others[0])["shards"]
+            shown = ", ".join(str(shard.parent / n) for n in listed[:3]) + (
+                ", ..." if len(listed) > 3 else ""
+            )
+            raise ShardSetError(
+                f"{shard}: no such shard; {others[0]} describes the set written at this prefix, whose "
+                f"{len(listed)} shard(s) are {shown}: give those prefixes in data.data_path (or --data)"
+            )
         if others:
             raise ShardSetError(
                 f"{shard}: not part of the shard set described by {others[0]} (left by an earlier run?); "

@@ -105,6 +105,17 @@ class StepOutput:
     clip: torch.Tensor | None = None  # the clip groups' norms then their factors (`ClipRecord`)
 
 
+def block_names(num_layers: int) -> list[str]:
+    """The model's blocks by canonical name, in order (the same list on every rank)."""
+    return ["embedding", *(f"layers.{i}" for i in range(num_layers)), "final_norm", "output_head"]
+
+
+def block_of(name: str) -> str:
+    """The block of canonical parameter `name`: `layers.3.mlp.w1.weight` -> `layers.3`."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
 class DeepSpeedEngine:
     """A DeepSpeed engine (plain or pipeline) as an `Engine`; see the module doc."""
 
@@ -217,6 +228,29 @@ class DeepSpeedEngine:
 
     def step_measurement(self) -> StepMeasurement | None:
         return None if self._probe is None else self._probe.result
+
+    def block_weight_squares(self) -> dict[str, float]:
+        """Collective (every rank): the sum of squares of the weights of each block of the model
+        (`embedding`, `layers.<i>`, `final_norm`, `output_head`, by canonical name), over what every
+        rank holds of them (ZeRO fragments and partitions, pipeline stages, TP shards; a copy held by
+        several ranks counts once per holder, alike before and after a step). For a diagnosis, not the
+        step: one pass over this rank's weights and one all-reduce."""
+        from megatron_lev.engine.step_probe import holding, local_weight
+
+        blocks = block_names(self.cfg.model.num_layers)
+        index = {b: i for i, b in enumerate(blocks)}
+        sums = torch.zeros(len(blocks), dtype=torch.float64, device=self.device)
+        names = {id(p): n for n, p in self.canonical_parameters().items()}
+        for _, params in self.groups:
+            for p in params:
+                name = names.get(id(p))
+                block = None if name is None else index.get(block_of(name))
+                weight = None if block is None else local_weight(p, holding(p))
+                if weight is not None and weight.numel():
+                    sums[block] += weight.detach().double().square().sum().to(sums.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+        return dict(zip(blocks, sums.tolist()))
 
     def full_parameters(self, module: nn.Module) -> contextlib.AbstractContextManager:
         """See `Engine.full_parameters`: DeepSpeed's `GatheredParameters` where ZeRO-3 partitions them."""

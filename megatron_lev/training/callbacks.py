@@ -54,6 +54,31 @@ log = get_logger(__name__)
 # ---------------------------------------------------------------------- the non-finite guard
 
 
+def block_squares(engine) -> dict[str, float]:
+    """The engine's weight sum of squares by block (`DeepSpeedEngine.block_weight_squares`,
+    collective), or {}."""
+    measure = getattr(engine, "block_weight_squares", None)
+    return measure() if measure is not None else {}
+
+
+def one_block_blew_up(
+    before: dict[str, float], after: dict[str, float], limit: float
+) -> tuple[str, float, float] | None:
+    """(block, its weight norm's growth, the rest of the model's) when the block whose norm grew most
+    between `before` and `after` made the model's growth: without it the rest grew no more than
+    `limit`. None when the rest grew past it too (the whole model: the learning rate)."""
+    shared = [b for b in after if before.get(b)]
+    if len(shared) < 2:
+        return None
+    growth = {b: (after[b] / before[b]) ** 0.5 for b in shared}
+    name = max(growth, key=growth.get)
+    rest_before = sum(before[b] for b in shared if b != name)
+    rest = (sum(after[b] for b in shared if b != name) / rest_before) ** 0.5 if rest_before else float("inf")
+    if rest <= limit < growth[name]:
+        return name, growth[name], rest
+    return None
+
+
 class NonFiniteGuard(Callback):
     """Counts skipped updates (exit 3 at `max_consecutive_skips` in a row), stops at the first update
     that made a weight inf/NaN or grew the weight norm more than `max_update_ratio`-fold, refuses to
@@ -68,6 +93,8 @@ class NonFiniteGuard(Callback):
         self.max_update_ratio = max_update_ratio
         self._run = self._applied = self._scaler = 0
         self._started_at = 0
+        self._blocks: dict[str, float] = {}  # the weights' sum of squares by block (one_block_blew_up)
+        self._blocks_at = 0
 
     def on_train_begin(self, trainer: Trainer, control: Control) -> None:
         self._run = self._applied = self._scaler = 0
@@ -75,6 +102,8 @@ class NonFiniteGuard(Callback):
         if trainer.state.iteration < trainer.budget.train_iters:
             where = f" (loaded from {trainer.load_dir})" if trainer.state.iteration else ""
             self.check_weights(trainer, f"before the first step{where}")
+        # each block's weights, to tell one block blowing up from the whole model (refreshed at saves)
+        self._blocks, self._blocks_at = block_squares(trainer.engine), trainer.state.iteration
 
     def on_step_end(self, trainer: Trainer, iteration: int, skipped: bool, control: Control) -> None:
         if skipped:
@@ -91,11 +120,25 @@ class NonFiniteGuard(Callback):
         limit = self.max_update_ratio
         if limit and not record.skipped and record.weight_growth > limit:
             lr = learning_rate(record.iteration - 1, trainer.cfg.train, trainer.budget.train_iters)
-            raise WeightsBlewUp(
+            head = (
                 f"iteration {record.iteration}: the update grew the weight norm {record.weight_growth:.3g}-"
-                f"fold (more than train.max_update_ratio={limit:g}): the learning rate ({lr:.3g} at this "
-                "step) is far too high; the update is refused and nothing was saved from it, so the "
-                f"newest checkpoint in {trainer.save_dir} (if any) holds the last good weights: lower "
+                f"fold (more than train.max_update_ratio={limit:g})"
+            )
+            tail = (
+                "the update is refused and nothing was saved from it, so the newest checkpoint in "
+                f"{trainer.save_dir} (if any) holds the last good weights"
+            )
+            block = one_block_blew_up(self._blocks, block_squares(trainer.engine), limit)
+            if block is not None:
+                name, grew, rest = block
+                raise WeightsBlewUp(
+                    f"{head}: one block blew up, {name} (its weight norm grew {grew:.3g}-fold since "
+                    f"iteration {self._blocks_at}, the rest of the model {rest:.3g}-fold), not the whole "
+                    f"model; {tail}: look at {name} (its inputs, initialisation or a train.param_groups "
+                    f"rule for it) before the learning rate ({lr:.3g} at this step)"
+                )
+            raise WeightsBlewUp(
+                f"{head}: the learning rate ({lr:.3g} at this step) is far too high; {tail}: lower "
                 "train.lr (with --allow-change train.lr to resume from a checkpoint)"
             )
         self._run += 1
@@ -139,6 +182,7 @@ class NonFiniteGuard(Callback):
                 "every update so far was skipped, so it would hold the initial weights as if trained"
             )
         self.check_weights(trainer, f"refusing to save a checkpoint to {trainer.save_dir}")
+        self._blocks, self._blocks_at = block_squares(trainer.engine), trainer.state.iteration
 
     def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
         result.skipped_steps = self.skips.total

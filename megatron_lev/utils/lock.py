@@ -51,7 +51,13 @@ def acquire(path: str | os.PathLike, what: str, command: str) -> int | None:
     while True:
         # read-only: a held lock keeps no file of the directory open for writing, so the directory's
         # file system can still be remounted read-only under a running job (flock needs no write mode)
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except IsADirectoryError:
+            raise LockedError(
+                f"{path} is a directory, where the lock file of {what} goes (it is not one this program "
+                "made): move it away or remove it, then start again"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -92,3 +92,51 @@ def test_a_rerun_after_a_skip_limit_stop_stays_non_zero_and_says_why(data, tmp_p
     ]
     again = train(over, MEGATRON_LEV_INJECT_NAN_AT_STEP="3,4")
     expect_error(again, "nothing left to train", "stopped at the skip limit", r"iteration 4", rc=3)
+
+
+# ---------------------------------------------------------------- messages that name what they are about
+
+
+def test_a_lock_path_that_is_a_directory_is_named():
+    """Something made a directory where the save directory's lock file goes: one line naming it, not
+    an IsADirectoryError traceback."""
+    import tempfile
+
+    from megatron_lev.errors import LockedError
+    from megatron_lev.utils.lock import DIR_LOCK_NAME, exclusive_lock
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / DIR_LOCK_NAME
+        path.mkdir()
+        with pytest.raises(LockedError) as err:
+            with exclusive_lock(path, f"train.save={tmp}", "megatron-lev train"):
+                pass
+        assert f"{path} is a directory" in str(err.value) and f"train.save={tmp}" in str(err.value)
+        path.rmdir()
+        with exclusive_lock(path, f"train.save={tmp}", "megatron-lev train"):  # the healthy twin
+            assert path.is_file()
+
+
+def test_a_prefix_re_preprocessed_into_shards_names_its_shards_not_a_missing_file(tmp_path):
+    """`preprocess` run again into P with --shard-size-mb replaces P.bin/.idx by P_00000, ...: a run
+    still given P is told the shards' prefixes, not to delete a P.bin that no longer exists."""
+    import numpy as np
+
+    from megatron_lev.data.indexed import IndexedDatasetBuilder
+    from megatron_lev.data.manifest import ShardSetError, verify_shard_set, write_manifest
+
+    prefix = tmp_path / "pile"
+    shards = []
+    for k in range(2):
+        shard = tmp_path / f"pile_{k:05d}"
+        b = IndexedDatasetBuilder(shard, np.uint16)
+        b.add_document(np.arange(1, 50))
+        b.finalize()
+        shards.append(str(shard))
+    fp = {"type": "hf", "name": "t", "file": "t.json", "sha256": "0" * 64, "vocab_size": 100, "eod": 0}
+    write_manifest(prefix, shards, fp, 49)
+    with pytest.raises(ShardSetError) as err:
+        verify_shard_set(prefix)
+    message = str(err.value)
+    assert "no such shard" in message and "pile_00000" in message and "delete" not in message
+    verify_shard_set(shards[0])  # the shards themselves pass

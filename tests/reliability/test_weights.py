@@ -70,6 +70,18 @@ CASES = [
     ),
     pytest.param(
         Case(
+            # one block at 300 times the learning rate: it blows up, the rest of the model does not
+            {"train.param_groups": "[{pattern: 'layers.1.*', lr_mult: 300}]"},
+            (
+                r"iteration 1: the update grew the weight norm",
+                "one block blew up, layers.1",
+                "look at layers.1",
+            ),
+        ),
+        id="one-block-blows-up-and-is-named",
+    ),
+    pytest.param(
+        Case(
             {"train.callbacks": FAULTS},
             (r"all 4 steps \(iterations 1-4\)", "learnt nothing and saved nothing"),
             env={"MEGATRON_LEV_INJECT_NAN_AT_STEP": "1,2,3,4"},
