@@ -40,6 +40,7 @@ from megatron_lev.ckpt.layout import (
 from megatron_lev.ckpt.provenance import PROVENANCE_FILE
 from megatron_lev.errors import CheckpointDataError
 from megatron_lev.log import get_logger
+from megatron_lev.parallel.session import set_phase
 from megatron_lev.utils import dist as ranks
 from megatron_lev.utils.io import (
     DiskFullError,
@@ -238,6 +239,7 @@ def save_checkpoint(
             except Exception as exc:  # noqa: BLE001 - shared with every rank below
                 error = _save_error(exc, root, path)
     ranks.raise_on_every_rank(error)  # also the barrier: `started` is on disk before any rank writes
+    set_phase(f"saving checkpoint {tag}: writing this rank's files")  # what a peer's timeout names
     try:
         engine.save(root, tag, client_state)
         atomic_save_torch(capture_rng_state(), path / f"rng_state_rank{ranks.rank()}.pt")
@@ -247,6 +249,7 @@ def save_checkpoint(
             atomic_write_json(path / PROVENANCE_FILE, provenance)
     except Exception as exc:  # noqa: BLE001 - a full disk surfaces as OSError or torch's RuntimeError
         error = _save_error(exc, root, path)
+    set_phase(f"saving checkpoint {tag}: its files written, waiting for the other ranks'")
     ranks.raise_on_every_rank(error)  # every rank's files are on disk
     saved = time.perf_counter()
     files = file_checksums(path, checkpoint_files(path))

@@ -42,6 +42,7 @@ from megatron_lev.engine.plan import RunPlan
 from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.errors import CheckpointDataError
 from megatron_lev.optim import GuardedAdamW, all_finite, param_groups, squared_norm
+from megatron_lev.parallel.session import set_phase
 
 GROUP_FILLER = "param_group_filler"
 _MOMENTS = ("exp_avg", "exp_avg_sq")  # what resharding carries of Adam's state
@@ -300,8 +301,29 @@ class DeepSpeedEngine:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, root: str | os.PathLike, tag: str, client_state: dict[str, Any]) -> None:
-        """Collective: this rank's DeepSpeed files of checkpoint `root/tag` (no `latest` file)."""
-        self.ds_engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+        """Collective: this rank's DeepSpeed files of checkpoint `root/tag` (no `latest` file).
+
+        DeepSpeed's checkpoint engine commits once a rank's files are written, before the save's last
+        barrier: the rank's phase then says so (`parallel.session.set_phase`), so a peer's timeout in
+        that barrier can tell a rank still writing (slow) from one waiting."""
+        ckpt_engine = getattr(self.ds_engine, "checkpoint_engine", None)
+        commit = getattr(ckpt_engine, "commit", None)
+        shadowed = ckpt_engine is not None and "commit" in vars(ckpt_engine)
+        if commit is not None:
+
+            def committed(*args, **kwargs):
+                set_phase(f"saving checkpoint {tag}: this rank's files written, waiting for the other ranks'")
+                return commit(*args, **kwargs)
+
+            ckpt_engine.commit = committed
+        try:
+            self.ds_engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+        finally:
+            if commit is not None:
+                if shadowed:
+                    ckpt_engine.commit = commit
+                else:
+                    del ckpt_engine.commit
 
     def load(self, root: str | os.PathLike, tag: str) -> dict[str, Any]:
         """Collective: model and optimizer from `root/tag`; returns the client state.

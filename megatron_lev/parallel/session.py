@@ -57,6 +57,14 @@ class Session:
 _SESSION: Session | None = None
 
 
+def set_phase(phase: str) -> None:
+    """What this rank is doing now, for a peer's diagnosis of a timeout (`Heartbeat.set_phase`); a
+    no-op without a heartbeat."""
+    session = _SESSION
+    if session is not None and session.heartbeat is not None:
+        session.heartbeat.set_phase(phase)
+
+
 def current() -> Session | None:
     """The group this process joined with `join` (None before, after `shutdown`, or if another
     component created the group)."""
@@ -182,7 +190,9 @@ def flush_logs() -> None:
 # ---------------------------------------------------------------------- one line per failure
 
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
-_TIMED_OUT = ("Timed out", "timed out", "Watchdog caught collective operation timeout")
+# gloo's "Application timeout caused pair closure": a collective of this rank reached the group's
+# timeout (seen in a save's last barrier while a peer was still writing)
+_TIMED_OUT = ("Timed out", "timed out", "Watchdog caught collective operation timeout", "Application timeout")
 
 
 def torch_error_text(exc: BaseException) -> str:
@@ -212,7 +222,7 @@ def collective_failure(exc: BaseException) -> BaseException | None:
             return e
         if isinstance(e, RuntimeError):
             text = str(e)
-            if "gloo" in text or "NCCL" in text or any(p in text for p in _PEER_GONE):
+            if "gloo" in text or "NCCL" in text or any(p in text for p in (*_PEER_GONE, "Application timeout")):
                 return e
     return None
 

@@ -17,6 +17,12 @@ timeout, and that timeout names no rank. The watchdog watches from outside the c
   have no timeout of their own, so a second thread (the judge) decides; the beating thread
   may stay blocked in the request, which does not matter once the process ends.
 
+Each rank also says what it is doing (`set_phase`: "training step 120", "saving checkpoint
+iter_0000100"): the beating thread writes a changed phase to `phase/<rank>` with the beat count at
+which it began, so a peer can tell how long a rank has been in it in beats, whatever the hosts'
+clocks. When a collective times out and no rank failed or went silent, `diagnose()` names the ranks
+that are alive but still in another phase: a slow rank, not a dead one.
+
 A rank that leaves cleanly (`stop()`) marks `done/<rank>` first, so its watcher does not take
 its end for silence. A rank that fails leaves its one-line error under `first_error` unless
 another rank was first (`report_error`), so a peer whose collective broke can say which rank
@@ -89,6 +95,9 @@ class Heartbeat:
         self._publish: str | None = None  # a line this rank wants published
         self._published = threading.Event()
         self._aborted = False
+        self._phase: str | None = None  # what the main thread is doing (set_phase)
+        self._phase_sent: str | None = None
+        self._count = 0  # this rank's own beat count, as the store returned it
 
     def _key(self, *parts: object) -> str:
         return "/".join([self.prefix, *map(str, parts)])
@@ -137,7 +146,11 @@ class Heartbeat:
         store = self._store
         while not self._stop.wait(self.interval):
             try:
-                store.add(self._key("hb", self.rank), 1)
+                self._count = store.add(self._key("hb", self.rank), 1)
+                phase = self._phase
+                if phase is not None and phase != self._phase_sent:
+                    store.set(self._key("phase", self.rank), f"{self._count}|{phase}")
+                    self._phase_sent = phase
                 count = store.add(self._key("hb", self.peer), 0)
                 done = store.check([self._key("done", self.peer)])
                 abort = None
@@ -193,6 +206,50 @@ class Heartbeat:
         self.on_abort(line)
 
     # ------------------------------------------------------------------ asked by the main thread
+
+    def set_phase(self, phase: str) -> None:
+        """What this rank is doing now (one short phrase); published at the next beat. Costs the main
+        thread one assignment."""
+        self._phase = phase
+
+    def phases(self, client=None) -> dict[int, tuple[str, float]]:
+        """rank -> (its phase, seconds it has been in it, from beat counts) for the ranks that
+        published one (a failure path: one request for every rank)."""
+        client = client or self._client()
+        counts = self._counts(client)
+        keys = [self._key("phase", r) for r in range(self.world_size)]
+        try:
+            values = client.multi_get(keys) if all(client.check([k]) for k in keys) else None
+        except Exception:  # noqa: BLE001 - an older store
+            values = None
+        out = {}
+        for r, key in enumerate(keys):
+            raw = values[r] if values is not None else (client.get(key) if client.check([key]) else None)
+            if raw is None:
+                continue
+            start, _, phase = raw.decode(errors="replace").partition("|")
+            beats = counts[r] - int(start) if start.isdigit() else 0
+            out[r] = (phase, max(beats, 0) * self.interval)
+        return out
+
+    def slow_ranks(self, client=None) -> str | None:
+        """The ranks alive but in another phase than this one (a phrase), or None."""
+        phases = self.phases(client)
+        mine = phases.get(self.rank, (self._phase or "", 0.0))[0]
+        other = [(r, p, t) for r, (p, t) in sorted(phases.items()) if r != self.rank and p != mine]
+        if not other:
+            return None
+        r, phase, took = other[0]
+        more = (
+            f" (and rank(s) {[o[0] for o in other[1:4]]}{', ...' if len(other) > 4 else ''})"
+            if len(other) > 1
+            else ""
+        )
+        return (
+            f"rank {r}{more} is alive (it beats) but still in '{phase}' for about {took:.0f} s, while rank "
+            f"{self.rank} is in '{mine}': a slow rank, not a dead one; see what slows it (its file system, "
+            "its data), or raise parallel.collective_timeout_s if that much is expected"
+        )
 
     def report_error(self, line: str, wait: float | None = None) -> None:
         """Leave this rank's one-line error for the others (best effort, bounded by `wait`): the
@@ -251,6 +308,9 @@ class Heartbeat:
                             return
                         base, start = now, time.monotonic()
                     if time.monotonic() > deadline:
+                        slow = self.slow_ranks(client)
+                        if slow:
+                            result.append(slow)
                         return
                     time.sleep(min(0.2, self.interval / 2))
 

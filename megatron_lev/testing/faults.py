@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -299,3 +300,39 @@ class SaveKill(Callback):
             else:
                 setattr(owner, name, original)
         self._restore = []
+
+
+SLOW_SAVE_ENV = "MEGATRON_LEV_SLOW_SAVE"  # RANK:SECONDS: that rank sleeps before writing each checkpoint
+
+
+class SlowSave(Callback):
+    """Makes one rank slow, not dead, in every save (`MEGATRON_LEV_SLOW_SAVE=RANK:SECONDS`): it sleeps
+    before DeepSpeed writes its first file of each checkpoint, as on a slow file system, while its
+    heartbeat goes on (the other ranks go on to the save's last barrier)."""
+
+    def __init__(self, environ=None) -> None:
+        raw = (os.environ if environ is None else environ).get(SLOW_SAVE_ENV, "").strip()
+        rank, _, seconds = raw.partition(":")
+        if not (rank.isdigit() and seconds.replace(".", "", 1).isdigit()):
+            raise ValueError(f"{SLOW_SAVE_ENV}={raw!r} must be RANK:SECONDS, e.g. 1:30")
+        self.rank, self.seconds = int(rank), float(seconds)
+
+    def on_train_begin(self, trainer, control: Control) -> None:
+        if trainer.rank != self.rank:
+            return
+        engine, seconds = trainer.engine, self.seconds
+        writer = engine.ds_engine.checkpoint_engine
+        save, write = engine.save, writer.save
+        pending = []
+
+        def slow_write(*args, **kwargs):
+            if pending:  # the first file of this save
+                pending.clear()
+                time.sleep(seconds)
+            return write(*args, **kwargs)
+
+        def marked_save(*args, **kwargs):
+            pending.append(True)
+            return save(*args, **kwargs)
+
+        writer.save, engine.save = slow_write, marked_save

@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_lev.ckpt.io import load_checkpoint, save_checkpoint
+from megatron_lev.ckpt.layout import tag_for
 from megatron_lev.log import get_logger
+from megatron_lev.parallel.session import set_phase
 from megatron_lev.training.health import (
     AllStepsSkipped,
     NonFiniteWeights,
@@ -314,6 +316,7 @@ class Checkpointer(Callback):
             if cb.state_key is not None:
                 train_state[cb.state_key] = cb.state_dict()
         client = {"train_state": train_state, "config": trainer.cfg.to_dict()}
+        set_phase(f"saving checkpoint {tag_for(trainer.state.iteration)}")  # named if a peer times out
         save_checkpoint(
             trainer.engine,
             self.save_dir,
@@ -323,6 +326,7 @@ class Checkpointer(Callback):
             config_yaml=trainer.cfg.to_yaml(),
             provenance=self.provenance,
         )
+        set_phase(f"saved checkpoint {tag_for(trainer.state.iteration)}")
         self.saved_at = trainer.state.iteration
 
     def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:

@@ -439,6 +439,64 @@ def test_a_collective_timeout_ends_with_one_line_and_a_clean_exit(data, tmp_path
     assert "rank 0 of 2 left the process group (groups destroyed)" in rank_log
 
 
+def test_a_rank_alive_but_slow_in_a_save_is_named_as_slow_with_the_phase(data, tmp_path):
+    """Rank 1 writes its checkpoint files 60 s late (a slow file system; its heartbeat goes on): rank 0,
+    done writing, times out in the save's last barrier after parallel.collective_timeout_s. Its line
+    names rank 1 as alive but still writing, and both phases (before, gloo's 'Application timeout
+    caused pair closure' ended it in a traceback). Rank 1 then loses its connection; launched
+    directly, rank 0 hosted the store, so rank 1 cannot read rank 0's report any more."""
+    out = tmp_path / "run"
+    over = overrides(
+        data,
+        out,
+        **{
+            "train.train_iters": 4,
+            "train.save_interval": 2,
+            "parallel.heartbeat_timeout_s": 60,
+            "parallel.collective_timeout_s": 10,
+            "train.callbacks": "[megatron_lev.testing.faults:SlowSave]",
+        },
+    )
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = _env(
+            RANK=rank,
+            WORLD_SIZE=2,
+            LOCAL_RANK=rank,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            MEGATRON_LEV_SLOW_SAVE="1:60",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "megatron_lev", "train", "--config", str(TINY), *over],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        _kill_all(procs)
+    last = [[line for line in log.splitlines() if line.strip()][-1] for log in logs]
+    assert procs[0].returncode != 0 and procs[1].returncode != 0, last
+    assert re.search(
+        r"rank 0 of 2: a collective waited longer than parallel\.collective_timeout_s=10 s", last[0]
+    )
+    assert re.search(
+        r"rank 1 is alive \(it beats\) but still in 'saving checkpoint iter_0000002: writing", last[0]
+    )
+    assert (
+        "files written, waiting for the other ranks'" in last[0] and "a slow rank, not a dead one" in last[0]
+    )
+    assert "rank 0 failed first" in last[1] and "rank 1 is alive" in last[1], last[1]
+
+
 # ------------------------------------------------------------------ the launchers' report
 
 
