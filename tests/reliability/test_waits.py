@@ -440,7 +440,7 @@ def test_a_collective_timeout_ends_with_one_line_and_a_clean_exit(data, tmp_path
 
 
 def test_a_rank_alive_but_slow_in_a_save_is_named_as_slow_with_the_phase(data, tmp_path):
-    """Rank 1 writes its checkpoint files 60 s late (a slow file system; its heartbeat goes on): rank 0,
+    """Rank 1 writes its checkpoint files 30 s late (a slow file system; its heartbeat goes on): rank 0,
     done writing, times out in the save's last barrier after parallel.collective_timeout_s. Its line
     names rank 1 as alive but still writing, and both phases (before, gloo's 'Application timeout
     caused pair closure' ended it in a traceback). Rank 1 then loses its connection; launched
@@ -466,7 +466,7 @@ def test_a_rank_alive_but_slow_in_a_save_is_named_as_slow_with_the_phase(data, t
             LOCAL_RANK=rank,
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
-            MEGATRON_LEV_SLOW_SAVE="1:60",
+            MEGATRON_LEV_SLOW_SAVE="1:30",
         )
         procs.append(
             subprocess.Popen(
