@@ -230,7 +230,9 @@ def clipping_markdown(raw: CombinedRaw) -> str:
         "(the codebooks and `W_l`, clipped on their own norm). The regime's runs logged no factor: "
         "theirs is `min(1, 1 / (grad_norm + 1e-6))` from the norm DeepSpeed clipped with. Runs without "
         "clipping (C0) have factor 1.",
-        "",
+    ]
+    lines += ["", *rerun_lines(raw), "", "## Clip factors by run", ""]
+    lines += [
         "| run | logged steps | clipped (global) | median global factor | median seed-side factor | "
         + " | ".join(f"global at {s}" for s in FACTOR_STEPS)
         + " |",
@@ -252,6 +254,41 @@ def clipping_markdown(raw: CombinedRaw) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+RERUN_STEPS = (10, 20, 30, 40, 50)
+
+
+def rerun_lines(raw: CombinedRaw) -> list[str]:
+    """TIED on this code against the regime's TIED (its clipping DeepSpeed's), seed 1234: the training
+    loss at the first logged steps, and whether they are bit-identical (the README's check)."""
+    new, old = raw.seeds(TIED).get(1234), raw.seeds(TIED_R).get(1234)
+    lines = ["## TIED rerun against the regime's TIED (seed 1234)", ""]
+    if new is None or old is None:
+        return [*lines, "Not available: a run is missing."]
+    a = {r["iteration"]: r for r in raw.train_rows(old)}
+    b = {r["iteration"]: r for r in raw.train_rows(new)}
+    lines += [
+        "| step | regime loss | this code | equal | regime grad norm | this code |",
+        "|---|---|---|---|---|---|",
+    ]
+    differ = []
+    for step in RERUN_STEPS:
+        if step in a and step in b:
+            same = a[step]["loss"] == b[step]["loss"]
+            differ += [] if same else [step]
+            norms = [fmt_value(r[step].get("grad_norm"), ".7f") for r in (a, b)]
+            lines.append(
+                f"| {step} | {a[step]['loss']!r} | {b[step]['loss']!r} | {'yes' if same else 'no'} | "
+                f"{norms[0]} | {norms[1]} |"
+            )
+    verdict = (
+        f"not bit-identical (first logged difference at step {differ[0]}): the regime's TIED runs are "
+        "not reused; TIED is rerun on this code"
+        if differ
+        else "bit-identical at these steps"
+    )
+    return [*lines, "", f"The first {RERUN_STEPS[-1]} steps are {verdict}."]
 
 
 def question1(raw: CombinedRaw) -> tuple[str, list[str], str]:

@@ -222,7 +222,11 @@ def collective_failure(exc: BaseException) -> BaseException | None:
             return e
         if isinstance(e, RuntimeError):
             text = str(e)
-            if "gloo" in text or "NCCL" in text or any(p in text for p in (*_PEER_GONE, "Application timeout")):
+            if (
+                "gloo" in text
+                or "NCCL" in text
+                or any(p in text for p in (*_PEER_GONE, "Application timeout"))
+            ):
                 return e
     return None
 
