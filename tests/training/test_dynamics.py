@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ import torch
 from megatron_lev.config import load_config
 from megatron_lev.testing.distributed import run_distributed
 from tests.training.conftest import TINY, run_train, tiny_overrides
+from tests.training.synthetic import synthetic_batches, train_synthetic
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -74,51 +74,12 @@ def _cfg(embedding: str, **over):
 
 def _batches(dp: int, dp_rank: int):
     """The same global batches in every layout: micro-batch k goes to data-parallel rank k % dp."""
-    gen = torch.Generator().manual_seed(0)
-    k = 0
-    while True:
-        tokens = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=gen)
-        if k % dp == dp_rank:
-            yield tokens[:, :-1], tokens[:, 1:]
-        k += 1
+    return synthetic_batches(dp, dp_rank, VOCAB, MICRO, SEQ)
 
 
 def _train(cfg, out: str) -> list[dict] | None:
     """Train `cfg` with the run's default callbacks on these ranks; rank 0 returns its train lines."""
-    import torch.distributed as dist
-
-    from megatron_lev.engine.build import build_model
-    from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
-    from megatron_lev.engine.plan import validate_run
-    from megatron_lev.parallel import state
-    from megatron_lev.training.metrics import MetricsWriter, read_metrics
-    from megatron_lev.training.run import default_callbacks
-    from megatron_lev.training.schedule import Budget
-    from megatron_lev.training.trainer import TrainData, Trainer
-
-    disable_cpu_shm_comm()
-    world, rank = dist.get_world_size(), dist.get_rank()
-    p = cfg.parallel
-    state.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
-    plan = validate_run(cfg, world, cuda=False).with_vocab(VOCAB)
-    engine = build_engine(plan, build_model(plan))
-    data = _batches(state.get_data_parallel_world_size(), state.get_data_parallel_rank())
-    writer = MetricsWriter(out, rank == 0, cfg.logging.tensorboard)
-    trainer = Trainer(
-        cfg,
-        engine,
-        Budget(ITERS, GLOBAL * SEQ, "test"),
-        TrainData(lambda consumed: data, None, GLOBAL),
-        default_callbacks(cfg, writer, None, vocab_size=VOCAB),
-        world_size=world,
-        device=torch.device("cpu"),
-    )
-    try:
-        result = trainer.train()
-    finally:
-        writer.close()
-    assert result.exit_code == 0
-    return read_metrics(Path(out) / "metrics.jsonl", "train") if rank == 0 else None
+    return train_synthetic(cfg, out, VOCAB)
 
 
 # ---------------------------------------------------------------- one rank, by hand
