@@ -146,3 +146,12 @@ def test_the_pages(tmp_path):
     again = cr.write_clip_report(tmp_path / "clip" / "raw", tmp_path / "again", plots=False)
     for name in cr.PAGES:
         assert again[name].read_text() == paths[name].read_text()
+
+
+def test_the_committed_clip_pages_are_those_of_the_committed_raw_files(tmp_path):
+    """Every committed page of the clip experiment is the report of its raw files and the regime's."""
+    from tests.experiments.committed import ROOT, assert_pages_regenerate
+
+    assert_pages_regenerate(
+        cr.write_clip_report, ROOT / "docs" / "results" / "clip", cr.PAGES, tmp_path, plots=False
+    )
