@@ -230,12 +230,13 @@ class DeepSpeedEngine:
     def step_measurement(self) -> StepMeasurement | None:
         return None if self._probe is None else self._probe.result
 
-    def block_weight_squares(self) -> dict[str, float]:
+    def block_weight_squares(self) -> tuple[list[str], torch.Tensor]:
         """Collective (every rank): the sum of squares of the weights of each block of the model
         (`embedding`, `layers.<i>`, `final_norm`, `output_head`, by canonical name), over what every
         rank holds of them (ZeRO fragments and partitions, pipeline stages, TP shards; a copy held by
         several ranks counts once per holder, alike before and after a step). For a diagnosis, not the
-        step: one pass over this rank's weights and one all-reduce."""
+        step: one pass over this rank's weights and one all-reduce; the sums stay on the device
+        (no host read) as `(block names, float64 tensor)`."""
         from megatron_lev.engine.step_probe import holding, local_weight
 
         blocks = block_names(self.cfg.model.num_layers)
@@ -251,7 +252,7 @@ class DeepSpeedEngine:
                     sums[block] += weight.detach().double().square().sum().to(sums.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
-        return dict(zip(blocks, sums.tolist()))
+        return blocks, sums
 
     def full_parameters(self, module: nn.Module) -> contextlib.AbstractContextManager:
         """See `Engine.full_parameters`: DeepSpeed's `GatheredParameters` where ZeRO-3 partitions them."""

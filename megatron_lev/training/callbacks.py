@@ -56,19 +56,25 @@ log = get_logger(__name__)
 # ---------------------------------------------------------------------- the non-finite guard
 
 
-def block_squares(engine) -> dict[str, float]:
+def block_squares(engine):
     """The engine's weight sum of squares by block (`DeepSpeedEngine.block_weight_squares`,
-    collective), or {}."""
+    collective; `(names, device tensor)`, read only if an update is refused), or None."""
     measure = getattr(engine, "block_weight_squares", None)
-    return measure() if measure is not None else {}
+    return measure() if measure is not None else None
 
 
-def one_block_blew_up(
-    before: dict[str, float], after: dict[str, float], limit: float
-) -> tuple[str, float, float] | None:
+def _as_dict(squares) -> dict[str, float]:
+    if squares is None:
+        return {}
+    names, sums = squares
+    return dict(zip(names, sums.tolist()))  # a host read, on a refused update only
+
+
+def one_block_blew_up(before, after, limit: float) -> tuple[str, float, float] | None:
     """(block, its weight norm's growth, the rest of the model's) when the block whose norm grew most
-    between `before` and `after` made the model's growth: without it the rest grew no more than
-    `limit`. None when the rest grew past it too (the whole model: the learning rate)."""
+    between `before` and `after` (`block_squares`) made the model's growth: without it the rest grew
+    no more than `limit`. None when the rest grew past it too (the whole model: the learning rate)."""
+    before, after = _as_dict(before), _as_dict(after)
     shared = [b for b in after if before.get(b)]
     if len(shared) < 2:
         return None
@@ -95,7 +101,7 @@ class NonFiniteGuard(Callback):
         self.max_update_ratio = max_update_ratio
         self._run = self._applied = self._scaler = 0
         self._started_at = 0
-        self._blocks: dict[str, float] = {}  # the weights' sum of squares by block (one_block_blew_up)
+        self._blocks = None  # the weights' sum of squares by block, on the device (one_block_blew_up)
         self._blocks_at = 0
 
     def on_train_begin(self, trainer: Trainer, control: Control) -> None:
