@@ -21,6 +21,8 @@ from megatron_lev.demo.steps import Step, StepRunner
 from megatron_lev.resources import CONFIG_DIR, config_path
 
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"  # pretrain/configs/tiny.yaml in a checkout
+# the input table's statistics the summary prints beside the loss (over `logging.dynamics_sample_ids`)
+TABLE_SUMMARY = ("mean_row_ratio", "effective_rank_centred", "effective_rank")
 VALID_SPLIT = "949,50,1"  # train, valid, test by document: the demo's corpus has ~1.5k documents
 
 
@@ -298,6 +300,12 @@ def summarize(out: Path, timings: dict[str, float]) -> dict:
         summary["train_loss_first"] = train[0]["loss"]
         summary["train_loss_last"] = train[-1]["loss"]
         summary["iterations"] = train[-1].get("iteration")
+    table = [m for m in train if "input_table/mean_row_ratio" in m]
+    if table:  # the input table's geometry at the last step that measured it (training/dynamics.py)
+        summary["input_table"] = {
+            "iteration": table[-1].get("iteration"),
+            **{k: table[-1].get(f"input_table/{k}") for k in TABLE_SUMMARY},
+        }
     if valid:
         summary["valid_loss_last"] = valid[-1]["loss"]
     result = _read_json(out / "eval" / "eval.json")
@@ -332,6 +340,14 @@ def format_summary(s: dict) -> str:
         )
     if "valid_loss_last" in s:
         lines.append(f"validation loss    {s['valid_loss_last']:.3f}")
+    table = s.get("input_table")
+    if table and table.get("mean_row_ratio") is not None:
+        rank = table.get("effective_rank_centred")
+        lines.append(
+            f"input table        mean-row ratio {table['mean_row_ratio']:.3f}"
+            + (f", centred effective rank {rank:.1f}" if rank is not None else "")
+            + f" at iteration {table.get('iteration')} (near 1: every row points one way)"
+        )
     ev = s.get("evaluation")
     if ev:
         if ev.get("perplexity") is not None:
