@@ -16,9 +16,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_lev.config import atomic_write_json
 from megatron_lev.demo.steps import Step, StepRunner
 from megatron_lev.resources import CONFIG_DIR, config_path
+from megatron_lev.utils.io import atomic_write_json
 
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"  # pretrain/configs/tiny.yaml in a checkout
 VALID_SPLIT = "949,50,1"  # train, valid, test by document: the demo's corpus has ~1.5k documents
