@@ -247,14 +247,15 @@ class LevConfig:
     # far one Adam step turns them (lr/scale). Without lev.residual, which reads z directly.
     seed_init_scale: float = 1.0
     # multiplies the learning rate of the codebooks and W_l (the same scale-free seed side): a tenth
-    # turns them by lr/0.02 x 0.1 per Adam step. Two train.param_groups rules put first
-    # (`RunConfig.param_group_rules`), so it applies with any model.embedding in one config file.
+    # turns them by lr/0.02 x 0.1 per Adam step. Two optimizer rules the LEV variant puts before
+    # train.param_groups (model/embeddings/lev_rules.py), so it applies with any model.embedding in one
+    # config file.
     seed_lr_mult: float = 1.0
     # None (the spec): the codebooks and W_l are in the global gradient norm, where they carry most of
     # it (their gradients scale as one over their size) and so decide how much train.clip_grad shrinks
     # every step. A number: they are clipped on their own norm at this threshold and left out of the
-    # global norm (0: their own group, never clipped). A train.clip_groups rule put first
-    # (`RunConfig.clip_group_rules`), named LEV_SEED_CLIP_GROUP.
+    # global norm (0: their own group, never clipped). A clip group the LEV variant puts before
+    # train.clip_groups (model/embeddings/lev_rules.py), named `lev_seed`.
     seed_clip_grad: float | None = None
     centred: bool = False  # G = sum_l (M_l - 1) W_out_l: drops the all-ones mode's shared vector
     # > 0: G = sum_l (M_l - mean_R M_l) W_out_l, R this many evenly spaced token ids (reference_ids),
@@ -452,11 +453,6 @@ def _check_blend(key: str, paths: list[str]) -> None:
         raise ConfigError(f"{key}: every blend weight is 0; give at least one positive weight")
 
 
-# The seed side of LEV (codebooks and W_l, canonical names): what model.lev.seed_lr_mult scales.
-LEV_SEED_PARAMS = ("embedding.codebooks.*", "embedding.proj")
-LEV_SEED_NAMES = ("embedding.codebooks.weight", "embedding.proj")
-
-
 @dataclass
 class ParamGroupRule:
     """Optimizer settings for the parameters whose canonical name matches `pattern` (a shell-style
@@ -469,7 +465,6 @@ class ParamGroupRule:
     adam_eps: float | None = None  # None: train.adam_eps
 
 
-LEV_SEED_CLIP_GROUP = "lev_seed"  # the clip group model.lev.seed_clip_grad implies
 GLOBAL_CLIP_GROUP = "global"  # every parameter no clip group names
 
 
@@ -539,10 +534,10 @@ class TrainConfig:
         seen: set[str] = set()
         for i, rule in enumerate(self.clip_groups):
             key = f"train.clip_groups[{i}]"
-            if not rule.name.isidentifier() or rule.name in (GLOBAL_CLIP_GROUP, LEV_SEED_CLIP_GROUP):
+            if not rule.name.isidentifier() or rule.name == GLOBAL_CLIP_GROUP:
                 raise ConfigError(
-                    f"{key}.name={rule.name!r} must be an identifier other than "
-                    f"'{GLOBAL_CLIP_GROUP}' and '{LEV_SEED_CLIP_GROUP}', e.g. 'head'"
+                    f"{key}.name={rule.name!r} must be an identifier other than '{GLOBAL_CLIP_GROUP}', "
+                    "e.g. 'head'"
                 )
             if rule.name in seen:
                 raise ConfigError(f"{key}.name={rule.name!r} names two clip groups: give each its own name")
@@ -565,6 +560,16 @@ class TrainConfig:
                 f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the schedule decays "
                 "from lr to min_lr, so min_lr must be <= lr"
             )
+
+    def clip_group_rules(self) -> list[ClipGroupRule]:
+        """`train.clip_groups`, each with its threshold resolved (`train.clip_grad` where a rule gives
+        none). A model variant's own clip groups go before them (`engine.plan.clip_group_rules`)."""
+        return [
+            ClipGroupRule(
+                rule.name, list(rule.patterns), self.clip_grad if rule.max_norm is None else rule.max_norm
+            )
+            for rule in self.clip_groups
+        ]
 
 
 @dataclass
@@ -612,28 +617,6 @@ class RunConfig:
         for section in (self.model, self.parallel, self.data, self.train, self.logging):
             section.validate()
         m, p, t = self.model, self.parallel, self.train
-        if m.embedding == "lev" and m.lev.seed_lr_mult != 1.0:
-            import fnmatch
-
-            for i, rule in enumerate(t.param_groups):
-                hit = [n for n in LEV_SEED_NAMES if fnmatch.fnmatchcase(n, rule.pattern)]
-                if hit:
-                    raise ConfigError(
-                        f"model.lev.seed_lr_mult={m.lev.seed_lr_mult} and train.param_groups[{i}] "
-                        f"(pattern {rule.pattern!r}) both set the learning rate of {hit[0]}: set it in one "
-                        "place (seed_lr_mult=1 to leave it to the rule, or a pattern that leaves it out)"
-                    )
-        if m.embedding == "lev" and m.lev.seed_clip_grad is not None:
-            import fnmatch
-
-            for i, rule in enumerate(t.clip_groups):
-                hit = [n for n in LEV_SEED_NAMES for pat in rule.patterns if fnmatch.fnmatchcase(n, pat)]
-                if hit:
-                    raise ConfigError(
-                        f"model.lev.seed_clip_grad={m.lev.seed_clip_grad} and train.clip_groups[{i}] "
-                        f"({rule.name!r}) both clip {hit[0]}: set it in one place (seed_clip_grad=null "
-                        "to leave it to the rule, or patterns that leave it out)"
-                    )
         tp = p.tensor_model_parallel_size
         if m.num_attention_heads % tp:
             raise ConfigError(
@@ -674,30 +657,6 @@ class RunConfig:
                     "batch or the micro-batch so that gradient accumulation is a whole number"
                 )
         return self
-
-    def param_group_rules(self) -> list[ParamGroupRule]:
-        """The optimizer's rules by parameter name: those `model.lev.seed_lr_mult` implies (LEV only)
-        before `train.param_groups`. Every reader of the optimizer's groups (the engine, the optimizer
-        files of a checkpoint) takes them from here."""
-        lev = self.model.lev
-        if self.model.embedding != "lev" or lev.seed_lr_mult == 1.0:
-            return list(self.train.param_groups)
-        implied = [ParamGroupRule(pattern, lr_mult=lev.seed_lr_mult) for pattern in LEV_SEED_PARAMS]
-        return implied + list(self.train.param_groups)
-
-    def clip_group_rules(self) -> list[ClipGroupRule]:
-        """The clip groups by parameter name: the one `model.lev.seed_clip_grad` implies (LEV only,
-        named LEV_SEED_CLIP_GROUP) before `train.clip_groups`, each with its threshold resolved
-        (`train.clip_grad` where a rule gives none). Every reader of the optimizer's groups (the
-        engine, the optimizer files of a checkpoint) takes them from here."""
-        rules = []
-        lev = self.model.lev
-        if self.model.embedding == "lev" and lev.seed_clip_grad is not None:
-            rules.append(ClipGroupRule(LEV_SEED_CLIP_GROUP, list(LEV_SEED_PARAMS), lev.seed_clip_grad))
-        for rule in self.train.clip_groups:
-            max_norm = self.train.clip_grad if rule.max_norm is None else rule.max_norm
-            rules.append(ClipGroupRule(rule.name, list(rule.patterns), max_norm))
-        return rules
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (
