@@ -11,6 +11,12 @@ table is a dense `(V, D)` `table.weight` (`dense_table`), how to build it
 (`from_config`) and how many parameters it has (`parameter_count`). Everything
 else (the model, the pipeline, checkpoints, sizing, the grid) asks the class.
 
+Its rules on the run config are classmethods too, asked by `engine.plan`: `check_config` and
+`check_vocab`; the optimizer rules and clip groups its own keys imply (`param_group_rules`,
+`clip_group_rules`, named in `implied_clip_groups`), put before `train.param_groups` /
+`train.clip_groups`; and `check_group_rules`, which refuses a config rule that takes a parameter
+one of them sets. The config package knows none of a variant's rules.
+
 Equal-scale initialisation (`model.input_init_rms`): a variant names the parameters of its
 final linear map in `output_parameters` (its output is linear in them taken together), and
 `rescale_output_` multiplies them so that the output RMS over the vocabulary (`output_rms`)
