@@ -309,8 +309,9 @@ def main() -> int:
 def _record(args, r, tokens, naive_tokens, mat_rows) -> None:
     import torch
 
-    from megatron_lev.config import LevConfig, atomic_write_text
+    from megatron_lev.config import LevConfig
     from megatron_lev.model.embeddings.lev import default_phi_mode
+    from megatron_lev.utils.io import atomic_write_text
 
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = (

@@ -147,7 +147,7 @@ def plot_histogram(report: dict, path: Path) -> Path:
 
 def write_report(reports: list[dict], out_dir: str | Path) -> dict[str, Path]:
     """Write capacity.json, capacity.md and one histogram PNG per matrix that has one (atomically)."""
-    from megatron_lev.config import atomic_write_json, atomic_write_text
+    from megatron_lev.utils.io import atomic_write_json, atomic_write_text
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -91,7 +91,7 @@ def _print_formulas(d: int, eps: float) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from megatron_lev.config import atomic_write_json, atomic_write_text
+    from megatron_lev.utils.io import atomic_write_json, atomic_write_text
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     out = Path(args.out)

@@ -94,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
     from megatron_lev.analysis.compare import compare_markdown, compare_results, load_result, plot_comparison
     from megatron_lev.analysis.curves import read_curve
     from megatron_lev.commands.config_cmd import check_number, output_dir
-    from megatron_lev.config import atomic_write_json, atomic_write_text
+    from megatron_lev.utils.io import atomic_write_json, atomic_write_text
 
     if args.tokens_per_step is not None:
         check_number(args.tokens_per_step, "--tokens-per-step", 0, above=True)

@@ -77,7 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _paper(args: argparse.Namespace) -> int:
     from megatron_lev.commands.config_cmd import output_dir
-    from megatron_lev.config import atomic_write_text
     from megatron_lev.experiments.grid import (
         chinchilla_tokens,
         evaluation_script,
@@ -85,6 +84,7 @@ def _paper(args: argparse.Namespace) -> int:
         paper_runs,
         submission_script,
     )
+    from megatron_lev.utils.io import atomic_write_text
 
     runs = paper_runs(args.sizes, args.variants, args.vocab)
     if args.write:

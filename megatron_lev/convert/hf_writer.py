@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from megatron_lev.config import ModelConfig, atomic_write_json
+from megatron_lev.config import ModelConfig
+from megatron_lev.utils.io import atomic_write_json
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' own default shard size
 

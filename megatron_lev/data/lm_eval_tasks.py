@@ -30,9 +30,9 @@ from pathlib import Path
 
 import yaml
 
-from megatron_lev.config import atomic_write_text
 from megatron_lev.data.zero_shot import is_jsonl, read_lambada
 from megatron_lev.errors import UserError
+from megatron_lev.utils.io import atomic_write_text
 
 GROUP = "local_downstream"
 LAMBADA_TASK = "local_lambada"

@@ -16,9 +16,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_lev.config import atomic_write_json
 from megatron_lev.demo.steps import Step, StepRunner
 from megatron_lev.resources import CONFIG_DIR, config_path
+from megatron_lev.utils.io import atomic_write_json
 
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"  # pretrain/configs/tiny.yaml in a checkout
 # the input table's statistics the summary prints beside the loss (over `logging.dynamics_sample_ids`)

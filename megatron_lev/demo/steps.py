@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_lev.config import atomic_write_json
 from megatron_lev.errors import UserError
+from megatron_lev.utils.io import atomic_write_json
 
 
 class StepFailed(UserError, RuntimeError):

@@ -14,7 +14,7 @@ It wraps `_take_model_step`, the one place every layout passes once per optimize
 gradients are reduced over data-parallel ranks (and between the stages that hold a tied table) and
 before the optimizer steps (`engine.step_probe` explains what a rank holds there and how each part of
 a full tensor is counted once). Each rank adds up its squared gradient norms by clip group: the global
-group (every parameter no rule names) and one per `RunConfig.clip_group_rules()`. One all-reduce
+group (every parameter no rule names) and one per `engine.plan.clip_group_rules`. One all-reduce
 (sum) over all ranks of that short vector gives the full norms, the same on every rank, and each
 group's factor `min(1, max_norm / (norm + 1e-6))` (1 where max_norm is 0). The factors go to the
 optimizer (`GuardedAdamW.grad_factors`), which multiplies each parameter group's gradients by its clip
@@ -66,7 +66,7 @@ class GradClipper:
         fp16: bool = False,
     ) -> None:
         """`groups`: `(clip index, parameters)` of each optimizer group (index 0: global, i: rules[i-1]);
-        `rules`: `RunConfig.clip_group_rules()`; `clip_grad`: the global group's threshold (0: off)."""
+        `rules`: `engine.plan.clip_group_rules`; `clip_grad`: the global group's threshold (0: off)."""
         if not hasattr(ds_engine, "_take_model_step"):
             raise RuntimeError(
                 "this DeepSpeed version has no DeepSpeedEngine._take_model_step: the run cannot clip "

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megatron_lev.config import RunConfig
+from megatron_lev.config import RunConfig, set_dotted
 from megatron_lev.errors import ConfigError
 from megatron_lev.resources import DS_CONFIG_DIR, ds_config_template
 
@@ -85,14 +85,6 @@ def _get(tree: dict, dotted: str) -> Any:
     return node
 
 
-def _set(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-
-
 def _offloads(template: dict) -> bool:
     zero = template.get("zero_optimization", {})
     return any(
@@ -131,7 +123,7 @@ def build_ds_config(
                 f"{source}: '{key}': {have!r} conflicts with the run's {origin} (= {value!r}); "
                 "remove the key from the DeepSpeed template (the run fills it) or change the run config"
             )
-        _set(out, key, value)
+        set_dotted(out, key, value, what=f"{source}: key")
     # the project clips (engine.clipping), with the true norm in every layout: DeepSpeed does not. A
     # template may still say the run's own threshold (as templates did before), never another one.
     have = _get(out, "gradient_clipping")
@@ -148,8 +140,8 @@ def build_ds_config(
             "parallel.cpu_offload=true (with parallel.zero_stage=3) or use another template"
         )
     if p.cpu_offload and not _offloads(out):
-        _set(out, "zero_optimization.offload_param", {"device": "cpu"})
-        _set(out, "zero_optimization.offload_optimizer", {"device": "cpu"})
+        set_dotted(out, "zero_optimization.offload_param", {"device": "cpu"}, what=f"{source}: key")
+        set_dotted(out, "zero_optimization.offload_optimizer", {"device": "cpu"}, what=f"{source}: key")
     if p.cpu_offload:
         out["zero_force_ds_cpu_optimizer"] = False  # we pass torch's AdamW, not DeepSpeedCPUAdam
     out["zero_allow_untested_optimizer"] = True  # our AdamW subclass (optim.GuardedAdamW)

@@ -38,7 +38,7 @@ from megatron_lev.engine.config import batch_layout, build_ds_config
 from megatron_lev.engine.loss import micro_batch_loss
 from megatron_lev.engine.mpu import TensorParallelMPU
 from megatron_lev.engine.pipeline import STAGE_PREFIX, pipeline_batches
-from megatron_lev.engine.plan import RunPlan
+from megatron_lev.engine.plan import RunPlan, clip_group_rules, param_group_rules
 from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.errors import CheckpointDataError
 from megatron_lev.optim import GuardedAdamW, all_finite, param_groups, squared_norm
@@ -457,12 +457,12 @@ def build_engine(
     model = apply_activation_checkpointing(model, cfg.model)
     t = cfg.train
     canonical = (lambda name: STAGE_PREFIX.sub("", name, count=1)) if pipeline else str
-    clip_rules = cfg.clip_group_rules()
+    clip_rules = clip_group_rules(cfg)
     groups = param_groups(
         model,
         t.weight_decay,
         keep_empty=pipeline,
-        rules=cfg.param_group_rules(),
+        rules=param_group_rules(cfg),
         canonical=canonical,
         clip_rules=clip_rules,
     )

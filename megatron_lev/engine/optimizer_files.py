@@ -27,6 +27,7 @@ import torch
 
 from megatron_lev.engine.checkpoint_files import CheckpointError, load_file
 from megatron_lev.engine.pipeline import STAGE_PREFIX
+from megatron_lev.engine.plan import clip_group_rules, param_group_rules
 from megatron_lev.optim import CLIP_SEPARATOR, GROUP_NAMES, group_name
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -156,8 +157,8 @@ def _zero0_local(src) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
 
 
 def _rules(cfg) -> tuple[Sequence, Sequence]:
-    """The checkpoint's optimizer group rules: (`param_group_rules()`, `clip_group_rules()`)."""
-    return cfg.param_group_rules(), cfg.clip_group_rules()
+    """The checkpoint's optimizer group rules: (`param_group_rules(cfg)`, `clip_group_rules(cfg)`)."""
+    return param_group_rules(cfg), clip_group_rules(cfg)
 
 
 def _group_names(

@@ -7,15 +7,16 @@
     engine = build_engine(plan, model)
 
 Each rule runs once per run, here and nowhere else on the way to the trainer:
-`RunConfig.validate` (the config's generic rules), the variant's own (`check_config`, and
-`check_vocab` at the padded vocabulary once it is known), and the trainer's (device, token
-budget, evaluation split, data and tokenizer paths). The padded vocabulary, the batch layout
-and the DeepSpeed JSON are computed once and travel in the `RunPlan`; so does the config with what
-the run derives into it (`model.lev.id_order_counts` for a `frequency` token order): `plan.cfg` is
-the config the run records and builds from.
+`RunConfig.validate` (the config's generic rules), the variant's own (`check_config`, the
+optimizer and clip groups its keys imply, and `check_vocab` at the padded vocabulary once it is
+known), and the trainer's (device, token budget, evaluation split, data and tokenizer paths).
+The padded vocabulary, the batch layout and the DeepSpeed JSON are computed once and travel in
+the `RunPlan`; so does the config with what the run derives into it (`model.lev.id_order_counts`
+for a `frequency` token order): `plan.cfg` is the config the run records and builds from.
 
 `validate_config` is the part that does not depend on training (generic and variant rules),
-for commands that read a run config without training it.
+for commands that read a run config without training it. `param_group_rules` and
+`clip_group_rules` are the optimizer's groups by parameter name: the variant's, then the config's.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from megatron_lev.ckpt.layout import list_checkpoints
-from megatron_lev.config import RunConfig
+from megatron_lev.config import GLOBAL_CLIP_GROUP, ClipGroupRule, ParamGroupRule, RunConfig
 from megatron_lev.data.manifest import manifest_path
 from megatron_lev.engine.config import batch_layout, build_ds_config
 from megatron_lev.errors import ConfigError
-from megatron_lev.model.embeddings import embedding_class
+from megatron_lev.model.embeddings import REGISTRY, embedding_class
 from megatron_lev.model.vocab import padded_vocab_size
 
 
@@ -145,10 +146,41 @@ def _model_rules(cfg: RunConfig, world_size: int | None) -> int | None:
     """Generic and variant rules; the padded vocabulary when `model.vocab_size` fixes it (else None)."""
     cfg.validate(world_size)
     # the variant's own rules (and the error for an unknown model.embedding) come from its class
-    embedding_class(cfg.model.embedding).check_config(cfg.model, cfg.parallel.tensor_model_parallel_size)
+    variant = embedding_class(cfg.model.embedding)
+    _implied_group_rules(cfg, variant)
+    variant.check_config(cfg.model, cfg.parallel.tensor_model_parallel_size)
     if cfg.model.vocab_size is None:
         return None  # the vocabulary's rules wait for the tokenizer
     return _vocab_rules(cfg, cfg.model.vocab_size)
+
+
+def param_group_rules(cfg: RunConfig) -> list[ParamGroupRule]:
+    """The optimizer's rules by parameter name: those the variant's keys imply (e.g. LEV's
+    `model.lev.seed_lr_mult`) before `train.param_groups`. Every reader of the optimizer's groups
+    (the engine, the optimizer files of a checkpoint) takes them from here."""
+    return [*embedding_class(cfg.model.embedding).param_group_rules(cfg), *cfg.train.param_groups]
+
+
+def clip_group_rules(cfg: RunConfig) -> list[ClipGroupRule]:
+    """The clip groups by parameter name: those the variant's keys imply (e.g. LEV's
+    `model.lev.seed_clip_grad`, named `lev_seed`) before `train.clip_groups`, each with its threshold
+    resolved. Every reader of the optimizer's groups (the engine, the optimizer files of a
+    checkpoint) takes them from here."""
+    return [*embedding_class(cfg.model.embedding).clip_group_rules(cfg), *cfg.train.clip_group_rules()]
+
+
+def _implied_group_rules(cfg: RunConfig, variant: type) -> None:
+    """No `train.clip_groups` rule takes the name of a clip group a variant implies (whichever variant
+    runs, so a config file serves every variant), nor a parameter the running variant's own rules set."""
+    for i, rule in enumerate(cfg.train.clip_groups):
+        for name, cls in REGISTRY.items():
+            if rule.name in cls.implied_clip_groups:
+                raise ConfigError(
+                    f"train.clip_groups[{i}].name={rule.name!r} is the clip group "
+                    f"{cls.implied_clip_groups[rule.name]} implies (model.embedding={name}): give it "
+                    f"a name other than {rule.name!r} and {GLOBAL_CLIP_GROUP!r}, e.g. 'head'"
+                )
+    variant.check_group_rules(cfg)
 
 
 def _vocab_rules(cfg: RunConfig, vocab: int) -> int:

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from megatron_lev.config import atomic_write_json
+from megatron_lev.utils.io import atomic_write_json
 
 PARTS = ("train", "valid", "zero_shot")
 

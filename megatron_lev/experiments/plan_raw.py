@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_lev.config import atomic_write_text
 from megatron_lev.errors import DataError
 from megatron_lev.experiments.study import get_plan, study_plan
+from megatron_lev.utils.io import atomic_write_text
 
 BOOTSTRAP = 1000
 BOOTSTRAP_SEED = 0

@@ -14,12 +14,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_lev.config import atomic_write_text, load_config
+from megatron_lev.config import load_config
 from megatron_lev.demo.steps import Step, StepRunner, read_marker
 from megatron_lev.errors import ConfigError
 from megatron_lev.experiments.grid import SMALL_CONFIG, variant_label
 from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.resources import config_path
+from megatron_lev.utils.io import atomic_write_text
 
 
 def tokenizer_type_of(path: Path) -> str:

@@ -26,10 +26,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_lev.config import atomic_write_json, atomic_write_text
 from megatron_lev.demo.steps import Step, StepFailed, StepRunner, read_marker
 from megatron_lev.errors import ConfigError, UserError
 from megatron_lev.experiments.small import SmallGrid, check_finished_steps
+from megatron_lev.utils.io import atomic_write_json, atomic_write_text
 
 STUDY_CONFIG = Path("pretrain/configs/experiments/small/study.yaml")
 SEEDS = (1234, 1235, 1236)

@@ -20,10 +20,10 @@ from megatron_lev.analysis.compare import (
     compare_results,
     plot_comparison,
 )
-from megatron_lev.config import atomic_write_text
 from megatron_lev.errors import DataError
 from megatron_lev.experiments.plan_raw import read_raw_json as _read_json
 from megatron_lev.experiments.study import CORPORA, EQUAL_SCALE_RMS, GROUPS, VARIANT_GROUPS
+from megatron_lev.utils.io import atomic_write_text
 
 BOOTSTRAP = 1000
 BOOTSTRAP_SEED = 0

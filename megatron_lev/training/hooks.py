@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from megatron_lev.config import ConfigError
+from megatron_lev.errors import ConfigError
 
 if TYPE_CHECKING:
     from megatron_lev.training.trainer import Trainer

@@ -206,7 +206,9 @@ def test_every_run_of_the_plan_passes_the_trainers_checks_before_any_step(plan, 
         assert all(c.train.lr == 1e-3 and c.train.lr_warmup_fraction == 0.1 for c in cfgs.values())
         lev = cfgs["lev-s1234"]
         assert lev.model.lev.centre_reference == 256
-        assert [r.lr_mult for r in lev.param_group_rules()] == [0.1, 0.1]
+        from megatron_lev.engine.plan import param_group_rules
+
+        assert [r.lr_mult for r in param_group_rules(lev)] == [0.1, 0.1]
         from megatron_lev.experiments.study import REGIME_CONFIG
 
         narrow = tmp_path / "narrow.yaml"  # the regime config with a floor ALBERT-32 is under

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatron_lev.engine.plan import param_group_rules
 from megatron_lev.errors import UserError
 from megatron_lev.experiments.corpus import lambada_passages
 from megatron_lev.experiments.study import (
@@ -86,7 +87,7 @@ def test_every_run_config_passes_the_trainers_validation_and_keeps_data_order(tm
     assert cfgs["lev-c-s1236"].model.lev.centred and not cfgs["lev-s1236"].model.lev.centred
     for name in ("lev-s1234", "lev-eq-s1235", "lev-c-s1236"):  # the spec's LEV, as the raw files were made
         lev = cfgs[name].model.lev
-        assert lev.centre_reference == 0 and lev.seed_lr_mult == 1.0 and cfgs[name].param_group_rules() == []
+        assert lev.centre_reference == 0 and lev.seed_lr_mult == 1.0 and param_group_rules(cfgs[name]) == []
     steps = [s.name for s in study.all_steps()]
     assert steps[:5] == ["split", "tokenizer", "preprocess-train", "preprocess-valid", "lambada"]
     assert len(steps) == 5 + 19 * 4 and len(set(steps)) == len(steps)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lev.config import RANGES, RunConfig, load_config, numeric_keys
+from megatron_lev.config import RunConfig, load_config, numeric_keys, ranges
 from megatron_lev.errors import ConfigError
 from tests.reliability.harness import ROOT, expect_error, expect_ok, run_cli
 
@@ -165,9 +165,10 @@ def test_malformed_values_are_one_line_naming_the_key(args, fragments, tmp_path,
 
 
 def test_every_numeric_key_has_a_rule_that_refuses_non_finite_and_below_range_values():
-    assert sorted(numeric_keys()) == sorted(RANGES), "a numeric config key without a range rule"
+    rules = ranges()  # read from the sections' fields
+    assert sorted(numeric_keys()) == sorted(rules), "a numeric config key without a range rule"
     defaults = RunConfig().to_dict()
-    for key, rule in RANGES.items():
+    for key, rule in rules.items():
         section = defaults
         for part in key.split(".")[:-1]:
             section = section[part]
@@ -182,7 +183,7 @@ def test_every_numeric_key_has_a_rule_that_refuses_non_finite_and_below_range_va
 def test_every_cap_refuses_the_value_above_it_and_accepts_itself():
     """The sanity caps (`Range.cap`) refuse absurd values and keep the cap itself (and so every
     real run below it)."""
-    capped = {key: rule for key, rule in RANGES.items() if rule.cap is not None}
+    capped = {key: rule for key, rule in ranges().items() if rule.cap is not None}
     assert {"model.hidden_size", "model.seq_length", "train.lr", "model.num_layers"} <= capped.keys()
     for key, rule in capped.items():
         above = rule.cap * 2

@@ -14,7 +14,7 @@ from torch import nn
 
 from megatron_lev.config import ParamGroupRule, load_config
 from megatron_lev.engine.optimizer_files import FILLER, _group_names
-from megatron_lev.engine.plan import validate_run
+from megatron_lev.engine.plan import param_group_rules, validate_run
 from megatron_lev.errors import CheckpointDataError, ConfigError
 from megatron_lev.optim import group_name, param_groups
 from megatron_lev.testing import run_distributed
@@ -156,18 +156,18 @@ def test_seed_lr_mult_is_two_rules_for_lev_only():
     every variant."""
     from megatron_lev.experiments.study import SEED_LR_X01
 
-    pilot = _cfg(SEED_LR_X01).param_group_rules()
+    pilot = param_group_rules(_cfg(SEED_LR_X01))
     assert [r.pattern for r in pilot] == ["embedding.codebooks.*", "embedding.proj"]
-    assert _cfg("model.lev.seed_lr_mult=0.1").param_group_rules() == pilot
+    assert param_group_rules(_cfg("model.lev.seed_lr_mult=0.1")) == pilot
     user = "train.param_groups=[{pattern: 'embedding.out_proj', lr_mult: 0.5}]"
-    both = _cfg("model.lev.seed_lr_mult=0.1", user).param_group_rules()
+    both = param_group_rules(_cfg("model.lev.seed_lr_mult=0.1", user))
     assert both[:2] == pilot and both[2].pattern == "embedding.out_proj"
     tied = load_config(
         ["pretrain/configs/tiny.yaml"],
         ["model.embedding=tied", "data.data_path=[x]", "data.tokenizer_path=t", "model.lev.seed_lr_mult=0.1"],
         validate=False,
     )
-    assert tied.param_group_rules() == []
+    assert param_group_rules(tied) == []
     validate_run(tied, 1, cuda=False)  # no rule to match a parameter TIED does not have
 
 

@@ -11,6 +11,12 @@ table is a dense `(V, D)` `table.weight` (`dense_table`), how to build it
 (`from_config`) and how many parameters it has (`parameter_count`). Everything
 else (the model, the pipeline, checkpoints, sizing, the grid) asks the class.
 
+Its rules on the run config are classmethods too, asked by `engine.plan`: `check_config` and
+`check_vocab`; the optimizer rules and clip groups its own keys imply (`param_group_rules`,
+`clip_group_rules`, named in `implied_clip_groups`), put before `train.param_groups` /
+`train.clip_groups`; and `check_group_rules`, which refuses a config rule that takes a parameter
+one of them sets. The config package knows none of a variant's rules.
+
 Equal-scale initialisation (`model.input_init_rms`): a variant names the parameters of its
 final linear map in `output_parameters` (its output is linear in them taken together), and
 `rescale_output_` multiplies them so that the output RMS over the vocabulary (`output_rms`)
@@ -28,7 +34,7 @@ import math
 import torch
 from torch import nn
 
-from megatron_lev.config import ModelConfig
+from megatron_lev.config import ClipGroupRule, ModelConfig, ParamGroupRule, RunConfig
 from megatron_lev.errors import ConfigError
 from megatron_lev.utils.tensors import check_token_ids  # noqa: F401 (part of the embedding interface)
 
@@ -71,6 +77,27 @@ class InputEmbedding(nn.Module, abc.ABC):
         """Raise ConfigError, naming the keys, when this variant cannot run `model_cfg` at the padded
         `vocab_size` (`engine.plan` calls it once the vocabulary is known: from `model.vocab_size`
         when set, else from the tokenizer)."""
+
+    # clip groups the variant's keys can imply, each with the key that implies it: no
+    # train.clip_groups rule may take these names, whichever variant a config chooses
+    implied_clip_groups: dict[str, str] = {}
+
+    @classmethod
+    def param_group_rules(cls, cfg: RunConfig) -> list[ParamGroupRule]:
+        """Optimizer rules by parameter name that this variant's keys imply, put before
+        `train.param_groups` (`engine.plan.param_group_rules` asks; e.g. LEV's `seed_lr_mult`)."""
+        return []
+
+    @classmethod
+    def clip_group_rules(cls, cfg: RunConfig) -> list[ClipGroupRule]:
+        """Clip groups this variant's keys imply (named in `implied_clip_groups`), put before
+        `train.clip_groups` (`engine.plan.clip_group_rules` asks; e.g. LEV's `seed_clip_grad`)."""
+        return []
+
+    @classmethod
+    def check_group_rules(cls, cfg: RunConfig) -> None:
+        """Raise ConfigError when a `train.param_groups` or `train.clip_groups` rule takes a parameter
+        one of this variant's implied rules sets (`engine.plan` calls it with `check_config`)."""
 
     @abc.abstractmethod
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)

@@ -28,6 +28,7 @@ from megatron_lev.model.embeddings.base import InputEmbedding, check_token_ids
 from megatron_lev.model.embeddings.id_order import BUFFER as ID_RANK
 from megatron_lev.model.embeddings.id_order import check_permutation, initial_ranks, pending_error
 from megatron_lev.model.embeddings.lev_constants import GROUP, LOG_EPS, SAFE_FACTOR, SAFE_RANGE
+from megatron_lev.model.embeddings.lev_rules import LevRules
 from megatron_lev.model.embeddings.spline import active_basis
 from megatron_lev.parallel import state
 from megatron_lev.parallel.layers import init_sharded_
@@ -379,7 +380,7 @@ def _check_heads(heads: int, tp: int) -> None:
         )
 
 
-class LevEmbedding(InputEmbedding):
+class LevEmbedding(LevRules, InputEmbedding):
     """The LEV input layer (spec: LEV.md). Per-head parameters hold this TP rank's heads (dim 0)."""
 
     name, label = "lev", "LEV"
