@@ -254,6 +254,73 @@ def test_the_trainer_does_not_know_which_engine_runs():
         assert word not in text, f"training/trainer.py mentions {word!r}"
 
 
+# The parallel layout is passed, not read from a global: only these modules may import
+# `megatron_lev.parallel.state` (which creates the process groups and returns the `ParallelLayout`).
+STATE = "megatron_lev.parallel.state"
+STATE_USERS = (
+    STATE,
+    "megatron_lev.training.run",  # the composition root: creates the run's layout
+    "megatron_lev.convert.reshard",  # starts the target layout's groups itself
+)
+# Megatron-style global getters: a call of one outside STATE_USERS reads a hidden global
+_GETTER = re.compile(
+    r"^(get_(tensor_model|pipeline_model|data|model)_parallel_\w+|(initialize|destroy)_model_parallel"
+    r"|model_parallel_is_initialized)$"
+)
+
+
+def state_readers(root: Path, allowed=STATE_USERS) -> list[str]:
+    """Sites in modules outside `allowed` that import `parallel.state` (in any form) or call a
+    Megatron-style parallel-state getter."""
+    state = f"{root.name}.parallel.state"
+    found = []
+    for path in _sources(root):
+        if module_name(path, root) in allowed:
+            continue
+        where = path.relative_to(root.parent)
+        found += [f"{where}:{line} imports {name}" for name, line in imports_of(path, root) if name == state]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+                if _GETTER.match(name):
+                    found.append(f"{where}:{node.lineno} calls {name}()")
+    return sorted(set(found))
+
+
+def test_only_the_layout_makers_import_parallel_state():
+    """The `ParallelLayout` travels as an argument; at most three modules touch `parallel.state`."""
+    assert len(STATE_USERS) <= 3
+    readers = state_readers(PKG)
+    assert not readers, "the parallel layout must be passed, not read: " + "; ".join(readers)
+
+
+def test_a_planted_parallel_state_reader_is_caught(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "parallel/state.py": "def get_data_parallel_rank():\n    return 0\n",
+            "training/run.py": "from megatron_lev.parallel import state\n",
+            "model/a.py": "from megatron_lev.parallel import state\n",
+            "model/b.py": "import megatron_lev.parallel.state as s\n",
+            "model/c.py": "from megatron_lev.parallel.state import get_data_parallel_rank\n",
+            "engine/d.py": "def f(mpu):\n    return mpu.get_tensor_model_parallel_rank()\n",
+            "parallel/e.py": "from . import state\n",
+            "model/fine.py": "from megatron_lev.parallel.layout import ParallelLayout\n",
+        },
+    )
+    allowed = ("megatron_lev.parallel.state", "megatron_lev.training.run")
+    readers = state_readers(root, allowed)
+    assert [r.split(":")[0] for r in readers] == [
+        "megatron_lev/engine/d.py",
+        "megatron_lev/model/a.py",
+        "megatron_lev/model/b.py",
+        "megatron_lev/model/c.py",
+        "megatron_lev/parallel/e.py",
+    ], readers
+    assert state_readers(root, (*allowed, "megatron_lev.model.a")) == [r for r in readers if "/a.py" not in r]
+
+
 def test_the_document_lists_the_layers_the_test_enforces():
     """docs/architecture.md's layer block is LAYERS, top row first, and names every exception."""
     text = DOC.read_text()

@@ -44,6 +44,7 @@ from megatron_lev.engine.plan import validate_config
 from megatron_lev.model.canonical import canonical_state_dict_spec
 from megatron_lev.model.embeddings.id_order import BUFFER as ID_RANK
 from megatron_lev.model.vocab import padded_vocab_size
+from megatron_lev.parallel.layout import ParallelLayout
 
 _DS_KEYS = {
     "module",
@@ -166,7 +167,6 @@ def reshard_worker(
 
     from megatron_lev.ckpt.io import load_checkpoint, save_checkpoint, tag_for
     from megatron_lev.engine.build import build_model
-    from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
     from megatron_lev.parallel import state
 
@@ -176,46 +176,62 @@ def reshard_worker(
     cfg = engine_config(saved_cfg, world)
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     src = open_checkpoint(src_path, tag, config)
-    state.initialize_model_parallel(tp, pp)
-    try:
-        torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg, src.vocab_size)
-        local = fill_from_source(model, src, cfg)
-        ds_config = build_ds_config(cfg, world)
-        engine = build_engine(cfg, model, world, ds_config)
-        if optim is not None:
-            engine.load_optimizer_moments(optimizer_shards(local, optim, src, cfg), optim.step)
-        client, iteration = _client_state(src)
-        engine.global_steps = iteration
-        save_checkpoint(
-            engine,
-            out_root,
-            iteration,
-            client,
-            keep_last=10**6,
-            config_yaml=saved_cfg.to_yaml(),
-            provenance=provenance,
-        )
-        if check_ids is None:
-            return None
-        torch.manual_seed(cfg.train.seed)
-        fresh = build_engine(cfg, build_model(cfg, src.vocab_size), world, ds_config)
-        load_checkpoint(fresh, out_root, tag_for(iteration))
-        return fresh.loss(check_ids[:, :-1], check_ids[:, 1:])
-    finally:
-        state.destroy_model_parallel()
+    plan = target_plan(cfg, world, src.vocab_size)
+    layout = state.initialize_model_parallel(tp, pp)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(plan, layout)
+    local = fill_from_source(model, src, cfg, layout)
+    engine = build_engine(plan, model, layout)
+    if optim is not None:
+        engine.load_optimizer_moments(optimizer_shards(local, optim, src, cfg, layout), optim.step)
+    client, iteration = _client_state(src)
+    engine.global_steps = iteration
+    save_checkpoint(
+        engine,
+        out_root,
+        iteration,
+        client,
+        keep_last=10**6,
+        config_yaml=saved_cfg.to_yaml(),
+        provenance=provenance,
+    )
+    if check_ids is None:
+        return None
+    torch.manual_seed(cfg.train.seed)
+    fresh = build_engine(plan, build_model(plan, layout), layout)
+    load_checkpoint(fresh, out_root, tag_for(iteration))
+    return fresh.loss(check_ids[:, :-1], check_ids[:, 1:])
+
+
+def target_plan(cfg: RunConfig, world: int, vocab: int):
+    """The `RunPlan` of the target layout: the model's rules (`validate_config`), the padded vocabulary
+    and the DeepSpeed JSON for `world` processes; no training rules (nothing is trained)."""
+    from megatron_lev.engine.config import build_ds_config
+    from megatron_lev.engine.plan import RunPlan
+
+    validate_config(cfg)
+    ds_config = build_ds_config(cfg, world)
+    return RunPlan(
+        cfg=cfg,
+        world_size=world,
+        micro_batch=ds_config["train_micro_batch_size_per_gpu"],
+        gas=ds_config["gradient_accumulation_steps"],
+        global_batch=ds_config["train_batch_size"],
+        ds_config=ds_config,
+        true_vocab=vocab,
+        padded_vocab=padded_vocab_size(vocab, cfg.model, cfg.parallel.tensor_model_parallel_size),
+        tokenizer_vocab=vocab,
+    )
 
 
 def fill_from_source(
-    model: torch.nn.Module, src: SourceCheckpoint, cfg: RunConfig
+    model: torch.nn.Module, src: SourceCheckpoint, cfg: RunConfig, layout: ParallelLayout
 ) -> dict[str, list[torch.nn.Parameter]]:
-    """Copy this rank's TP shard of every merged source tensor into the (plain or pipeline) model;
+    """Copy `layout`'s TP shard of every merged source tensor into the (plain or pipeline) model;
     returns the model's parameters by canonical name (a tied table's copies under one name)."""
-    from megatron_lev.parallel import state
-
-    tp, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    tp, rank = layout.tp, layout.tp_rank
     padded = padded_vocab_size(src.vocab_size, cfg.model, tp)
-    specs = canonical_state_dict_spec(cfg.model, padded)
+    specs = canonical_state_dict_spec(cfg.model, padded, layout)
     if cfg.parallel.pipeline_model_parallel_size > 1:
         from megatron_lev.engine.pipeline import stage_modules
 
@@ -247,13 +263,15 @@ def fill_from_source(
 
 
 def optimizer_shards(
-    local: dict[str, list[torch.nn.Parameter]], optim: OptimizerState, src: SourceCheckpoint, cfg: RunConfig
+    local: dict[str, list[torch.nn.Parameter]],
+    optim: OptimizerState,
+    src: SourceCheckpoint,
+    cfg: RunConfig,
+    layout: ParallelLayout,
 ) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
-    """This rank's TP shard of every parameter's moments (and fp32 master weight), by target parameter."""
-    from megatron_lev.parallel import state
-
-    tp, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
-    specs = canonical_state_dict_spec(cfg.model, padded_vocab_size(src.vocab_size, cfg.model, tp))
+    """`layout`'s TP shard of every parameter's moments (and fp32 master weight), by target parameter."""
+    tp, rank = layout.tp, layout.tp_rank
+    specs = canonical_state_dict_spec(cfg.model, padded_vocab_size(src.vocab_size, cfg.model, tp), layout)
     out = {}
     for name, params in local.items():
         if specs[name].buffer:  # no moments (LEV's token order)

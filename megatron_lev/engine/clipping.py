@@ -6,7 +6,7 @@ the first stage, only tensor-parallel parameters, so a pipeline run silently tra
 one process does. The run's DeepSpeed JSON therefore sets `gradient_clipping` to 0 (`engine.config`)
 and this clipper does it, on one code path for every layout:
 
-    clipper = GradClipper(ds_engine, optimizer, groups, rules, device, fp16)   # once, at build
+    clipper = GradClipper(ds_engine, optimizer, groups, rules, clip_grad, device, fp16, layout=layout)
     ... train_batch ...            # inside DeepSpeed's `_take_model_step`: norms, factors, then the step
     clipper.record                 # the last step's `ClipRecord` (device tensors)
 
@@ -34,7 +34,7 @@ from torch import nn
 
 from megatron_lev.config import GLOBAL_CLIP_GROUP
 from megatron_lev.engine.step_probe import counted, holding, local_grad, squared_norms
-from megatron_lev.parallel import state
+from megatron_lev.parallel.layout import ParallelLayout
 
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_ and DeepSpeed: max_norm / (norm + EPS)
 
@@ -64,15 +64,19 @@ class GradClipper:
         clip_grad: float,
         device: torch.device,
         fp16: bool = False,
+        *,
+        layout: ParallelLayout,
     ) -> None:
         """`groups`: `(clip index, parameters)` of each optimizer group (index 0: global, i: rules[i-1]);
-        `rules`: `engine.plan.clip_group_rules`; `clip_grad`: the global group's threshold (0: off)."""
+        `rules`: `engine.plan.clip_group_rules`; `clip_grad`: the global group's threshold (0: off);
+        `layout`: this rank's parallel layout (which copy of a tensor this rank counts)."""
         if not hasattr(ds_engine, "_take_model_step"):
             raise RuntimeError(
                 "this DeepSpeed version has no DeepSpeedEngine._take_model_step: the run cannot clip "
                 "its gradients by the true norm"
             )
         self.ds_engine, self.optimizer, self.device, self.fp16 = ds_engine, optimizer, device, fp16
+        self.layout = layout
         self.groups = [(int(clip), list(params)) for clip, params in groups]
         self.names = (GLOBAL_CLIP_GROUP, *(rule.name for rule in rules))
         thresholds = [float(clip_grad), *(float(rule.max_norm) for rule in rules)]
@@ -92,7 +96,7 @@ class GradClipper:
     def _layout(self) -> None:
         """This rank's counted parameters and the row (clip group) each adds to; built at the first step,
         when DeepSpeed has linked its partitions."""
-        tp_rank, dp_rank = state.get_tensor_model_parallel_rank(), state.get_data_parallel_rank()
+        tp_rank, dp_rank = self.layout.tp_rank, self.layout.dp_rank
         entries, rows, seen = [], [], set()
         for clip, params in self.groups:
             for p in params:

@@ -1,6 +1,6 @@
 """The DeepSpeed engine behind `Engine` (`engine/base.py`), the interface the trainer and converters use.
 
-`build_engine(plan, model)` runs `deepspeed.initialize` over the model
+`build_engine(plan, model, layout)` runs `deepspeed.initialize` over the model
 with our AdamW (`optim.GuardedAdamW`, so no DeepSpeed op is compiled at start)
 and the run's DeepSpeed JSON (`engine.config`). The plain model (PP = 1) runs under
 ZeRO 0-3 (optionally CPU offload); a `PipelineModule` (PP > 1) under ZeRO 0/1. Either
@@ -34,14 +34,14 @@ from megatron_lev.config import RunConfig
 from megatron_lev.engine.base import StepMeasurement
 from megatron_lev.engine.checkpoint_files import ENGINE_HELPER_FILES
 from megatron_lev.engine.clipping import ClipRecord, GradClipper
-from megatron_lev.engine.config import batch_layout, build_ds_config
 from megatron_lev.engine.loss import micro_batch_loss
 from megatron_lev.engine.mpu import TensorParallelMPU
 from megatron_lev.engine.pipeline import STAGE_PREFIX, pipeline_batches
 from megatron_lev.engine.plan import RunPlan, clip_group_rules, param_group_rules
 from megatron_lev.engine.recompute import apply_activation_checkpointing
-from megatron_lev.errors import CheckpointDataError
+from megatron_lev.errors import CheckpointDataError, ConfigError
 from megatron_lev.optim import GuardedAdamW, all_finite, param_groups, squared_norm
+from megatron_lev.parallel.layout import ParallelLayout
 from megatron_lev.parallel.session import set_phase
 
 GROUP_FILLER = "param_group_filler"
@@ -129,8 +129,9 @@ class DeepSpeedEngine:
         pipeline: bool,
         gas: int,
         groups: Sequence[tuple[str, Sequence[nn.Parameter]]] = (),
+        layout: ParallelLayout,
     ):
-        self.ds_engine, self.optimizer, self.cfg = ds_engine, optimizer, cfg
+        self.ds_engine, self.optimizer, self.cfg, self.layout = ds_engine, optimizer, cfg, layout
         self.pipeline, self.gas = pipeline, gas
         self.device = next(iter(ds_engine.module.parameters())).device
         self.groups = [(name, list(params)) for name, params in groups]  # the optimizer's, by name
@@ -214,17 +215,22 @@ class DeepSpeedEngine:
                 out.setdefault(name, param)
         return out
 
+    def step_device(self) -> torch.device:
+        """Where the clipper's and the probe's all-reduced sums live (the current CUDA device under NCCL)."""
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return self.device
+
     def measure_next_step(self, prefixes: Sequence[str]) -> None:
         """See `Engine.measure_next_step` (`engine.step_probe`: the full tensors' norms in any layout)."""
         if self._probe is None:
             from megatron_lev.engine.step_probe import StepProbe
 
             names = {id(p): n for n, p in self.canonical_parameters().items()}
-            device = self.device
-            if dist.is_initialized() and dist.get_backend() == "nccl":
-                device = torch.device("cuda", torch.cuda.current_device())
             fp16 = self.cfg.train.precision == "fp16"
-            self._probe = StepProbe(self.ds_engine, self.groups, names, device, fp16)
+            self._probe = StepProbe(
+                self.ds_engine, self.groups, names, self.step_device(), fp16, layout=self.layout
+            )
         self._probe.arm(prefixes)
 
     def step_measurement(self) -> StepMeasurement | None:
@@ -425,12 +431,10 @@ def _quiet_deepspeed_logger(deepspeed) -> None:
         logger.addFilter(_UntestedOptimizerNotice())
 
 
-def build_engine(
-    run: RunPlan | RunConfig, model: nn.Module, world_size: int | None = None, ds_config: dict | None = None
-):
-    """`DeepSpeedEngine` over `model`: from a `RunPlan` (its DeepSpeed JSON and batch layout, derived
-    once), or from a bare `RunConfig` for `world_size` processes (the JSON built from the template
-    unless given).
+def build_engine(plan: RunPlan, model: nn.Module, layout: ParallelLayout) -> DeepSpeedEngine:
+    """`DeepSpeedEngine` over `model`, from the `RunPlan` (its DeepSpeed JSON and batch layout, derived
+    once by `engine.plan.validate_run`) and this rank's `layout` (`parallel.state`; DeepSpeed's `mpu`
+    and the clipper read it).
 
     The optimizer is the `GuardedAdamW` DeepSpeed wraps (`engine.optimizer`). Activation
     checkpointing (`model.activation_checkpointing`) is applied to the model here, from outside
@@ -439,55 +443,64 @@ def build_engine(
     import deepspeed
 
     _quiet_deepspeed_logger(deepspeed)
-
-    if isinstance(run, RunPlan):
-        if ds_config is not None or world_size not in (None, run.world_size):
-            raise ValueError(
-                "build_engine(plan, model): the plan carries the DeepSpeed config and world size"
-            )
-        cfg, ds_config, gas = run.cfg, run.ds_config, run.gas
-    else:
-        if world_size is None:
-            raise TypeError("build_engine(cfg, model, world_size): give the number of processes")
-        cfg = run
-        if ds_config is None:
-            ds_config = build_ds_config(cfg, world_size)
-        _, gas, _ = batch_layout(cfg, world_size)
+    cfg = plan.cfg
+    check_layout(plan, layout)
     pipeline = cfg.parallel.pipeline_model_parallel_size > 1
     model = apply_activation_checkpointing(model, cfg.model)
-    t = cfg.train
-    canonical = (lambda name: STAGE_PREFIX.sub("", name, count=1)) if pipeline else str
-    clip_rules = clip_group_rules(cfg)
-    groups = param_groups(
-        model,
-        t.weight_decay,
-        keep_empty=pipeline,
-        rules=param_group_rules(cfg),
-        canonical=canonical,
-        clip_rules=clip_rules,
-    )
-    if pipeline and uses_zero_optimizer_per_group(ds_config):
-        groups = same_groups_on_every_stage(model, groups)
-    groups = [g for g in groups if g["params"]]
+    groups = _optimizer_groups(cfg, model, plan.ds_config, pipeline)
     # the groups' own parameters, by name: ZeRO replaces a group's "params" with its flat partition
     named_groups = [(g.get("name", str(i)), list(g["params"])) for i, g in enumerate(groups)]
+    t = cfg.train
     optimizer = GuardedAdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
-    mpu = TensorParallelMPU() if not pipeline and cfg.parallel.tensor_model_parallel_size > 1 else None
+    mpu = TensorParallelMPU(layout) if not pipeline and layout.tp > 1 else None
     # a copy: DeepSpeed may fill in the dict it is given, and the plan's stays as validated
     ds_engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=copy.deepcopy(ds_config), mpu=mpu, dist_init_required=False
+        model=model,
+        optimizer=optimizer,
+        config=copy.deepcopy(plan.ds_config),
+        mpu=mpu,
+        dist_init_required=False,
     )
-    engine = DeepSpeedEngine(ds_engine, optimizer, cfg, pipeline=pipeline, gas=gas, groups=named_groups)
-    device = engine.device
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    engine = DeepSpeedEngine(
+        ds_engine, optimizer, cfg, pipeline=pipeline, gas=plan.gas, groups=named_groups, layout=layout
+    )
     engine.clipper = GradClipper(
         ds_engine,
         optimizer,
         [(g.get("clip", 0), params) for g, (_, params) in zip(groups, named_groups, strict=True)],
-        clip_rules,
+        clip_group_rules(cfg),
         t.clip_grad,
-        device,
+        engine.step_device(),
         fp16=t.precision == "fp16",
+        layout=layout,
     )
     return engine
+
+
+def check_layout(plan: RunPlan, layout: ParallelLayout) -> None:
+    """Refuse a layout other than the plan's (TP, PP and the world size it was validated for)."""
+    p = plan.cfg.parallel
+    want = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, plan.world_size)
+    if (layout.tp, layout.pp, layout.world_size) != want:
+        raise ConfigError(
+            f"the layout has TP={layout.tp}, PP={layout.pp} over {layout.world_size} processes but the plan "
+            f"asks for parallel.tensor_model_parallel_size={want[0]}, "
+            f"parallel.pipeline_model_parallel_size={want[1]} over {want[2]}"
+        )
+
+
+def _optimizer_groups(cfg: RunConfig, model: nn.Module, ds_config: dict, pipeline: bool) -> list[dict]:
+    """The optimizer's parameter groups (`optim.param_groups`), the same on every stage of a pipeline
+    under a per-group ZeRO optimizer; empty groups left out."""
+    canonical = (lambda name: STAGE_PREFIX.sub("", name, count=1)) if pipeline else str
+    groups = param_groups(
+        model,
+        cfg.train.weight_decay,
+        keep_empty=pipeline,
+        rules=param_group_rules(cfg),
+        canonical=canonical,
+        clip_rules=clip_group_rules(cfg),
+    )
+    if pipeline and uses_zero_optimizer_per_group(ds_config):
+        groups = same_groups_on_every_stage(model, groups)
+    return [g for g in groups if g["params"]]

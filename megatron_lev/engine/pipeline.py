@@ -34,21 +34,25 @@ from megatron_lev.config import RunConfig
 from megatron_lev.engine.recompute import checkpointed
 from megatron_lev.model.loss import lm_loss, real_vocab_size
 from megatron_lev.model.stages import BlockStage, StageSpec, stage_specs
+from megatron_lev.parallel.layout import ParallelLayout
 
 STAGE_PREFIX = re.compile(r"^(?:\d+|tied_modules\.[^.]+)\.")  # a PipelineModule's layer (or tied) prefix
 TIED_WEIGHT_ATTR = "tied_weight"  # what a shared stage calls the tensor its copies share (StageSpec)
 
 
-def pipeline_loss(logits: torch.Tensor, labels, vocab_size: int | None = None) -> torch.Tensor:
+def pipeline_loss(
+    logits: torch.Tensor, labels, vocab_size: int | None = None, *, layout: ParallelLayout
+) -> torch.Tensor:
     """`lm_loss` of the last stage's logits `(B, S, V/tp)` and the batch's labels `(B, S)`, or
     `(labels, loss_mask)` (`pipeline_batches`).
 
     `vocab_size`: the real vocabulary; the padding rows beyond it are left out of the softmax.
+    `layout`: the TP group the vocabulary is split over.
     """
     loss_mask = None
     if isinstance(labels, (tuple, list)):
         labels, loss_mask = labels
-    return lm_loss(logits, labels, vocab_size, loss_mask)
+    return lm_loss(logits, labels, vocab_size, loss_mask, layout=layout)
 
 
 def document_inputs(data_cfg) -> tuple[str, ...]:
@@ -85,27 +89,29 @@ def layer_specs(stages: list[StageSpec]) -> list:
     return out
 
 
-def build_pipeline(cfg: RunConfig, vocab_size: int, topology=None, true_vocab_size: int | None = None):
-    """A `deepspeed.pipe.PipelineModule` for `cfg` (already validated); `vocab_size` is padded.
+def build_pipeline(
+    cfg: RunConfig,
+    vocab_size: int,
+    layout: ParallelLayout,
+    topology=None,
+    true_vocab_size: int | None = None,
+):
+    """A `deepspeed.pipe.PipelineModule` for `cfg` (already validated) on `layout`; `vocab_size` is padded.
 
-    `true_vocab_size` (the tokenizer's, default: no padding) is what the loss keeps.
+    `true_vocab_size` (the tokenizer's, default: no padding) is what the loss keeps. DeepSpeed's
+    topology is the layout's (the same rank order) unless `topology` is given.
     """
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    from megatron_lev.parallel import state
-
     _wrap_process_group()
     m, p = cfg.model, cfg.parallel
     if topology is None:
-        import torch.distributed as dist
-
-        dp = state.layout(dist.get_world_size(), p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
-        topology = PipeModelDataParallelTopology(
-            num_pp=p.pipeline_model_parallel_size, num_mp=p.tensor_model_parallel_size, num_dp=dp
-        )
-    stages = stage_specs(m, vocab_size, cfg.train.seed, document_inputs(cfg.data))
-    loss_fn = functools.partial(pipeline_loss, vocab_size=real_vocab_size(vocab_size, true_vocab_size))
+        topology = PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
+    stages = stage_specs(m, vocab_size, cfg.train.seed, document_inputs(cfg.data), layout)
+    loss_fn = functools.partial(
+        pipeline_loss, vocab_size=real_vocab_size(vocab_size, true_vocab_size), layout=layout
+    )
     # each stage seeds itself (layer_seed), so DeepSpeed's own per-layer seeding stays off
     return PipelineModule(
         layers=layer_specs(stages),

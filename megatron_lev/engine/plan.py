@@ -3,8 +3,9 @@
     plan = validate_run(cfg, world_size, cuda=torch.cuda.is_available())  # before anything heavy
     ...                                                                    # process group, tokenizer
     plan = plan.with_vocab(tokenizer.vocab_size)                          # the vocabulary's rules
-    model = build_model(plan)
-    engine = build_engine(plan, model)
+    layout = initialize_model_parallel(tp, pp)                            # parallel.state: the groups
+    model = build_model(plan, layout)
+    engine = build_engine(plan, model, layout)
 
 Each rule runs once per run, here and nowhere else on the way to the trainer:
 `RunConfig.validate` (the config's generic rules), the variant's own (`check_config`, the

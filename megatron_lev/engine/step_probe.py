@@ -1,6 +1,6 @@
 """Gradient, weight and update norms of one optimizer step, of the full tensors, in any layout.
 
-    probe = StepProbe(ds_engine, groups, names, device, fp16)   # once, at the first measured step
+    probe = StepProbe(ds_engine, groups, names, device, fp16, layout=layout)  # at the first measured step
     probe.arm(("embedding.",))                                  # before a step to measure
     ... train_batch ...                                         # DeepSpeed's model step runs inside
     probe.result                                                # a `StepMeasurement`
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_lev.engine.base import GROUP_PREFIX, StepMeasurement
-from megatron_lev.parallel import state
+from megatron_lev.parallel.layout import ParallelLayout
 
 FULL, FRAGMENT, PARTITION = "full", "fragment", "partition"
 
@@ -122,16 +122,19 @@ class StepProbe:
         names: dict[int, str],
         device: torch.device,
         fp16: bool = False,
+        *,
+        layout: ParallelLayout,
     ) -> None:
         """`groups`: the optimizer's parameter groups `(name, parameters)`; `names`: canonical name by
-        `id(parameter)`; `device`: where the all-reduced sums live."""
+        `id(parameter)`; `device`: where the all-reduced sums live; `layout`: this rank's parallel
+        layout (its TP and DP ranks decide which copy of a tensor it counts)."""
         if not hasattr(ds_engine, "_take_model_step"):
             raise RuntimeError(
                 "this DeepSpeed version has no DeepSpeedEngine._take_model_step: the step probe cannot "
                 "measure its optimizer steps"
             )
         self.ds_engine, self.groups, self.names = ds_engine, list(groups), names
-        self.device, self.fp16 = device, fp16
+        self.device, self.fp16, self.layout = device, fp16, layout
         self.result: StepMeasurement | None = None
         self._prefixes: tuple[str, ...] | None = None
         self._layouts: dict[tuple[str, ...], _Layout] = {}
@@ -157,7 +160,7 @@ class StepProbe:
     def _layout(self) -> _Layout:
         prefixes = self._prefixes
         if prefixes not in self._layouts:
-            self._layouts[prefixes] = _Layout.build(self.groups, self.names, prefixes)
+            self._layouts[prefixes] = _Layout.build(self.groups, self.names, prefixes, self.layout)
         return self._layouts[prefixes]
 
     def _before(self) -> None:
@@ -203,9 +206,13 @@ class _Layout:
 
     @classmethod
     def build(
-        cls, groups: Sequence[tuple[str, Sequence[nn.Parameter]]], names: dict[int, str], prefixes
+        cls,
+        groups: Sequence[tuple[str, Sequence[nn.Parameter]]],
+        names: dict[int, str],
+        prefixes,
+        parallel: ParallelLayout,
     ) -> _Layout:
-        tp_rank, dp_rank = state.get_tensor_model_parallel_rank(), state.get_data_parallel_rank()
+        tp_rank, dp_rank = parallel.tp_rank, parallel.dp_rank
         local_groups = list(dict.fromkeys(name for name, _ in groups))
         local_tensors = [
             names[id(p)]

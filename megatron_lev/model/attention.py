@@ -23,8 +23,8 @@ from torch import nn
 from megatron_lev.config import ModelConfig
 from megatron_lev.model.documents import Documents
 from megatron_lev.model.rotary import RotaryEmbedding, apply_rotary
-from megatron_lev.parallel import state
 from megatron_lev.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 from megatron_lev.parallel.random import get_rng_tracker
 
 try:  # optional, CUDA only
@@ -39,20 +39,20 @@ def use_flash_attention(x: torch.Tensor) -> bool:
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_layers_for_init: int):
+    def __init__(self, cfg: ModelConfig, num_layers_for_init: int, layout: ParallelLayout = SINGLE):
         super().__init__()
-        tp = state.get_tensor_model_parallel_world_size()
+        tp = layout.tp
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.kv_heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.local_heads, self.local_kv_heads = self.num_heads // tp, self.num_kv_heads // tp
         self.dropout = cfg.attention_dropout
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv = ColumnParallelLinear(
-            cfg.hidden_size, q + 2 * kv, part_sizes=(q, kv, kv), init_std=cfg.init_std
+            cfg.hidden_size, q + 2 * kv, part_sizes=(q, kv, kv), init_std=cfg.init_std, layout=layout
         )
         # output projections are scaled down with depth (GPT-2 / Megatron)
         self.dense = RowParallelLinear(
-            q, cfg.hidden_size, init_std=cfg.init_std / math.sqrt(2 * num_layers_for_init)
+            q, cfg.hidden_size, init_std=cfg.init_std / math.sqrt(2 * num_layers_for_init), layout=layout
         )
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lev.config import ModelConfig
-from megatron_lev.parallel import state
+from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -28,15 +28,21 @@ class ParamSpec:
     buffer: bool = False  # a persistent buffer (no gradient, no optimizer state), e.g. LEV's `id_rank`
 
 
-def canonical_state_dict_spec(model_cfg: ModelConfig, vocab_size: int) -> dict[str, ParamSpec]:
+def canonical_state_dict_spec(
+    model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+) -> dict[str, ParamSpec]:
     """Every tensor of the model's state dict for `model_cfg` and the padded `vocab_size`, by canonical
     name: the parameters, then (`buffer=True`, replicated on every TP rank) the persistent buffers,
-    such as the token-id order of LEV's codebooks (`embedding.codebooks.id_rank`)."""
+    such as the token-id order of LEV's codebooks (`embedding.codebooks.id_rank`).
+
+    The answer depends on the arguments alone: `layout` (sizes suffice, no process group) is the TP
+    layout whose shards the spec is built through, which checks the model splits over it; the full
+    shapes are the same for every layout."""
     from megatron_lev.model.gpt import GPTModel
 
-    tp = state.get_tensor_model_parallel_world_size()
+    tp = layout.tp
     with torch.device("meta"):  # shapes and metadata only: no memory, no random draws kept
-        model = GPTModel(model_cfg, vocab_size)
+        model = GPTModel(model_cfg, vocab_size, layout=layout)
     specs = {}
     for module_name, module in model.named_modules():
         for pname, param in module.named_parameters(recurse=False):

@@ -26,6 +26,7 @@ from torch import nn
 from megatron_lev.config import ModelConfig
 from megatron_lev.model.loss import real_vocab_size, token_losses
 from megatron_lev.model.stages import DOCUMENT_TENSORS, stage_specs
+from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 
 
 class GPTModel(nn.Module):
@@ -33,6 +34,7 @@ class GPTModel(nn.Module):
 
     `true_vocab_size` is the tokenizer's vocabulary (default: no padding): the loss masks the
     logits of the padding rows, so every TP size trains the objective of the exported model.
+    `layout` (default: one process) is the `ParallelLayout` this rank's shards belong to.
 
     `stages` are the built stages in forward order: stage modules, and for a tied head the
     embedding stage's `head_logits`. They are not registered as submodules (their modules are,
@@ -41,15 +43,20 @@ class GPTModel(nn.Module):
     """
 
     def __init__(
-        self, model_cfg: ModelConfig, vocab_size: int, seed: int = 1234, true_vocab_size: int | None = None
+        self,
+        model_cfg: ModelConfig,
+        vocab_size: int,
+        seed: int = 1234,
+        true_vocab_size: int | None = None,
+        layout: ParallelLayout = SINGLE,
     ):
         super().__init__()
-        self.cfg, self.vocab_size = model_cfg, vocab_size
+        self.cfg, self.vocab_size, self.layout = model_cfg, vocab_size, layout
         self.true_vocab_size = real_vocab_size(vocab_size, true_vocab_size)
         modules: dict[str, nn.Module] = {}  # in stage order: embedding, layers, final_norm, output_head
         shared: dict[str, nn.Module] = {}  # tied_key -> the stage built for its first use
         stages: list[Callable] = []
-        for spec in stage_specs(model_cfg, vocab_size, seed, DOCUMENT_TENSORS):
+        for spec in stage_specs(model_cfg, vocab_size, seed, DOCUMENT_TENSORS, layout):
             if spec.tied_key in shared:  # a second use of a shared stage: the tied head
                 stages.append(getattr(shared[spec.tied_key], spec.tied_forward))
                 continue
@@ -91,4 +98,4 @@ class GPTModel(nn.Module):
             x = stage(x)
         if labels is None:
             return x  # logits (B, S, V/tp)
-        return token_losses(x, labels, self.true_vocab_size)  # (B, S) fp32
+        return token_losses(x, labels, self.true_vocab_size, layout=self.layout)  # (B, S) fp32

@@ -6,15 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lev.parallel import state
 from megatron_lev.parallel.layers import init_sharded_, vocab_range
+from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 from megatron_lev.parallel.mappings import copy_to_tensor_parallel_region
 
 
-def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`(B, S, D)` hidden states and this rank's rows `(V/tp, D)` -> logits `(B, S, V/tp)`."""
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+    """`(B, S, D)` hidden states and this rank's rows `(V/tp, D)` of `layout` -> logits `(B, S, V/tp)`."""
     # the hidden state is replicated on TP ranks: its gradient is the sum over vocabulary shards
-    return F.linear(copy_to_tensor_parallel_region(hidden), weight)
+    return F.linear(copy_to_tensor_parallel_region(hidden, layout), weight)
 
 
 class VocabParallelHead(nn.Module):
@@ -24,15 +24,20 @@ class VocabParallelHead(nn.Module):
     stage's `head_logits` runs `vocab_parallel_logits` on the input table (`model.stages`).
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, init_std: float = 0.02):
+    def __init__(
+        self, hidden_size: int, vocab_size: int, init_std: float = 0.02, layout: ParallelLayout = SINGLE
+    ):
         super().__init__()
-        world, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+        self.layout = layout
+        world, rank = layout.tp, layout.tp_rank
         self.vocab_size = vocab_size
         self.vocab_start, self.vocab_end = vocab_range(vocab_size, rank, world)
         self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, hidden_size))
         self.weight.tensor_model_parallel = True
         self.weight.partition_dim = 0
-        init_sharded_(self.weight, (vocab_size, hidden_size), 0, lambda t: nn.init.normal_(t, 0.0, init_std))
+        init_sharded_(
+            self.weight, (vocab_size, hidden_size), 0, lambda t: nn.init.normal_(t, 0.0, init_std), layout
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_logits(hidden, self.weight)  # (B, S, V/tp)
+        return vocab_parallel_logits(hidden, self.weight, self.layout)  # (B, S, V/tp)

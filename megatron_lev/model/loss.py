@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lev.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lev.parallel.layout import ParallelLayout
 
 
 def real_vocab_size(padded_vocab_size: int, true_vocab_size: int | None = None) -> int:
@@ -30,13 +31,15 @@ def real_vocab_size(padded_vocab_size: int, true_vocab_size: int | None = None) 
     return true_vocab_size
 
 
-def token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+def token_losses(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None, *, layout: ParallelLayout
+) -> torch.Tensor:
     """Per-token loss `(B, S)` fp32 from this rank's logits `(B, S, V/tp)` and labels `(B, S)`.
 
     `vocab_size`: the real vocabulary; the padding rows beyond it are left out of the softmax
-    (None: every row is real).
+    (None: every row is real). `layout`: the TP group the vocabulary is split over.
     """
-    return vocab_parallel_cross_entropy(logits, labels, vocab_size)
+    return vocab_parallel_cross_entropy(logits, labels, vocab_size, layout=layout)
 
 
 def masked_mean(losses: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,6 +60,8 @@ def lm_loss(
     labels: torch.Tensor,
     vocab_size: int | None = None,
     loss_mask: torch.Tensor | None = None,
+    *,
+    layout: ParallelLayout,
 ) -> torch.Tensor:
     """The mean per-token loss `()` (fp32) of logits `(B, S, V/tp)`, over the tokens `loss_mask` keeps."""
-    return masked_mean(token_losses(logits, labels, vocab_size), loss_mask)
+    return masked_mean(token_losses(logits, labels, vocab_size, layout=layout), loss_mask)

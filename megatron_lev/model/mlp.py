@@ -14,17 +14,18 @@ from torch import nn
 
 from megatron_lev.config import ModelConfig
 from megatron_lev.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 
 
 class ParallelSwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_layers_for_init: int):
+    def __init__(self, cfg: ModelConfig, num_layers_for_init: int, layout: ParallelLayout = SINGLE):
         super().__init__()
         ffn = cfg.ffn_size
         self.gate_up = ColumnParallelLinear(
-            cfg.hidden_size, 2 * ffn, part_sizes=(ffn, ffn), init_std=cfg.init_std
+            cfg.hidden_size, 2 * ffn, part_sizes=(ffn, ffn), init_std=cfg.init_std, layout=layout
         )
         self.down = RowParallelLinear(
-            ffn, cfg.hidden_size, init_std=cfg.init_std / math.sqrt(2 * num_layers_for_init)
+            ffn, cfg.hidden_size, init_std=cfg.init_std / math.sqrt(2 * num_layers_for_init), layout=layout
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, S, D) -> (B, S, D)

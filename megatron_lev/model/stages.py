@@ -33,6 +33,7 @@ from megatron_lev.model.documents import documents_for
 from megatron_lev.model.embeddings import build_input_embedding, embedding_class
 from megatron_lev.model.head import VocabParallelHead, vocab_parallel_logits
 from megatron_lev.model.norm import RMSNorm
+from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 from megatron_lev.parallel.random import seeded
 
 TIED_EMBEDDING = "embedding"  # the tied_key of the input table the head reuses
@@ -65,10 +66,11 @@ class StageSpec:
 class EmbeddingStage(nn.Module):
     """Token ids -> hidden states, with the configured input embedding as `embedding`."""
 
-    def __init__(self, model_cfg: ModelConfig, vocab_size: int, seed: int):
+    def __init__(self, model_cfg: ModelConfig, vocab_size: int, seed: int, layout: ParallelLayout = SINGLE):
         super().__init__()
+        self.layout = layout
         with seeded(layer_seed(seed, "embedding")):
-            self.embedding = build_input_embedding(model_cfg, vocab_size)
+            self.embedding = build_input_embedding(model_cfg, vocab_size, layout)
         if model_cfg.input_init_rms is not None:  # equal-scale init: a deterministic rescale, no RNG
             self.embedding.rescale_output_(model_cfg.input_init_rms)
 
@@ -85,7 +87,7 @@ class EmbeddingStage(nn.Module):
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied output head: `(B, S, D)` -> logits `(B, S, V/tp)` from this table."""
-        return vocab_parallel_logits(hidden, self.tied_weight)
+        return vocab_parallel_logits(hidden, self.tied_weight, self.layout)
 
 
 class BlockStage(nn.Module):
@@ -94,10 +96,17 @@ class BlockStage(nn.Module):
     Given a bare hidden state, the block runs without documents (whatever `document_inputs` says).
     """
 
-    def __init__(self, model_cfg: ModelConfig, index: int, seed: int, document_inputs: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        index: int,
+        seed: int,
+        document_inputs: tuple[str, ...] = (),
+        layout: ParallelLayout = SINGLE,
+    ):
         super().__init__()
         self.index, self.document_inputs = index, tuple(document_inputs)
-        block = TransformerBlock(model_cfg, index, layer_seed(seed, "block", index))
+        block = TransformerBlock(model_cfg, index, layer_seed(seed, "block", index), layout)
         self.layers = nn.ModuleDict({str(index): block})
 
     @property
@@ -127,10 +136,12 @@ class FinalNormStage(nn.Module):
 class HeadStage(nn.Module):
     """The untied vocabulary-parallel head as `output_head`: `(B, S, D) -> (B, S, V/tp)`."""
 
-    def __init__(self, model_cfg: ModelConfig, vocab_size: int, seed: int):
+    def __init__(self, model_cfg: ModelConfig, vocab_size: int, seed: int, layout: ParallelLayout = SINGLE):
         super().__init__()
         with seeded(layer_seed(seed, "head")):
-            self.output_head = VocabParallelHead(model_cfg.hidden_size, vocab_size, model_cfg.init_std)
+            self.output_head = VocabParallelHead(
+                model_cfg.hidden_size, vocab_size, model_cfg.init_std, layout
+            )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.output_head(hidden)
@@ -141,21 +152,23 @@ def stage_specs(
     vocab_size: int,
     seed: int,
     document_inputs: tuple[str, ...] = (),
+    layout: ParallelLayout = SINGLE,
 ) -> list[StageSpec]:
     """The model's stages in order (see the module doc); `vocab_size` is the padded size.
 
     `document_inputs`: the document tensors that follow the hidden state (`DOCUMENT_TENSORS`, in order).
+    `layout`: the TP layout every stage is sharded over (its TP layers keep it).
     """
     tied = embedding_class(model_cfg.embedding).ties_output_head
-    embedding = (model_cfg, vocab_size, seed)
+    embedding = (model_cfg, vocab_size, seed, layout)
     specs = [StageSpec(EmbeddingStage, embedding, TIED_EMBEDDING if tied else None)]
     specs += [
-        StageSpec(BlockStage, (model_cfg, i, seed, tuple(document_inputs)))
+        StageSpec(BlockStage, (model_cfg, i, seed, tuple(document_inputs), layout))
         for i in range(model_cfg.num_layers)
     ]
     specs.append(StageSpec(FinalNormStage, (model_cfg,)))
     if tied:
         specs.append(StageSpec(EmbeddingStage, embedding, TIED_EMBEDDING, "head_logits"))
     else:
-        specs.append(StageSpec(HeadStage, (model_cfg, vocab_size, seed)))
+        specs.append(StageSpec(HeadStage, (model_cfg, vocab_size, seed, layout)))
     return specs

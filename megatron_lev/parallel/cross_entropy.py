@@ -15,20 +15,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_lev.parallel import state
+from megatron_lev.parallel.layout import ParallelLayout
 
 
-def _all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(x, op=op, group=state.get_tensor_model_parallel_group())
+def _all_reduce(x: torch.Tensor, layout: ParallelLayout, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if layout.tp > 1:
+        dist.all_reduce(x, op=op, group=layout.tp_group)
     return x
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    def forward(
+        ctx, logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None, layout: ParallelLayout
+    ) -> torch.Tensor:
         # logits: (.., V/tp) this rank's shard; target: (..) global token ids; vocab_size: real rows
-        rank = state.get_tensor_model_parallel_rank()
+        rank = layout.tp_rank
         ctx.input_dtype = logits.dtype
         per = logits.shape[-1]
         start = rank * per
@@ -36,16 +38,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if vocab_size is not None and start + per > vocab_size:  # this shard holds padding rows
             padded = torch.arange(start, start + per, device=logits.device) >= vocab_size  # (V/tp,)
             logits = logits.masked_fill(padded, float("-inf"))
-        logits_max = _all_reduce(logits.max(dim=-1).values, op=dist.ReduceOp.MAX)  # (..)
+        logits_max = _all_reduce(logits.max(dim=-1).values, layout, op=dist.ReduceOp.MAX)  # (..)
         shifted = logits - logits_max.unsqueeze(-1)  # (.., V/tp)
 
         outside = (target < start) | (target >= start + per)  # (..) target row lives on another rank
         local_target = (target - start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        target_logit = _all_reduce(target_logit.masked_fill(outside, 0.0))  # (..)
+        target_logit = _all_reduce(target_logit.masked_fill(outside, 0.0), layout)  # (..)
 
         exp = shifted.exp_()  # reuse the buffer: (.., V/tp)
-        sum_exp = _all_reduce(exp.sum(dim=-1))  # (..)
+        sum_exp = _all_reduce(exp.sum(dim=-1), layout)  # (..)
         loss = sum_exp.log() - target_logit  # (..) fp32
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))
@@ -58,17 +60,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax.clone()  # (.., V/tp)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), (~outside).to(grad.dtype).unsqueeze(-1).neg())
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None
+        return grad.to(ctx.input_dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits_shard: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None
+    logits_shard: torch.Tensor,
+    target: torch.Tensor,
+    vocab_size: int | None = None,
+    *,
+    layout: ParallelLayout,
 ) -> torch.Tensor:
     """Per-token loss `(..)` in fp32 from this rank's logits `(.., V/tp)` and global target ids `(..)`.
 
     `vocab_size` is the real vocabulary (the tokenizer's): rows from it on are padding and
     are left out of the softmax; None treats every row as real. Targets must lie in
-    `[0, vocab_size)` (no ignore index): mask the returned per-token loss instead.
+    `[0, vocab_size)` (no ignore index): mask the returned per-token loss instead. `layout`: the TP
+    group the shards are spread over.
     """
     if logits_shard.shape[:-1] != target.shape:
         raise ValueError(
@@ -77,4 +84,4 @@ def vocab_parallel_cross_entropy(
         )
     if vocab_size is not None and vocab_size < 1:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    return _VocabParallelCrossEntropy.apply(logits_shard, target, vocab_size)
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, vocab_size, layout)

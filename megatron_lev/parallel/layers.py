@@ -4,6 +4,9 @@ Initialisation convention (so TP = N reproduces TP = 1 with the same seed): a
 sharded parameter is initialised by drawing the *full* tensor from the default
 torch RNG, exactly as the unsharded layer would, and keeping this rank's slice.
 Every rank therefore consumes the same random numbers in the same order.
+
+Each layer is given the `ParallelLayout` it is sharded over (default: one process) and keeps it:
+its shard is the layout's TP rank's, and its regions communicate over the layout's TP group.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lev.parallel import state
+from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 from megatron_lev.parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
@@ -24,12 +27,16 @@ from megatron_lev.parallel.mappings import (
 
 
 def init_sharded_(
-    param: torch.Tensor, full_shape: tuple[int, ...], dim: int, init_fn: Callable[[torch.Tensor], object]
+    param: torch.Tensor,
+    full_shape: tuple[int, ...],
+    dim: int,
+    init_fn: Callable[[torch.Tensor], object],
+    layout: ParallelLayout,
 ) -> None:
-    """Fill `param` with this TP rank's slice (along `dim`) of a full tensor drawn by `init_fn`."""
+    """Fill `param` with `layout`'s TP rank's slice (along `dim`) of a full tensor drawn by `init_fn`."""
     full = torch.empty(full_shape, dtype=torch.float32)
     init_fn(full)
-    world, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    world, rank = layout.tp, layout.tp_rank
     shard = full.chunk(world, dim=dim)[rank] if world > 1 else full
     with torch.no_grad():
         param.copy_(shard.to(param.dtype))
@@ -59,9 +66,11 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         init_std: float = 0.02,
         params_dtype: torch.dtype = torch.float32,
+        layout: ParallelLayout = SINGLE,
     ):
         super().__init__()
-        world, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+        self.layout = layout
+        world, rank = layout.tp, layout.tp_rank
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, rank, world)
         self.weight = nn.Parameter(
@@ -74,16 +83,17 @@ class VocabParallelEmbedding(nn.Module):
             (num_embeddings, embedding_dim),
             0,
             lambda t: nn.init.normal_(t, mean=0.0, std=init_std),
+            layout,
         )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if state.get_tensor_model_parallel_world_size() == 1:
+        if self.layout.tp == 1:
             return F.embedding(input_ids, self.weight)
         mask = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local = (input_ids - self.vocab_start).masked_fill(mask, 0)
         out = F.embedding(local, self.weight)  # (..., D)
         out = out.masked_fill(mask.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_parallel_region(out)
+        return reduce_from_tensor_parallel_region(out, self.layout)
 
 
 def init_fused_sharded_(
@@ -91,6 +101,7 @@ def init_fused_sharded_(
     part_sizes: tuple[int, ...],
     in_features: int,
     init_fn: Callable[[torch.Tensor], object],
+    layout: ParallelLayout,
 ) -> None:
     """Init a column-parallel weight fused from parts (e.g. Q, K, V): rank r keeps its slice of each part.
 
@@ -99,7 +110,7 @@ def init_fused_sharded_(
     """
     full = torch.empty(sum(part_sizes), in_features, dtype=torch.float32)
     init_fn(full)
-    world, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    world, rank = layout.tp, layout.tp_rank
     shard = torch.cat([p.chunk(world, dim=0)[rank] for p in full.split(list(part_sizes), dim=0)], dim=0)
     with torch.no_grad():
         param.copy_(shard.to(param.dtype))
@@ -128,9 +139,11 @@ class ColumnParallelLinear(nn.Module):
         init_std: float = 0.02,
         part_sizes: tuple[int, ...] | None = None,
         params_dtype: torch.dtype = torch.float32,
+        layout: ParallelLayout = SINGLE,
     ):
         super().__init__()
-        world = state.get_tensor_model_parallel_world_size()
+        self.layout = layout
+        world = layout.tp
         self.part_sizes = tuple(part_sizes) if part_sizes else (out_features,)
         if sum(self.part_sizes) != out_features:
             raise ValueError(f"part_sizes {self.part_sizes} must sum to out_features={out_features}")
@@ -141,7 +154,11 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // world, in_features, dtype=params_dtype))
         _mark(self.weight, 0)
         init_fused_sharded_(
-            self.weight, self.part_sizes, in_features, lambda t: nn.init.normal_(t, mean=0.0, std=init_std)
+            self.weight,
+            self.part_sizes,
+            in_features,
+            lambda t: nn.init.normal_(t, mean=0.0, std=init_std),
+            layout,
         )
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features // world, dtype=params_dtype))
@@ -150,11 +167,11 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (.., in) -> (.., out/tp) or (.., out)
-        y = F.linear(copy_to_tensor_parallel_region(x), self.weight, self.bias)
+        y = F.linear(copy_to_tensor_parallel_region(x, self.layout), self.weight, self.bias)
         if self.gather_output:
             if len(self.part_sizes) > 1:
                 raise ValueError("gather_output of a fused column-parallel layer would interleave its parts")
-            y = gather_from_tensor_parallel_region(y)
+            y = gather_from_tensor_parallel_region(y, self.layout)
         return y
 
 
@@ -173,9 +190,11 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
         init_std: float = 0.02,
         params_dtype: torch.dtype = torch.float32,
+        layout: ParallelLayout = SINGLE,
     ):
         super().__init__()
-        world = state.get_tensor_model_parallel_world_size()
+        self.layout = layout
+        world = layout.tp
         if in_features % world:
             raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {world}")
         self.in_features, self.out_features, self.input_is_parallel = (
@@ -186,7 +205,11 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // world, dtype=params_dtype))
         _mark(self.weight, 1)
         init_sharded_(
-            self.weight, (out_features, in_features), 1, lambda t: nn.init.normal_(t, mean=0.0, std=init_std)
+            self.weight,
+            (out_features, in_features),
+            1,
+            lambda t: nn.init.normal_(t, mean=0.0, std=init_std),
+            layout,
         )
         if bias:  # replicated, added once after the reduction
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=params_dtype))
@@ -195,6 +218,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (.., in/tp) -> (.., out)
         if not self.input_is_parallel:
-            x = scatter_to_tensor_parallel_region(x)
-        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight))
+            x = scatter_to_tensor_parallel_region(x, self.layout)
+        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.layout)
         return y + self.bias if self.bias is not None else y

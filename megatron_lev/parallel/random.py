@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from megatron_lev.parallel import state
+from megatron_lev.parallel.layout import ParallelLayout
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_SEED_OFFSET = 2718
@@ -71,7 +71,9 @@ class RNGStatesTracker:
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
         """Run the block on the named stream; the default stream is left untouched."""
         if name not in self.states:
-            raise KeyError(f"RNG state {name!r} was not added; call model_parallel_manual_seed(seed) first")
+            raise KeyError(
+                f"RNG state {name!r} was not added; call model_parallel_manual_seed(seed, layout) first"
+            )
         saved = _get_state()
         _set_state(self.states[name])
         try:
@@ -88,13 +90,14 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def model_parallel_manual_seed(seed: int) -> None:
-    """Seed the default stream with `seed` (same on all TP ranks) and the TP stream per rank."""
+def model_parallel_manual_seed(seed: int, layout: ParallelLayout) -> None:
+    """Seed the default stream with `seed` (same on all TP ranks) and the TP stream per rank (`layout`'s
+    TP rank)."""
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed(seed)
     _TRACKER.reset()
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + state.get_tensor_model_parallel_rank())
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + layout.tp_rank)
 
 
 @contextlib.contextmanager

@@ -143,9 +143,9 @@ def join(
 
 
 def shutdown(announce: bool = True) -> None:
-    """Leave what `join` set up: stop the watchdog, destroy every process group (no barrier),
-    reset the model-parallel state, flush the logs. Idempotent; always flushes. `announce`
-    logs one INFO line saying so (else DEBUG)."""
+    """Leave what `join` set up: stop the watchdog, destroy every process group (no barrier; the
+    model-parallel groups of any `ParallelLayout` with them), flush the logs. Idempotent; always
+    flushes. `announce` logs one INFO line saying so (else DEBUG)."""
     global _SESSION
     session, _SESSION = _SESSION, None
     try:
@@ -154,9 +154,6 @@ def shutdown(announce: bool = True) -> None:
                 session.heartbeat.stop()
             import torch.distributed as dist
 
-            from megatron_lev.parallel import state
-
-            state.destroy_model_parallel()
             destroyed = False
             if dist.is_available() and dist.is_initialized():
                 with contextlib.suppress(Exception):  # a peer may be gone: nothing to wait for

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_lev.model.embeddings.base import InputEmbedding
-from megatron_lev.parallel import state
+from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 from megatron_lev.training.hooks import Callback, Control, StepRecord
 from megatron_lev.utils import matrix
 
@@ -108,8 +108,14 @@ class TrainingDynamics(Callback):
 
     order = 1  # after MetricsLogger (0)
 
-    def __init__(self, log_interval: int, sample: int = 1024, vocab_size: int | None = None) -> None:
-        self.log_interval = log_interval
+    def __init__(
+        self,
+        log_interval: int,
+        sample: int = 1024,
+        vocab_size: int | None = None,
+        layout: ParallelLayout = SINGLE,
+    ) -> None:
+        self.log_interval, self.layout = log_interval, layout
         self.sample, self.vocab_size = sample, vocab_size
         self.embedding: InputEmbedding | None = None
         self.ids: torch.Tensor | None = None
@@ -120,7 +126,7 @@ class TrainingDynamics(Callback):
         self._measured = None
         found = [m for m in trainer.engine.module.modules() if isinstance(m, InputEmbedding)]
         # under a pipeline the first stage computes the table (the last may hold a tied copy)
-        self.embedding = found[0] if found and state.get_pipeline_model_parallel_rank() == 0 else None
+        self.embedding = found[0] if found and self.layout.pp_rank == 0 else None
         if self.embedding is not None:
             vocab = min(self.vocab_size or self.embedding.vocab_size, self.embedding.vocab_size)
             device = next(self.embedding.parameters()).device

@@ -30,7 +30,7 @@ the checkpoint's `train_state[state_key]`.
 
 A run adds its own callbacks by naming them in `train.callbacks` as `"module:Class"`
 (`callbacks_from_specs` imports and builds each with no arguments), or by passing them to
-`pretrain(cfg, extra_callbacks=...)`.
+`pretrain(plan, extra_callbacks=...)`.
 """
 
 from __future__ import annotations

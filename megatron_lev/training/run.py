@@ -1,4 +1,10 @@
-"""`pretrain(plan)`: join the process group, build tokenizer/model/engine/data, train.
+"""`pretrain(plan)`, the run's composition root, in three parts (LitGPT's setup -> main -> fit):
+
+    setup(plan, held)  -> RunSetup   environment, process group, directory locks, logging, and the
+                                     `ParallelLayout` (`parallel.state.initialize_model_parallel`)
+    build(setup, ...)  -> RunParts   tokenizer (and the plan's vocabulary), resume plan, model,
+                                     engine, data, callbacks, trainer: each given the layout
+    fit(parts)         -> TrainResult  resume, the loop (`Trainer.train`), the start/end records
 
 Order matters for users: everything that can be checked from the config and the
 tokenizer is checked before the model or the data indices are built. The checks run
@@ -12,6 +18,7 @@ import contextlib
 import errno
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,10 +30,11 @@ from megatron_lev.config import RunConfig
 from megatron_lev.data.batches import make_loader, token_batches
 from megatron_lev.engine.build import build_model
 from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, build_engine, disable_cpu_shm_comm
-from megatron_lev.engine.plan import RunPlan, validate_run
+from megatron_lev.engine.plan import RunPlan
 from megatron_lev.errors import ConfigError, DataError, LockedError, UserError
 from megatron_lev.log import get_logger, setup_logging
 from megatron_lev.parallel import state
+from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 from megatron_lev.training.callbacks import (
     Checkpointer,
     EmbeddingProbe,
@@ -40,7 +48,7 @@ from megatron_lev.training.hooks import Callback, TrainResult, callbacks_from_sp
 from megatron_lev.training.launch import device as current_device
 from megatron_lev.training.launch import init_distributed
 from megatron_lev.training.metrics import MetricsWriter
-from megatron_lev.training.resume import TOKENIZER, plan_resume
+from megatron_lev.training.resume import TOKENIZER, ResumePlan, plan_resume
 from megatron_lev.training.schedule import training_budget
 from megatron_lev.training.signals import PreemptionWatcher
 from megatron_lev.training.trainer import TrainData, Trainer
@@ -56,23 +64,25 @@ def find_input_embedding(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if isinstance(m, InputEmbedding)), None)
 
 
-def pretrain(
-    run: RunPlan | RunConfig, allow_changes=(), extra_callbacks: Sequence[Callback] = ()
-) -> TrainResult:
-    """Run (or resume) the pretraining described by `run` on the launcher's processes; config keys
-    in `allow_changes` may differ from the resumed checkpoint's (see `training.resume`).
+def pretrain(plan: RunPlan, allow_changes=(), extra_callbacks: Sequence[Callback] = ()) -> TrainResult:
+    """Run (or resume) the pretraining `plan` describes on the launcher's processes; config keys in
+    `allow_changes` may differ from the resumed checkpoint's (see `training.resume`).
 
-    `run` is the `RunPlan` the caller validated (`engine.plan.validate_run`, as `megatron-lev train`
-    does before anything heavy), or a bare `RunConfig`, validated here once the process group is up.
-    The run has the default callbacks, then those `train.callbacks` names (built here, at start),
-    then `extra_callbacks`.
+    `plan` is the `RunPlan` the caller validated (`engine.plan.validate_run`, as `megatron-lev train`
+    does before anything heavy). The run has the default callbacks, then those `train.callbacks`
+    names (built here, at start), then `extra_callbacks`.
     """
-    cfg = run.cfg if isinstance(run, RunPlan) else run
-    extra = [*callbacks_from_specs(cfg.train.callbacks), *extra_callbacks]
+    if not isinstance(plan, RunPlan):
+        raise TypeError(
+            f"pretrain() takes a RunPlan, not {type(plan).__name__}: "
+            "validate first with engine.plan.validate_run(cfg, world_size, cuda=...)"
+        )
+    extra = [*callbacks_from_specs(plan.cfg.train.callbacks), *extra_callbacks]
     watcher = PreemptionWatcher().install()  # before the slow start-up: Slurm's notice may come early
     try:
         with contextlib.ExitStack() as held:  # the locks of the run's directories
-            return _pretrain(run, watcher, held, allow_changes, extra)
+            run = setup(plan, held)
+            return fit(build(run, watcher, allow_changes, extra))
     finally:
         watcher.uninstall()
 
@@ -110,25 +120,32 @@ def lock_run_dirs(held: contextlib.ExitStack, cfg: RunConfig, save_dir: str) -> 
         raise (LockedError if kind == "locked" else UserError)(message)
 
 
-def _pretrain(
-    run: RunPlan | RunConfig,
-    watcher: PreemptionWatcher,
-    held: contextlib.ExitStack,
-    allow_changes=(),
-    extra_callbacks: Sequence[Callback] = (),
-) -> TrainResult:
-    from megatron_lev.data.documents import DocumentLayout
-    from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
-    from megatron_lev.data.tokenizers import build_tokenizer
-    from megatron_lev.model.flops import flops_per_token, parameter_count
-    from megatron_lev.parallel.random import model_parallel_manual_seed
+@dataclass(frozen=True)
+class RunSetup:
+    """What `setup` produced: the validated plan, this rank's layout and where the run writes."""
+
+    plan: RunPlan
+    layout: ParallelLayout
+    rank: int
+    device: torch.device
+    out: Path
+    save_dir: str
+
+    @property
+    def world(self) -> int:
+        return self.plan.world_size
+
+
+def setup(plan: RunPlan, held: contextlib.ExitStack) -> RunSetup:
+    """Environment, process group, directory locks (held until `held` closes), logging, and the
+    parallel layout (collective: every rank creates the process groups)."""
     from megatron_lev.resources import checkout_root
 
     root = checkout_root()
     if root is not None:  # a checkout builds its kernels beside it; an install uses torch's cache
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / ".torch_extensions"))
     disable_cpu_shm_comm()
-    cfg = run.cfg if isinstance(run, RunPlan) else run
+    cfg = plan.cfg
     env = init_distributed(
         cfg.parallel.distributed_backend,
         collective_timeout_s=cfg.parallel.collective_timeout_s,
@@ -138,61 +155,135 @@ def _pretrain(
     save_dir = cfg.train.save or str(out / "checkpoints")
     lock_run_dirs(held, cfg, save_dir)  # one run at a time writes metrics, logs and checkpoints here
     setup_logging(log_dir=out / "logs" if cfg.logging.log_all_ranks else None)
-    world, rank, dev = env.world_size, env.rank, current_device()
-    if isinstance(run, RunPlan):  # validated by the caller: nothing is checked twice
-        plan = run
-        if plan.world_size != world:
-            raise ConfigError(
-                f"the run was validated for {plan.world_size} processes but the launcher started {world}"
-            )
-    else:
-        plan = validate_run(cfg, world, cuda=torch.cuda.is_available())
-    cfg = plan.cfg  # with what the plan derived into it (e.g. model.lev.id_order_counts): recorded below
-    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    state.initialize_model_parallel(tp, pp)
-    dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
-    log.info("world %d = TP %d x PP %d x DP %d (%s launch, %s)", world, tp, pp, dp, env.source, dev)
+    if plan.world_size != env.world_size:  # validated by the caller: nothing is checked twice
+        raise ConfigError(
+            f"the run was validated for {plan.world_size} processes but the launcher started {env.world_size}"
+        )
+    p, dev = cfg.parallel, current_device()
+    layout = state.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    log.info(
+        "world %d = TP %d x PP %d x DP %d (%s launch, %s)",
+        env.world_size,
+        layout.tp,
+        layout.pp,
+        layout.dp,
+        env.source,
+        dev,
+    )
+    return RunSetup(plan, layout, env.rank, dev, out, save_dir)
 
+
+@dataclass
+class RunParts:
+    """What `build` produced and `fit` runs."""
+
+    trainer: Trainer
+    checkpointer: Checkpointer
+    resume: ResumePlan
+    writer: MetricsWriter
+    n_params: int
+
+
+def build(
+    run: RunSetup,
+    watcher: PreemptionWatcher,
+    allow_changes=(),
+    extra_callbacks: Sequence[Callback] = (),
+) -> RunParts:
+    """Tokenizer (the plan takes its vocabulary), resume plan, model, engine, data, callbacks, trainer."""
+    from megatron_lev.data.tokenizers import build_tokenizer
+    from megatron_lev.model.flops import flops_per_token, parameter_count
+    from megatron_lev.parallel.random import model_parallel_manual_seed
+
+    cfg = run.plan.cfg
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_path)
     # model.vocab_size against the tokenizer, the padding, the variant's rules at that vocabulary
-    plan = plan.with_vocab(tokenizer.vocab_size)
-    vocab, true_vocab = plan.padded_vocab, plan.true_vocab
-    # which checkpoint (verified, config compared), or a fresh start that loses nothing: before the model
-    load_dir = cfg.train.load or save_dir
+    plan, start, load_dir = plan_start(run, tokenizer, allow_changes)
+    cfg = plan.cfg
+    model_parallel_manual_seed(cfg.train.seed, run.layout)
+    model = build_model(plan, run.layout)
+    n_params = parameter_count(cfg.model, plan.padded_vocab)["total"]
+    budget = training_budget(cfg.train, plan.global_batch, cfg.model.seq_length, n_params)
+    log_model(plan, n_params, budget)
+    embedding = find_input_embedding(model)
+    probe = EmbeddingProbe(embedding) if embedding is not None else None
+    engine = build_engine(plan, model, run.layout)
+    data = build_data(run, plan, budget, start, tokenizer, allow_changes)
+    writer = MetricsWriter(run.out, enabled=run.rank == 0, tensorboard=cfg.logging.tensorboard)
+    checkpointer = Checkpointer.from_config(cfg.train, run.save_dir, load_dir)
+    checkpointer.provenance = start.provenance
+    flops = flops_per_token(cfg.model, plan.padded_vocab)
+    callbacks = default_callbacks(
+        cfg, writer, checkpointer, flops, watcher, vocab_size=plan.true_vocab, layout=run.layout
+    )
+    callbacks += [cb for cb in (probe, wandb_callback(cfg, run.rank)) if cb is not None]
+    callbacks += extra_callbacks
+    trainer = Trainer(
+        cfg,
+        engine,
+        budget,
+        data,
+        callbacks,
+        world_size=run.world,
+        device=run.device,
+        save_dir=run.save_dir,
+        load_dir=load_dir,
+    )
+    return RunParts(trainer, checkpointer, start.resume, writer, n_params)
+
+
+@dataclass(frozen=True)
+class _Start:
+    """Where the run starts: the resume plan, and the data and tokenizer record checkpoints carry."""
+
+    resume: ResumePlan
+    provenance: dict
+
+
+def plan_start(run: RunSetup, tokenizer, allow_changes=()) -> tuple[RunPlan, _Start, str]:
+    """The plan with the tokenizer's vocabulary and (on a resume with another DP size) the checkpoint's
+    batch, and which checkpoint to start from (verified, config compared): before the model."""
+    plan = run.plan.with_vocab(tokenizer.vocab_size)
+    cfg = plan.cfg
+    load_dir = cfg.train.load or run.save_dir
     # what the checkpoints record they were trained on (shard sets, blend, tokenizer); a resume compares it
     provenance = run_provenance(cfg.data, tokenizer)
-    resume = plan_resume(load_dir, save_dir, cfg, allow_changes, DeepSpeedEngine.owned_files(), provenance)
-    check_save_dir(save_dir)
+    resume = plan_resume(
+        load_dir, run.save_dir, cfg, allow_changes, DeepSpeedEngine.owned_files(), provenance
+    )
+    check_save_dir(run.save_dir)
     if resume.global_batch is not None and resume.global_batch != plan.global_batch:
         plan = plan.with_global_batch(resume.global_batch)  # another DP size: keep the checkpoint's batch
         cfg = plan.cfg
-    batch_line = resume.batch_line(cfg, world)
-    if batch_line and rank == 0:
+    batch_line = resume.batch_line(cfg, run.world)
+    if batch_line and run.rank == 0:
         log.warning("%s", batch_line)
-    if rank == 0:
-        log.info("resolved config saved to %s", cfg.save(out))
+    if run.rank == 0:
+        log.info("resolved config saved to %s", cfg.save(run.out))
+    return plan, _Start(resume, provenance), load_dir
 
-    model_parallel_manual_seed(cfg.train.seed)
-    model = build_model(plan)
-    n_params = parameter_count(cfg.model, vocab)["total"]
-    micro, global_batch = plan.micro_batch, plan.global_batch
-    budget = training_budget(cfg.train, global_batch, cfg.model.seq_length, n_params)
+
+def log_model(plan: RunPlan, n_params: int, budget) -> None:
+    cfg = plan.cfg
     log.info(
         "%s: %s parameters, vocabulary %d (padded), %d iterations x %d sequences x %d tokens (%s tokens; %s)",
         cfg.model.name,
         f"{n_params:,}",
-        vocab,
+        plan.padded_vocab,
         budget.train_iters,
-        global_batch,
+        plan.global_batch,
         cfg.model.seq_length,
         f"{budget.train_tokens:,}",
         budget.source,
     )
-    embedding = find_input_embedding(model)
-    probe = EmbeddingProbe(embedding) if embedding is not None else None
 
-    engine = build_engine(plan, model)
 
+def build_data(run: RunSetup, plan: RunPlan, budget, start: _Start, tokenizer, allow_changes=()) -> TrainData:
+    """The training and validation micro-batches of this rank's data-parallel slice (`run.layout`)."""
+    from megatron_lev.data.documents import DocumentLayout
+    from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
+
+    cfg, global_batch, resume = plan.cfg, plan.global_batch, start.resume
     n_valid = cfg.train.eval_iters * global_batch if cfg.train.eval_interval else 0
     n_train = budget.train_iters * global_batch
     if resume.saved is not None and resume.saved.global_batch != global_batch:  # a changed batch (allowed)
@@ -207,12 +298,12 @@ def _pretrain(
     )
     if train_ds is None:
         raise ConfigError(f"data.split={cfg.data.split!r} leaves no training documents")
-
     documents = DocumentLayout.from_config(cfg.data, tokenizer.eod)  # None unless a document option is on
+    micro, dp_rank, dp, dev = plan.micro_batch, run.layout.dp_rank, run.layout.dp, run.device
 
     def train_batches(consumed: int):
         loader = make_loader(train_ds, consumed, micro, dp_rank, dp, cfg.data.num_workers)
-        yield from token_batches(loader, dev, true_vocab, documents)
+        yield from token_batches(loader, dev, plan.true_vocab, documents)
         raise DataError(  # not a bare StopIteration from inside a step
             f"the training data ran out at sample {loader.batch_sampler.consumed_samples} of "
             f"{len(train_ds)} built for {budget.train_iters} iterations x {global_batch} sequences; "
@@ -221,51 +312,32 @@ def _pretrain(
         )
 
     def valid_batches():
-        return token_batches(make_loader(valid_ds, 0, micro, dp_rank, dp, 0), dev, true_vocab, documents)
+        loader = make_loader(valid_ds, 0, micro, dp_rank, dp, 0)
+        return token_batches(loader, dev, plan.true_vocab, documents)
 
-    writer = MetricsWriter(out, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
-    checkpointer = Checkpointer.from_config(cfg.train, save_dir, load_dir)
-    checkpointer.provenance = provenance
-    callbacks = default_callbacks(
-        cfg, writer, checkpointer, flops_per_token(cfg.model, vocab), watcher, vocab_size=true_vocab
-    )
-    callbacks += [cb for cb in (probe, wandb_callback(cfg, rank)) if cb is not None]
-    callbacks += extra_callbacks
-    data = TrainData(train_batches, valid_batches if valid_ds is not None else None, global_batch)
-    trainer = Trainer(
-        cfg,
-        engine,
-        budget,
-        data,
-        callbacks,
-        world_size=world,
-        device=dev,
-        save_dir=save_dir,
-        load_dir=load_dir,
-    )
+    return TrainData(train_batches, valid_batches if valid_ds is not None else None, global_batch)
+
+
+def fit(parts: RunParts) -> TrainResult:
+    """Resume (or start), train, and record the run's start and end."""
+    trainer, writer = parts.trainer, parts.writer
     try:
-        checkpointer.resume(trainer, resume)
-        writer.record(
-            "event",
-            trainer.state.iteration,
-            {
-                "event": "start",
-                "parameters": n_params,
-                "train_iters": budget.train_iters,
-                "world_size": world,
-            },
-        )
+        parts.checkpointer.resume(trainer, parts.resume)
+        start = {
+            "event": "start",
+            "parameters": parts.n_params,
+            "train_iters": trainer.budget.train_iters,
+            "world_size": trainer.world_size,
+        }
+        writer.record("event", trainer.state.iteration, start)
         result = trainer.train()
-        writer.record(
-            "event",
-            result.iteration,
-            {
-                "event": "end",
-                "reason": result.reason,
-                "exit_code": result.exit_code,
-                "skipped_steps": result.skipped_steps,
-            },
-        )
+        end = {
+            "event": "end",
+            "reason": result.reason,
+            "exit_code": result.exit_code,
+            "skipped_steps": result.skipped_steps,
+        }
+        writer.record("event", result.iteration, end)
         return result
     finally:
         writer.close()
@@ -278,11 +350,12 @@ def default_callbacks(
     flops_per_token: float | None = None,
     watcher: PreemptionWatcher | None = None,
     vocab_size: int | None = None,
+    layout: ParallelLayout = SINGLE,
 ) -> list[Callback]:
     """The callbacks every run has: guard, checkpoints (`checkpointer`; None: no checkpoints),
     validation, metrics and progress, preemption, and (`logging.train_dynamics`) the training
     dynamics, whose table sample is drawn from the tokenizer's `vocab_size` ids (default: the
-    embedding's padded vocabulary)."""
+    embedding's padded vocabulary), measured on the pipeline stage of `layout` that computes the table."""
     t, lg = cfg.train, cfg.logging
     callbacks = [
         NonFiniteGuard(t.max_consecutive_skips, t.max_update_ratio),
@@ -293,7 +366,7 @@ def default_callbacks(
         ClipMetrics(),
     ]
     if lg.train_dynamics:
-        callbacks.append(TrainingDynamics(lg.log_interval, lg.dynamics_sample_ids, vocab_size))
+        callbacks.append(TrainingDynamics(lg.log_interval, lg.dynamics_sample_ids, vocab_size, layout))
     return [cb for cb in callbacks if cb is not None]
 
 

@@ -88,15 +88,16 @@ def make_checkpoints(root: str, tokenizer: str, text: str) -> dict:
     from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, disable_cpu_shm_comm
     from megatron_lev.engine.mpu import TensorParallelMPU
     from megatron_lev.parallel import state
+    from tests.plans import plan_for
 
     disable_cpu_shm_comm()
     train, held_out = text_batches(tokenizer, text)
     results = {}
-    state.initialize_model_parallel(2, 2)
+    layout = state.initialize_model_parallel(2, 2)
     for variant in PIPELINE_VARIANTS:
         cfg = run_config(variant, tokenizer, 2, 2, 1)
         torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg, 50277)
+        model = build_model(plan_for(cfg, 50277, layout.world_size), layout)
         engine, *_ = deepspeed.initialize(
             model=model,
             optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -106,7 +107,7 @@ def make_checkpoints(root: str, tokenizer: str, text: str) -> dict:
         engine.train_batch(iter([((train[:, :-1],), train[:, 1:])]))
         loss = engine.eval_batch(iter([((held_out[:, :-1],), held_out[:, 1:])]))
         save_checkpoint(
-            DeepSpeedEngine(engine, None, cfg, pipeline=True, gas=1),
+            DeepSpeedEngine(engine, None, cfg, pipeline=True, gas=1, layout=layout),
             Path(root) / variant,
             iteration=1,
             client_state={},
@@ -114,27 +115,26 @@ def make_checkpoints(root: str, tokenizer: str, text: str) -> dict:
             config_yaml=cfg.to_yaml(),
         )
         results[variant] = {"eval_loss": float(loss), "tp": 2, "pp": 2, "zero": 1}
-    state.destroy_model_parallel()
 
-    state.initialize_model_parallel(2, 1)
+    layout = state.initialize_model_parallel(2, 1)
     cfg = run_config(ZERO3_VARIANT, tokenizer, 2, 1, 3, precision="bf16")
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, 50277)
+    model = build_model(plan_for(cfg, 50277, layout.world_size), layout)
     engine, *_ = deepspeed.initialize(
         model=model,
         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
         config=_ds_config("bf16", 3, 2),
-        mpu=TensorParallelMPU(),
+        mpu=TensorParallelMPU(layout),
         dist_init_required=False,
     )
-    dp_rank = state.get_data_parallel_rank()
+    dp_rank = layout.dp_rank
     ids = train[:, :-1] if dp_rank == 0 else held_out[:, :-1]
     labels = train[:, 1:] if dp_rank == 0 else held_out[:, 1:]
     loss = engine(ids, labels).mean()
     engine.backward(loss)
     engine.step()
     save_checkpoint(
-        DeepSpeedEngine(engine, None, cfg, pipeline=False, gas=1),
+        DeepSpeedEngine(engine, None, cfg, pipeline=False, gas=1, layout=layout),
         Path(root) / ZERO3_VARIANT,
         iteration=1,
         client_state={},
@@ -142,5 +142,4 @@ def make_checkpoints(root: str, tokenizer: str, text: str) -> dict:
         config_yaml=cfg.to_yaml(),
     )
     results[ZERO3_VARIANT] = {"tp": 2, "pp": 1, "zero": 3}
-    state.destroy_model_parallel()
     return results

@@ -37,6 +37,7 @@ def _make(root: str, tokenizer: str, text: str, counts: str) -> dict:
     from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, disable_cpu_shm_comm
     from megatron_lev.engine.mpu import TensorParallelMPU
     from megatron_lev.parallel import state
+    from tests.plans import plan_for
 
     disable_cpu_shm_comm()
     train, held_out = text_batches(tokenizer, text)
@@ -57,10 +58,10 @@ def _make(root: str, tokenizer: str, text: str, counts: str) -> dict:
             ],
         )
 
-    state.initialize_model_parallel(2, 2)
+    layout = state.initialize_model_parallel(2, 2)
     cfg = config(2, 2, 1, "fp32", "model.lev.id_order=frequency", f"model.lev.id_order_counts={counts}")
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, VOCAB)
+    model = build_model(plan_for(cfg, VOCAB, layout.world_size), layout)
     engine, *_ = deepspeed.initialize(
         model=model,
         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -69,28 +70,26 @@ def _make(root: str, tokenizer: str, text: str, counts: str) -> dict:
     )
     engine.train_batch(iter([((train[:, :-1],), train[:, 1:])]))
     loss = engine.eval_batch(iter([((held_out[:, :-1],), held_out[:, 1:])]))
-    wrapped = DeepSpeedEngine(engine, None, cfg, pipeline=True, gas=1)
+    wrapped = DeepSpeedEngine(engine, None, cfg, pipeline=True, gas=1, layout=layout)
     save_checkpoint(wrapped, Path(root) / "frequency", 1, {}, keep_last=2, config_yaml=cfg.to_yaml())
     out["frequency"] = float(loss)
-    state.destroy_model_parallel()
 
-    state.initialize_model_parallel(2, 1)
+    layout = state.initialize_model_parallel(2, 1)
     cfg = config(2, 1, 3, "bf16", "model.lev.id_order=random", "model.lev.id_order_seed=5")
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, VOCAB)
+    model = build_model(plan_for(cfg, VOCAB, layout.world_size), layout)
     engine, *_ = deepspeed.initialize(
         model=model,
         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
         config=_ds_config("bf16", 3, 2),
-        mpu=TensorParallelMPU(),
+        mpu=TensorParallelMPU(layout),
         dist_init_required=False,
     )
-    batch = train if state.get_data_parallel_rank() == 0 else held_out
+    batch = train if layout.dp_rank == 0 else held_out
     engine.backward(engine(batch[:, :-1], batch[:, 1:]).mean())
     engine.step()
-    wrapped = DeepSpeedEngine(engine, None, cfg, pipeline=False, gas=1)
+    wrapped = DeepSpeedEngine(engine, None, cfg, pipeline=False, gas=1, layout=layout)
     save_checkpoint(wrapped, Path(root) / "random", 1, {}, keep_last=2, config_yaml=cfg.to_yaml())
-    state.destroy_model_parallel()
     return out
 
 

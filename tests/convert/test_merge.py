@@ -35,11 +35,9 @@ def _cfg():
 
 
 def _tp_state() -> dict:
-    state.initialize_model_parallel(tensor_model_parallel_size=2)
-    try:
-        return {k: v.numpy().copy() for k, v in GPTModel(_cfg(), VOCAB, seed=5).state_dict().items()}
-    finally:
-        state.destroy_model_parallel()
+    layout = state.initialize_model_parallel(tensor_model_parallel_size=2)
+    model = GPTModel(_cfg(), VOCAB, seed=5, layout=layout)
+    return {k: v.numpy().copy() for k, v in model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")

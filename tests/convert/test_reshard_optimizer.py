@@ -33,17 +33,16 @@ def _batches(n: int, offset: int) -> list[torch.Tensor]:
 
 def _engine(cfg):
     from megatron_lev.engine.build import build_model
-    from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
     from megatron_lev.parallel import state
+    from tests.plans import plan_for
 
     disable_cpu_shm_comm()
     p = cfg.parallel
-    state.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    layout = state.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    plan = plan_for(cfg, VOCAB, layout.world_size)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, VOCAB)
-    world = torch.distributed.get_world_size()
-    return build_engine(cfg, model, world, build_ds_config(cfg, world))
+    return build_engine(plan, build_model(plan, layout), layout)
 
 
 def _train(engine, batches: list[torch.Tensor]) -> list[float]:
@@ -63,7 +62,6 @@ def train_and_save(root: str, tokenizer: str, zero: int, extra=()) -> None:
     """Collective over 4 ranks: TP=2 x PP=2, `TRAINED` steps, saved as the trainer saves (iteration,
     data position)."""
     from megatron_lev.ckpt.io import save_checkpoint
-    from megatron_lev.parallel import state
     from tests.convert.ds_checkpoints import run_config
 
     cfg = run_config("tied", tokenizer, 2, 2, zero, extra=extra)
@@ -71,7 +69,6 @@ def train_and_save(root: str, tokenizer: str, zero: int, extra=()) -> None:
     _train(engine, _batches(TRAINED, 0))
     client = {"train_state": {"iteration": TRAINED, "consumed_samples": 4 * TRAINED, "consumed_tokens": 0}}
     save_checkpoint(engine, Path(root), TRAINED, client, keep_last=2, config_yaml=cfg.to_yaml())
-    state.destroy_model_parallel()
 
 
 def resume_and_train(root: str) -> tuple[list[float], dict]:
@@ -79,14 +76,12 @@ def resume_and_train(root: str) -> tuple[list[float], dict]:
     state)."""
     from megatron_lev.ckpt.io import load_checkpoint, read_latest
     from megatron_lev.config import load_config
-    from megatron_lev.parallel import state
 
     tag, _ = read_latest(root)
     cfg = load_config([Path(root) / tag / "config.yaml"])
     engine = _engine(cfg)
     client = load_checkpoint(engine, root, tag)
     losses = _train(engine, _batches(CONTINUED, 1))
-    state.destroy_model_parallel()
     return losses, client
 
 

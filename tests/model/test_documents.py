@@ -14,7 +14,9 @@ from megatron_lev.engine.pipeline import pipeline_batches, pipeline_loss
 from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.model.documents import block_causal_mask, cu_seqlens
 from megatron_lev.model.loss import masked_mean
+from megatron_lev.parallel.layout import SINGLE
 from megatron_lev.testing import run_distributed
+from tests.plans import plan_for
 
 EOD, VOCAB, SEQ = 0, 208, 24
 SMALL = [
@@ -44,7 +46,7 @@ CASES = {
 def _model(case, extra=()):
     """The plain model, checkpointed as the engine would when the case asks for it."""
     cfg = load_config(None, SMALL + CASES[case] + list(extra))
-    return apply_activation_checkpointing(build_model(cfg, VOCAB), cfg.model)
+    return apply_activation_checkpointing(build_model(plan_for(cfg, VOCAB), SINGLE), cfg.model)
 
 
 def _packed(lengths=(5, 9, 1, 13, 7, 8, 5), rows=2, seed=0):
@@ -181,7 +183,9 @@ def test_loss_mask_drops_exactly_the_targets_after_eod():
         logits = model(batch.input_ids)
         (inputs,), labels = next(pipeline_batches(iter([batch])))
         assert isinstance(labels, tuple) and labels[1] is batch.loss_mask
-        torch.testing.assert_close(pipeline_loss(logits, labels, VOCAB), kept.mean(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            pipeline_loss(logits, labels, VOCAB, layout=SINGLE), kept.mean(), rtol=1e-6, atol=0
+        )
     assert float(masked_mean(per_token, torch.zeros_like(per_token))) == 0.0  # nothing kept: 0, not NaN
 
 
@@ -209,7 +213,7 @@ def _pipeline_worker(case):
 
     from megatron_lev.parallel import state
 
-    state.initialize_model_parallel(1, 2)
+    layout = state.initialize_model_parallel(1, 2)
     cfg = load_config(
         None,
         SMALL
@@ -222,7 +226,7 @@ def _pipeline_worker(case):
             f"model.seq_length={SEQ - 1}",
         ],
     )
-    pipe = build_model(cfg, VOCAB)
+    pipe = build_model(plan_for(cfg, VOCAB, layout.world_size), layout)
     ds_config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": ACCUM,
@@ -235,7 +239,6 @@ def _pipeline_worker(case):
         model=pipe, optimizer=_adamw(pipe.parameters()), config=ds_config, dist_init_required=False
     )
     losses = [engine.train_batch(pipeline_batches(iter(step))).item() for step in _steps()]
-    state.destroy_model_parallel()
     return losses
 
 

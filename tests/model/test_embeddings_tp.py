@@ -5,6 +5,7 @@ import torch
 
 from megatron_lev.config import LevConfig, ModelConfig
 from megatron_lev.model.embeddings import REGISTRY, build_input_embedding
+from megatron_lev.parallel.layout import SINGLE
 from megatron_lev.testing import run_distributed
 
 VOCAB = 48  # divisible by 4 for the vocab-parallel tables
@@ -38,11 +39,11 @@ def _cfg(case):
     return ModelConfig(hidden_size=8, embedding=variant, lev=lev)
 
 
-def _run(case, ids, probe):
+def _run(case, ids, probe, layout=SINGLE):
     """Build with seed 0, forward, backward of <out, probe>; return out, per-parameter grads, the
     materialised table and `sample_rows(SAMPLE)`."""
     torch.manual_seed(0)
-    emb = build_input_embedding(_cfg(case), VOCAB).double()
+    emb = build_input_embedding(_cfg(case), VOCAB, layout).double()
     if case.endswith("+rms"):
         emb.rescale_output_(TARGET_RMS)
     out = emb(ids)
@@ -63,14 +64,13 @@ def _tp_worker(tp, ids, probe):
     from megatron_lev.model.embeddings.lev import LevEmbedding
     from megatron_lev.parallel import state
 
-    state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    results = {case: _to_numpy(_run(case, ids, probe)) for case in CASES}
+    layout = state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    results = {case: _to_numpy(_run(case, ids, probe, layout)) for case in CASES}
     try:
-        LevEmbedding(VOCAB, 8, LevConfig(heads=tp + 1))
+        LevEmbedding(VOCAB, 8, LevConfig(heads=tp + 1), layout=layout)
         results["bad_heads_error"] = None
     except ConfigError as exc:
         results["bad_heads_error"] = str(exc)
-    state.destroy_model_parallel()
     return results
 
 

@@ -7,7 +7,9 @@ from megatron_lev.config import load_config
 from megatron_lev.engine.build import build_model
 from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.model.canonical import canonical_state_dict_spec, merge_tp_shards
+from megatron_lev.parallel.layout import SINGLE
 from megatron_lev.testing import run_distributed
+from tests.plans import plan_for
 
 VOCAB = 208  # already a multiple of 8 x TP: TP = 1 and TP = 2 pad it alike
 SMALL = [
@@ -38,26 +40,24 @@ def _config(case, tp):
     return load_config(None, SMALL + CASES[case] + [f"parallel.tensor_model_parallel_size={tp}"])
 
 
-def _run(case, tp, ids):
+def _run(case, tp, ids, layout=SINGLE):
     """Logits (full vocabulary), loss and {name: grad shard} on this rank."""
     from megatron_lev.parallel.mappings import gather_from_tensor_parallel_region
 
     cfg = _config(case, tp)
-    model = apply_activation_checkpointing(build_model(cfg, VOCAB), cfg.model)
+    model = apply_activation_checkpointing(build_model(plan_for(cfg, VOCAB, tp), layout), cfg.model)
     logits = model(ids)
     loss = model(ids[:, :-1], ids[:, 1:])
     loss.mean().backward()
     grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
-    return gather_from_tensor_parallel_region(logits.detach()).numpy(), loss.detach().numpy(), grads
+    return gather_from_tensor_parallel_region(logits.detach(), layout).numpy(), loss.detach().numpy(), grads
 
 
 def _tp_worker(ids):
     from megatron_lev.parallel import state
 
-    state.initialize_model_parallel(2)
-    out = {case: _run(case, 2, ids) for case in CASES}
-    state.destroy_model_parallel()
-    return out
+    layout = state.initialize_model_parallel(2)
+    return {case: _run(case, 2, ids, layout) for case in CASES}
 
 
 @pytest.mark.multiprocess

@@ -14,6 +14,7 @@ from megatron_lev.model.canonical import canonical_state_dict_spec, parameter_sp
 from megatron_lev.model.embeddings import build_input_embedding
 from megatron_lev.model.embeddings.id_order import frequency_ranks, random_ranks
 from megatron_lev.model.embeddings.lev import LevEmbedding, digit_base
+from megatron_lev.parallel.layout import SINGLE
 from megatron_lev.testing import run_distributed
 
 VOCAB = 48  # divisible by 2 for the TP test
@@ -289,9 +290,9 @@ def test_seed_and_counts_are_free_on_resume_and_the_order_is_fixed():
 # ----------------------------------------------------------------------------- tensor parallel
 
 
-def _tp_run(lev: LevConfig, ids: torch.Tensor, probe: torch.Tensor):
+def _tp_run(lev: LevConfig, ids: torch.Tensor, probe: torch.Tensor, layout=SINGLE):
     torch.manual_seed(0)
-    emb = LevEmbedding(VOCAB, 8, lev).double()
+    emb = LevEmbedding(VOCAB, 8, lev, layout=layout).double()
     out = emb(ids)
     (out * probe).sum().backward()
     return out.detach().numpy(), emb.materialize(chunk_size=7).numpy(), emb.codebooks.id_rank.numpy()
@@ -300,11 +301,8 @@ def _tp_run(lev: LevConfig, ids: torch.Tensor, probe: torch.Tensor):
 def _tp_worker(configs, ids, probe):
     from megatron_lev.parallel import state
 
-    state.initialize_model_parallel(tensor_model_parallel_size=2)
-    try:
-        return {order: _tp_run(lev, ids, probe) for order, lev in configs.items()}
-    finally:
-        state.destroy_model_parallel()
+    layout = state.initialize_model_parallel(tensor_model_parallel_size=2)
+    return {order: _tp_run(lev, ids, probe, layout) for order, lev in configs.items()}
 
 
 @pytest.mark.multiprocess

@@ -11,6 +11,8 @@ from megatron_lev.engine.build import build_model
 from megatron_lev.model.embeddings import REGISTRY, InputEmbedding, check_token_ids
 from megatron_lev.model.flops import parameter_count
 from megatron_lev.parallel.layers import VocabParallelEmbedding
+from megatron_lev.parallel.layout import SINGLE
+from tests.plans import plan_for
 
 
 class ScaledEmbedding(InputEmbedding):
@@ -18,15 +20,15 @@ class ScaledEmbedding(InputEmbedding):
 
     name, label = "scaled", "SCALED"
 
-    def __init__(self, vocab_size: int, hidden_size: int, init_std: float):
+    def __init__(self, vocab_size: int, hidden_size: int, init_std: float, layout=SINGLE):
         super().__init__()
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
-        self.table = VocabParallelEmbedding(vocab_size, hidden_size, init_std=init_std)
+        self.table = VocabParallelEmbedding(vocab_size, hidden_size, init_std=init_std, layout=layout)
         self.scale = nn.Parameter(torch.ones(()))
 
     @classmethod
-    def from_config(cls, model_cfg, vocab_size):
-        return cls(vocab_size, model_cfg.hidden_size, model_cfg.init_std)
+    def from_config(cls, model_cfg, vocab_size, layout=SINGLE):
+        return cls(vocab_size, model_cfg.hidden_size, model_cfg.init_std, layout)
 
     @classmethod
     def parameter_count(cls, model_cfg, vocab_size):
@@ -58,7 +60,7 @@ def test_a_new_variant_validates_builds_trains_and_counts(registered, variant, c
         None, [f"model.embedding={variant}", "model.make_vocab_size_divisible_by=64"], world_size=1
     )
     torch.manual_seed(0)
-    model = build_model(cfg, 1000)
+    model = build_model(plan_for(cfg, 1000), SINGLE)
     assert isinstance(model.embedding, REGISTRY[variant])
     tied = REGISTRY[variant].ties_output_head
     assert hasattr(model, "output_head") != tied  # tied: no head module, the embedding stage's table

@@ -8,7 +8,9 @@ from megatron_lev.engine.build import build_model
 from megatron_lev.engine.pipeline import stage_modules
 from megatron_lev.errors import ConfigError
 from megatron_lev.model.canonical import canonical_state_dict_spec
+from megatron_lev.parallel.layout import SINGLE
 from megatron_lev.testing import run_distributed
+from tests.plans import plan_for
 
 VOCAB = 208  # a multiple of 8 x TP for TP 1 and 2, so every layout pads it alike
 MICRO, ACCUM, SEQ, STEPS, LR = 2, 2, 16, 5, 1e-3
@@ -54,7 +56,7 @@ def _adamw(params):
 
 def _reference_losses(embedding):
     """PP = 1, TP = 1, plain torch: the mean per-token loss of each step's micro-batches."""
-    model = build_model(_config(embedding, 1, 1), VOCAB)
+    model = build_model(plan_for(_config(embedding, 1, 1), VOCAB), SINGLE)
     opt, losses = _adamw(model.parameters()), []
     for step in _batches():
         opt.zero_grad()
@@ -71,12 +73,12 @@ def _pipeline_worker(tp, pp, embeddings, extra=()):
 
     from megatron_lev.parallel import state
 
-    state.initialize_model_parallel(tp, pp)
+    layout = state.initialize_model_parallel(tp, pp)
     out = {}
     for embedding in embeddings:
         cfg = _config(embedding, tp, pp, extra)
-        pipe = build_model(cfg, VOCAB)
-        spec = canonical_state_dict_spec(cfg.model, VOCAB)  # names and TP-local shapes must map onto it
+        pipe = build_model(plan_for(cfg, VOCAB, dist.get_world_size()), layout)
+        spec = canonical_state_dict_spec(cfg.model, VOCAB, layout)  # names and TP-local shapes map onto it
         for name, param in (kv for stage in stage_modules(pipe) for kv in stage.named_parameters()):
             entry = spec[name]
             local = list(entry.shape)
@@ -103,7 +105,6 @@ def _pipeline_worker(tp, pp, embeddings, extra=()):
             dist.all_gather(parts, t)
             copies.append([p.numpy() for p in parts])
         out[embedding] = (losses, copies)
-    state.destroy_model_parallel()
     return out
 
 
@@ -171,6 +172,9 @@ def test_bad_layouts_are_refused_before_any_process_group(overrides, match):
     import torch.distributed as dist
 
     cfg = load_config(None, SMALL + overrides, validate=False)
+    p = cfg.parallel
     with pytest.raises(ConfigError, match=match):
-        build_model(cfg, VOCAB)
+        build_model(
+            plan_for(cfg, VOCAB, p.tensor_model_parallel_size * p.pipeline_model_parallel_size), SINGLE
+        )
     assert not dist.is_initialized()

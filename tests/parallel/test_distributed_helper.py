@@ -42,16 +42,14 @@ def test_child_traceback_is_reported():
 def _tp_regions(x):
     from megatron_lev.parallel import mappings, state
 
-    state.initialize_model_parallel(tensor_model_parallel_size=2)
-    rank = state.get_tensor_model_parallel_rank()
+    layout = state.initialize_model_parallel(tensor_model_parallel_size=2)
     x = x.clone().requires_grad_(True)
     # copy -> per-rank scale -> reduce == sum of scales; grad of x = sum of scales as well
-    y = mappings.copy_to_tensor_parallel_region(x) * (rank + 1.0)
-    out = mappings.reduce_from_tensor_parallel_region(y)
-    part = mappings.scatter_to_tensor_parallel_region(out)
-    full = mappings.gather_from_tensor_parallel_region(part * 2)
+    y = mappings.copy_to_tensor_parallel_region(x, layout) * (layout.tp_rank + 1.0)
+    out = mappings.reduce_from_tensor_parallel_region(y, layout)
+    part = mappings.scatter_to_tensor_parallel_region(out, layout)
+    full = mappings.gather_from_tensor_parallel_region(part * 2, layout)
     full.sum().backward()
-    state.destroy_model_parallel()
     return out.detach(), full.detach(), x.grad
 
 
@@ -70,17 +68,12 @@ def _groups(tp, pp):
     import torch.distributed as dist
 
     from megatron_lev.parallel import state
+    from megatron_lev.parallel.layout import ParallelLayout
 
-    state.initialize_model_parallel(tp, pp)
-    out = (
-        dist.get_rank(),
-        state.get_tensor_model_parallel_rank(),
-        state.get_pipeline_model_parallel_rank(),
-        state.get_data_parallel_rank(),
-        state.get_data_parallel_world_size(),
-    )
-    state.destroy_model_parallel()
-    return out
+    layout = state.initialize_model_parallel(tp, pp)
+    assert layout == ParallelLayout.from_sizes(tp, pp, layout.dp, rank=dist.get_rank(), groups=layout.groups)
+    assert dist.get_rank() in layout.tp_ranks and layout.rank == dist.get_rank()
+    return (dist.get_rank(), layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.dp)
 
 
 @pytest.mark.multiprocess

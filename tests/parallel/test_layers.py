@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lev.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lev.parallel.layout import SINGLE
 from megatron_lev.testing import run_distributed
 
 
@@ -12,12 +13,11 @@ def _column_row(x, seed, tp):
     from megatron_lev.parallel import state
     from megatron_lev.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    if tp > 1 and not state.is_initialized():
-        state.initialize_model_parallel(tp)
+    layout = state.initialize_model_parallel(tp) if tp > 1 else SINGLE
     torch.manual_seed(seed)
-    col = ColumnParallelLinear(8, 12)
-    row = RowParallelLinear(12, 6)
-    fused = ColumnParallelLinear(8, 12, part_sizes=(4, 8))  # two parts, each split across ranks
+    col = ColumnParallelLinear(8, 12, layout=layout)
+    row = RowParallelLinear(12, 6, layout=layout)
+    fused = ColumnParallelLinear(8, 12, part_sizes=(4, 8), layout=layout)  # two parts, each split over ranks
     x = x.clone().requires_grad_(True)
     y = row(F.silu(col(x)))
     (y * torch.arange(6.0)).sum().backward()
@@ -31,7 +31,6 @@ def _column_row(x, seed, tp):
         fused.weight.detach(),
         fused(x).detach(),
     )
-    state.destroy_model_parallel()
     return tuple(t.numpy() for t in out)  # by value: shared-memory tensors can vanish with the process
 
 
@@ -85,13 +84,10 @@ def test_column_row_parallel_linear_match_nn_linear(tp2_results):
 def _vocab_ce(logits, target, weights, tp):
     from megatron_lev.parallel import state
 
-    if not state.is_initialized():
-        state.initialize_model_parallel(tp)
-    rank = state.get_tensor_model_parallel_rank()
-    shard = logits.chunk(tp, dim=-1)[rank].clone().requires_grad_(True)
-    loss = vocab_parallel_cross_entropy(shard, target)
+    layout = state.initialize_model_parallel(tp)
+    shard = logits.chunk(tp, dim=-1)[layout.tp_rank].clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(shard, target, layout=layout)
     (loss * weights).sum().backward()
-    state.destroy_model_parallel()
     return loss.detach().numpy(), shard.grad.numpy()
 
 
@@ -115,7 +111,7 @@ def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tp, request):
 def test_cross_entropy_single_process_bf16_grad_dtype():
     logits = torch.randn(4, 32).bfloat16().requires_grad_(True)
     target = torch.randint(0, 32, (4,))
-    loss = vocab_parallel_cross_entropy(logits, target)
+    loss = vocab_parallel_cross_entropy(logits, target, layout=SINGLE)
     assert loss.dtype == torch.float32
     loss.sum().backward()
     assert logits.grad.dtype == torch.bfloat16
@@ -124,4 +120,4 @@ def test_cross_entropy_single_process_bf16_grad_dtype():
 
 def test_cross_entropy_shape_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="disagree"):
-        vocab_parallel_cross_entropy(torch.randn(2, 3, 8), torch.zeros(2, 4, dtype=torch.long))
+        vocab_parallel_cross_entropy(torch.randn(2, 3, 8), torch.zeros(2, 4, dtype=torch.long), layout=SINGLE)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from megatron_lev.parallel.layout import SINGLE
 from megatron_lev.parallel.random import get_rng_tracker, model_parallel_manual_seed, seeded
 from megatron_lev.testing import run_distributed
 
@@ -10,12 +11,10 @@ from megatron_lev.testing import run_distributed
 def _draws(seed):
     from megatron_lev.parallel import state
 
-    state.initialize_model_parallel(2)
-    model_parallel_manual_seed(seed)
+    model_parallel_manual_seed(seed, state.initialize_model_parallel(2))
     with get_rng_tracker().fork():
         tp_draw = torch.rand(4)
     default_draw = torch.rand(4)
-    state.destroy_model_parallel()
     return tp_draw.tolist(), default_draw.tolist()
 
 
@@ -29,12 +28,12 @@ def test_tp_stream_differs_per_rank_default_stream_shared():
 
 
 def test_fork_resumes_its_stream_and_seeded_restores_default():
-    model_parallel_manual_seed(3)
+    model_parallel_manual_seed(3, SINGLE)
     with get_rng_tracker().fork():
         a = torch.rand(3)
     with get_rng_tracker().fork():
         b = torch.rand(3)
-    model_parallel_manual_seed(3)
+    model_parallel_manual_seed(3, SINGLE)
     with get_rng_tracker().fork():
         ab = torch.rand(6)
     torch.testing.assert_close(torch.cat([a, b]), ab)

@@ -128,13 +128,13 @@ def _write_result(path: Path, value) -> None:
 
 def _train_layouts(prefix: str, tok: str, out: str, layouts: list) -> None:
     """Train every layout in turn (every rank); rank 0 writes `<id>.json` when one ends."""
-    from megatron_lev.training.run import pretrain
+    from tests.training.suites import pretrain_config
 
     for layout in layouts:
         name = _layout_id(*layout)
         over = _overrides(prefix, tok, Path(out) / name, **_layout_overrides(*layout))
         try:
-            res = pretrain(load_config([TINY], over))
+            res = pretrain_config(load_config([TINY], over))
             value = {
                 "exit": res.exit_code,
                 "losses": {str(k): v for k, v in res.losses.items()},
@@ -167,20 +167,22 @@ def _tiny_model_config(embedding: str, tp: int):
     )
 
 
-def _padded_vocab_probe(embedding: str) -> dict:
+def _padded_vocab_probe(embedding: str, layout=None) -> dict:
     """First loss, the loss over the tokenizer's rows only, and the gradient of the padding rows."""
     from megatron_lev.engine.build import build_model
-    from megatron_lev.parallel import state
     from megatron_lev.parallel.layers import vocab_range
+    from megatron_lev.parallel.layout import SINGLE
+    from tests.plans import plan_for
 
-    tp = state.get_tensor_model_parallel_world_size()
-    model = build_model(_tiny_model_config(embedding, tp), TOKENIZER_VOCAB)
+    layout = layout or SINGLE
+    tp = layout.tp
+    model = build_model(plan_for(_tiny_model_config(embedding, tp), TOKENIZER_VOCAB, tp), layout)
     ids = torch.randint(0, TOKENIZER_VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
     loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
     loss.backward()
     tied = not hasattr(model, "output_head")  # tied: the head is the embedding stage's table
     table = model.embedding.tied_output_weight() if tied else model.output_head.weight  # (V/tp, D)
-    vocab_start, vocab_end = vocab_range(model.vocab_size, state.get_tensor_model_parallel_rank(), tp)
+    vocab_start, vocab_end = vocab_range(model.vocab_size, layout.tp_rank, tp)
     pad_from = max(TOKENIZER_VOCAB - vocab_start, 0)
     out = {
         "loss": loss.item(),
@@ -198,11 +200,8 @@ def _padded_vocab_probe(embedding: str) -> dict:
 def _two_rank_suite(prefix: str, tok: str, out: str) -> dict:
     from megatron_lev.parallel import state
 
-    state.initialize_model_parallel(2, 1)
-    try:
-        probes = {emb: _padded_vocab_probe(emb) for emb in ("lev", "tied")}
-    finally:
-        state.destroy_model_parallel()
+    layout = state.initialize_model_parallel(2, 1)
+    probes = {emb: _padded_vocab_probe(emb, layout) for emb in ("lev", "tied")}
     _train_layouts(prefix, tok, out, WORLD2)
     return probes
 
@@ -426,16 +425,17 @@ def test_padding_rows_get_zero_gradient(two_ranks, embedding):
 
 def test_cross_entropy_masks_padding_columns():
     from megatron_lev.parallel.cross_entropy import vocab_parallel_cross_entropy
+    from megatron_lev.parallel.layout import SINGLE
 
     g = torch.Generator().manual_seed(1)
     logits = (torch.randn(3, 5, 16, generator=g) * 3).requires_grad_()
     target = torch.randint(0, 11, (3, 5), generator=g)
-    loss = vocab_parallel_cross_entropy(logits, target, vocab_size=11)
+    loss = vocab_parallel_cross_entropy(logits, target, vocab_size=11, layout=SINGLE)
     ref = F.cross_entropy(logits[..., :11].flatten(0, 1), target.flatten(), reduction="none").view(3, 5)
     torch.testing.assert_close(loss, ref, rtol=0, atol=1e-6)
     loss.sum().backward()
     assert torch.all(logits.grad[..., 11:] == 0) and torch.isfinite(logits.grad).all()
-    unmasked = vocab_parallel_cross_entropy(logits.detach(), target)
+    unmasked = vocab_parallel_cross_entropy(logits.detach(), target, layout=SINGLE)
     assert torch.all(unmasked > loss.detach()), "without vocab_size every row counts"
 
 

@@ -37,9 +37,16 @@ LAYOUTS = {
 
 
 def _pretrain(overrides: list[str]):
+    return pretrain_config(load_config([TINY], overrides))
+
+
+def pretrain_config(cfg, **kwargs):
+    """`pretrain` as `megatron-lev train` runs it: the plan validated for the launcher's world first."""
+    from megatron_lev.engine.plan import validate_run
+    from megatron_lev.training.launch import read_dist_env
     from megatron_lev.training.run import pretrain
 
-    return pretrain(load_config([TINY], overrides))
+    return pretrain(validate_run(cfg, read_dist_env().world_size, cuda=False), **kwargs)
 
 
 # ---------------------------------------------------------------- one rank

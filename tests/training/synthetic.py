@@ -39,33 +39,24 @@ def train_synthetic(cfg, out: str, vocab: int) -> list[dict] | None:
     disable_cpu_shm_comm()
     world, rank = dist.get_world_size(), dist.get_rank()
     p, t, seq = cfg.parallel, cfg.train, cfg.model.seq_length
-    state.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    layout = state.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    plan = validate_run(cfg, world, cuda=False).with_vocab(vocab)
+    engine = build_engine(plan, build_model(plan, layout), layout)
+    data = synthetic_batches(layout.dp, layout.dp_rank, vocab, t.micro_batch_size, seq)
+    global_batch = plan.global_batch
+    writer = MetricsWriter(out, rank == 0, cfg.logging.tensorboard)
+    trainer = Trainer(
+        cfg,
+        engine,
+        Budget(t.train_iters, global_batch * seq, "test"),
+        TrainData(lambda consumed: data, None, global_batch),
+        default_callbacks(cfg, writer, None, vocab_size=vocab, layout=layout),
+        world_size=world,
+        device=torch.device("cpu"),
+    )
     try:
-        plan = validate_run(cfg, world, cuda=False).with_vocab(vocab)
-        engine = build_engine(plan, build_model(plan))
-        data = synthetic_batches(
-            state.get_data_parallel_world_size(),
-            state.get_data_parallel_rank(),
-            vocab,
-            t.micro_batch_size,
-            seq,
-        )
-        global_batch = plan.global_batch
-        writer = MetricsWriter(out, rank == 0, cfg.logging.tensorboard)
-        trainer = Trainer(
-            cfg,
-            engine,
-            Budget(t.train_iters, global_batch * seq, "test"),
-            TrainData(lambda consumed: data, None, global_batch),
-            default_callbacks(cfg, writer, None, vocab_size=vocab),
-            world_size=world,
-            device=torch.device("cpu"),
-        )
-        try:
-            result = trainer.train()
-        finally:
-            writer.close()
+        result = trainer.train()
     finally:
-        state.destroy_model_parallel()
+        writer.close()
     assert result.exit_code == 0
     return read_metrics(Path(out) / "metrics.jsonl", "train") if rank == 0 else None

@@ -64,9 +64,10 @@ def test_prune_keeps_the_newest_complete_and_newer_partials(tmp_path):
 
 
 def test_rng_state_round_trip():
+    from megatron_lev.parallel.layout import SINGLE
     from megatron_lev.parallel.random import model_parallel_manual_seed
 
-    model_parallel_manual_seed(7)
+    model_parallel_manual_seed(7, SINGLE)
     saved = ckio.capture_rng_state()
     a = (random.random(), np.random.rand(), torch.rand(3))
     ckio.restore_rng_state(saved)

@@ -39,12 +39,13 @@ OURS = os.sep + "megatron_lev" + os.sep
 def _tiny(variant: str):
     from megatron_lev.config import load_config
     from megatron_lev.engine.build import build_model
-    from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import build_engine
+    from megatron_lev.parallel.layout import SINGLE
     from megatron_lev.training.metrics import MetricsWriter
     from megatron_lev.training.run import default_callbacks
     from megatron_lev.training.schedule import Budget
     from megatron_lev.training.trainer import TrainData, Trainer
+    from tests.plans import plan_for
     from tests.training.conftest import TINY
 
     cfg = load_config(
@@ -67,7 +68,8 @@ def _tiny(variant: str):
             f"logging.log_interval={LOG_INTERVAL}",
         ],
     )
-    engine = build_engine(cfg, build_model(cfg, VOCAB), 1, build_ds_config(cfg, 1))
+    plan = plan_for(cfg, VOCAB)
+    engine = build_engine(plan, build_model(plan, SINGLE), SINGLE)
     gen = torch.Generator().manual_seed(0)
 
     def batches(consumed: int = 0):
@@ -90,10 +92,8 @@ def _tiny(variant: str):
 def count_reads() -> dict:
     """Runs in a spawned gloo process: reads per step and over a whole `train()`, by origin."""
     from megatron_lev.engine.deepspeed_engine import disable_cpu_shm_comm
-    from megatron_lev.parallel import state
 
-    disable_cpu_shm_comm()
-    state.initialize_model_parallel(1, 1)
+    disable_cpu_shm_comm()  # one process: the single layout needs no process groups
     out = {}
     for embedding in VARIANTS:
         tr = _tiny(embedding)

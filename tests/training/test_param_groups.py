@@ -182,13 +182,16 @@ def _one_step(tokenizer: str, extra: tuple[str, ...]) -> dict[str, torch.Tensor]
     """Runs in a gloo process: one AdamW step of a tiny LEV model; each parameter's update."""
     from megatron_lev.engine.build import build_model
     from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
+    from megatron_lev.parallel.layout import SINGLE
     from tests.convert.ds_checkpoints import run_config
+    from tests.plans import plan_for
 
     disable_cpu_shm_comm()
     cfg = run_config("lev", tokenizer, 1, 1, 1, extra=extra)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, 50277)
-    engine = build_engine(cfg, model, 1)
+    plan = plan_for(cfg, 50277)
+    model = build_model(plan, SINGLE)
+    engine = build_engine(plan, model, SINGLE)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine.set_lr(1e-3)
     ids = torch.randint(0, 50277, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))

@@ -57,15 +57,15 @@ def _engine_protocol() -> dict:
     import torch
 
     from megatron_lev.engine import Engine
-    from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, build_engine, disable_cpu_shm_comm
     from megatron_lev.parallel import state
+    from tests.plans import plan_for
     from tests.training.toy import ToyLM, toy_config
 
     disable_cpu_shm_comm()
-    state.initialize_model_parallel(1, 1)
+    layout = state.initialize_model_parallel(1, 1)
     cfg = toy_config(0, iters=1)
-    engine = build_engine(cfg, ToyLM(), 1, build_ds_config(cfg, 1))
+    engine = build_engine(plan_for(cfg, None), ToyLM(), layout)
     finite = engine.weights_finite()
     with torch.no_grad():
         next(engine.module.parameters()).view(-1)[0] = float("inf")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lev.config import RunConfig
-from megatron_lev.engine.config import batch_layout, build_ds_config
+from megatron_lev.engine.config import batch_layout
 from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
 from megatron_lev.parallel import state
 from megatron_lev.testing.faults import FaultInjection
@@ -20,6 +20,7 @@ from megatron_lev.training.metrics import MetricsWriter
 from megatron_lev.training.run import default_callbacks
 from megatron_lev.training.schedule import Budget
 from megatron_lev.training.trainer import TrainData, Trainer
+from tests.plans import plan_for
 
 SEQ = 8
 
@@ -69,10 +70,9 @@ def toy_trainer(
     itself SIGUSR1 during iteration `signal_at`; `nan_steps` get a NaN loss (`FaultInjection`)."""
     disable_cpu_shm_comm()
     world, rank = dist.get_world_size(), dist.get_rank()
-    if not state.is_initialized() or state.get_data_parallel_world_size() != world:
-        state.initialize_model_parallel(1, 1)
+    layout = state.initialize_model_parallel(1, 1)
     torch.manual_seed(init_seed)
-    engine = build_engine(cfg, ToyLM(), world, build_ds_config(cfg, world))
+    engine = build_engine(plan_for(cfg, None, world), ToyLM(), layout)
     micro, gas, global_batch = batch_layout(cfg, world)
 
     def batches(consumed: int):

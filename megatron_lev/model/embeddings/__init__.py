@@ -23,6 +23,7 @@ from megatron_lev.model.embeddings.baselines import (
     UntiedEmbedding,
 )
 from megatron_lev.model.embeddings.lev import LevEmbedding, lev_parameter_count
+from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 
 REGISTRY: dict[str, type[InputEmbedding]] = {
     cls.name: cls
@@ -43,9 +44,12 @@ def embedding_class(name: str) -> type[InputEmbedding]:
     return REGISTRY[name]
 
 
-def build_input_embedding(model_cfg: ModelConfig, vocab_size: int) -> InputEmbedding:
-    """The input embedding named by `model_cfg.embedding`, for the (already padded) `vocab_size`."""
-    return embedding_class(model_cfg.embedding).from_config(model_cfg, vocab_size)
+def build_input_embedding(
+    model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+) -> InputEmbedding:
+    """The input embedding named by `model_cfg.embedding`, for the (already padded) `vocab_size`, sharded
+    over `layout`'s TP ranks."""
+    return embedding_class(model_cfg.embedding).from_config(model_cfg, vocab_size, layout)
 
 
 def _with_width(model_cfg: ModelConfig, hidden_size: int) -> ModelConfig:

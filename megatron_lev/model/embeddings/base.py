@@ -36,6 +36,7 @@ from torch import nn
 
 from megatron_lev.config import ClipGroupRule, ModelConfig, ParamGroupRule, RunConfig
 from megatron_lev.errors import ConfigError
+from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 from megatron_lev.utils.tensors import check_token_ids  # noqa: F401 (part of the embedding interface)
 
 RMS_SAMPLE_IDS = 65536  # larger vocabularies: `output_rms` averages over this many fixed-seed ids
@@ -59,8 +60,10 @@ class InputEmbedding(nn.Module, abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> InputEmbedding:
-        """Build the variant for the (padded) `vocab_size` from `model_cfg`."""
+    def from_config(
+        cls, model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+    ) -> InputEmbedding:
+        """Build the variant for the (padded) `vocab_size` from `model_cfg`, sharded over `layout`."""
 
     @classmethod
     @abc.abstractmethod

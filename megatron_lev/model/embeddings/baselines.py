@@ -24,6 +24,7 @@ from megatron_lev.model.embeddings.base import InputEmbedding, check_token_ids
 from megatron_lev.model.embeddings.lev import Codebooks, digit_base
 from megatron_lev.model.embeddings.sizing import albert_count, lev_parameter_count, mlp_count
 from megatron_lev.parallel.layers import VocabParallelEmbedding
+from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 
 
 class DenseEmbedding(InputEmbedding):
@@ -32,10 +33,17 @@ class DenseEmbedding(InputEmbedding):
     dense_table = True
     output_parameters = ("table.weight",)  # equal-scale init (`InputEmbedding.rescale_output_`)
 
-    def __init__(self, vocab_size: int, hidden_size: int, init_std: float = 0.02, tied: bool = False):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        init_std: float = 0.02,
+        tied: bool = False,
+        layout: ParallelLayout = SINGLE,
+    ):
         super().__init__()
         self.vocab_size, self.hidden_size, self.tied = vocab_size, hidden_size, tied
-        self.table = VocabParallelEmbedding(vocab_size, hidden_size, init_std=init_std)
+        self.table = VocabParallelEmbedding(vocab_size, hidden_size, init_std=init_std, layout=layout)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
         check_token_ids(input_ids, self.vocab_size)
@@ -59,8 +67,12 @@ class TiedEmbedding(DenseEmbedding):
     name, label, ties_output_head = "tied", "TIED", True
 
     @classmethod
-    def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> TiedEmbedding:
-        return cls(vocab_size, model_cfg.hidden_size, model_cfg.init_std, tied=cls.ties_output_head)
+    def from_config(
+        cls, model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+    ) -> TiedEmbedding:
+        return cls(
+            vocab_size, model_cfg.hidden_size, model_cfg.init_std, tied=cls.ties_output_head, layout=layout
+        )
 
 
 class UntiedEmbedding(DenseEmbedding):
@@ -69,8 +81,12 @@ class UntiedEmbedding(DenseEmbedding):
     name, label = "untied", "UNTIED"
 
     @classmethod
-    def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> UntiedEmbedding:
-        return cls(vocab_size, model_cfg.hidden_size, model_cfg.init_std, tied=cls.ties_output_head)
+    def from_config(
+        cls, model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+    ) -> UntiedEmbedding:
+        return cls(
+            vocab_size, model_cfg.hidden_size, model_cfg.init_std, tied=cls.ties_output_head, layout=layout
+        )
 
 
 def _linear(fan_in: int, fan_out: int, init_std: float) -> nn.Linear:
@@ -167,16 +183,25 @@ class AlbertEmbedding(_CompressedEmbedding):
     name, label = "albert", "ALBERT"
     output_parameters = ("proj.weight",)
 
-    def __init__(self, vocab_size: int, hidden_size: int, dim: int, init_std: float = 0.02):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dim: int,
+        init_std: float = 0.02,
+        layout: ParallelLayout = SINGLE,
+    ):
         super().__init__()
         self.vocab_size, self.hidden_size, self.dim = vocab_size, hidden_size, dim
-        self.table = VocabParallelEmbedding(vocab_size, dim, init_std=init_std)
+        self.table = VocabParallelEmbedding(vocab_size, dim, init_std=init_std, layout=layout)
         self.proj = _linear(dim, hidden_size, init_std)
 
     @classmethod
-    def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> AlbertEmbedding:
+    def from_config(
+        cls, model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+    ) -> AlbertEmbedding:
         dim, _ = cls.widths(model_cfg, vocab_size)
-        return cls(vocab_size, model_cfg.hidden_size, dim, model_cfg.init_std)
+        return cls(vocab_size, model_cfg.hidden_size, dim, model_cfg.init_std, layout)
 
     @classmethod
     def widths(cls, model_cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:
@@ -212,16 +237,26 @@ class FlatMlpEmbedding(_CompressedEmbedding):
     width_names = ("table width e (model.baseline_dim)", "MLP hidden width (model.baseline_hidden)")
     output_parameters = ("mlp.down.weight",)
 
-    def __init__(self, vocab_size: int, hidden_size: int, dim: int, hidden: int, init_std: float = 0.02):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dim: int,
+        hidden: int,
+        init_std: float = 0.02,
+        layout: ParallelLayout = SINGLE,
+    ):
         super().__init__()
         self.vocab_size, self.hidden_size, self.dim, self.hidden = vocab_size, hidden_size, dim, hidden
-        self.table = VocabParallelEmbedding(vocab_size, dim, init_std=init_std)
+        self.table = VocabParallelEmbedding(vocab_size, dim, init_std=init_std, layout=layout)
         self.mlp = _MlpHead(dim, hidden, hidden_size, init_std)
 
     @classmethod
-    def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> FlatMlpEmbedding:
+    def from_config(
+        cls, model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+    ) -> FlatMlpEmbedding:
         dim, hidden = cls.widths(model_cfg, vocab_size)
-        return cls(vocab_size, model_cfg.hidden_size, dim, hidden, model_cfg.init_std)
+        return cls(vocab_size, model_cfg.hidden_size, dim, hidden, model_cfg.init_std, layout)
 
     @classmethod
     def widths(cls, model_cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:
@@ -266,7 +301,9 @@ class FactorizedMlpEmbedding(_CompressedEmbedding):
         self.mlp = _MlpHead(d_seed, hidden, hidden_size, init_std)
 
     @classmethod
-    def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> FactorizedMlpEmbedding:
+    def from_config(
+        cls, model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+    ) -> FactorizedMlpEmbedding:
         _, hidden = cls.widths(model_cfg, vocab_size)
         lev = model_cfg.lev
         return cls(vocab_size, model_cfg.hidden_size, lev.k, lev.d_seed, hidden, model_cfg.init_std, lev)

@@ -30,8 +30,8 @@ from megatron_lev.model.embeddings.id_order import check_permutation, initial_ra
 from megatron_lev.model.embeddings.lev_constants import GROUP, LOG_EPS, SAFE_FACTOR, SAFE_RANGE
 from megatron_lev.model.embeddings.lev_rules import LevRules
 from megatron_lev.model.embeddings.spline import active_basis
-from megatron_lev.parallel import state
 from megatron_lev.parallel.layers import init_sharded_
+from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 from megatron_lev.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 
 LN_EPS = 1e-5
@@ -391,10 +391,17 @@ class LevEmbedding(LevRules, InputEmbedding):
         _check_heads(model_cfg.lev.heads, tensor_parallel)
 
     def __init__(
-        self, vocab_size: int, hidden_size: int, lev: LevConfig, init_std: float = 0.02, dedupe: bool = True
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        lev: LevConfig,
+        init_std: float = 0.02,
+        dedupe: bool = True,
+        layout: ParallelLayout = SINGLE,
     ):
         super().__init__()
-        tp, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+        self.layout = layout
+        tp, tp_rank = layout.tp, layout.tp_rank
         _check_heads(lev.heads, tp)
         self.vocab_size, self.hidden_size, self.lev = vocab_size, hidden_size, lev
         self.dedupe = dedupe  # compute G once per unique id of the batch (False: once per token)
@@ -419,7 +426,7 @@ class LevEmbedding(LevRules, InputEmbedding):
             ("out_proj", (h, r, hidden_size), lambda t: nn.init.normal_(t, 0.0, out_std)),
         ):
             param = getattr(self, name)
-            init_sharded_(param, shape, 0, init)
+            init_sharded_(param, shape, 0, init, layout)
             param.tensor_model_parallel = True  # sharded along the head dimension
             param.partition_dim = 0
         # optional residual `+ W_res z` (replicated, added once after the head reduction)
@@ -428,8 +435,12 @@ class LevEmbedding(LevRules, InputEmbedding):
             nn.init.normal_(self.residual.weight, 0.0, init_std)
 
     @classmethod
-    def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> LevEmbedding:
-        return cls(vocab_size, model_cfg.hidden_size, model_cfg.lev, init_std=model_cfg.init_std)
+    def from_config(
+        cls, model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+    ) -> LevEmbedding:
+        return cls(
+            vocab_size, model_cfg.hidden_size, model_cfg.lev, init_std=model_cfg.init_std, layout=layout
+        )
 
     @classmethod
     def parameter_count(cls, model_cfg: ModelConfig, vocab_size: int) -> int:
@@ -494,7 +505,7 @@ class LevEmbedding(LevRules, InputEmbedding):
         if not count:
             return None
         ids = reference_ids(self.vocab_size, count, self.delta.device)
-        seed = copy_to_tensor_parallel_region(self.codebooks(ids))
+        seed = copy_to_tensor_parallel_region(self.codebooks(ids), self.layout)
         recompute = self.lev.recompute and torch.is_grad_enabled()
         parts = [self.modes(chunk, recompute) for chunk in seed.split(self.lev.chunk_size, dim=0)]
         return torch.cat(parts, dim=0).mean(dim=0)
@@ -508,7 +519,8 @@ class LevEmbedding(LevRules, InputEmbedding):
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """G for a flat list of ids: `(N,)` -> `(N, D)`, full D on every TP rank."""
         seed = self.codebooks(ids)  # (N, d_seed)
-        out = reduce_from_tensor_parallel_region(self._chunked_heads(copy_to_tensor_parallel_region(seed)))
+        heads = self._chunked_heads(copy_to_tensor_parallel_region(seed, self.layout))
+        out = reduce_from_tensor_parallel_region(heads, self.layout)
         if self.residual is not None:
             out = out + self.residual(seed)
         return out
