@@ -13,7 +13,7 @@ preprocessed again from another corpus gives another. `ckpt.io.save_checkpoint` 
 (rank 0, atomically) before the `complete` marker, whose checksums cover it; it is plain JSON, so
 converters and analyses read it without DeepSpeed.
 
-Who compares it: a resume (`training.resume.check_resume_provenance`), `convert` and `evaluate`
+Who compares it: a resume (`training.resume_checks.check_resume_provenance`), `convert` and `evaluate`
 (the tokenizer), `reshard` (copies it). A checkpoint without one (saved by an older version) is
 named in one warning and not compared.
 """
