@@ -36,6 +36,7 @@ from megatron_lev.resources import CONFIG_DIR
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu.md"
 MODELS = CONFIG_DIR / "models"
+MICRO = CONFIG_DIR / "micro.yaml"  # the smallest model: the --tiny mode's, and the layout tests'
 VOCAB = 50277  # GPT-NeoX-20B tokenizer
 # dense bf16 tensor-core peak per device, TFLOP/s (vendor datasheets, without sparsity)
 PEAK_TFLOPS = {
@@ -327,27 +328,30 @@ def _losses(cfg, vocab, device, micro, steps, seed=0) -> list[float]:
     return losses
 
 
+def _check_model(tiny: bool) -> tuple[Path, list[str]]:
+    """The model file and size overrides of the bf16 and data-parallel checks: the packaged micro.yaml
+    in the tiny mode (the smallest model, shared with the tests), else tiny.yaml made 4 x 512."""
+    if tiny:
+        return MICRO, []
+    return MODELS / "tiny.yaml", [
+        "model.num_layers=4",
+        "model.hidden_size=512",
+        "model.num_attention_heads=8",
+        "model.seq_length=512",
+    ]
+
+
+def _shape(cfg) -> str:
+    m = cfg.model
+    return (
+        f"num_layers={m.num_layers}, hidden_size={m.hidden_size}, "
+        f"num_attention_heads={m.num_attention_heads}, seq_length={m.seq_length}"
+    )
+
+
 def check_bf16(ctx):
     dev, steps = ctx["device"], 30
-    size = (
-        [
-            "model.num_layers=2",
-            "model.hidden_size=32",
-            "model.num_attention_heads=2",
-            "model.seq_length=16",
-            "model.lev.d_seed=8",
-            "model.lev.heads=2",
-            "model.lev.rank=4",
-            "model.lev.kappa=4",
-        ]
-        if ctx["tiny"]
-        else [
-            "model.num_layers=4",
-            "model.hidden_size=512",
-            "model.num_attention_heads=8",
-            "model.seq_length=512",
-        ]
-    )
+    model_file, size = _check_model(ctx["tiny"])
     micro, vocab = (2, 512) if ctx["tiny"] else (4, VOCAB)
     common = [
         *size,
@@ -357,12 +361,13 @@ def check_bf16(ctx):
         "train.lr_warmup_iters=5",
         f"train.train_iters={steps}",
     ]
-    fp32 = _losses(_config(MODELS / "tiny.yaml", [*common, "train.precision=fp32"]), vocab, dev, micro, steps)
-    bf16 = _losses(_config(MODELS / "tiny.yaml", [*common, "train.precision=bf16"]), vocab, dev, micro, steps)
+    fp32_cfg = _config(model_file, [*common, "train.precision=fp32"])
+    fp32 = _losses(fp32_cfg, vocab, dev, micro, steps)
+    bf16 = _losses(_config(model_file, [*common, "train.precision=bf16"]), vocab, dev, micro, steps)
     diffs = [abs(a - b) for a, b in zip(bf16, fp32)]
     ok = len(diffs) == steps and max(diffs) <= BF16_LOSS_TOL and all(map(lambda x: x == x, bf16))
     lines = [
-        f"LEV model ({', '.join(x.split('.')[-1] for x in size[:4])}), micro-batch {micro}, {steps} steps "
+        f"LEV model ({_shape(fp32_cfg)}), micro-batch {micro}, {steps} steps "
         f"from the same weights and batches; tolerance: max |loss_bf16 - loss_fp32| <= {BF16_LOSS_TOL}",
         "",
         f"- fp32 loss: first {fp32[0]:.4f}, last {fp32[-1]:.4f}",
@@ -401,28 +406,10 @@ def _dp_steps(rank: int, world: int, tiny: bool, out: str) -> None:
     from megatron_lev.training.trainer import _read
 
     dev = current_device()
-    size = (
-        [
-            "model.num_layers=2",
-            "model.hidden_size=32",
-            "model.num_attention_heads=2",
-            "model.seq_length=16",
-            "model.lev.d_seed=8",
-            "model.lev.heads=2",
-            "model.lev.rank=4",
-            "model.lev.kappa=4",
-        ]
-        if tiny
-        else [
-            "model.num_layers=4",
-            "model.hidden_size=512",
-            "model.num_attention_heads=8",
-            "model.seq_length=512",
-        ]
-    )
+    model_file, size = _check_model(tiny)
     steps, micro, vocab = 5, 2, (512 if tiny else VOCAB)
     cfg = _config(
-        MODELS / "tiny.yaml",
+        model_file,
         [
             *size,
             "model.embedding=lev",

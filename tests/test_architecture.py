@@ -4,9 +4,11 @@ The layers are an ordered list, bottom first. A package may import its own modul
 package on a lower row, never one on its own row or above: so no import runs upward, and no
 two packages can import each other. Every import counts (top level or inside a function, and
 a `"megatron_lev.x"` or `"megatron_lev.x:Class"` string, which `importlib` or a callback spec
-turns into an import), except those under `if TYPE_CHECKING:`, which never run. A cycle check
-over the package graph and over the module graph backs the row rule up. The checker is tested
-on small planted trees, so it is shown to fail on an upward import and on a cycle.
+turns into an import), except those under `if TYPE_CHECKING:`, which never run. Named forbidden
+pairs (`FORBIDDEN`, the doc's "does not know" column) are checked by the same walker, whatever the
+rows allow. A cycle check over the package graph and over the module graph backs the row rule up.
+The checker is tested on small planted trees, so it is shown to fail on an upward import, on a
+forbidden pair the rows allow, and on a cycle.
 """
 
 from __future__ import annotations
@@ -45,6 +47,32 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # (importer, imported, why): imports allowed against the rows. Keep this empty unless a reason is
 # stronger than the layering; each entry is printed in docs/architecture.md.
 EXCEPTIONS: tuple[tuple[str, str, str], ...] = ()
+
+# (importer, imported, why): imports the rows allow (or already refuse) that docs/architecture.md's
+# "does not know" column forbids. Checked by the same walker as the rows, so a rule holds even where
+# a row order would let the import through or the rows are later reshuffled. The doc's column names
+# exactly these packages for each importer (`test_the_document_names_the_forbidden_pairs`).
+FORBIDDEN: tuple[tuple[str, str, str], ...] = (
+    ("config", "model", "the config knows no model; the run plan asks a variant for its own rules"),
+    ("parallel", "model", "process groups and TP layers serve any network"),
+    ("parallel", "engine", "the groups are DeepSpeed's layout computed here, not DeepSpeed's objects"),
+    ("data", "model", "tokens and batches are the same for every model"),
+    ("data", "engine", "batches are handed to whichever engine runs"),
+    ("data", "training", "the data pipeline is driven by the loop, never drives it"),
+    ("optim", "model", "the optimizer sees parameter groups, not a network"),
+    ("optim", "engine", "the engine wraps the optimizer, not the other way"),
+    ("optim", "training", "the optimizer knows nothing of the loop"),
+    ("ckpt", "engine", "the checkpoint format saves through any engine's verbs"),
+    ("ckpt", "training", "the checkpoint format does not know how a run resumes"),
+    ("model", "engine", "the network is defined once, whatever backend parallelises it"),
+    ("model", "training", "the network does not know how it is trained"),
+    ("model", "ckpt", "the network does not know how it is stored"),
+    ("model", "data", "the network takes tensors, not the data pipeline"),
+    ("engine", "training", "the engine runs steps; the loop, callbacks and resume policy are above it"),
+    ("convert", "training", "conversion reads checkpoint files (ckpt.record), not the training loop"),
+    ("analysis", "engine", "analyses read checkpoints and models without an engine"),
+    ("analysis", "training", "analyses do not run the loop"),
+)
 
 _SPEC = re.compile(r"^megatron_lev(\.\w+)+(:\w+)?$")
 
@@ -157,6 +185,18 @@ def upward_imports(root: Path, layers=LAYERS, exceptions=EXCEPTIONS) -> list[str
     return wrong
 
 
+def forbidden_imports(root: Path, pairs=FORBIDDEN, exceptions=EXCEPTIONS) -> list[str]:
+    """Every import of a named forbidden pair, wherever the rows put the two packages."""
+    allowed = {(a, b) for a, b, _ in exceptions}
+    why = {(a, b): reason for a, b, reason in pairs}
+    edges = package_edges(root)
+    return [
+        f"{site}: {src} must not import {dst} ({why[src, dst]})"
+        for (src, dst) in sorted(why.keys() - allowed)
+        for site in edges.get((src, dst), ())
+    ]
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One cycle of `graph` (as a path that returns to its start), or None."""
     state: dict[str, int] = {}  # 1 on the stack, 2 done
@@ -210,6 +250,19 @@ def test_every_package_is_on_a_row():
 def test_no_import_runs_upward():
     wrong = upward_imports(PKG)
     assert not wrong, "imports against the layers of docs/architecture.md:\n" + "\n".join(wrong)
+
+
+def test_no_forbidden_pair_is_imported():
+    wrong = forbidden_imports(PKG)
+    assert not wrong, "imports the doc's 'does not know' column forbids:\n" + "\n".join(wrong)
+
+
+def test_the_forbidden_pairs_name_placed_packages():
+    level = level_of()
+    unknown = sorted({p for a, b, _ in FORBIDDEN for p in (a, b)} - level.keys())
+    assert not unknown, f"FORBIDDEN names packages without a row: {unknown}"
+    pairs = [(a, b) for a, b, _ in FORBIDDEN]
+    assert len(pairs) == len(set(pairs)) and all(why for *_, why in FORBIDDEN)
 
 
 def test_no_cycle_between_packages():
@@ -336,6 +389,36 @@ def test_the_document_lists_the_layers_the_test_enforces():
         assert f"`{importer}` -> `{imported}`" in text
 
 
+def _does_not_know_column() -> dict[str, set[str]]:
+    """importer -> the packages the "does not know" column of the doc's table names (in backticks)."""
+    packages = level_of().keys()
+    table = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| `") or len(cells) != 3:
+            continue
+        for importer in re.findall(r"`(\w+)`", cells[0]):
+            table[importer] = set(re.findall(r"`(\w+)`", cells[2])) & packages
+    return table
+
+
+def test_the_document_names_the_forbidden_pairs():
+    """Each row of the doc's table names, in its "does not know" column, exactly the packages FORBIDDEN
+    keeps that row's packages from importing, and every importer of FORBIDDEN has a row."""
+    table = _does_not_know_column()
+    wanted: dict[str, set[str]] = {}
+    for importer, imported, _ in FORBIDDEN:
+        wanted.setdefault(importer, set()).add(imported)
+    missing = sorted(wanted.keys() - table.keys())
+    assert not missing, f"importers without a row in the table: {missing}"
+    wrong = {
+        pkg: (names, wanted.get(pkg, set()))
+        for pkg, names in table.items()
+        if names != wanted.get(pkg, set())
+    }
+    assert not wrong, f"{DOC.name} 'does not know' column vs FORBIDDEN (doc, test): {wrong}"
+
+
 # ------------------------------------------------------------------ the checker can fail
 
 
@@ -406,3 +489,27 @@ def test_a_relative_upward_import_is_caught(tmp_path, relative):
     root = _tree(tmp_path, {"model/gpt.py": relative, "engine/pipeline.py": "build = 1\n", "utils/io.py": ""})
     wrong = upward_imports(root, PLANTED_LAYERS, ())
     assert wrong and "engine is above model" in wrong[0]
+
+
+def test_a_planted_forbidden_pair_is_caught_on_a_legal_row(tmp_path):
+    """`convert` sits above `training`, so the rows allow the import; the named pair does not, also
+    inside a function, and not under TYPE_CHECKING."""
+    layers = (("ckpt",), ("training",), ("convert",))
+    pairs = (("convert", "training", "planted reason"),)
+    root = _tree(
+        tmp_path,
+        {
+            "ckpt/record.py": "",
+            "training/resume.py": "from megatron_lev.ckpt.record import x\n",
+            "convert/reshard.py": "def f():\n    from megatron_lev.training.resume import saved_batch\n",
+            "convert/source.py": (
+                "from typing import TYPE_CHECKING\n\n"
+                "if TYPE_CHECKING:\n    from megatron_lev.training import resume\n"
+            ),
+        },
+    )
+    assert upward_imports(root, layers, ()) == []
+    wrong = forbidden_imports(root, pairs, ())
+    assert len(wrong) == 1 and "megatron_lev/convert/reshard.py:2" in wrong[0], wrong
+    assert "convert must not import training (planted reason)" in wrong[0]
+    assert forbidden_imports(root, pairs, (("convert", "training", "planted"),)) == []

@@ -30,6 +30,7 @@ import torch
 
 from megatron_lev.analysis.cosine import cosine_stats
 from megatron_lev.ckpt.layout import COMPLETE_MARKER, list_checkpoints
+from megatron_lev.ckpt.record import config_beside
 from megatron_lev.errors import DataError
 from megatron_lev.utils import matrix as matrix_stats
 
@@ -74,8 +75,8 @@ def checkpoint_tags(run_dir: str | Path) -> tuple[Path, list[tuple[int, str]]]:
     save_dir = run_dir
     if not _tags(run_dir):
         save_dir = run_dir / "checkpoints"
-        config = run_dir / "config.yaml"
-        if config.is_file():
+        config = config_beside(run_dir)
+        if config is not None:
             from megatron_lev.config import load_config
 
             save = load_config([config], validate=False).train.save

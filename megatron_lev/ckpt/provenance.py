@@ -13,7 +13,7 @@ preprocessed again from another corpus gives another. `ckpt.io.save_checkpoint` 
 (rank 0, atomically) before the `complete` marker, whose checksums cover it; it is plain JSON, so
 converters and analyses read it without DeepSpeed.
 
-Who compares it: a resume (`training.resume.check_resume_provenance`), `convert` and `evaluate`
+Who compares it: a resume (`training.resume_checks.check_resume_provenance`), `convert` and `evaluate`
 (the tokenizer), `reshard` (copies it). A checkpoint without one (saved by an older version) is
 named in one warning and not compared.
 """
@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megatron_lev.ckpt.record import read_record
 from megatron_lev.errors import CheckpointDataError
 from megatron_lev.log import get_logger
 
@@ -123,13 +124,11 @@ def read_provenance(tag_dir: str | os.PathLike) -> dict[str, Any] | None:
     path = Path(tag_dir) / PROVENANCE_FILE
     if not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointDataError(
-            f"{path} is unreadable ({exc}); restore it from a backup, or delete it to use the "
-            "checkpoint without comparing its data and tokenizer"
-        ) from None
+    data = read_record(
+        path,
+        "restore it from a backup, or delete it to use the checkpoint without comparing its data and "
+        "tokenizer",
+    )
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointDataError(
             f"{path} is not a megatron-lev provenance record; restore it, or delete it to use the "

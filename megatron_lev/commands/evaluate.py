@@ -176,7 +176,8 @@ def _model_tokenizer(model: str, is_hf: bool, tag: str | None) -> tuple[str, Pat
     """(type, file) of the tokenizer a model was exported or trained with; the file where it is known."""
     if is_hf:
         return "hf", Path(model) / "tokenizer.json"
-    from megatron_lev.engine.checkpoint_files import find_run_config, resolve_tag_dir
+    from megatron_lev.ckpt.record import find_run_config
+    from megatron_lev.engine.checkpoint_files import resolve_tag_dir
 
     data = find_run_config(resolve_tag_dir(model, tag)).data
     return data.tokenizer_type, Path(data.tokenizer_path) if data.tokenizer_path else None

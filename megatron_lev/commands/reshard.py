@@ -61,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _batch_note(tag_dir) -> str | None:
     """How a run resuming the result makes the source's global batch (it keeps it)."""
-    from megatron_lev.training.resume import saved_batch
+    from megatron_lev.ckpt.record import saved_batch
 
     saved = saved_batch(tag_dir)
     if saved is None:

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_lev.ckpt.provenance import PROVENANCE_FILE, read_provenance, warn_unrecorded
-from megatron_lev.ckpt.provenance import recorded_tokenizer as provenance_tokenizer
+from megatron_lev.ckpt.provenance import PROVENANCE_FILE, read_provenance, recorded_tokenizer, warn_unrecorded
+from megatron_lev.ckpt.record import find_run_config, stored_config_path, stored_tokenizer
 from megatron_lev.convert.hf_writer import (
     DEFAULT_MAX_SHARD_BYTES,
     SafetensorsShardWriter,
@@ -49,12 +49,7 @@ from megatron_lev.convert.validate import (
     source_stages,
     validation_ids,
 )
-from megatron_lev.engine.checkpoint_files import (
-    CheckpointError,
-    find_run_config,
-    resolve_tag_dir,
-    stored_config_path,
-)
+from megatron_lev.engine.checkpoint_files import CheckpointError, resolve_tag_dir
 from megatron_lev.errors import UserError
 from megatron_lev.log import get_logger
 from megatron_lev.model.embeddings.id_order import BUFFER as ID_RANK
@@ -179,24 +174,6 @@ def _move_into_place(work: Path, out: Path) -> None:
         os.replace(work, out)
 
 
-def recorded_tokenizer(stored_config: Path | None) -> dict | None:
-    """A tokenizer fingerprint (a mapping with `sha256`) the run recorded in its config.yaml, if any."""
-    import yaml
-
-    if stored_config is None:
-        return None
-    try:
-        data = (yaml.safe_load(stored_config.read_text()) or {}).get("data") or {}
-    except (OSError, yaml.YAMLError, AttributeError):
-        return None
-    for key in ("tokenizer", "tokenizer_fingerprint"):
-        if isinstance(data.get(key), dict) and data[key].get("sha256"):
-            return data[key]
-    if isinstance(data.get("tokenizer_sha256"), str):
-        return {"sha256": data["tokenizer_sha256"], "file": Path(str(data.get("tokenizer_path"))).name}
-    return None
-
-
 def run_tokenizer(tag_dir: Path, cfg, tokenizer: str | os.PathLike | None = None, allow_change: bool = False):
     """The training run's tokenizer, or `tokenizer` after checking it is the same file (sha256).
 
@@ -223,7 +200,7 @@ def run_tokenizer(tag_dir: Path, cfg, tokenizer: str | os.PathLike | None = None
     tok = build_tokenizer(kind, path)
     given = tokenizer_fingerprint(kind, path, tok)
     record = read_provenance(tag_dir)
-    trained = provenance_tokenizer(record)
+    trained = recorded_tokenizer(record)
     if trained is not None:
         diff = fingerprint_mismatch(trained, given)
         if diff and not allow_change:
@@ -237,7 +214,7 @@ def run_tokenizer(tag_dir: Path, cfg, tokenizer: str | os.PathLike | None = None
         return _vocab_checked(tok, path, stored)
     if record is None:
         warn_unrecorded(tag_dir, "the tokenizer is compared with the file the run's config names, if any")
-    expected = recorded_tokenizer(stored_path)
+    expected = stored_tokenizer(stored_path)
     where = f"data.tokenizer_path of {stored_path or 'the config'}"
     if expected is None and tokenizer and recorded_path and Path(recorded_path).is_file():
         expected = tokenizer_fingerprint(kind, recorded_path)

@@ -332,7 +332,7 @@ def reshard(
     for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
-    from megatron_lev.training.resume import saved_batch
+    from megatron_lev.ckpt.record import saved_batch
 
     src = open_checkpoint(checkpoint, tag, config)
     source_batch = saved_batch(src.tag_dir, src.cfg.to_dict())

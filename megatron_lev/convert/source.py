@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 from megatron_lev.ckpt.layout import COMPLETE_MARKER, iteration_of
+from megatron_lev.ckpt.record import find_run_config
 from megatron_lev.config import RunConfig
 from megatron_lev.convert.merge import merge_shards
 from megatron_lev.engine.checkpoint_files import (
     CheckpointError,
     CheckpointFiles,
     find_files,
-    find_run_config,
     load_file,
     plain_module_state,
     resolve_tag_dir,

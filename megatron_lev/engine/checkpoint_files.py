@@ -8,7 +8,9 @@ Layouts understood (DeepSpeed 0.19 file names):
 - ZeRO-3: `zero_pp_rank_D_mp_rank_YY_model_states.pt` + `..._optim_states.pt`; weights are
   rebuilt from the fp32 partitions with DeepSpeed's `zero_to_fp32` helpers, per TP rank.
 
-A checkpoint directory is either a tag directory or a save directory with a `latest` file.
+A checkpoint directory is either a tag directory or a save directory with a `latest` file. What the
+trainer records beside these files (the run's config, the batch its steps were made with) is read by
+`ckpt.record`.
 """
 
 from __future__ import annotations
@@ -25,20 +27,16 @@ from pathlib import Path
 import torch
 
 from megatron_lev.ckpt.layout import COMPLETE_MARKER, verify_checkpoint
-from megatron_lev.config import RunConfig, load_config
-from megatron_lev.errors import CheckpointDataError
+from megatron_lev.ckpt.record import CheckpointError
 
 _LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _MP = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _ZERO3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+# DeepSpeed's optimizer-state files (ZeRO 1-3); engine.optimizer_files reads them too
+OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
 ENGINE_HELPER_FILES = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies these into a save directory
-
-
-class CheckpointError(CheckpointDataError):
-    """The checkpoint is missing, incomplete or corrupted; the message names the file."""
 
 
 @dataclass
@@ -126,7 +124,7 @@ def find_files(tag_dir: Path) -> CheckpointFiles:
     if zero3:
         tp = 1 + max(mp for _, mp in zero3)
         dp = 1 + max(d for d, _ in zero3)
-        optim = {(int(m.group(1)), int(m.group(2))) for n in names if (m := _OPTIM.match(n))}
+        optim = {(int(m.group(1)), int(m.group(2))) for n in names if (m := OPTIM_FILE.match(n))}
         missing = [(d, mp) for d in range(dp) for mp in range(tp) if (d, mp) not in optim]
         if missing:
             raise CheckpointError(
@@ -289,7 +287,7 @@ def zero3_module_state(files: CheckpointFiles, tp_rank: int) -> dict[str, torch.
     with tempfile.TemporaryDirectory() as tmp:
         # zero_to_fp32 treats every file it sees as one DP group: show it only this TP rank's files
         for p in files.tag_dir.iterdir():
-            if tag in p.name and (_ZERO3.match(p.name) or _OPTIM.match(p.name)):
+            if tag in p.name and (_ZERO3.match(p.name) or OPTIM_FILE.match(p.name)):
                 os.symlink(p.resolve(), Path(tmp) / p.name)
         try:
             with (
@@ -314,67 +312,3 @@ def zero3_module_state(files: CheckpointFiles, tp_rank: int) -> dict[str, torch.
                 f"{type(exc).__name__}: {_first_line(exc)}"
             ) from None
     return dict(to_torch_tensor(state))  # lazy views over the flat partitions -> real tensors
-
-
-# model keys that change training only (memory, regularisation, init), not the function a checkpoint computes
-TRAINING_ONLY_MODEL_KEYS = {
-    "name",
-    "activation_checkpointing",
-    "checkpoint_num_layers",
-    "hidden_dropout",
-    "attention_dropout",
-    "init_std",
-    "lev.chunk_size",
-    "lev.recompute",
-    "lev.w_out_init_scale",
-    "lev.id_order_seed",  # the token order they made is stored in the checkpoint (`id_rank`)
-    "lev.id_order_counts",
-    "input_init_rms",
-}
-
-
-def stored_config_path(tag_dir: Path) -> Path | None:
-    """The config.yaml the trainer saved with this checkpoint (tag dir, then the save dir), if any."""
-    return next((p for p in (tag_dir / "config.yaml", tag_dir.parent / "config.yaml") if p.is_file()), None)
-
-
-def model_differences(stored: RunConfig, given: RunConfig) -> list[str]:
-    """`model.<key>: <stored> (checkpoint) != <given>` for every key that changes what the model computes."""
-
-    def flat(d: dict, prefix: str = "") -> dict:
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    a, b = flat(stored.to_dict()["model"]), flat(given.to_dict()["model"])
-    return [
-        f"model.{k}: {a.get(k)!r} in the checkpoint != {b.get(k)!r}"
-        for k in sorted(set(a) | set(b))
-        if k not in TRAINING_ONLY_MODEL_KEYS and a.get(k) != b.get(k)
-    ]
-
-
-def find_run_config(tag_dir: Path, config: str | os.PathLike | None = None) -> RunConfig:
-    """The run config saved with the checkpoint (tag dir, then the save dir), or `config` if given.
-
-    A given `config` whose model differs from the stored one is refused with the differences:
-    converting with another rope_theta or norm_eps gives a model that is not the trained one.
-    """
-    stored = stored_config_path(tag_dir)
-    if config:
-        given = load_config([Path(config)])
-        if stored is not None and Path(config).resolve() != stored.resolve():
-            diffs = model_differences(load_config([stored]), given)
-            if diffs:
-                raise CheckpointError(
-                    f"--config {config} describes another model than the checkpoint's "
-                    f"{stored}: {'; '.join(diffs)}; drop --config to use the checkpoint's own"
-                )
-        return given
-    if stored is not None:
-        return load_config([stored])
-    raise CheckpointError(
-        f"no config.yaml beside the checkpoint (looked in {tag_dir} and {tag_dir.parent}); "
-        "pass --config with the run's resolved config"
-    )

@@ -36,6 +36,7 @@ from megatron_lev.engine.checkpoint_files import ENGINE_HELPER_FILES
 from megatron_lev.engine.clipping import ClipRecord, GradClipper
 from megatron_lev.engine.loss import micro_batch_loss
 from megatron_lev.engine.mpu import TensorParallelMPU
+from megatron_lev.engine.optimizer_files import MOMENTS as _MOMENTS
 from megatron_lev.engine.pipeline import STAGE_PREFIX, pipeline_batches
 from megatron_lev.engine.plan import RunPlan, clip_group_rules, param_group_rules
 from megatron_lev.engine.recompute import apply_activation_checkpointing
@@ -45,7 +46,6 @@ from megatron_lev.parallel.layout import ParallelLayout
 from megatron_lev.parallel.session import set_phase
 
 GROUP_FILLER = "param_group_filler"
-_MOMENTS = ("exp_avg", "exp_avg_sq")  # what resharding carries of Adam's state
 
 
 def disable_cpu_shm_comm() -> None:

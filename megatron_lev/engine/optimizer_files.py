@@ -20,21 +20,19 @@ A pipeline module names a parameter `<layer>.<canonical name>` (a tied stage's:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import torch
 
-from megatron_lev.engine.checkpoint_files import CheckpointError, load_file
+from megatron_lev.engine.checkpoint_files import OPTIM_FILE, CheckpointError, load_file
 from megatron_lev.engine.pipeline import STAGE_PREFIX
 from megatron_lev.engine.plan import clip_group_rules, param_group_rules
 from megatron_lev.optim import CLIP_SEPARATOR, GROUP_NAMES, group_name
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's moments: what resharding carries of its state
 FILLER = (
     "param_group_filler"  # engine.deepspeed_engine.GROUP_FILLER (+ _1, ...): zero parameters in no layer file
 )
-_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
 def local_states(src) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
@@ -48,7 +46,7 @@ def local_states(src) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     optim = {
         (int(m.group(1)), int(m.group(2))): src.tag_dir / p.name
         for p in src.tag_dir.iterdir()
-        if (m := _OPTIM.match(p.name))
+        if (m := OPTIM_FILE.match(p.name))
     }
     local = _zero12_local(src, optim) if optim else _zero0_local(src)
     out = {}

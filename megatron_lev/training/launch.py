@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_lev.errors import LaunchError, UserError
 from megatron_lev.parallel import session
+from megatron_lev.parallel.launch import find_free_port
 from megatron_lev.parallel.session import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 
 
@@ -181,12 +181,6 @@ def read_dist_env(environ: dict | None = None) -> DistEnv:
     return info or DistEnv(0, 1, 0, "127.0.0.1", 0, "single")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(
     backend: str | None = None,
     *,
@@ -216,7 +210,7 @@ def init_distributed(
         raise ValueError("parallel.distributed_backend=nccl needs CUDA; use gloo (or leave it unset) on CPU")
     if use_cuda:
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-    port = info.master_port or _free_port()
+    port = info.master_port or find_free_port()
     # DeepSpeed and torch read these; keep them consistent with what we used
     os.environ.update(
         {

@@ -278,7 +278,7 @@ def test_the_plan_refuses_missing_counts_in_one_line(tmp_path):
 
 
 def test_seed_and_counts_are_free_on_resume_and_the_order_is_fixed():
-    from megatron_lev.engine.checkpoint_files import TRAINING_ONLY_MODEL_KEYS
+    from megatron_lev.ckpt.record import TRAINING_ONLY_MODEL_KEYS
     from megatron_lev.training.resume import kind_of
 
     assert kind_of("model.lev.id_order_seed") == kind_of("model.lev.id_order_counts") == "free"

@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "pretrain" / "configs" / "tiny.yaml"
+MICRO = ROOT / "pretrain" / "configs" / "micro.yaml"  # the smallest model (gpu_acceptance.py's too)
 TOKENIZER_VOCAB = 50277  # gpt-neox-20b: padded to 50,304 rows at TP = 1 and 50,432 at TP = 2
 ITERS = 3
 FP32_TOL, BF16_TOL = 2e-4, 5e-2  # |loss - one-process loss| per iteration
@@ -150,16 +151,8 @@ def _train_layouts(prefix: str, tok: str, out: str, layouts: list) -> None:
 
 def _tiny_model_config(embedding: str, tp: int):
     return load_config(
-        [TINY],
+        [TINY, MICRO],
         [
-            "model.num_layers=2",
-            "model.hidden_size=32",
-            "model.num_attention_heads=2",
-            "model.seq_length=16",
-            "model.lev.d_seed=8",
-            "model.lev.heads=2",
-            "model.lev.rank=4",
-            "model.lev.kappa=4",
             f"model.embedding={embedding}",
             f"parallel.tensor_model_parallel_size={tp}",
             "train.seed=7",
