@@ -3,8 +3,8 @@
 megatron-lev study plan [--plan pilot]
 megatron-lev study run --data-dir ../shared/data/minipile --out runs/study --lanes 2
 megatron-lev study run --plan pilot --data-dir ../shared/data/minipile --out runs/pilot
-megatron-lev study collect runs/pilot docs/results/pilot/raw    # the plan study run recorded in runs/pilot
-megatron-lev study report docs/results/study/raw docs/results/study
+megatron-lev study collect runs/pilot results/pilot/raw    # the plan study run recorded in runs/pilot
+megatron-lev study report results/study/raw docs/results/study
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Every table of the study's write-up, regenerated from its raw files alone (`study collect`).
 
-    write_report("docs/results/study/raw", "docs/results/study")
+    write_report("results/study/raw", "docs/results/study")
 
 RAW_DIR holds `study.json` (the collected runs: name, group, variant, seed, overrides), `split.json`,
 `lambada.json` and per run `eval.json`, `metrics.jsonl`, `geometry.json`, `config.yaml` and

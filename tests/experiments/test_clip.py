@@ -150,8 +150,6 @@ def test_the_pages(tmp_path):
 
 def test_the_committed_clip_pages_are_those_of_the_committed_raw_files(tmp_path):
     """Every committed page of the clip experiment is the report of its raw files and the regime's."""
-    from tests.experiments.committed import ROOT, assert_pages_regenerate
+    from tests.experiments.committed import assert_pages_regenerate
 
-    assert_pages_regenerate(
-        cr.write_clip_report, ROOT / "docs" / "results" / "clip", cr.PAGES, tmp_path, plots=False
-    )
+    assert_pages_regenerate(cr.write_clip_report, "clip", cr.PAGES, tmp_path, plots=False)

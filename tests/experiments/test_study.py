@@ -25,8 +25,6 @@ from megatron_lev.experiments.study import (
 from megatron_lev.experiments.study_report import REPORT_PAGES, write_report
 from tests.analysis.synthetic import synthetic_result
 
-ROOT = Path(__file__).resolve().parents[2]
-
 LABELS = ["< 1e-04", ">= 1e-04"]
 RESUMED = "untied-s1234"  # the synthetic study's run that was stopped and resumed
 
@@ -387,21 +385,13 @@ def test_collect_keeps_the_runs_an_earlier_session_collected(tmp_path):
 
 
 def test_docs_match_report(tmp_path):
-    raw = ROOT / "docs" / "results" / "study" / "raw"
-    if not raw.is_dir():
-        pytest.skip("the study has not been run yet")
-    write_report(raw, tmp_path, plots=False)
-    for name in REPORT_PAGES:
-        committed = ROOT / "docs" / "results" / "study" / name
-        assert committed.is_file(), f"{committed} is missing: regenerate with megatron-lev study report"
-        assert (tmp_path / name).read_text() == committed.read_text(), (
-            f"docs/results/study/{name} differs from the report of docs/results/study/raw; regenerate it "
-            "with `megatron-lev study report docs/results/study/raw docs/results/study`"
-        )
+    from tests.experiments.committed import assert_pages_regenerate, pages_dir
+
+    assert_pages_regenerate(write_report, "study", REPORT_PAGES, tmp_path, plots=False)
     # the hand-written reading quotes the report: every signed two-decimal percentage and interval in
     # it must be one the report prints (the paper's numbers are quoted with one decimal or unsigned)
     pages = "\n".join((tmp_path / name).read_text() for name in REPORT_PAGES)
-    reading = (ROOT / "docs" / "results" / "study" / "README.md").read_text()
+    reading = (pages_dir("study") / "README.md").read_text()
     quoted = re.findall(r"\[[+-]\d+\.\d\d, [+-]\d+\.\d\d\]%|(?<![\d.])[+-]\d[\d,]*\.\d\d%", reading)
     assert quoted, "docs/results/study/README.md quotes no number of the report"
     missing = sorted({q for q in quoted if q not in pages})
