@@ -22,7 +22,7 @@ TEST_WORKERS ?= 2
 test: setup system-packages
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist load
 
-LINT_PATHS := megatron_lev tests tools pretrain benchmarks
+LINT_PATHS := megatron_lev studies tests tools pretrain benchmarks
 lint: setup
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from megatron_lev.analysis.perplexity import COUNT_EDGES, count_band_labels
 from megatron_lev.errors import DataError
-from megatron_lev.experiments import regime_report as rr
-from megatron_lev.experiments.plan_raw import (
+from studies import regime_report as rr
+from studies.plan_raw import (
     BOOTSTRAP,
     BOOTSTRAP_SEED,
     LEVEL,

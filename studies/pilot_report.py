@@ -1,4 +1,4 @@
-"""The LEV pilot's tables and plots, regenerated from its raw files alone (`study collect --plan pilot`).
+"""The LEV pilot's tables and plots, regenerated from its raw files alone (`python -m studies collect`).
 
     write_pilot_report("results/pilot/raw", "docs/results/pilot")
 
@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 from megatron_lev.errors import DataError
-from megatron_lev.experiments.plan_raw import (
+from studies.plan_raw import (
     BOOTSTRAP,
     BOOTSTRAP_SEED,
     LEVEL,

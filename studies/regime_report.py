@@ -14,7 +14,7 @@ from pathlib import Path
 
 from megatron_lev.analysis.perplexity import COUNT_EDGES, count_band_labels
 from megatron_lev.errors import DataError
-from megatron_lev.experiments.plan_raw import (
+from studies.plan_raw import (
     BOOTSTRAP,
     BOOTSTRAP_SEED,
     LEVEL,

@@ -22,8 +22,8 @@ from megatron_lev.analysis.compare import (
 )
 from megatron_lev.config import atomic_write_text
 from megatron_lev.errors import DataError
-from megatron_lev.experiments.plan_raw import read_raw_json as _read_json
-from megatron_lev.experiments.study import CORPORA, EQUAL_SCALE_RMS, GROUPS, VARIANT_GROUPS
+from studies.plan_raw import read_raw_json as _read_json
+from studies.plans import CORPORA, EQUAL_SCALE_RMS, GROUPS, VARIANT_GROUPS
 
 BOOTSTRAP = 1000
 BOOTSTRAP_SEED = 0
@@ -36,7 +36,7 @@ class Raw:
     def __init__(self, raw: Path):
         self.root = Path(raw)
         if not (self.root / "study.json").is_file():
-            raise DataError(f"{raw}: no study.json; give the directory `megatron-lev study collect` wrote")
+            raise DataError(f"{raw}: no study.json; give the directory `python -m studies collect` wrote")
         self.runs = _read_json(self.root / "study.json")["runs"]
         order = {g: i for i, (g, *_rest) in enumerate(GROUPS)}
         self.runs.sort(key=lambda r: (order.get(r["group"], len(order)), r["seed"]))

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from megatron_lev.experiments import clip_report as cr
-from megatron_lev.experiments.plan_raw import PlanRaw
+from studies import clip_report as cr
+from studies.plan_raw import PlanRaw
 
 DOCS, BANDS = 40, 5
 BAND_NLL = np.array([9.0, 8.0, 6.0, 5.0, 4.0])

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from megatron_lev.experiments import pilot_report as pr
-from megatron_lev.experiments import study
-from megatron_lev.experiments.study import PILOT_GROUPS, study_plan
+from studies import pilot_report as pr
+from studies import plans as study
+from studies.plans import PILOT_GROUPS, study_plan
 from tests.experiments.committed import assert_pages_regenerate, pages_dir, raw_dir
 
 PILOT = pages_dir("pilot")

@@ -13,16 +13,10 @@ import pytest
 
 from megatron_lev.errors import UserError
 from megatron_lev.experiments.corpus import lambada_passages
-from megatron_lev.experiments.study import (
-    EQUAL_SCALE_RMS,
-    SEEDS,
-    Study,
-    assign_lanes,
-    collect_study,
-    select_runs,
-    study_plan,
-)
-from megatron_lev.experiments.study_report import REPORT_PAGES, write_report
+from studies.collect import collect_study
+from studies.plans import EQUAL_SCALE_RMS, SEEDS, assign_lanes, select_runs, study_plan
+from studies.runner import Study
+from studies.study_report import REPORT_PAGES, write_report
 from tests.analysis.synthetic import synthetic_result
 
 LABELS = ["< 1e-04", ">= 1e-04"]
@@ -115,7 +109,7 @@ def test_lanes_cover_every_run_once(lanes):
 
 
 def test_a_lane_runs_its_runs_in_the_order_dealt():
-    from megatron_lev.experiments.study import select_runs
+    from studies.plans import select_runs
 
     (first, second) = assign_lanes(study_plan(), 2)
     for lane in (first, second):
@@ -328,7 +322,7 @@ def _finished_study(tmp_path: Path) -> Path:
 
 
 def test_collect_copies_small_files_of_finished_runs_and_never_checkpoints(tmp_path):
-    from megatron_lev.experiments.study import _copy_small
+    from studies.collect import _copy_small
 
     out = _finished_study(tmp_path)
     raw = tmp_path / "raw"
@@ -403,7 +397,7 @@ def test_vocabulary_buckets_count_the_byte_pieces_of_each_bucket(tmp_path):
     fallback: every byte piece the counts leave at zero is in the lowest bucket and counted as such."""
     import sentencepiece
 
-    from megatron_lev.experiments.study import vocabulary_buckets
+    from studies.collect import vocabulary_buckets
 
     text = tmp_path / "text.txt"
     text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(300)))
@@ -430,7 +424,7 @@ def test_a_study_directory_holds_one_plan(tmp_path):
     """The plans share run names (tied-s1234 is in the study, the pilot and the regime): `study run`
     records its plan in --out and refuses another's directory, and `collect` takes the recorded plan
     (refusing a --plan that contradicts it)."""
-    from megatron_lev.experiments.study import claim_plan, recorded_plan
+    from studies.runner import claim_plan, recorded_plan
 
     out = _finished_study(tmp_path)
     assert recorded_plan(out) is None
