@@ -13,11 +13,11 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from megatron_lev.analysis.compare import (
-    _interval_cell,
-    _mean_sd_cell,
+from megatron_lev.analysis.compare import compare_results
+from megatron_lev.analysis.compare_report import (
     compare_markdown,
-    compare_results,
+    interval_cell,
+    mean_sd_cell,
     plot_comparison,
 )
 from megatron_lev.config import atomic_write_text
@@ -106,9 +106,9 @@ def _change_cells(stats: dict, seeds: int) -> list[str]:
     boot = "not run" if stats.get("bootstrap_interval") is None else ""
     per_seed = ", ".join("-" if v is None else f"{v:+.2f}" for v in stats["per_seed"])
     return [
-        _mean_sd_cell(stats),
-        _interval_cell(stats["seed_interval"], why),
-        _interval_cell(stats["bootstrap_interval"], boot or "no value"),
+        mean_sd_cell(stats),
+        interval_cell(stats["seed_interval"], why),
+        interval_cell(stats["bootstrap_interval"], boot or "no value"),
         per_seed,
     ]
 
@@ -286,7 +286,7 @@ def decomposition_markdown(raw: Raw) -> str:
             dec = cmp["decomposition"]
             g = (dec["terms"][i] if i < len(dec["terms"]) else dec["total"])["gain"]
             ci = g["bootstrap_interval"]
-            cells.append(_mean_sd_cell(g) + (f" {_interval_cell(ci, '')}" if ci else ""))
+            cells.append(mean_sd_cell(g) + (f" {interval_cell(ci, '')}" if ci else ""))
         paper = f"{t['paper_label']} +{t['paper_gain_pct']:.2f}%" if t.get("paper_label") else "-"
         lines.append(
             f"| {t['term']} | {t['variant']} vs {t['reference']} | " + " | ".join(cells) + f" | {paper} |"
