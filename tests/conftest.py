@@ -35,6 +35,7 @@ def shared_data() -> Path:
 SLOW_MODULES = (
     "test_install.py",  # pip-installs the package into a fresh site, then trains with it
     "training/test_numbers_fixed.py",  # three recorded trainings, bit for bit
+    "model/test_triton_kernel.py",  # compiles the Triton kernels in a subprocess per test
     "reliability/test_clean_log.py",
     "reliability/test_concurrency.py",
     "reliability/test_io_faults.py",
@@ -58,6 +59,9 @@ SLOW_TESTS = (
     "reliability/test_data.py::test_worker_failure_stops_the_run_cleanly",
     "reliability/test_data.py::test_signals_never_hang_or_orphan_workers",
     "reliability/test_leftovers.py::test_a_rerun_after_a_skip_limit_stop_stays_non_zero_and_says_why",
+    "reliability/test_checkpoint.py::test_signal_during_start_up_exits_75",
+    "reliability/test_checkpoint.py::test_torchrun_local_rank_killed_at_start_up_is_a_failure",
+    "reliability/test_checkpoint.py::test_disk_full_during_save_names_the_path_and_keeps_the_previous",
 )
 
 

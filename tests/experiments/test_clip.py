@@ -1,4 +1,4 @@
-"""The clip report (`experiments/clip_report.py`) from synthetic raw files with known differences: the
+"""The clip report (`studies/clip_report.py`) from synthetic raw files with known differences: the
 change C and its interval, the README's outcomes, the paper's buckets, the clip factors, the pages."""
 
 from __future__ import annotations

@@ -52,3 +52,20 @@ def test_python_m_studies_runs_from_a_checkout():
         check=True,
     ).stdout
     assert out.rstrip().endswith("10 runs") and "lev-sc-s1234" in out
+
+
+def test_a_lane_command_is_one_the_workbench_parses_back(tmp_path):
+    """`run` starts each lane as `python -m studies lane ...`: the same plan, runs and directories."""
+    from studies.__main__ import build_parser
+    from studies.plans import study_plan
+    from studies.runner import Study
+
+    study = Study(tmp_path / "corpus", tmp_path / "out", plan="clip", tokenizer=tmp_path / "tok.json")
+    runs = study_plan("clip")[:2]
+    command = study.lane_command(1, runs)
+    assert command[1:4] == ["-m", "studies", "lane"]
+    args = build_parser().parse_args(command[3:])
+    assert (args.plan, args.lane, args.runs) == ("clip", 1, [r.name for r in runs])
+    assert (args.out, args.data_dir, args.tokenizer) == tuple(
+        str(p) for p in (tmp_path / "out", tmp_path / "corpus", tmp_path / "tok.json")
+    )
