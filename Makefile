@@ -1,12 +1,13 @@
 # Quick start:  make demo   (set up + run the main job on the embedded sample data)
 #               make test   (set up + run the whole test suite)
+#               make test-quick   (the unit tests only: no multiprocess, Slurm or slow test; a few minutes)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
-.PHONY: setup system-packages demo test lint bench
+.PHONY: setup system-packages demo test test-quick lint bench
 setup:
 	@VENV=$(VENV) scripts/setup_env.sh
 
@@ -22,7 +23,13 @@ TEST_WORKERS ?= 2
 test: setup system-packages
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist load
 
-LINT_PATHS := megatron_lev tests tools pretrain benchmarks
+# The quick tier, on one process: leaves out the tests marked multiprocess (gloo process groups),
+# slurm (the Slurm daemons) and slow (trainings and subprocess pipelines: tests/conftest.py).
+QUICK_MARKERS := not multiprocess and not slurm and not slow
+test-quick: setup system-packages
+	$(PY) -m pytest tests -m "$(QUICK_MARKERS)" -q
+
+LINT_PATHS := megatron_lev studies tests tools pretrain benchmarks
 lint: setup
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)

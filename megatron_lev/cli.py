@@ -74,10 +74,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_lev.commands.grid",
         "the paper's experiment grid: sbatch commands, or the small grid run here",
     ),
-    "study": (
-        "megatron_lev.commands.study",
-        "the small grid rerun with seeds and controls: plan, run (resumable lanes), collect, report",
-    ),
 }
 
 

@@ -19,7 +19,7 @@ which also evaluate, the trainers' RSS reached 3.1 GiB (LEV) and 4.4 GiB (TIED) 
 estimate of about 2.0 GiB).
 
 Hence opt-in: `MEGATRON_LEV_HOST_MALLOC=1` makes `train` call it on CPU (never with CUDA, whose
-caching allocator holds the large buffers); `megatron-lev study run` sets it for its runs.
+caching allocator holds the large buffers); `python -m studies run` sets it for its runs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The clip report (`experiments/clip_report.py`) from synthetic raw files with known differences: the
+"""The clip report (`studies/clip_report.py`) from synthetic raw files with known differences: the
 change C and its interval, the README's outcomes, the paper's buckets, the clip factors, the pages."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from megatron_lev.experiments import clip_report as cr
-from megatron_lev.experiments.plan_raw import PlanRaw
+from studies import clip_report as cr
+from studies.plan_raw import PlanRaw
 
 DOCS, BANDS = 40, 5
 BAND_NLL = np.array([9.0, 8.0, 6.0, 5.0, 4.0])
@@ -150,8 +150,6 @@ def test_the_pages(tmp_path):
 
 def test_the_committed_clip_pages_are_those_of_the_committed_raw_files(tmp_path):
     """Every committed page of the clip experiment is the report of its raw files and the regime's."""
-    from tests.experiments.committed import ROOT, assert_pages_regenerate
+    from tests.experiments.committed import assert_pages_regenerate
 
-    assert_pages_regenerate(
-        cr.write_clip_report, ROOT / "docs" / "results" / "clip", cr.PAGES, tmp_path, plots=False
-    )
+    assert_pages_regenerate(cr.write_clip_report, "clip", cr.PAGES, tmp_path, plots=False)

@@ -5,18 +5,17 @@ the committed raw files, which must regenerate the committed tables exactly."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from megatron_lev.experiments import pilot_report as pr
-from megatron_lev.experiments import study
-from megatron_lev.experiments.study import PILOT_GROUPS, study_plan
-from tests.experiments.committed import assert_pages_regenerate
+from studies import pilot_report as pr
+from studies import plans as study
+from studies.plans import PILOT_GROUPS, study_plan
+from tests.experiments.committed import assert_pages_regenerate, pages_dir, raw_dir
 
-ROOT = Path(__file__).resolve().parents[2]
-PILOT = ROOT / "docs" / "results" / "pilot"
+PILOT = pages_dir("pilot")
+PILOT_RAW = raw_dir("pilot")
 
 
 def test_the_pilot_plan_has_every_arm_the_readme_names():
@@ -147,13 +146,13 @@ def test_the_report_is_deterministic_and_says_what_it_found(raw, tmp_path):
 
 
 def test_the_committed_tables_are_those_of_the_committed_raw_files(tmp_path):
-    assert_pages_regenerate(pr.write_pilot_report, PILOT, pr.PAGES, tmp_path, plots=False)
+    assert_pages_regenerate(pr.write_pilot_report, "pilot", pr.PAGES, tmp_path, plots=False)
 
 
 def test_the_regime_and_order_plans_run_what_the_committed_pilot_chose():
     """The settings the later experiments use are those the README's rules give on the committed raw
     files, not numbers copied by hand."""
-    sel = pr.selection(pr.PlanRaw(PILOT / "raw"))
+    sel = pr.selection(pr.PlanRaw(PILOT_RAW))
     assert sel["lr"]["TIED"] is not None and sel["lr"]["LEV"] is not None, "the pilot's sweeps are incomplete"
     assert study.PILOT_TIED_CHOICE == sel["lr"]["TIED"][0]
     assert study.PILOT_LEV_CHOICE == sel["lr"]["LEV"][0]

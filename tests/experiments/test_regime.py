@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_lev.experiments import regime_report as rr
-from megatron_lev.experiments.plan_raw import PlanRaw, paired_differences, seed_interval
+from studies import regime_report as rr
+from studies.plan_raw import PlanRaw, paired_differences, seed_interval
 from tests.experiments.committed import assert_pages_regenerate
 
 DOCS, BANDS = 40, 5
@@ -195,7 +195,8 @@ def test_every_run_of_the_plan_passes_the_trainers_checks_before_any_step(plan, 
     vocabulary (ALBERT-32 is 32 wide by override; at the grid's parameter matching it would be 4 and
     refused), and a run that cannot start is refused before the data steps."""
     from megatron_lev.errors import ConfigError
-    from megatron_lev.experiments.study import Study, study_plan
+    from studies.plans import study_plan
+    from studies.runner import Study
 
     tokenizer = shared_data / "tokenizers" / "gpt-neox-20b.json"
     study = Study(shared_data / "minipile", tmp_path / "out", plan=plan, tokenizer=tokenizer)
@@ -209,7 +210,7 @@ def test_every_run_of_the_plan_passes_the_trainers_checks_before_any_step(plan, 
         from megatron_lev.engine.plan import param_group_rules
 
         assert [r.lr_mult for r in param_group_rules(lev)] == [0.1, 0.1]
-        from megatron_lev.experiments.study import REGIME_CONFIG
+        from studies.plans import REGIME_CONFIG
 
         narrow = tmp_path / "narrow.yaml"  # the regime config with a floor ALBERT-32 is under
         root = Path(__file__).resolve().parents[2]
@@ -229,22 +230,16 @@ def test_every_run_of_the_plan_passes_the_trainers_checks_before_any_step(plan, 
 
 def test_the_reports_read_the_table_statistics_the_trainer_logs():
     """plan_raw repeats `training.dynamics.TABLE_KEYS` so that the reports need not import torch."""
-    from megatron_lev.experiments.plan_raw import TABLE_KEYS
     from megatron_lev.training.dynamics import TABLE_KEYS as LOGGED
+    from studies.plan_raw import TABLE_KEYS
 
     assert TABLE_KEYS == LOGGED
 
 
-REGIME = Path(__file__).resolve().parents[2] / "docs" / "results" / "regime"
-
-
 def test_the_committed_tables_are_those_of_the_committed_raw_files(tmp_path):
     """Every committed page of the regime experiment is the report of its committed raw files."""
-    assert_pages_regenerate(rr.write_regime_report, REGIME, rr.PAGES, tmp_path, plots=False)
-
-
-ORDER = REGIME.parent / "order"
+    assert_pages_regenerate(rr.write_regime_report, "regime", rr.PAGES, tmp_path, plots=False)
 
 
 def test_the_committed_order_page_is_that_of_the_committed_raw_files(tmp_path):
-    assert_pages_regenerate(rr.write_order_report, ORDER, ["order.md"], tmp_path)
+    assert_pages_regenerate(rr.write_order_report, "order", ["order.md"], tmp_path)

@@ -14,19 +14,11 @@ import pytest
 from megatron_lev.engine.plan import param_group_rules
 from megatron_lev.errors import UserError
 from megatron_lev.experiments.corpus import lambada_passages
-from megatron_lev.experiments.study import (
-    EQUAL_SCALE_RMS,
-    SEEDS,
-    Study,
-    assign_lanes,
-    collect_study,
-    select_runs,
-    study_plan,
-)
-from megatron_lev.experiments.study_report import REPORT_PAGES, write_report
+from studies.collect import collect_study
+from studies.plans import EQUAL_SCALE_RMS, SEEDS, assign_lanes, select_runs, study_plan
+from studies.runner import Study
+from studies.study_report import REPORT_PAGES, write_report
 from tests.analysis.synthetic import synthetic_result
-
-ROOT = Path(__file__).resolve().parents[2]
 
 LABELS = ["< 1e-04", ">= 1e-04"]
 RESUMED = "untied-s1234"  # the synthetic study's run that was stopped and resumed
@@ -118,7 +110,7 @@ def test_lanes_cover_every_run_once(lanes):
 
 
 def test_a_lane_runs_its_runs_in_the_order_dealt():
-    from megatron_lev.experiments.study import select_runs
+    from studies.plans import select_runs
 
     (first, second) = assign_lanes(study_plan(), 2)
     for lane in (first, second):
@@ -331,7 +323,7 @@ def _finished_study(tmp_path: Path) -> Path:
 
 
 def test_collect_copies_small_files_of_finished_runs_and_never_checkpoints(tmp_path):
-    from megatron_lev.experiments.study import _copy_small
+    from studies.collect import _copy_small
 
     out = _finished_study(tmp_path)
     raw = tmp_path / "raw"
@@ -388,21 +380,13 @@ def test_collect_keeps_the_runs_an_earlier_session_collected(tmp_path):
 
 
 def test_docs_match_report(tmp_path):
-    raw = ROOT / "docs" / "results" / "study" / "raw"
-    if not raw.is_dir():
-        pytest.skip("the study has not been run yet")
-    write_report(raw, tmp_path, plots=False)
-    for name in REPORT_PAGES:
-        committed = ROOT / "docs" / "results" / "study" / name
-        assert committed.is_file(), f"{committed} is missing: regenerate with megatron-lev study report"
-        assert (tmp_path / name).read_text() == committed.read_text(), (
-            f"docs/results/study/{name} differs from the report of docs/results/study/raw; regenerate it "
-            "with `megatron-lev study report docs/results/study/raw docs/results/study`"
-        )
+    from tests.experiments.committed import assert_pages_regenerate, pages_dir
+
+    assert_pages_regenerate(write_report, "study", REPORT_PAGES, tmp_path, plots=False)
     # the hand-written reading quotes the report: every signed two-decimal percentage and interval in
     # it must be one the report prints (the paper's numbers are quoted with one decimal or unsigned)
     pages = "\n".join((tmp_path / name).read_text() for name in REPORT_PAGES)
-    reading = (ROOT / "docs" / "results" / "study" / "README.md").read_text()
+    reading = (pages_dir("study") / "README.md").read_text()
     quoted = re.findall(r"\[[+-]\d+\.\d\d, [+-]\d+\.\d\d\]%|(?<![\d.])[+-]\d[\d,]*\.\d\d%", reading)
     assert quoted, "docs/results/study/README.md quotes no number of the report"
     missing = sorted({q for q in quoted if q not in pages})
@@ -414,7 +398,7 @@ def test_vocabulary_buckets_count_the_byte_pieces_of_each_bucket(tmp_path):
     fallback: every byte piece the counts leave at zero is in the lowest bucket and counted as such."""
     import sentencepiece
 
-    from megatron_lev.experiments.study import vocabulary_buckets
+    from studies.collect import vocabulary_buckets
 
     text = tmp_path / "text.txt"
     text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(300)))
@@ -441,7 +425,7 @@ def test_a_study_directory_holds_one_plan(tmp_path):
     """The plans share run names (tied-s1234 is in the study, the pilot and the regime): `study run`
     records its plan in --out and refuses another's directory, and `collect` takes the recorded plan
     (refusing a --plan that contradicts it)."""
-    from megatron_lev.experiments.study import claim_plan, recorded_plan
+    from studies.runner import claim_plan, recorded_plan
 
     out = _finished_study(tmp_path)
     assert recorded_plan(out) is None

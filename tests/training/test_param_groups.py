@@ -154,7 +154,7 @@ def test_seed_lr_mult_is_two_rules_for_lev_only():
     """model.lev.seed_lr_mult puts the pilot's two rules (codebooks and W_l at a tenth, LEV-RG's
     train.param_groups) before the user's; other embeddings ignore it, so one config file serves
     every variant."""
-    from megatron_lev.experiments.study import SEED_LR_X01
+    from studies.plans import SEED_LR_X01
 
     pilot = param_group_rules(_cfg(SEED_LR_X01))
     assert [r.pattern for r in pilot] == ["embedding.codebooks.*", "embedding.proj"]

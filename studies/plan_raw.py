@@ -1,4 +1,4 @@
-"""The collected raw files of a `megatron-lev study` plan, read for the pilot's and the regime's reports,
+"""The collected raw files of a `python -m studies` plan, read for the pilot's and the regime's reports,
 and the paired document bootstrap their intervals use."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from megatron_lev.errors import DataError
-from megatron_lev.experiments.study import get_plan, study_plan
 from megatron_lev.utils.io import atomic_write_text
+from studies.plans import get_plan, study_plan
 
 BOOTSTRAP = 1000
 BOOTSTRAP_SEED = 0
@@ -31,7 +31,7 @@ def read_raw_json(path: Path):
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise DataError(f"{path}: missing from the raw results; run `megatron-lev study collect`") from None
+        raise DataError(f"{path}: missing from the raw results; run `python -m studies collect`") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DataError(f"{path}: damaged ({' '.join(str(exc).split())}); collect it again") from None
 

@@ -1,6 +1,6 @@
 """The clip experiment's tables, plots and verdict, from its raw files and the regime's.
 
-    write_clip_report("docs/results/clip/raw", "docs/results/clip")
+    write_clip_report("results/clip/raw", "docs/results/clip")
 
 The criteria are those `docs/results/clip/README.md` fixed before the runs. The experiment's own runs
 (plan `clip`) are read beside the regime's (`../regime/raw`, plan `regime`), whose groups are shown
@@ -16,8 +16,8 @@ from pathlib import Path
 
 from megatron_lev.analysis.perplexity import COUNT_EDGES, count_band_labels
 from megatron_lev.errors import DataError
-from megatron_lev.experiments import regime_report as rr
-from megatron_lev.experiments.plan_raw import (
+from studies import regime_report as rr
+from studies.plan_raw import (
     BOOTSTRAP,
     BOOTSTRAP_SEED,
     LEVEL,

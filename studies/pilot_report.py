@@ -1,6 +1,6 @@
-"""The LEV pilot's tables and plots, regenerated from its raw files alone (`study collect --plan pilot`).
+"""The LEV pilot's tables and plots, regenerated from its raw files alone (`python -m studies collect`).
 
-    write_pilot_report("docs/results/pilot/raw", "docs/results/pilot")
+    write_pilot_report("results/pilot/raw", "docs/results/pilot")
 
 Per run the raw directory holds `eval.json` (the final checkpoint on the validation shard and the
 zero-shot documents, with per-document NLL sums), `metrics.jsonl` (the training dynamics every
@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 from megatron_lev.errors import DataError
-from megatron_lev.experiments.plan_raw import (
+from studies.plan_raw import (
     BOOTSTRAP,
     BOOTSTRAP_SEED,
     LEVEL,

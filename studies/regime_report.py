@@ -1,6 +1,6 @@
 """The regime experiment's tables, plots and verdict, regenerated from its raw files alone.
 
-    write_regime_report("docs/results/regime/raw", "docs/results/regime")
+    write_regime_report("results/regime/raw", "docs/results/regime")
 
 The criteria are those `docs/results/regime/README.md` fixed before the runs; `verdict` applies them.
 Bands are `evaluate`'s training-count bands of the target and of the input token
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from megatron_lev.analysis.perplexity import COUNT_EDGES, count_band_labels
 from megatron_lev.errors import DataError
-from megatron_lev.experiments.plan_raw import (
+from studies.plan_raw import (
     BOOTSTRAP,
     BOOTSTRAP_SEED,
     LEVEL,

@@ -1,6 +1,6 @@
 """Every table of the study's write-up, regenerated from its raw files alone (`study collect`).
 
-    write_report("docs/results/study/raw", "docs/results/study")
+    write_report("results/study/raw", "docs/results/study")
 
 RAW_DIR holds `study.json` (the collected runs: name, group, variant, seed, overrides), `split.json`,
 `lambada.json` and per run `eval.json`, `metrics.jsonl`, `geometry.json`, `config.yaml` and
@@ -13,17 +13,17 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from megatron_lev.analysis.compare import (
-    _interval_cell,
-    _mean_sd_cell,
+from megatron_lev.analysis.compare import compare_results
+from megatron_lev.analysis.compare_report import (
     compare_markdown,
-    compare_results,
+    interval_cell,
+    mean_sd_cell,
     plot_comparison,
 )
 from megatron_lev.errors import DataError
-from megatron_lev.experiments.plan_raw import read_raw_json as _read_json
-from megatron_lev.experiments.study import CORPORA, EQUAL_SCALE_RMS, GROUPS, VARIANT_GROUPS
 from megatron_lev.utils.io import atomic_write_text
+from studies.plan_raw import read_raw_json as _read_json
+from studies.plans import CORPORA, EQUAL_SCALE_RMS, GROUPS, VARIANT_GROUPS
 
 BOOTSTRAP = 1000
 BOOTSTRAP_SEED = 0
@@ -36,7 +36,7 @@ class Raw:
     def __init__(self, raw: Path):
         self.root = Path(raw)
         if not (self.root / "study.json").is_file():
-            raise DataError(f"{raw}: no study.json; give the directory `megatron-lev study collect` wrote")
+            raise DataError(f"{raw}: no study.json; give the directory `python -m studies collect` wrote")
         self.runs = _read_json(self.root / "study.json")["runs"]
         order = {g: i for i, (g, *_rest) in enumerate(GROUPS)}
         self.runs.sort(key=lambda r: (order.get(r["group"], len(order)), r["seed"]))
@@ -106,9 +106,9 @@ def _change_cells(stats: dict, seeds: int) -> list[str]:
     boot = "not run" if stats.get("bootstrap_interval") is None else ""
     per_seed = ", ".join("-" if v is None else f"{v:+.2f}" for v in stats["per_seed"])
     return [
-        _mean_sd_cell(stats),
-        _interval_cell(stats["seed_interval"], why),
-        _interval_cell(stats["bootstrap_interval"], boot or "no value"),
+        mean_sd_cell(stats),
+        interval_cell(stats["seed_interval"], why),
+        interval_cell(stats["bootstrap_interval"], boot or "no value"),
         per_seed,
     ]
 
@@ -286,7 +286,7 @@ def decomposition_markdown(raw: Raw) -> str:
             dec = cmp["decomposition"]
             g = (dec["terms"][i] if i < len(dec["terms"]) else dec["total"])["gain"]
             ci = g["bootstrap_interval"]
-            cells.append(_mean_sd_cell(g) + (f" {_interval_cell(ci, '')}" if ci else ""))
+            cells.append(mean_sd_cell(g) + (f" {interval_cell(ci, '')}" if ci else ""))
         paper = f"{t['paper_label']} +{t['paper_gain_pct']:.2f}%" if t.get("paper_label") else "-"
         lines.append(
             f"| {t['term']} | {t['variant']} vs {t['reference']} | " + " | ".join(cells) + f" | {paper} |"

@@ -1,0 +1,260 @@
+"""The study's plans: which runs each experiment on the study runner makes (`PLANS`), and how they
+are named, selected and dealt to lanes. The study itself is the small grid's six variants rerun with
+several seeds, equal-scale and centred LEV controls, a LAMBADA-style task and the embedding geometry
+at every saved checkpoint; the pilot, the regime, the clip and the token-id order experiments are
+other plans on the same runner.
+
+    plan = study_plan()                              # 19 StudyRun(name, group, variant, seed, overrides)
+    run_study(Study(data_dir, out, lanes=2))         # studies.runner: data steps once, runs on 2 lanes
+    collect_study(out, raw)                          # studies.collect: small raw files of finished runs
+    write_report(raw, out_dir)                       # studies.study_report: every table, from raw alone
+
+Every run uses the study config (`experiments/small/study.yaml`), the same data, tokenizer and data
+order (`data.seed`, fixed); a run's seed is `train.seed`, which sets the model's initialisation only
+(no dropout in these configs). Each step is a `megatron-lev` command run through `StepRunner`; the
+runs' steps are split over lanes, each a subprocess with one thread and its own `StepRunner` over
+the same output directory (distinct step names), so an interrupted study resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_lev.errors import ConfigError
+
+STUDY_CONFIG = Path("pretrain/configs/experiments/small/study.yaml")
+SEEDS = (1234, 1235, 1236)
+# model.input_init_rms of both equal-scale groups: TIED's own table init (normal, std model.init_std
+# = 0.02) has an output RMS of about 0.02, so TIED-EQ is TIED at (exactly) its own scale and LEV-EQ
+# is LEV started at TIED's scale.
+EQUAL_SCALE_RMS = 0.02
+LAMBADA_MAX_PASSAGES = 500
+RUN_STEPS = ("train", "convert", "evaluate", "geometry")  # a run's steps, in order
+
+# The study measured LEV as the spec defines it; its config's LEV now defaults to the pilot's setting
+# (docs/results/pilot/selection.md), so its LEV groups set the spec's back and its raw files stay
+# reproducible with this plan.
+SPEC_LEV = ("model.lev.centre_reference=0", "model.lev.seed_lr_mult=1")
+# group, model.embedding, seeds, overrides beyond train.seed
+GROUPS: tuple[tuple[str, str, tuple[int, ...], tuple[str, ...]], ...] = (
+    ("TIED", "tied", SEEDS, ()),
+    ("LEV", "lev", SEEDS, SPEC_LEV),
+    ("UNTIED", "untied", SEEDS[:1], ()),
+    ("ALBERT", "albert", SEEDS[:1], ()),
+    ("FLAT-MLP", "flat_mlp", SEEDS[:1], ()),
+    ("FACT-MLP", "factorized_mlp", SEEDS[:1], ()),
+    ("TIED-EQ", "tied", SEEDS, (f"model.input_init_rms={EQUAL_SCALE_RMS}",)),
+    ("LEV-EQ", "lev", SEEDS, (*SPEC_LEV, f"model.input_init_rms={EQUAL_SCALE_RMS}")),
+    ("LEV-C", "lev", SEEDS, (*SPEC_LEV, "model.lev.centred=true")),
+)
+VARIANT_GROUPS = ("TIED", "UNTIED", "ALBERT", "FLAT-MLP", "FACT-MLP", "LEV")
+
+Group = tuple[str, str, tuple[int, ...], tuple[str, ...]]  # group, model.embedding, seeds, overrides
+
+# The LEV pilot (docs/results/pilot/README.md states its questions and selection rules): 300 steps of
+# the study's model; LEV as is, the remedies, a 10% warm-up for both, and a learning-rate sweep for both.
+PILOT_CONFIG = Path("pretrain/configs/experiments/small/pilot.yaml")
+PILOT_SEEDS = (1234, 1235)
+CENTRE_REFERENCE = "model.lev.centre_reference=256"
+WARMUP_10 = "train.lr_warmup_fraction=0.1"
+LAYER_LR_X01 = 'train.param_groups=[{pattern: "embedding.*", lr_mult: 0.1}]'
+# W_out at lr / (h r): the h r = 72 rows of the study's LEV (h 4, r 18) then move G by about lr per step
+OUT_LR = "train.param_groups=[{pattern: embedding.out_proj, lr_mult: 0.0139}]"
+SEED_LR_X01 = (
+    'train.param_groups=[{pattern: "embedding.codebooks.*", lr_mult: 0.1}, '
+    "{pattern: embedding.proj, lr_mult: 0.1}]"
+)
+
+
+def _lr(lr: float) -> tuple[str, str]:
+    """The peak learning rate and its cosine floor (10%, as in the study's config)."""
+    return (f"train.lr={lr:g}", f"train.min_lr={lr / 10:g}")
+
+
+PILOT_GROUPS: tuple[Group, ...] = (
+    ("TIED", "tied", PILOT_SEEDS, ()),
+    ("TIED-LR1", "tied", PILOT_SEEDS[:1], _lr(1e-3)),
+    ("TIED-LR4", "tied", PILOT_SEEDS[:1], _lr(4e-3)),
+    ("TIED-W10", "tied", PILOT_SEEDS[:1], (WARMUP_10,)),
+    ("LEV", "lev", PILOT_SEEDS, ()),
+    ("LEV-LR1", "lev", PILOT_SEEDS[:1], _lr(1e-3)),
+    ("LEV-LR4", "lev", PILOT_SEEDS[:1], _lr(4e-3)),
+    ("LEV-W10", "lev", PILOT_SEEDS[:1], (WARMUP_10,)),
+    ("LEV-X01", "lev", PILOT_SEEDS[:1], (LAYER_LR_X01,)),
+    ("LEV-O", "lev", PILOT_SEEDS[:1], (OUT_LR,)),
+    ("LEV-R", "lev", PILOT_SEEDS[:1], (CENTRE_REFERENCE,)),
+    ("LEV-RS", "lev", PILOT_SEEDS[:1], (CENTRE_REFERENCE, "model.lev.seed_init_scale=10")),
+    ("LEV-RG", "lev", PILOT_SEEDS[:1], (CENTRE_REFERENCE, SEED_LR_X01)),
+    # the amendment (docs/results/pilot/README.md): the learning-rate sweep with the 10% warm-up
+    ("TIED-W10-LR1", "tied", PILOT_SEEDS[:1], (WARMUP_10, *_lr(1e-3))),
+    ("TIED-W10-LR4", "tied", PILOT_SEEDS[:1], (WARMUP_10, *_lr(4e-3))),
+    # the chosen setting (LEV-RG, selection.md) with the 10% warm-up at the three learning rates
+    ("LEV-RG-W10", "lev", PILOT_SEEDS, (CENTRE_REFERENCE, SEED_LR_X01, WARMUP_10)),
+    ("LEV-RG-W10-LR1", "lev", PILOT_SEEDS[:1], (CENTRE_REFERENCE, SEED_LR_X01, WARMUP_10, *_lr(1e-3))),
+    ("LEV-RG-W10-LR4", "lev", PILOT_SEEDS[:1], (CENTRE_REFERENCE, SEED_LR_X01, WARMUP_10, *_lr(4e-3))),
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A set of runs `python -m studies` runs on resumable lanes: the study's, or another experiment
+    on the same machinery (`PLANS`)."""
+
+    name: str
+    config: Path  # the run config every run starts from
+    groups: tuple[Group, ...]
+    seeds: tuple[int, ...]  # the seed order of `assign_lanes` (first seeds first)
+    tokenizer_hint: str | None = None  # the plan needs `--tokenizer` (this file of the shared data)
+    lambada: bool = True  # the LAMBADA-style passages and their evaluation
+    about: str = ""
+
+
+# The regime experiment (docs/results/regime/README.md): GPT-NeoX's vocabulary, a model whose input
+# table is 80% of it. Each side runs as the pilot chose (docs/results/pilot/selection.md): LEV in the
+# chosen setting at LEV's chosen learning rate, TIED, ALBERT and UNTIED at TIED's, all with the 10%
+# warm-up (the amendment). tests/experiments/test_pilot.py checks these names against the rules
+# applied to the committed pilot raw files.
+REGIME_CONFIG = Path("pretrain/configs/experiments/regime/regime.yaml")
+REGIME_SEEDS = SEEDS
+PILOT_TIED_CHOICE = "TIED-W10-LR1"
+PILOT_LEV_CHOICE = "LEV-RG-W10-LR1"
+_PILOT_OVERRIDES = {group: extra for group, _, _, extra in PILOT_GROUPS}
+TIED_SETTING: tuple[str, ...] = _PILOT_OVERRIDES[PILOT_TIED_CHOICE]
+LEV_SETTING: tuple[str, ...] = _PILOT_OVERRIDES[PILOT_LEV_CHOICE]
+REGIME_GROUPS: tuple[Group, ...] = (
+    ("TIED", "tied", REGIME_SEEDS, TIED_SETTING),
+    ("LEV", "lev", REGIME_SEEDS, LEV_SETTING),
+    ("ALBERT-32", "albert", REGIME_SEEDS[:1], ("model.baseline_dim=32", *TIED_SETTING)),
+    ("UNTIED", "untied", REGIME_SEEDS[:1], TIED_SETTING),
+    ("LEV-RANDOM", "lev", REGIME_SEEDS[:1], (*LEV_SETTING, "model.lev.id_order=random")),
+)
+
+# LEV's token-id order on the pilot's config: the chosen setting in bpe, random and frequency order.
+ORDER_GROUPS: tuple[Group, ...] = tuple(
+    (f"LEV-{name}", "lev", SEEDS, (*LEV_SETTING, f"model.lev.id_order={order}"))
+    for name, order in (("BPE", "bpe"), ("RANDOM", "random"), ("FREQUENCY", "frequency"))
+)
+
+# The clip experiment (docs/results/clip/README.md, plan and criteria fixed before its runs): the
+# regime's comparison with LEV's seed side clipped on its own (`model.lev.seed_clip_grad`, at the
+# global threshold), TIED rerun on the same code (its clipping is now the project's), one seed of each
+# without clipping as controls, and UNTIED's seeds 1235 and 1236 for a head-matched comparison.
+SEED_CLIP = "model.lev.seed_clip_grad=1"
+NO_CLIP = "train.clip_grad=0"
+CLIP_GROUPS: tuple[Group, ...] = (
+    ("TIED", "tied", REGIME_SEEDS, TIED_SETTING),
+    ("LEV-SC", "lev", REGIME_SEEDS, (*LEV_SETTING, SEED_CLIP)),
+    ("TIED-C0", "tied", REGIME_SEEDS[:1], (*TIED_SETTING, NO_CLIP)),
+    ("LEV-C0", "lev", REGIME_SEEDS[:1], (*LEV_SETTING, NO_CLIP)),
+    ("UNTIED", "untied", REGIME_SEEDS[1:], TIED_SETTING),
+)
+
+PLANS: dict[str, Plan] = {
+    "study": Plan(
+        "study", STUDY_CONFIG, GROUPS, SEEDS, about="the small grid's variants with seeds and LEV controls"
+    ),
+    "pilot": Plan(
+        "pilot",
+        PILOT_CONFIG,
+        PILOT_GROUPS,
+        PILOT_SEEDS,
+        lambada=False,
+        about="300 steps of LEV as is, its remedies, warm-up and learning rates, against TIED",
+    ),
+    "regime": Plan(
+        "regime",
+        REGIME_CONFIG,
+        REGIME_GROUPS,
+        REGIME_SEEDS,
+        tokenizer_hint="tokenizers/gpt-neox-20b.json",
+        lambada=False,
+        about="GPT-NeoX vocabulary, 4 x 192 model: LEV against TIED, ALBERT-32 and UNTIED by count band",
+    ),
+    "clip": Plan(
+        "clip",
+        REGIME_CONFIG,
+        CLIP_GROUPS,
+        REGIME_SEEDS,
+        tokenizer_hint="tokenizers/gpt-neox-20b.json",
+        lambada=False,
+        about="the regime with LEV's seed side clipped on its own, TIED rerun, no-clip controls, UNTIED",
+    ),
+    "order": Plan(
+        "order",
+        PILOT_CONFIG,
+        ORDER_GROUPS,
+        SEEDS,
+        lambada=False,
+        about="LEV's token-id order (bpe, random, frequency) on the pilot's config, three seeds",
+    ),
+}
+
+
+def get_plan(plan: str | Plan) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if plan not in PLANS:
+        raise ConfigError(f"--plan {plan}: unknown; the plans are {', '.join(PLANS)}")
+    return PLANS[plan]
+
+
+CORPORA = (
+    ("mmidx", "validation", "held-out documents of the training subsets"),
+    ("text", "zero-shot", "the held-out subset, never trained on"),
+    ("lambada", "LAMBADA-style", "last word of passages cut from the held-out subset"),
+)
+
+
+@dataclass(frozen=True)
+class StudyRun:
+    name: str  # run directory and step names: <group>-s<seed>, lower case
+    group: str
+    variant: str  # model.embedding
+    seed: int  # train.seed
+    overrides: tuple[str, ...]  # train.seed first, then the group's own
+
+
+def study_plan(plan: str | Plan = "study") -> list[StudyRun]:
+    """A plan's runs (the study's 19 by default), in the order of its groups and seeds."""
+    return [
+        StudyRun(f"{group.lower()}-s{seed}", group, variant, seed, (f"train.seed={seed}", *extra))
+        for group, variant, seeds, extra in get_plan(plan).groups
+        for seed in seeds
+    ]
+
+
+def select_runs(names: list[str] | None, plan: str | Plan = "study") -> list[StudyRun]:
+    """The plan's runs named, in the order named (a lane runs them in the order `assign_lanes` dealt
+    them); all of them, in plan order, when `names` is empty. An unknown name is refused."""
+    runs = study_plan(plan)
+    if not names:
+        return runs
+    known = {r.name for r in runs}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(
+            f"--runs: unknown {unknown}; the {get_plan(plan).name} plan's runs are {', '.join(sorted(known))}"
+        )
+    by_name = {r.name: r for r in runs}
+    return [by_name[n] for n in dict.fromkeys(names)]
+
+
+def assign_lanes(runs: list[StudyRun], lanes: int, plan: str | Plan = "study") -> list[list[StudyRun]]:
+    """Runs dealt round-robin to `lanes` lanes, first seeds first: every group's first seed finishes
+    before any group's second, so a study cut short still has every variant."""
+    if lanes < 1:
+        raise ConfigError(f"--lanes {lanes}: must be an integer >= 1")
+    order = {seed: i for i, seed in enumerate(get_plan(plan).seeds)}
+    plan_index = {r.name: i for i, r in enumerate(study_plan(plan))}
+    ordered = sorted(runs, key=lambda r: (order.get(r.seed, len(order)), plan_index.get(r.name, 0)))
+    return [ordered[k::lanes] for k in range(lanes)]
+
+
+def plan_markdown(runs: list[StudyRun] | None = None, plan: str | Plan = "study") -> str:
+    runs = study_plan(plan) if runs is None else runs
+    lines = ["| run | group | model.embedding | train.seed | overrides |", "|---|---|---|---|---|"]
+    for r in runs:
+        extra = " ".join(f"`{o}`" for o in r.overrides[1:]) or "-"
+        lines.append(f"| {r.name} | {r.group} | {r.variant} | {r.seed} | {extra} |")
+    return "\n".join(lines) + "\n"
