@@ -30,12 +30,14 @@ def _trainer(cfg, vocab: int, steps: int, deepspeed_clips: bool):
     import torch
 
     from megatron_lev.engine.build import build_model
-    from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import build_engine
+    from megatron_lev.engine.plan import plan_for_model
+    from megatron_lev.parallel.layout import SINGLE
     from megatron_lev.training.schedule import Budget
     from megatron_lev.training.trainer import TrainData, Trainer
 
-    engine = build_engine(cfg, build_model(cfg, vocab), 1, build_ds_config(cfg, 1))
+    plan = plan_for_model(cfg, vocab)
+    engine = build_engine(plan, build_model(plan, SINGLE), SINGLE)
     if deepspeed_clips:  # unhook the project's clipper; DeepSpeed clips as it did before it
         ds = engine.ds_engine
         ds._take_model_step = type(ds)._take_model_step.__get__(ds)

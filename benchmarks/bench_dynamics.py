@@ -34,7 +34,6 @@ def _trainer(config: Path, embedding: str, vocab: int, steps: int, out: str):
 
     from megatron_lev.config import load_config
     from megatron_lev.engine.build import build_model
-    from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import build_engine
     from megatron_lev.training.dynamics import TrainingDynamics
     from megatron_lev.training.hooks import Control
@@ -51,7 +50,11 @@ def _trainer(config: Path, embedding: str, vocab: int, steps: int, out: str):
         "logging.tensorboard=false",
     ]
     cfg = load_config([config], over)
-    engine = build_engine(cfg, build_model(cfg, vocab), 1, build_ds_config(cfg, 1))
+    from megatron_lev.engine.plan import plan_for_model
+    from megatron_lev.parallel.layout import SINGLE
+
+    plan = plan_for_model(cfg, vocab)
+    engine = build_engine(plan, build_model(plan, SINGLE), SINGLE)
     t, seq = cfg.train, cfg.model.seq_length
     gen = torch.Generator().manual_seed(0)
 

@@ -53,7 +53,10 @@ def child(args) -> None:
 
     bt = _bench_train()
     cfg = bt._config(args, args.embedding)
-    model = build_model(cfg, args.vocab)
+    from megatron_lev.engine.plan import plan_for_model
+    from megatron_lev.parallel.layout import SINGLE
+
+    model = build_model(plan_for_model(cfg, args.vocab), SINGLE)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
     step = bt.bare_step(model, opt, bt._batches(args, args.vocab, torch.device("cpu")), cfg.train.clip_grad)
 

@@ -66,10 +66,13 @@ def bare_loop(args, cfg, vocab: int, device) -> tuple[float, float]:
     import torch
 
     from megatron_lev.engine.build import build_model
+    from megatron_lev.engine.plan import plan_for_model
     from megatron_lev.engine.recompute import apply_activation_checkpointing
+    from megatron_lev.parallel.layout import SINGLE
 
     # checkpointed as the engine would (build_engine applies it), so both loops run the same model
-    model = apply_activation_checkpointing(build_model(cfg, vocab), cfg.model).to(device)
+    model = build_model(plan_for_model(cfg, vocab, cuda=device.type == "cuda"), SINGLE)
+    model = apply_activation_checkpointing(model, cfg.model).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
     return _timed(
         bare_step(model, opt, _batches(args, vocab, device), cfg.train.clip_grad), args.steps, args.warmup
@@ -94,13 +97,15 @@ def bare_step(model, opt, batches, clip: float):
 
 def trainer_loop(args, cfg, vocab: int, device, out: str) -> tuple[float, float]:
     from megatron_lev.engine.build import build_model
-    from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import build_engine
+    from megatron_lev.engine.plan import plan_for_model
+    from megatron_lev.parallel.layout import SINGLE
     from megatron_lev.training.metrics import MetricsWriter
     from megatron_lev.training.schedule import Budget
     from megatron_lev.training.trainer import TrainData, Trainer
 
-    engine = build_engine(cfg, build_model(cfg, vocab), 1, build_ds_config(cfg, 1))
+    plan = plan_for_model(cfg, vocab, cuda=device.type == "cuda")
+    engine = build_engine(plan, build_model(plan, SINGLE), SINGLE)
     tokens = args.micro_batch * args.seq
     trainer = Trainer(
         cfg,

@@ -131,8 +131,7 @@ def _ctx(args) -> dict:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     disable_cpu_shm_comm()
     init_distributed("gloo" if dev.type == "cpu" else "nccl")
-    if not state.is_initialized():
-        state.initialize_model_parallel(1, 1)
+    state.initialize_model_parallel(1, 1)  # one process: the trainer's layout is the sizes-only one
     name = torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu"
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name.upper()), None)
     return {
@@ -166,14 +165,17 @@ def _config(model_file: Path, overrides: list[str]):
     return load_config([model_file], base + overrides)
 
 
-def _trainer(cfg, vocab: int, device, micro: int, steps: int, world: int = 1):
+def _trainer(cfg, vocab: int, device, micro: int, steps: int, world: int = 1, layout=None):
     from megatron_lev.engine.build import build_model
-    from megatron_lev.engine.config import build_ds_config
     from megatron_lev.engine.deepspeed_engine import build_engine
+    from megatron_lev.engine.plan import plan_for_model
+    from megatron_lev.parallel.layout import SINGLE
     from megatron_lev.training.schedule import Budget as StepBudget
     from megatron_lev.training.trainer import TrainData, Trainer
 
-    engine = build_engine(cfg, build_model(cfg, vocab), world, build_ds_config(cfg, world))
+    layout = layout or SINGLE
+    plan = plan_for_model(cfg, vocab, world, cuda=device.type == "cuda")
+    engine = build_engine(plan, build_model(plan, layout), layout)
     return Trainer(
         cfg,
         engine,
@@ -397,11 +399,11 @@ def _dp_worker(rank: int, world: int, backend: str, port: int, tiny: bool, out: 
     disable_cpu_shm_comm()
     with distributed_session():  # leaves the group cleanly (no joinable C++ thread left at exit)
         init_distributed(backend)
-        state.initialize_model_parallel(1, 1)
-        _dp_steps(rank, world, tiny, out)
+        layout = state.initialize_model_parallel(1, 1)
+        _dp_steps(rank, world, tiny, out, layout)
 
 
-def _dp_steps(rank: int, world: int, tiny: bool, out: str) -> None:
+def _dp_steps(rank: int, world: int, tiny: bool, out: str, layout) -> None:
     from megatron_lev.training.launch import device as current_device
     from megatron_lev.training.trainer import _read
 
@@ -420,7 +422,7 @@ def _dp_steps(rank: int, world: int, tiny: bool, out: str) -> None:
         ],
     )
     torch.manual_seed(1234)
-    tr = _trainer(cfg, vocab, dev, micro, steps, world=world)
+    tr = _trainer(cfg, vocab, dev, micro, steps, world=world, layout=layout)
     batches = _zipf_batches(vocab, micro, cfg.model.seq_length, dev, seed=rank)
     pending = []
     for _ in range(steps):

@@ -313,3 +313,15 @@ def _param_group_rules(cfg: RunConfig) -> None:
                 f"(model.embedding={cfg.model.embedding}); names look like layers.0.attention.qkv.weight, "
                 f"{shown}: e.g. 'embedding.*' or 'embedding.out_proj'"
             )
+
+
+def plan_for_model(cfg: RunConfig, vocab: int | None, world: int = 1, *, cuda: bool = False) -> RunPlan:
+    """`validate_run` for code that builds a model or an engine from a config that names no data
+    (benchmarks, tools, tests): placeholder data and tokenizer paths, which nothing reads, and the
+    tokenizer's `vocab` (None: no vocabulary yet)."""
+    data = dataclasses.replace(
+        cfg.data,
+        data_path=cfg.data.data_path or ["unused-data"],
+        tokenizer_path=cfg.data.tokenizer_path or "unused-tokenizer",
+    )
+    return validate_run(dataclasses.replace(cfg, data=data), world, cuda=cuda, tokenizer_vocab=vocab)
