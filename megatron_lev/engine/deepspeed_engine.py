@@ -453,6 +453,12 @@ def build_engine(plan: RunPlan, model: nn.Module, layout: ParallelLayout) -> Dee
     t = cfg.train
     optimizer = GuardedAdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     mpu = TensorParallelMPU(layout) if not pipeline and layout.tp > 1 else None
+    # DeepSpeed keeps the last engine's mpu in a module global (`deepspeed.utils.groups.mpu`) and sets
+    # it only when given one: an engine without TP built after a TP engine in the same process (tests,
+    # tools) would ask the stale layout. Each engine's own, or none.
+    from deepspeed.utils import groups as ds_groups
+
+    ds_groups.mpu = mpu
     # a copy: DeepSpeed may fill in the dict it is given, and the plan's stays as validated
     ds_engine, _, _, _ = deepspeed.initialize(
         model=model,

@@ -19,6 +19,7 @@ MICRO = 2
 SMALL = [
     "model.num_layers=2",
     "model.hidden_size=32",
+    "model.min_compressed_width=1",  # ALBERT and the MLP baselines at width 8: converters, not a comparison
     "model.num_attention_heads=4",
     "model.num_kv_heads=2",
     f"model.seq_length={SEQ}",
