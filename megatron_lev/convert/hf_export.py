@@ -347,7 +347,7 @@ def materialized_table(src: SourceCheckpoint, params: dict[str, torch.Tensor]) -
     """Rebuild the input embedding at TP = 1 from its merged parameters; its dense `(V, D)` table."""
     from megatron_lev.model.embeddings import build_input_embedding
 
-    module = build_input_embedding(src.cfg.model, src.padded_vocab).float()
+    module = build_input_embedding(src.cfg.model, src.padded_vocab, base_vocab=src.base_vocab).float()
     module.load_state_dict({k: _fp32(v) for k, v in params.items()}, strict=True)
     module.eval()
     return module.materialize()[: src.vocab_size]
@@ -389,7 +389,7 @@ def lev_config(src: SourceCheckpoint) -> dict:
             "AutoModelForCausalLM": f"{module}.LevLlamaForCausalLM",
         },
         "lev_k": lev.k,
-        "lev_base": digit_base(src.padded_vocab, lev.k),
+        "lev_base": digit_base(src.base_vocab, lev.k),
         "lev_d_seed": lev.d_seed,
         "lev_heads": lev.heads,
         "lev_kappa": lev.kappa,
@@ -397,7 +397,7 @@ def lev_config(src: SourceCheckpoint) -> dict:
         "lev_residual": lev.residual,
         "lev_centred": lev.centred,
         "lev_centre_reference": lev.centre_reference,
-        "lev_reference_vocab": src.padded_vocab,  # the reference ids are spread over the padded vocabulary
+        "lev_reference_vocab": src.base_vocab,  # reference ids: over the vocabulary padded for one process
         "lev_id_order": lev.id_order,  # not bpe: the weights hold it (`embed_tokens.codebooks.id_rank`)
         "lev_chunk_size": 256,
     }
@@ -453,7 +453,7 @@ def probe_model(
     from megatron_lev.model.gpt import GPTModel
 
     torch.manual_seed(seed)
-    model = GPTModel(src.cfg.model, src.padded_vocab).float().eval()
+    model = GPTModel(src.cfg.model, src.padded_vocab, true_vocab_size=src.vocab_size).float().eval()
     if buffers:
         model.load_state_dict(buffers, strict=False)
     gen = torch.Generator().manual_seed(seed)

@@ -8,8 +8,8 @@ The math follows the LEV spec: compositional digits -> summed codebooks (seed z)
 (`sign * exp(sum log(|phi| + 1e-9))`) -> `sum_l M_l @ W_out_l` (+ optional `W_res z`); with
 `lev_centred`, `sum_l (M_l - 1) @ W_out_l`; with `lev_centre_reference` = R > 0,
 `sum_l (M_l - mean_R M_l) @ W_out_l`, the mean over the R token ids `floor((2j + 1) V / 2R)` with V
-`lev_reference_vocab` (the training run's padded vocabulary). With a token-id order other than
-`bpe` (`lev_id_order`: `random`, `frequency`) token i takes the digits of `id_rank[i]`, a
+`lev_reference_vocab` (the training run's vocabulary, padded as for one process). With a token-id
+order other than `bpe` (`lev_id_order`: `random`, `frequency`) token i takes the digits of `id_rank[i]`, a
 permutation stored with the weights (`model.embed_tokens.codebooks.id_rank`, int64, one entry per
 token id).
 """

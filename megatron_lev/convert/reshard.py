@@ -231,7 +231,7 @@ def fill_from_source(
     returns the model's parameters by canonical name (a tied table's copies under one name)."""
     tp, rank = layout.tp, layout.tp_rank
     padded = padded_vocab_size(src.vocab_size, cfg.model, tp)
-    specs = canonical_state_dict_spec(cfg.model, padded, layout)
+    specs = canonical_state_dict_spec(cfg.model, padded, layout, src.vocab_size)
     if cfg.parallel.pipeline_model_parallel_size > 1:
         from megatron_lev.engine.pipeline import stage_modules
 
@@ -271,7 +271,8 @@ def optimizer_shards(
 ) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
     """`layout`'s TP shard of every parameter's moments (and fp32 master weight), by target parameter."""
     tp, rank = layout.tp, layout.tp_rank
-    specs = canonical_state_dict_spec(cfg.model, padded_vocab_size(src.vocab_size, cfg.model, tp), layout)
+    padded = padded_vocab_size(src.vocab_size, cfg.model, tp)
+    specs = canonical_state_dict_spec(cfg.model, padded, layout, src.vocab_size)
     out = {}
     for name, params in local.items():
         if specs[name].buffer:  # no moments (LEV's token order)
@@ -292,7 +293,7 @@ def reference_loss(src: SourceCheckpoint, cfg: RunConfig, ids: torch.Tensor) -> 
     from megatron_lev.model.gpt import GPTModel
 
     padded = padded_vocab_size(src.vocab_size, cfg.model, cfg.parallel.tensor_model_parallel_size)
-    specs = canonical_state_dict_spec(cfg.model, padded)
+    specs = canonical_state_dict_spec(cfg.model, padded, true_vocab_size=src.vocab_size)
     with torch.device("meta"):
         model = GPTModel(cfg.model, padded, seed=cfg.train.seed, true_vocab_size=src.vocab_size)
     state = {

@@ -36,7 +36,7 @@ from megatron_lev.engine.checkpoint_files import (
 from megatron_lev.model.canonical import ParamSpec, canonical_state_dict_spec
 from megatron_lev.model.embeddings import InputEmbedding, embedding_class
 from megatron_lev.model.stages import stage_specs
-from megatron_lev.model.vocab import padded_vocab_size
+from megatron_lev.model.vocab import base_vocab_size, padded_vocab_size
 from megatron_lev.utils.progress import progress_bar
 
 
@@ -48,6 +48,12 @@ class SourceCheckpoint:
     vocab_size: int  # the tokenizer's (what an export keeps)
     padded_vocab: int  # the model's rows (vocab padded for the source TP size)
     specs: dict[str, ParamSpec]
+
+    @property
+    def base_vocab(self) -> int:
+        """The vocabulary padded as for one process (`model.vocab.base_vocab_size`): LEV's codebooks,
+        reference ids and token order, whatever the source TP size."""
+        return base_vocab_size(self.padded_vocab, self.vocab_size, self.cfg.model)
 
     @property
     def num_layers(self) -> int:
@@ -103,7 +109,7 @@ def open_checkpoint(
         )
     vocab = vocab_size or _vocab_size(cfg)
     padded = padded_vocab_size(vocab, cfg.model, cfg_tp)
-    specs = canonical_state_dict_spec(cfg.model, padded)
+    specs = canonical_state_dict_spec(cfg.model, padded, true_vocab_size=vocab)
     if files.kind == "pipeline":  # refuse an older layout before reading anything large
         load_layer_file(
             min((r[0] for r in files.layer_files.values()), key=lambda p: p.stat().st_size), specs

@@ -108,7 +108,7 @@ def build_pipeline(
     m, p = cfg.model, cfg.parallel
     if topology is None:
         topology = PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
-    stages = stage_specs(m, vocab_size, cfg.train.seed, document_inputs(cfg.data), layout)
+    stages = stage_specs(m, vocab_size, cfg.train.seed, document_inputs(cfg.data), layout, true_vocab_size)
     loss_fn = functools.partial(
         pipeline_loss, vocab_size=real_vocab_size(vocab_size, true_vocab_size), layout=layout
     )

@@ -29,7 +29,10 @@ class ParamSpec:
 
 
 def canonical_state_dict_spec(
-    model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+    model_cfg: ModelConfig,
+    vocab_size: int,
+    layout: ParallelLayout = SINGLE,
+    true_vocab_size: int | None = None,
 ) -> dict[str, ParamSpec]:
     """Every tensor of the model's state dict for `model_cfg` and the padded `vocab_size`, by canonical
     name: the parameters, then (`buffer=True`, replicated on every TP rank) the persistent buffers,
@@ -37,12 +40,14 @@ def canonical_state_dict_spec(
 
     The answer depends on the arguments alone: `layout` (sizes suffice, no process group) is the TP
     layout whose shards the spec is built through, which checks the model splits over it; the full
-    shapes are the same for every layout."""
+    shapes are the same for every layout. `true_vocab_size` (the tokenizer's; default: every row
+    real) sets the one-process vocabulary a replicated embedding's shapes derive from (LEV's
+    codebooks and token order), as in `GPTModel`."""
     from megatron_lev.model.gpt import GPTModel
 
     tp = layout.tp
     with torch.device("meta"):  # shapes and metadata only: no memory, no random draws kept
-        model = GPTModel(model_cfg, vocab_size, layout=layout)
+        model = GPTModel(model_cfg, vocab_size, true_vocab_size=true_vocab_size, layout=layout)
     specs = {}
     for module_name, module in model.named_modules():
         for pname, param in module.named_parameters(recurse=False):

@@ -56,7 +56,7 @@ class GPTModel(nn.Module):
         modules: dict[str, nn.Module] = {}  # in stage order: embedding, layers, final_norm, output_head
         shared: dict[str, nn.Module] = {}  # tied_key -> the stage built for its first use
         stages: list[Callable] = []
-        for spec in stage_specs(model_cfg, vocab_size, seed, DOCUMENT_TENSORS, layout):
+        for spec in stage_specs(model_cfg, vocab_size, seed, DOCUMENT_TENSORS, layout, true_vocab_size):
             if spec.tied_key in shared:  # a second use of a shared stage: the tied head
                 stages.append(getattr(shared[spec.tied_key], spec.tied_forward))
                 continue

@@ -25,7 +25,12 @@ class VocabParallelHead(nn.Module):
     """
 
     def __init__(
-        self, hidden_size: int, vocab_size: int, init_std: float = 0.02, layout: ParallelLayout = SINGLE
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        init_std: float = 0.02,
+        layout: ParallelLayout = SINGLE,
+        init_rows: int | None = None,
     ):
         super().__init__()
         self.layout = layout
@@ -35,8 +40,13 @@ class VocabParallelHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, hidden_size))
         self.weight.tensor_model_parallel = True
         self.weight.partition_dim = 0
-        init_sharded_(
-            self.weight, (vocab_size, hidden_size), 0, lambda t: nn.init.normal_(t, 0.0, init_std), layout
+        init_sharded_(  # `init_rows`: the rows padded for one process are drawn, further ones are zero
+            self.weight,
+            (vocab_size, hidden_size),
+            0,
+            lambda t: nn.init.normal_(t, 0.0, init_std),
+            layout,
+            init_rows,
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

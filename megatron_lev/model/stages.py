@@ -33,6 +33,7 @@ from megatron_lev.model.documents import documents_for
 from megatron_lev.model.embeddings import build_input_embedding, embedding_class
 from megatron_lev.model.head import VocabParallelHead, vocab_parallel_logits
 from megatron_lev.model.norm import RMSNorm
+from megatron_lev.model.vocab import base_vocab_size
 from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 from megatron_lev.parallel.random import seeded
 
@@ -66,11 +67,18 @@ class StageSpec:
 class EmbeddingStage(nn.Module):
     """Token ids -> hidden states, with the configured input embedding as `embedding`."""
 
-    def __init__(self, model_cfg: ModelConfig, vocab_size: int, seed: int, layout: ParallelLayout = SINGLE):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        vocab_size: int,
+        seed: int,
+        layout: ParallelLayout = SINGLE,
+        base_vocab: int | None = None,
+    ):
         super().__init__()
         self.layout = layout
         with seeded(layer_seed(seed, "embedding")):
-            self.embedding = build_input_embedding(model_cfg, vocab_size, layout)
+            self.embedding = build_input_embedding(model_cfg, vocab_size, layout, base_vocab)
         if model_cfg.input_init_rms is not None:  # equal-scale init: a deterministic rescale, no RNG
             self.embedding.rescale_output_(model_cfg.input_init_rms)
 
@@ -136,11 +144,18 @@ class FinalNormStage(nn.Module):
 class HeadStage(nn.Module):
     """The untied vocabulary-parallel head as `output_head`: `(B, S, D) -> (B, S, V/tp)`."""
 
-    def __init__(self, model_cfg: ModelConfig, vocab_size: int, seed: int, layout: ParallelLayout = SINGLE):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        vocab_size: int,
+        seed: int,
+        layout: ParallelLayout = SINGLE,
+        base_vocab: int | None = None,
+    ):
         super().__init__()
         with seeded(layer_seed(seed, "head")):
             self.output_head = VocabParallelHead(
-                model_cfg.hidden_size, vocab_size, model_cfg.init_std, layout
+                model_cfg.hidden_size, vocab_size, model_cfg.init_std, layout, init_rows=base_vocab
             )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -153,14 +168,17 @@ def stage_specs(
     seed: int,
     document_inputs: tuple[str, ...] = (),
     layout: ParallelLayout = SINGLE,
+    true_vocab_size: int | None = None,
 ) -> list[StageSpec]:
     """The model's stages in order (see the module doc); `vocab_size` is the padded size.
 
     `document_inputs`: the document tensors that follow the hidden state (`DOCUMENT_TENSORS`, in order).
     `layout`: the TP layout every stage is sharded over (its TP layers keep it).
+    `true_vocab_size` (default: every row real) gives the embedding its one-process vocabulary.
     """
     tied = embedding_class(model_cfg.embedding).ties_output_head
-    embedding = (model_cfg, vocab_size, seed, layout)
+    base = base_vocab_size(vocab_size, true_vocab_size, model_cfg)
+    embedding = (model_cfg, vocab_size, seed, layout, base)
     specs = [StageSpec(EmbeddingStage, embedding, TIED_EMBEDDING if tied else None)]
     specs += [
         StageSpec(BlockStage, (model_cfg, i, seed, tuple(document_inputs), layout))
@@ -170,5 +188,5 @@ def stage_specs(
     if tied:
         specs.append(StageSpec(EmbeddingStage, embedding, TIED_EMBEDDING, "head_logits"))
     else:
-        specs.append(StageSpec(HeadStage, (model_cfg, vocab_size, seed, layout)))
+        specs.append(StageSpec(HeadStage, (model_cfg, vocab_size, seed, layout, base)))
     return specs

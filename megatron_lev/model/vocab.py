@@ -14,3 +14,13 @@ def padded_vocab_size(tokenizer_vocab_size: int, model_cfg: ModelConfig, tp: int
         raise ConfigError(f"vocabulary size must be positive, got {tokenizer_vocab_size}")
     multiple = model_cfg.make_vocab_size_divisible_by * tp
     return -(-tokenizer_vocab_size // multiple) * multiple
+
+
+def base_vocab_size(vocab_size: int, true_vocab_size: int | None, model_cfg: ModelConfig) -> int:
+    """The vocabulary as padded for one process: what an embedding's shape and token arithmetic
+    (LEV's digit base, reference ids and id order; a matched baseline's width) derive from, so that
+    every TP size builds the same model. `vocab_size` is the padded size at this TP size; without a
+    `true_vocab_size` every row is real and the answer is `vocab_size`."""
+    if true_vocab_size is None:
+        return vocab_size
+    return min(vocab_size, padded_vocab_size(true_vocab_size, model_cfg, tp=1))

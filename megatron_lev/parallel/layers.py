@@ -32,10 +32,18 @@ def init_sharded_(
     dim: int,
     init_fn: Callable[[torch.Tensor], object],
     layout: ParallelLayout,
+    init_rows: int | None = None,
 ) -> None:
-    """Fill `param` with `layout`'s TP rank's slice (along `dim`) of a full tensor drawn by `init_fn`."""
-    full = torch.empty(full_shape, dtype=torch.float32)
-    init_fn(full)
+    """Fill `param` with `layout`'s TP rank's slice (along `dim`) of a full tensor drawn by `init_fn`.
+
+    `init_rows` (a vocabulary table: the rows padded as for one process) draws only the first rows
+    along dim 0 and leaves the extra padding rows a larger TP size adds at zero, so the drawn rows
+    (and the random stream after them) are those of one process whatever the padding."""
+    full = torch.zeros(full_shape, dtype=torch.float32)
+    if init_rows is None or init_rows >= full_shape[0]:
+        init_fn(full)
+    else:
+        init_fn(full[:init_rows])
     world, rank = layout.tp, layout.tp_rank
     shard = full.chunk(world, dim=dim)[rank] if world > 1 else full
     with torch.no_grad():
@@ -67,7 +75,10 @@ class VocabParallelEmbedding(nn.Module):
         init_std: float = 0.02,
         params_dtype: torch.dtype = torch.float32,
         layout: ParallelLayout = SINGLE,
+        init_rows: int | None = None,
     ):
+        """`init_rows`: the rows drawn at init (the vocabulary padded for one process); the further
+        padding rows of a larger TP size start at zero (`init_sharded_`)."""
         super().__init__()
         self.layout = layout
         world, rank = layout.tp, layout.tp_rank
@@ -84,6 +95,7 @@ class VocabParallelEmbedding(nn.Module):
             0,
             lambda t: nn.init.normal_(t, mean=0.0, std=init_std),
             layout,
+            init_rows,
         )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

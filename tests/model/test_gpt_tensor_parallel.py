@@ -89,3 +89,71 @@ def test_tp2_matches_tp1_logits_loss_and_gradients():
                 atol=1e-5 * scale,
                 msg=lambda m, n=name, c=case: f"{c} {n}: {m}",
             )
+
+
+TOKENS = 200  # pads to 200 rows at TP = 1 and to 208 at TP = 2 (multiples of 8 x TP)
+PADDED_CASES = {  # what derives from the vocabulary besides the rows of a vocab-parallel table
+    "lev_reference_random_order": [  # LEV's reference ids, digit base and token order
+        "model.embedding=lev",
+        "model.lev.centre_reference=16",
+        "model.lev.id_order=random",
+    ],
+    "albert": ["model.embedding=albert"],  # a width matched to LEV's parameter count
+    "tied_rms": ["model.embedding=tied", "model.input_init_rms=0.05"],  # the RMS over the real rows
+}
+
+
+def _run_padded(case, tp, ids, layout=SINGLE):
+    cfg = load_config(None, SMALL + PADDED_CASES[case] + [f"parallel.tensor_model_parallel_size={tp}"])
+    from megatron_lev.parallel.mappings import gather_from_tensor_parallel_region
+
+    plan = plan_for(cfg, TOKENS, tp)
+    model = build_model(plan, layout)
+    logits = model(ids)
+    loss = model(ids[:, :-1], ids[:, 1:])
+    loss.mean().backward()
+    grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
+    full = gather_from_tensor_parallel_region(logits.detach(), layout)[..., :TOKENS]
+    return plan.padded_vocab, full.numpy(), loss.detach().numpy(), grads
+
+
+def _padded_worker(ids):
+    from megatron_lev.parallel import state
+
+    layout = state.initialize_model_parallel(2)
+    return {case: _run_padded(case, 2, ids, layout) for case in PADDED_CASES}
+
+
+@pytest.mark.multiprocess
+def test_tp2_matches_tp1_when_the_padding_differs():
+    """The padding rows differ (200 vs 208), the model does not: LEV's reference ids, digit base and
+    token order, and a matched baseline's width, come from the one-process vocabulary."""
+    ids = torch.randint(0, TOKENS, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = run_distributed(_padded_worker, world_size=2, args=(ids,))
+    for case in PADDED_CASES:
+        padded1, ref_logits, ref_loss, ref_grads = _run_padded(case, 1, ids)
+        cfg2 = load_config(None, SMALL + PADDED_CASES[case] + ["parallel.tensor_model_parallel_size=2"])
+        padded2 = results[0][case][0]
+        assert (padded1, padded2) == (200, 208)
+        spec = canonical_state_dict_spec(cfg2.model, padded2, true_vocab_size=TOKENS)
+        for rank in range(2):
+            _, logits, loss, _ = results[rank][case]
+            torch.testing.assert_close(
+                torch.from_numpy(logits), torch.from_numpy(ref_logits), rtol=1e-5, atol=1e-6
+            )
+            torch.testing.assert_close(
+                torch.from_numpy(loss), torch.from_numpy(ref_loss), rtol=1e-5, atol=1e-6
+            )
+        for name, ref in ref_grads.items():
+            merged = merge_tp_shards(
+                spec[name], [torch.from_numpy(results[r][case][3][name]) for r in range(2)]
+            )
+            ref = torch.from_numpy(ref)
+            if merged.shape != ref.shape:  # a vocab-parallel table: the padding rows have no gradient
+                assert merged.shape[0] == 208 and ref.shape[0] == 200, (case, name)
+                assert float(merged[200:].abs().max()) == 0.0
+                merged = merged[:200]
+            scale = float(abs(ref).max())
+            torch.testing.assert_close(
+                merged, ref, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=name, c=case: f"{c} {n}: {m}"
+            )

@@ -20,15 +20,17 @@ class ScaledEmbedding(InputEmbedding):
 
     name, label = "scaled", "SCALED"
 
-    def __init__(self, vocab_size: int, hidden_size: int, init_std: float, layout=SINGLE):
+    def __init__(self, vocab_size: int, hidden_size: int, init_std: float, layout=SINGLE, base_vocab=None):
         super().__init__()
-        self.vocab_size, self.hidden_size = vocab_size, hidden_size
-        self.table = VocabParallelEmbedding(vocab_size, hidden_size, init_std=init_std, layout=layout)
+        self.vocab_size, self.hidden_size, self.base_vocab = vocab_size, hidden_size, base_vocab
+        self.table = VocabParallelEmbedding(
+            vocab_size, hidden_size, init_std=init_std, layout=layout, init_rows=base_vocab
+        )
         self.scale = nn.Parameter(torch.ones(()))
 
     @classmethod
-    def from_config(cls, model_cfg, vocab_size, layout=SINGLE):
-        return cls(vocab_size, model_cfg.hidden_size, model_cfg.init_std, layout)
+    def from_config(cls, model_cfg, vocab_size, layout=SINGLE, base_vocab=None):
+        return cls(vocab_size, model_cfg.hidden_size, model_cfg.init_std, layout, base_vocab)
 
     @classmethod
     def parameter_count(cls, model_cfg, vocab_size):

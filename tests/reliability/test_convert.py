@@ -1358,7 +1358,7 @@ def rows_the_validation_misses(ckpt: Path) -> tuple[tuple[int, ...], int]:
     params = {
         n.removeprefix("embedding."): t for n, t in iter_canonical(src, False) if n.startswith("embedding.")
     }
-    lev = build_input_embedding(src.cfg.model, src.padded_vocab).float().eval()
+    lev = build_input_embedding(src.cfg.model, src.padded_vocab, base_vocab=src.base_vocab).float().eval()
     lev.load_state_dict(params)
     ids = validation_ids(src.vocab_size, src.cfg.model.seq_length)
     h, d, kappa, _ = lev.delta.shape

@@ -86,7 +86,7 @@ def test_geometry_of_each_checkpoint_matches_direct_computation(lev_run, capsys)
         # the input table from the loaded parameters by a separate build, the head from the state
         src = open_checkpoint(save, tag=tag)
         state = load_canonical_state(src, progress=False)
-        emb = build_input_embedding(src.cfg.model, src.padded_vocab).double()
+        emb = build_input_embedding(src.cfg.model, src.padded_vocab, base_vocab=src.base_vocab).double()
         emb.load_state_dict(
             {k[len("embedding.") :]: v for k, v in state.items() if k.startswith("embedding.")}
         )

@@ -45,11 +45,15 @@ def embedding_class(name: str) -> type[InputEmbedding]:
 
 
 def build_input_embedding(
-    model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+    model_cfg: ModelConfig,
+    vocab_size: int,
+    layout: ParallelLayout = SINGLE,
+    base_vocab: int | None = None,
 ) -> InputEmbedding:
     """The input embedding named by `model_cfg.embedding`, for the (already padded) `vocab_size`, sharded
-    over `layout`'s TP ranks."""
-    return embedding_class(model_cfg.embedding).from_config(model_cfg, vocab_size, layout)
+    over `layout`'s TP ranks; `base_vocab` is that vocabulary padded for one process (see
+    `InputEmbedding.from_config`)."""
+    return embedding_class(model_cfg.embedding).from_config(model_cfg, vocab_size, layout, base_vocab)
 
 
 def _with_width(model_cfg: ModelConfig, hidden_size: int) -> ModelConfig:

@@ -57,13 +57,24 @@ class InputEmbedding(nn.Module, abc.ABC):
 
     vocab_size: int
     hidden_size: int
+    # a vocab-parallel table's rows padded as for one process (None: `vocab_size`): `output_rms`
+    # measures these, so the padding a larger TP size adds changes no scale
+    base_vocab: int | None = None
 
     @classmethod
     @abc.abstractmethod
     def from_config(
-        cls, model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+        cls,
+        model_cfg: ModelConfig,
+        vocab_size: int,
+        layout: ParallelLayout = SINGLE,
+        base_vocab: int | None = None,
     ) -> InputEmbedding:
-        """Build the variant for the (padded) `vocab_size` from `model_cfg`, sharded over `layout`."""
+        """Build the variant for the (padded) `vocab_size` from `model_cfg`, sharded over `layout`.
+
+        `base_vocab` (default `vocab_size`) is the vocabulary padded as for one process
+        (`model.vocab.base_vocab_size`): a vocab-parallel table has `vocab_size` rows, but every
+        width, digit base and id arithmetic derives from `base_vocab`, so TP changes no parameter."""
 
     @classmethod
     @abc.abstractmethod
@@ -131,13 +142,14 @@ class InputEmbedding(nn.Module, abc.ABC):
         return self.forward(ids.reshape(1, -1)).squeeze(0)
 
     def rms_ids(self) -> torch.Tensor:
-        """The ids `output_rms` averages over: every id of the (padded) vocabulary up to
+        """The ids `output_rms` averages over: every id of the vocabulary padded for one process up to
         RMS_SAMPLE_IDS, else that many ids drawn without replacement with a fixed seed (the same
         ids on every rank and in every run)."""
-        if self.vocab_size <= RMS_SAMPLE_IDS:
-            return torch.arange(self.vocab_size)
+        vocab = self.base_vocab or self.vocab_size
+        if vocab <= RMS_SAMPLE_IDS:
+            return torch.arange(vocab)
         gen = torch.Generator().manual_seed(RMS_SAMPLE_SEED)
-        return torch.randperm(self.vocab_size, generator=gen)[:RMS_SAMPLE_IDS].sort().values
+        return torch.randperm(vocab, generator=gen)[:RMS_SAMPLE_IDS].sort().values
 
     @torch.no_grad()
     def output_rms(self, chunk_size: int = 8192) -> float:

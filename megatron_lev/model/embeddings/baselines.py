@@ -40,10 +40,14 @@ class DenseEmbedding(InputEmbedding):
         init_std: float = 0.02,
         tied: bool = False,
         layout: ParallelLayout = SINGLE,
+        base_vocab: int | None = None,
     ):
         super().__init__()
         self.vocab_size, self.hidden_size, self.tied = vocab_size, hidden_size, tied
-        self.table = VocabParallelEmbedding(vocab_size, hidden_size, init_std=init_std, layout=layout)
+        self.base_vocab = base_vocab
+        self.table = VocabParallelEmbedding(
+            vocab_size, hidden_size, init_std=init_std, layout=layout, init_rows=base_vocab
+        )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)
         check_token_ids(input_ids, self.vocab_size)
@@ -68,10 +72,19 @@ class TiedEmbedding(DenseEmbedding):
 
     @classmethod
     def from_config(
-        cls, model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+        cls,
+        model_cfg: ModelConfig,
+        vocab_size: int,
+        layout: ParallelLayout = SINGLE,
+        base_vocab: int | None = None,
     ) -> TiedEmbedding:
         return cls(
-            vocab_size, model_cfg.hidden_size, model_cfg.init_std, tied=cls.ties_output_head, layout=layout
+            vocab_size,
+            model_cfg.hidden_size,
+            model_cfg.init_std,
+            tied=cls.ties_output_head,
+            layout=layout,
+            base_vocab=base_vocab,
         )
 
 
@@ -82,10 +95,19 @@ class UntiedEmbedding(DenseEmbedding):
 
     @classmethod
     def from_config(
-        cls, model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+        cls,
+        model_cfg: ModelConfig,
+        vocab_size: int,
+        layout: ParallelLayout = SINGLE,
+        base_vocab: int | None = None,
     ) -> UntiedEmbedding:
         return cls(
-            vocab_size, model_cfg.hidden_size, model_cfg.init_std, tied=cls.ties_output_head, layout=layout
+            vocab_size,
+            model_cfg.hidden_size,
+            model_cfg.init_std,
+            tied=cls.ties_output_head,
+            layout=layout,
+            base_vocab=base_vocab,
         )
 
 
@@ -190,18 +212,26 @@ class AlbertEmbedding(_CompressedEmbedding):
         dim: int,
         init_std: float = 0.02,
         layout: ParallelLayout = SINGLE,
+        base_vocab: int | None = None,
     ):
         super().__init__()
         self.vocab_size, self.hidden_size, self.dim = vocab_size, hidden_size, dim
-        self.table = VocabParallelEmbedding(vocab_size, dim, init_std=init_std, layout=layout)
+        self.base_vocab = base_vocab
+        self.table = VocabParallelEmbedding(
+            vocab_size, dim, init_std=init_std, layout=layout, init_rows=base_vocab
+        )
         self.proj = _linear(dim, hidden_size, init_std)
 
     @classmethod
     def from_config(
-        cls, model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+        cls,
+        model_cfg: ModelConfig,
+        vocab_size: int,
+        layout: ParallelLayout = SINGLE,
+        base_vocab: int | None = None,
     ) -> AlbertEmbedding:
-        dim, _ = cls.widths(model_cfg, vocab_size)
-        return cls(vocab_size, model_cfg.hidden_size, dim, model_cfg.init_std, layout)
+        dim, _ = cls.widths(model_cfg, base_vocab or vocab_size)
+        return cls(vocab_size, model_cfg.hidden_size, dim, model_cfg.init_std, layout, base_vocab)
 
     @classmethod
     def widths(cls, model_cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:
@@ -245,18 +275,26 @@ class FlatMlpEmbedding(_CompressedEmbedding):
         hidden: int,
         init_std: float = 0.02,
         layout: ParallelLayout = SINGLE,
+        base_vocab: int | None = None,
     ):
         super().__init__()
         self.vocab_size, self.hidden_size, self.dim, self.hidden = vocab_size, hidden_size, dim, hidden
-        self.table = VocabParallelEmbedding(vocab_size, dim, init_std=init_std, layout=layout)
+        self.base_vocab = base_vocab
+        self.table = VocabParallelEmbedding(
+            vocab_size, dim, init_std=init_std, layout=layout, init_rows=base_vocab
+        )
         self.mlp = _MlpHead(dim, hidden, hidden_size, init_std)
 
     @classmethod
     def from_config(
-        cls, model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+        cls,
+        model_cfg: ModelConfig,
+        vocab_size: int,
+        layout: ParallelLayout = SINGLE,
+        base_vocab: int | None = None,
     ) -> FlatMlpEmbedding:
-        dim, hidden = cls.widths(model_cfg, vocab_size)
-        return cls(vocab_size, model_cfg.hidden_size, dim, hidden, model_cfg.init_std, layout)
+        dim, hidden = cls.widths(model_cfg, base_vocab or vocab_size)
+        return cls(vocab_size, model_cfg.hidden_size, dim, hidden, model_cfg.init_std, layout, base_vocab)
 
     @classmethod
     def widths(cls, model_cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:
@@ -302,8 +340,13 @@ class FactorizedMlpEmbedding(_CompressedEmbedding):
 
     @classmethod
     def from_config(
-        cls, model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+        cls,
+        model_cfg: ModelConfig,
+        vocab_size: int,
+        layout: ParallelLayout = SINGLE,
+        base_vocab: int | None = None,
     ) -> FactorizedMlpEmbedding:
+        vocab_size = base_vocab or vocab_size  # replicated: its ids live in the one-process vocabulary
         _, hidden = cls.widths(model_cfg, vocab_size)
         lev = model_cfg.lev
         return cls(vocab_size, model_cfg.hidden_size, lev.k, lev.d_seed, hidden, model_cfg.init_std, lev)

@@ -436,10 +436,20 @@ class LevEmbedding(LevRules, InputEmbedding):
 
     @classmethod
     def from_config(
-        cls, model_cfg: ModelConfig, vocab_size: int, layout: ParallelLayout = SINGLE
+        cls,
+        model_cfg: ModelConfig,
+        vocab_size: int,
+        layout: ParallelLayout = SINGLE,
+        base_vocab: int | None = None,
     ) -> LevEmbedding:
+        # replicated over the vocabulary: the digit base, reference ids and id order are those of
+        # the one-process vocabulary, so a TP run computes what one process does
         return cls(
-            vocab_size, model_cfg.hidden_size, model_cfg.lev, init_std=model_cfg.init_std, layout=layout
+            base_vocab or vocab_size,
+            model_cfg.hidden_size,
+            model_cfg.lev,
+            init_std=model_cfg.init_std,
+            layout=layout,
         )
 
     @classmethod
