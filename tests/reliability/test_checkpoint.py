@@ -50,7 +50,7 @@ from tests.reliability.harness import (
 
 pytestmark = pytest.mark.timeout(300)
 
-TINY = ROOT / "pretrain" / "configs" / "tiny.yaml"
+TINY = ROOT / "tests" / "configs" / "tiny.yaml"
 ENGINE_FILES = DeepSpeedEngine.owned_files()
 ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
 MODEL = "mp_rank_00_model_states.pt"

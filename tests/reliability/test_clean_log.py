@@ -27,7 +27,7 @@ from tests.tiny_run import CONFIG_SCHEDULE, tiny_overrides
 
 pytestmark = pytest.mark.timeout(900)
 
-TINY = ROOT / "pretrain" / "configs" / "tiny.yaml"
+TINY = ROOT / "tests" / "configs" / "tiny.yaml"
 CPU = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
 # what a clean log never holds (any of them fails the row, naming it)
 NOISE = {

@@ -36,7 +36,7 @@ from tests.reliability.harness import ROOT, expect_ok, run_cli_process, tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
-TINY = ROOT / "pretrain" / "configs" / "tiny.yaml"
+TINY = ROOT / "tests" / "configs" / "tiny.yaml"
 IT2 = "iter_0000002"
 LOSS_TOL = 1e-5
 GLOBAL_BATCH = 4  # the references: micro-batch 2 x DP 2 x accumulation 1

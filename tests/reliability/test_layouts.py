@@ -30,7 +30,7 @@ from tests.tiny_run import tiny_overrides
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "pretrain" / "configs" / "tiny.yaml"
+TINY = ROOT / "tests" / "configs" / "tiny.yaml"
 MICRO = ROOT / "pretrain" / "configs" / "micro.yaml"  # the smallest model (gpu_acceptance.py's too)
 TOKENIZER_VOCAB = 50277  # gpt-neox-20b: padded to 50,304 rows at TP = 1 and 50,432 at TP = 2
 ITERS = 3

@@ -34,7 +34,7 @@ from tests.tiny_run import CONFIG_SCHEDULE, tiny_overrides
 
 pytestmark = pytest.mark.timeout(600)
 
-TINY = ROOT / "pretrain" / "configs" / "tiny.yaml"
+TINY = ROOT / "tests" / "configs" / "tiny.yaml"
 ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
 ADDRESS_SPACE = 8 << 30  # a training of the tiny model needs under 3 GiB of it
 

@@ -38,7 +38,7 @@ from tests.reliability.harness import (
 
 pytestmark = pytest.mark.timeout(900)
 
-TINY = ROOT / "pretrain" / "configs" / "tiny.yaml"
+TINY = ROOT / "tests" / "configs" / "tiny.yaml"
 ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MEGATRON_LEV_DEBUG")
 IT4, IT6 = ck.tag_for(4), ck.tag_for(6)

@@ -43,7 +43,7 @@ from tests.reliability.harness import (
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
-TINY = ROOT / "pretrain" / "configs" / "tiny.yaml"
+TINY = ROOT / "tests" / "configs" / "tiny.yaml"
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 HEARTBEAT_S = 10  # the watchdog's timeout in these runs: a beat every second
 

@@ -128,7 +128,7 @@ def test_the_trainer_in_a_batch_shell_of_two_tasks_refuses_at_once(slurm_cluster
         "#!/bin/bash\n"
         f"cd {ROOT}\n"
         f"export PYTHONPATH={ROOT} OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu\n"
-        f"exec {sys.executable} -m megatron_lev train --config pretrain/configs/tiny.yaml "
+        f"exec {sys.executable} -m megatron_lev train --config tests/configs/tiny.yaml "
         f"data.data_path=[{prefix}] data.tokenizer_path={tok} data.split=98,2,0 train.train_iters=2 "
         f"model.num_layers=2 logging.output_dir={tmp_path / 'run'}\n"
     )

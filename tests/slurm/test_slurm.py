@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
 TINY = [
     "--config",
-    str(ROOT / "pretrain" / "configs" / "tiny.yaml"),
+    str(ROOT / "tests" / "configs" / "tiny.yaml"),
     "model.seq_length=64",
     "train.micro_batch_size=2",
     "train.lr_warmup_iters=2",

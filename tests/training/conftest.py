@@ -15,7 +15,7 @@ import zstandard
 from tests.tiny_run import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "pretrain" / "configs" / "tiny.yaml"
+TINY = ROOT / "tests" / "configs" / "tiny.yaml"
 DOCS_PER_SUBSET = {"Wikipedia_en": 1500, "Fortunes": 1500}
 
 

@@ -115,7 +115,7 @@ def test_the_checkpoint_reader_maps_clip_groups_back_to_names():
 
 def _cfg(*extra):
     return load_config(
-        ["pretrain/configs/tiny.yaml"],
+        ["tests/configs/tiny.yaml"],
         ["model.embedding=lev", "data.data_path=[x]", "data.tokenizer_path=t", *extra],
         validate=False,
     )
@@ -163,7 +163,7 @@ def test_seed_lr_mult_is_two_rules_for_lev_only():
     both = param_group_rules(_cfg("model.lev.seed_lr_mult=0.1", user))
     assert both[:2] == pilot and both[2].pattern == "embedding.out_proj"
     tied = load_config(
-        ["pretrain/configs/tiny.yaml"],
+        ["tests/configs/tiny.yaml"],
         ["model.embedding=tied", "data.data_path=[x]", "data.tokenizer_path=t", "model.lev.seed_lr_mult=0.1"],
         validate=False,
     )
