@@ -31,8 +31,8 @@ def _trainer(cfg, vocab: int, steps: int, deepspeed_clips: bool):
 
     from megatron_lev.engine.build import build_model
     from megatron_lev.engine.deepspeed_engine import build_engine
-    from megatron_lev.engine.plan import plan_for_model
     from megatron_lev.parallel.layout import SINGLE
+    from megatron_lev.plan import plan_for_model
     from megatron_lev.training.schedule import Budget
     from megatron_lev.training.trainer import TrainData, Trainer
 
@@ -129,7 +129,7 @@ def main() -> None:
 
     from megatron_lev.config import load_config
     from megatron_lev.engine.deepspeed_engine import disable_cpu_shm_comm
-    from megatron_lev.training.launch import init_distributed
+    from megatron_lev.training.rendezvous import init_distributed
 
     disable_cpu_shm_comm()
     init_distributed()

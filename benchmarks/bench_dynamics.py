@@ -50,8 +50,8 @@ def _trainer(config: Path, embedding: str, vocab: int, steps: int, out: str):
         "logging.tensorboard=false",
     ]
     cfg = load_config([config], over)
-    from megatron_lev.engine.plan import plan_for_model
     from megatron_lev.parallel.layout import SINGLE
+    from megatron_lev.plan import plan_for_model
 
     plan = plan_for_model(cfg, vocab)
     engine = build_engine(plan, build_model(plan, SINGLE), SINGLE)
@@ -143,7 +143,7 @@ def main() -> None:
 
     from megatron_lev.config import load_config
     from megatron_lev.engine.deepspeed_engine import disable_cpu_shm_comm
-    from megatron_lev.training.launch import init_distributed
+    from megatron_lev.training.rendezvous import init_distributed
 
     disable_cpu_shm_comm()
     init_distributed()

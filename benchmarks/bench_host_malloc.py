@@ -53,8 +53,8 @@ def child(args) -> None:
 
     bt = _bench_train()
     cfg = bt._config(args, args.embedding)
-    from megatron_lev.engine.plan import plan_for_model
     from megatron_lev.parallel.layout import SINGLE
+    from megatron_lev.plan import plan_for_model
 
     model = build_model(plan_for_model(cfg, args.vocab), SINGLE)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)

@@ -25,11 +25,11 @@ import torch
 
 from megatron_lev.config import load_config
 from megatron_lev.engine.build import build_model
-from megatron_lev.engine.plan import plan_for_model
 from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.model.flops import flops_per_token, parameter_count
 from megatron_lev.model.vocab import padded_vocab_size
 from megatron_lev.parallel.layout import SINGLE
+from megatron_lev.plan import plan_for_model
 from megatron_lev.utils.io import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -66,9 +66,9 @@ def bare_loop(args, cfg, vocab: int, device) -> tuple[float, float]:
     import torch
 
     from megatron_lev.engine.build import build_model
-    from megatron_lev.engine.plan import plan_for_model
     from megatron_lev.engine.recompute import apply_activation_checkpointing
     from megatron_lev.parallel.layout import SINGLE
+    from megatron_lev.plan import plan_for_model
 
     # checkpointed as the engine would (build_engine applies it), so both loops run the same model
     model = build_model(plan_for_model(cfg, vocab, cuda=device.type == "cuda"), SINGLE)
@@ -98,8 +98,8 @@ def bare_step(model, opt, batches, clip: float):
 def trainer_loop(args, cfg, vocab: int, device, out: str) -> tuple[float, float]:
     from megatron_lev.engine.build import build_model
     from megatron_lev.engine.deepspeed_engine import build_engine
-    from megatron_lev.engine.plan import plan_for_model
     from megatron_lev.parallel.layout import SINGLE
+    from megatron_lev.plan import plan_for_model
     from megatron_lev.training.metrics import MetricsWriter
     from megatron_lev.training.schedule import Budget
     from megatron_lev.training.trainer import TrainData, Trainer
@@ -147,8 +147,8 @@ def main() -> None:
     import torch
 
     from megatron_lev.engine.deepspeed_engine import disable_cpu_shm_comm
-    from megatron_lev.training.launch import device as current_device
-    from megatron_lev.training.launch import init_distributed, shutdown_distributed
+    from megatron_lev.training.rendezvous import device as current_device
+    from megatron_lev.training.rendezvous import init_distributed, shutdown_distributed
 
     disable_cpu_shm_comm()
     init_distributed()

@@ -123,7 +123,7 @@ class Report:
 def _ctx(args) -> dict:
     from megatron_lev.engine.deepspeed_engine import disable_cpu_shm_comm
     from megatron_lev.parallel import state
-    from megatron_lev.training.launch import init_distributed
+    from megatron_lev.training.rendezvous import init_distributed
 
     dev = torch.device(args.device)
     if dev.type == "cpu":
@@ -168,8 +168,8 @@ def _config(model_file: Path, overrides: list[str]):
 def _trainer(cfg, vocab: int, device, micro: int, steps: int, world: int = 1, layout=None):
     from megatron_lev.engine.build import build_model
     from megatron_lev.engine.deepspeed_engine import build_engine
-    from megatron_lev.engine.plan import plan_for_model
     from megatron_lev.parallel.layout import SINGLE
+    from megatron_lev.plan import plan_for_model
     from megatron_lev.training.schedule import Budget as StepBudget
     from megatron_lev.training.trainer import TrainData, Trainer
 
@@ -394,7 +394,7 @@ def _dp_worker(rank: int, world: int, backend: str, port: int, tiny: bool, out: 
         os.environ.update({"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
     from megatron_lev.engine.deepspeed_engine import disable_cpu_shm_comm
     from megatron_lev.parallel import state
-    from megatron_lev.training.launch import distributed_session, init_distributed
+    from megatron_lev.training.rendezvous import distributed_session, init_distributed
 
     disable_cpu_shm_comm()
     with distributed_session():  # leaves the group cleanly (no joinable C++ thread left at exit)
@@ -404,7 +404,7 @@ def _dp_worker(rank: int, world: int, backend: str, port: int, tiny: bool, out: 
 
 
 def _dp_steps(rank: int, world: int, tiny: bool, out: str, layout) -> None:
-    from megatron_lev.training.launch import device as current_device
+    from megatron_lev.training.rendezvous import device as current_device
     from megatron_lev.training.trainer import _read
 
     dev = current_device()
@@ -691,7 +691,7 @@ def main(argv=None) -> int:
     }
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible (use --device cpu --tiny)")
-    from megatron_lev.training.launch import distributed_session
+    from megatron_lev.training.rendezvous import distributed_session
 
     with distributed_session():  # the one-rank group of _ctx, left cleanly on every exit path
         return _run(args, argv)

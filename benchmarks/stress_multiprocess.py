@@ -169,7 +169,7 @@ def refusal(layout: Layout, data: DataSet, extra: list[str]) -> str | None:
     from megatron_lev.config import ConfigError, load_config
 
     try:
-        from megatron_lev.engine.config import validate_training
+        from megatron_lev.plan.ds_config import validate_training
     except ImportError:  # moved: the run itself will refuse what RunConfig.validate lets through
 
         def validate_training(cfg, world, cuda):

@@ -82,7 +82,7 @@ class Study:
         """The grid's checks, then every selected run's config through the trainer's validation."""
         import torch
 
-        from megatron_lev.engine.plan import validate_run
+        from megatron_lev.plan import validate_run
 
         if self.lanes < 1:
             raise ConfigError(f"--lanes {self.lanes}: must be an integer >= 1")

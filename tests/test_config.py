@@ -91,7 +91,7 @@ def test_choice_errors_list_allowed_values(capsys):
     ],
 )
 def test_refused_combinations(overrides, message):
-    from megatron_lev.engine.plan import validate_config
+    from megatron_lev.plan import validate_config
 
     with pytest.raises(ConfigError, match=message):  # the generic rules and the variant's (LEV's heads)
         validate_config(load_config([], overrides, validate=False))

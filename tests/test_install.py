@@ -23,7 +23,7 @@ import pytest
 
 from megatron_lev import resources
 from megatron_lev.config import load_config
-from megatron_lev.engine.config import resolve_template_path
+from megatron_lev.plan.ds_config import resolve_template_path
 from tests.conftest import ROOT
 from tests.data.conftest import read_docs
 from tests.tiny_run import CONFIG_SCHEDULE, tiny_overrides
@@ -147,7 +147,7 @@ def test_installed_package_resolves_from_itself(installed, tmp_path):
     probe = (
         "import json, megatron_lev\n"
         "from megatron_lev import resources\n"
-        "from megatron_lev.engine.config import resolve_template_path\n"
+        "from megatron_lev.plan.ds_config import resolve_template_path\n"
         "print(json.dumps({'package': megatron_lev.__file__, 'tiny': str(resources.config_path('tiny.yaml')),"
         " 'zero1': str(resolve_template_path('zero1')), 'checkout': str(resources.checkout_root())}))"
     )

@@ -254,7 +254,7 @@ def evaluate_zero_shot(
     progress: bool = True,
     vocab_size: int | None = None,
 ) -> list[dict]:
-    """One result per LAMBADA file (`{path: passages}`, from `data.zero_shot.read_lambada`) and per
+    """One result per LAMBADA file (`{path: passages}`, from `data.zero_shot_formats.read_lambada`) and per
     Wikitext file (`{path: documents}`, from `split_wikitext`); a non-finite result is refused."""
     from megatron_lev.analysis.zero_shot import evaluate_lambada, evaluate_wikitext
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lev.analysis.corpora import TextTokenizer
-from megatron_lev.data.zero_shot import LambadaPassage, WikiDocument, wikitext_detokenize
+from megatron_lev.data.zero_shot_formats import LambadaPassage, WikiDocument, wikitext_detokenize
 from megatron_lev.errors import DataError
 
 

@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_lev.engine.plan import validate_config
+    from megatron_lev.plan import validate_config
 
     files, overrides = config_files_and_overrides(args)
     # the generic rules and the variant's (the variants are listed by the model's registry, not the config)
@@ -95,12 +95,12 @@ ASSUMED_VOCAB = 50277  # GPT-NeoX's tokenizer, the project's default, when model
 
 
 def memory_comment(cfg, world_size: int) -> str:
-    """A YAML comment with the memory estimate (`engine.memory`) against this machine's memory.
+    """A YAML comment with the memory estimate (`plan.memory`) against this machine's memory.
 
     `config` does not read the tokenizer: without model.vocab_size it assumes GPT-NeoX's vocabulary.
     `train` checks the estimate with the real vocabulary and refuses a CPU run that cannot fit."""
-    from megatron_lev.engine.memory import available_memory, estimate_memory, gib
     from megatron_lev.model.vocab import padded_vocab_size
+    from megatron_lev.plan.memory import available_memory, estimate_memory, gib
 
     vocab = cfg.model.vocab_size or ASSUMED_VOCAB
     padded = padded_vocab_size(vocab, cfg.model, cfg.parallel.tensor_model_parallel_size)

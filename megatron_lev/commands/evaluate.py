@@ -279,7 +279,7 @@ def main(args: argparse.Namespace) -> int:
     )
     from megatron_lev.analysis.perplexity import DEFAULT_EDGES, load_counts, result_markdown
     from megatron_lev.analysis.zero_shot import zero_shot_markdown
-    from megatron_lev.data.zero_shot import read_lambada, split_wikitext
+    from megatron_lev.data.zero_shot_formats import read_lambada, split_wikitext
     from megatron_lev.errors import DataError, UserError
     from megatron_lev.utils.io import atomic_write_json, atomic_write_text
 

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from megatron_lev.commands.config_cmd import output_dir
-    from megatron_lev.data.zero_shot import read_lambada
+    from megatron_lev.data.zero_shot_formats import read_lambada
 
     if args.data_dir is None and args.lambada is None:
         raise UserError("give --data-dir DIR (ARC, PIQA, HellaSwag, WinoGrande) and/or --lambada FILE")

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_lev.training.launch import distributed_session
+    from megatron_lev.training.rendezvous import distributed_session
 
     code = 1
     try:
@@ -52,8 +52,8 @@ def _train(args: argparse.Namespace) -> int:
 
     from megatron_lev.commands.config_cmd import config_files_and_overrides
     from megatron_lev.config import load_config
-    from megatron_lev.engine.plan import validate_run
-    from megatron_lev.training.launch import read_dist_env
+    from megatron_lev.plan import validate_run
+    from megatron_lev.training.rendezvous import read_dist_env
 
     files, overrides = config_files_and_overrides(args)
     world_size = read_dist_env().world_size

@@ -8,7 +8,7 @@ value, refuses unknown keys (with a suggestion), and validates the combination b
 heavy work.
 
 The rules here are the generic ones. An embedding variant's own rules belong to its class and
-the trainer's to the run: both run in `engine.plan` (`validate_config`, `validate_run`), which
+the trainer's to the run: both run in `plan` (`validate_config`, `validate_run`), which
 is why this package knows nothing of the model.
 """
 

@@ -5,7 +5,7 @@
 Unknown keys are refused with a suggestion, every value is coerced to its field's type or refused
 in one line naming the key, and `validate=True` runs the generic rules (`RunConfig.validate`).
 `set_dotted` is the one setter of a dotted key in a tree of dicts (overrides here, DeepSpeed
-JSON in `engine.config`).
+JSON in `plan.ds_config`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def load_config(
     validate: bool = True,
 ) -> RunConfig:
     """Merge YAML files (later wins), apply dotted overrides, type-check, validate (the generic
-    rules; `validate=False` leaves that to the caller, e.g. `engine.plan.validate_run`).
+    rules; `validate=False` leaves that to the caller, e.g. `plan.validate_run`).
 
     A path that does not exist is looked up among the packaged configs (`tiny.yaml`,
     `pretrain/configs/models/200m.yaml`): see `megatron_lev.resources`.

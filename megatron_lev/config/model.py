@@ -1,7 +1,7 @@
 """The `model` section and its `model.lev` subsection: sizes, the input embedding, the init.
 
 Which variant `model.embedding` names, and what that variant needs of the rest of the config, is
-the variant's business (`megatron_lev.model.embeddings`, asked by `engine.plan`); this section
+the variant's business (`megatron_lev.model.embeddings`, asked by `plan`); this section
 holds the keys and their generic rules.
 """
 

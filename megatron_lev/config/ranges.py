@@ -68,7 +68,7 @@ SEED = Range(0, 2**32 - 1, why="seeds of numpy and torch")
 # sequences of 2048; the largest published dense models have hidden < 30,000, fewer than 200
 # layers, vocabularies of about 256k), so they refuse only typos and absurd values, e.g. a
 # hidden size of 2^20 (a 1e12-parameter layer) or an LR of 1e9. The memory estimate
-# (`engine.memory`) judges what fits in between.
+# (`plan.memory`) judges what fits in between.
 K, M = 1024, 1024 * 1024
 
 

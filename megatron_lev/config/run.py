@@ -2,7 +2,7 @@
 
 Each section checks its own keys (`ModelConfig.validate`, ...); `RunConfig.validate` runs them and
 the rules that join sections (the model against the TP and PP sizes, the batch against the world).
-A model variant's own rules belong to its class and run with these in `engine.plan`.
+A model variant's own rules belong to its class and run with these in `plan`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class RunConfig:
         """Check every section and the combinations; `world_size` adds the layout checks.
 
         The generic rules only: the embedding variant's own rules belong to its class and run with
-        these in `engine.plan.validate_config` / `validate_run`."""
+        these in `plan.validate_config` / `validate_run`."""
         if world_size is not None and (
             isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
         ):

@@ -1,7 +1,7 @@
 """The `train` section: batch, length, schedule, AdamW, clipping, checkpoints, evaluation, and the
 optimizer's per-name rules (`train.param_groups`, `train.clip_groups`).
 
-The rules a model variant implies come before these; `engine.plan.param_group_rules` and
+The rules a model variant implies come before these; `plan.param_group_rules` and
 `clip_group_rules` join them (the variant's first), for every reader of the optimizer's groups.
 """
 
@@ -144,7 +144,7 @@ class TrainConfig:
 
     def clip_group_rules(self) -> list[ClipGroupRule]:
         """`train.clip_groups`, each with its threshold resolved (`train.clip_grad` where a rule gives
-        none). A model variant's own clip groups go before them (`engine.plan.clip_group_rules`)."""
+        none). A model variant's own clip groups go before them (`plan.clip_group_rules`)."""
         return [
             ClipGroupRule(
                 rule.name, list(rule.patterns), self.clip_grad if rule.max_norm is None else rule.max_norm

@@ -40,7 +40,7 @@ from megatron_lev.convert.hf_writer import (
     write_config,
 )
 from megatron_lev.convert.llama_names import to_hf
-from megatron_lev.convert.source import SourceCheckpoint, iter_canonical, open_checkpoint
+from megatron_lev.convert.source import SourceCheckpoint, iter_canonical, open_tag
 from megatron_lev.convert.validate import (
     ValidationError,
     ValidationReport,
@@ -108,7 +108,7 @@ def export_to_hf(
     run_cfg = find_run_config(tag_dir, config)
     tok = run_tokenizer(tag_dir, run_cfg, tokenizer, allow_tokenizer_change)
     # the rows the run trained: model.vocab_size when set (>= the tokenizer's, as training requires)
-    src = open_checkpoint(checkpoint, tag, config, vocab_size=run_cfg.model.vocab_size or tok.vocab_size)
+    src = open_tag(tag_dir, run_cfg, vocab_size=run_cfg.model.vocab_size or tok.vocab_size)
     if keep_lev and src.cfg.model.embedding != "lev":
         raise ExportError(
             f"--keep-lev needs a LEV model; this checkpoint has model.embedding={src.cfg.model.embedding!r}"

@@ -3,11 +3,11 @@
     reshard("runs/x/checkpoints", "runs/x/tp1", tp=1, pp=1, dp=8)
 
 The source is merged into canonical full tensors (`source.iter_canonical`); then the
-target layout is started as `TP x PP x DP` gloo processes on this machine (`parallel.launch`;
+target layout is started as `TP x PP x DP` gloo processes on this machine (`parallel.local_workers`;
 a failed one is a one-line error naming its rank), each builds
 its part of the model with `build_model`, copies in its TP shard of every tensor
 (vocabulary rows re-padded for the new TP size), wraps it in DeepSpeed exactly as the
-trainer does (`engine.deepspeed_engine.build_engine`, `engine.config.build_ds_config`) and
+trainer does (`engine.deepspeed_engine.build_engine`, `plan.ds_config.build_ds_config`) and
 saves through `ckpt.io.save_checkpoint`, so the result is a native
 checkpoint the trainer resumes from (model weights, iteration, client state such as
 the data position, hence the learning-rate schedule, and the source's `provenance.json`: the
@@ -40,11 +40,11 @@ from megatron_lev.convert.merge import split_full
 from megatron_lev.convert.optimizer_state import OptimizerState, read_optimizer_state
 from megatron_lev.convert.source import SourceCheckpoint, iter_canonical, open_checkpoint
 from megatron_lev.engine.checkpoint_files import CheckpointError, load_file
-from megatron_lev.engine.plan import validate_config
 from megatron_lev.model.canonical import canonical_state_dict_spec
 from megatron_lev.model.embeddings.id_order import BUFFER as ID_RANK
 from megatron_lev.model.vocab import padded_vocab_size
 from megatron_lev.parallel.layout import ParallelLayout
+from megatron_lev.plan import validate_config
 
 _DS_KEYS = {
     "module",
@@ -95,8 +95,8 @@ def target_config(cfg: RunConfig, tp: int, pp: int, dp: int, global_batch: int |
 def engine_config(cfg: RunConfig, world_size: int) -> RunConfig:
     """`cfg` with a batch layout `world_size` processes can run (the saved weights do not depend on
     it): its own, else micro-batch x DP."""
-    from megatron_lev.engine.config import batch_layout
     from megatron_lev.errors import ConfigError
+    from megatron_lev.plan.ds_config import batch_layout
 
     try:
         batch_layout(cfg, world_size)
@@ -206,8 +206,8 @@ def reshard_worker(
 def target_plan(cfg: RunConfig, world: int, vocab: int):
     """The `RunPlan` of the target layout: the model's rules (`validate_config`), the padded vocabulary
     and the DeepSpeed JSON for `world` processes; no training rules (nothing is trained)."""
-    from megatron_lev.engine.config import build_ds_config
-    from megatron_lev.engine.plan import RunPlan
+    from megatron_lev.plan import RunPlan
+    from megatron_lev.plan.ds_config import build_ds_config
 
     validate_config(cfg)
     ds_config = build_ds_config(cfg, world)
@@ -328,7 +328,7 @@ def reshard(
     """
     from megatron_lev.convert.hf_export import ExportError, check_out_dir
     from megatron_lev.errors import ConfigError
-    from megatron_lev.parallel.launch import run_workers
+    from megatron_lev.parallel.local_workers import run_workers
 
     for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
         if value < 1:

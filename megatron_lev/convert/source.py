@@ -87,6 +87,12 @@ def open_checkpoint(
 ) -> SourceCheckpoint:
     """Locate the shard files, the run config and the vocabulary; check the checkpoint is complete."""
     tag_dir = resolve_tag_dir(path, tag)
+    return open_tag(tag_dir, find_run_config(tag_dir, config), vocab_size)
+
+
+def open_tag(tag_dir: Path, cfg: RunConfig, vocab_size: int | None = None) -> SourceCheckpoint:
+    """`open_checkpoint` for a tag directory and run config already resolved (an export resolves
+    them first, for its output checks and the tokenizer)."""
     trainer_layout = iteration_of(tag_dir.name) is not None or any(
         tag_dir.parent.glob(f"*/{COMPLETE_MARKER}")
     )
@@ -96,7 +102,6 @@ def open_checkpoint(
             "earlier complete tag (--tag)"
         )
     files = find_files(tag_dir)
-    cfg = find_run_config(tag_dir, config)
     cfg_tp = cfg.parallel.tensor_model_parallel_size
     if files.tp != cfg_tp:
         raise CheckpointError(

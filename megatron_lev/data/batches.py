@@ -6,7 +6,7 @@ same slice themselves, so no batch is broadcast. The train position is the numbe
 of samples consumed, which the checkpoint stores.
 
 A micro-batch is `(input_ids, labels)`, or a `MicroBatch` when the run treats packed documents
-separately (`data.documents.DocumentLayout`: positions, attention and loss mask from the EOD id).
+separately (`data.boundaries.DocumentLayout`: positions, attention and loss mask from the EOD id).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from megatron_lev.data.documents import DocumentLayout
+from megatron_lev.data.boundaries import DocumentLayout
 from megatron_lev.utils.tensors import check_token_ids
 
 

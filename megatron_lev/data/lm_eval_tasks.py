@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_lev.data.zero_shot import is_jsonl, read_lambada
+from megatron_lev.data.zero_shot_formats import is_jsonl, read_lambada
 from megatron_lev.errors import UserError
 from megatron_lev.utils.io import atomic_write_text
 

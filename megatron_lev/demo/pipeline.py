@@ -199,8 +199,8 @@ def check_options(opts: DemoOptions) -> None:
     """Refuse options the demo cannot run with before any step starts; errors name the flag."""
     from megatron_lev.config import load_config
     from megatron_lev.data.train_tokenizer import MIN_VOCAB, input_files
-    from megatron_lev.engine.plan import validate_config
     from megatron_lev.errors import ConfigError
+    from megatron_lev.plan import validate_config
 
     if opts.iters < 1:
         raise ConfigError(f"--iters {opts.iters}: must be an integer >= 1 (training steps)")

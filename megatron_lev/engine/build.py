@@ -7,10 +7,10 @@ from __future__ import annotations
 from torch import nn
 
 from megatron_lev.engine.pipeline import build_pipeline
-from megatron_lev.engine.plan import RunPlan
 from megatron_lev.errors import ConfigError
 from megatron_lev.model.gpt import GPTModel
 from megatron_lev.parallel.layout import ParallelLayout
+from megatron_lev.plan import RunPlan
 
 
 def build_model(plan: RunPlan, layout: ParallelLayout, topology=None) -> nn.Module:
@@ -18,8 +18,8 @@ def build_model(plan: RunPlan, layout: ParallelLayout, topology=None) -> nn.Modu
     `layout` of the process groups (`parallel.state.initialize_model_parallel`; with TP = PP = 1 a
     sizes-only `ParallelLayout.single()` will do).
 
-    The plan was validated and its vocabulary padded by `engine.plan` (tests and tools call
-    `engine.plan.validate_run(cfg, world, cuda=False)`): nothing is checked or derived again, but the
+    The plan was validated and its vocabulary padded by `plan` (tests and tools call
+    `plan.validate_run(cfg, world, cuda=False)`): nothing is checked or derived again, but the
     layout must be the plan's. The padding rows are left out of the loss (see `parallel.cross_entropy`).
     """
     if plan.padded_vocab is None:

@@ -3,7 +3,7 @@
 DeepSpeed clips inside each of its optimizers with a norm of its own, and they do not agree: under a
 ZeRO-0 pipeline `runtime.utils.clip_grad_norm_` counts a tied table's second copy again and, past
 the first stage, only tensor-parallel parameters, so a pipeline run silently trains another model than
-one process does. The run's DeepSpeed JSON therefore sets `gradient_clipping` to 0 (`engine.config`)
+one process does. The run's DeepSpeed JSON therefore sets `gradient_clipping` to 0 (`plan.ds_config`)
 and this clipper does it, on one code path for every layout:
 
     clipper = GradClipper(ds_engine, optimizer, groups, rules, clip_grad, device, fp16, layout=layout)
@@ -14,7 +14,7 @@ It wraps `_take_model_step`, the one place every layout passes once per optimize
 gradients are reduced over data-parallel ranks (and between the stages that hold a tied table) and
 before the optimizer steps (`engine.step_probe` explains what a rank holds there and how each part of
 a full tensor is counted once). Each rank adds up its squared gradient norms by clip group: the global
-group (every parameter no rule names) and one per `engine.plan.clip_group_rules`. One all-reduce
+group (every parameter no rule names) and one per `plan.clip_group_rules`. One all-reduce
 (sum) over all ranks of that short vector gives the full norms, the same on every rank, and each
 group's factor `min(1, max_norm / (norm + 1e-6))` (1 where max_norm is 0). The factors go to the
 optimizer (`GuardedAdamW.grad_factors`), which multiplies each parameter group's gradients by its clip
@@ -68,7 +68,7 @@ class GradClipper:
         layout: ParallelLayout,
     ) -> None:
         """`groups`: `(clip index, parameters)` of each optimizer group (index 0: global, i: rules[i-1]);
-        `rules`: `engine.plan.clip_group_rules`; `clip_grad`: the global group's threshold (0: off);
+        `rules`: `plan.clip_group_rules`; `clip_grad`: the global group's threshold (0: off);
         `layout`: this rank's parallel layout (which copy of a tensor this rank counts)."""
         if not hasattr(ds_engine, "_take_model_step"):
             raise RuntimeError(

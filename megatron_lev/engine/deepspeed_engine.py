@@ -2,7 +2,7 @@
 
 `build_engine(plan, model, layout)` runs `deepspeed.initialize` over the model
 with our AdamW (`optim.GuardedAdamW`, so no DeepSpeed op is compiled at start)
-and the run's DeepSpeed JSON (`engine.config`). The plain model (PP = 1) runs under
+and the run's DeepSpeed JSON (`plan.ds_config`). The plain model (PP = 1) runs under
 ZeRO 0-3 (optionally CPU offload); a `PipelineModule` (PP > 1) under ZeRO 0/1. Either
 way the caller sees the same methods:
 
@@ -38,12 +38,12 @@ from megatron_lev.engine.loss import micro_batch_loss
 from megatron_lev.engine.mpu import TensorParallelMPU
 from megatron_lev.engine.optimizer_files import MOMENTS as _MOMENTS
 from megatron_lev.engine.pipeline import STAGE_PREFIX, pipeline_batches
-from megatron_lev.engine.plan import RunPlan, clip_group_rules, param_group_rules
 from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.errors import CheckpointDataError, ConfigError
 from megatron_lev.optim import GuardedAdamW, all_finite, param_groups, squared_norm
 from megatron_lev.parallel.layout import ParallelLayout
 from megatron_lev.parallel.session import set_phase
+from megatron_lev.plan import RunPlan, clip_group_rules, param_group_rules
 
 GROUP_FILLER = "param_group_filler"
 
@@ -419,7 +419,7 @@ class DeepSpeedEngine:
 class _UntestedOptimizerNotice(logging.Filter):
     """Drops DeepSpeed's "You are using ZeRO with an untested optimizer" warning: the optimizer is
     our `GuardedAdamW` (torch's AdamW plus a finiteness guard), chosen on purpose and allowed with
-    `zero_allow_untested_optimizer` (engine.config), so the warning would only appear in every run."""
+    `zero_allow_untested_optimizer` (plan.ds_config), so the warning would only appear in every run."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "untested optimizer" not in record.getMessage()
@@ -433,7 +433,7 @@ def _quiet_deepspeed_logger(deepspeed) -> None:
 
 def build_engine(plan: RunPlan, model: nn.Module, layout: ParallelLayout) -> DeepSpeedEngine:
     """`DeepSpeedEngine` over `model`, from the `RunPlan` (its DeepSpeed JSON and batch layout, derived
-    once by `engine.plan.validate_run`) and this rank's `layout` (`parallel.state`; DeepSpeed's `mpu`
+    once by `plan.validate_run`) and this rank's `layout` (`parallel.state`; DeepSpeed's `mpu`
     and the clipper read it).
 
     The optimizer is the `GuardedAdamW` DeepSpeed wraps (`engine.optimizer`). Activation

@@ -26,8 +26,8 @@ import torch
 
 from megatron_lev.engine.checkpoint_files import OPTIM_FILE, CheckpointError, load_file
 from megatron_lev.engine.pipeline import STAGE_PREFIX
-from megatron_lev.engine.plan import clip_group_rules, param_group_rules
 from megatron_lev.optim import CLIP_SEPARATOR, GROUP_NAMES, group_name
+from megatron_lev.plan import clip_group_rules, param_group_rules
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's moments: what resharding carries of its state
 FILLER = (

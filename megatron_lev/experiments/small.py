@@ -89,7 +89,7 @@ class SmallGrid:
                 raise ConfigError(f"{flag} {value}: must be an integer >= {lo}")
         import torch
 
-        from megatron_lev.engine.plan import validate_run
+        from megatron_lev.plan import validate_run
 
         if not variants:
             return

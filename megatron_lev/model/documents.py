@@ -2,7 +2,7 @@
 
 The model does not know the tokenizer: it receives `position_ids` (RoPE positions, restarting at
 each document) and/or `document_ids` (the document index of every token in its row) made by the
-data side (`data.documents`). Attention then sees a block-diagonal causal pattern:
+data side (`data.boundaries`). Attention then sees a block-diagonal causal pattern:
 
     scaled_dot_product_attention   boolean mask (B, 1, S, S): causal and same document
     flash-attn (CUDA)              flash_attn_varlen_func over the documents of all rows, laid end to end:

@@ -73,7 +73,7 @@ CLIP_SEPARATOR = "@"  # `decay@lev_seed`: the `decay` parameters of clip group `
 
 
 def clip_group_of(name: str, clip_rules: Sequence = ()) -> str | None:
-    """The clip group (`train.clip_groups`, `engine.plan.clip_group_rules`) of parameter `name`: the
+    """The clip group (`train.clip_groups`, `plan.clip_group_rules`) of parameter `name`: the
     first rule with a pattern that matches it, None for the global group."""
     for rule in clip_rules:
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in rule.patterns):
@@ -123,7 +123,7 @@ def param_groups(
     its layer index), which the rules' patterns match. An empty group is dropped unless `keep_empty`
     (the caller then fills it).
 
-    With `clip_rules` (`engine.plan.clip_group_rules`) every group is split by clip group: a group's
+    With `clip_rules` (`plan.clip_group_rules`) every group is split by clip group: a group's
     `clip` is the index of its clip group in `["global", *clip_rules]`, which the engine's clipper
     reads.
     """

@@ -259,7 +259,7 @@ def _rendezvous_error(
     text = torch_error_text(exc)
     where = f"{addr}:{port}"
     if "EADDRINUSE" in text or "address already in use" in text.lower():
-        return exc  # the launcher (training/launch.py) names the port with advice for how it was started
+        return exc  # the launcher (training/rendezvous.py) names the port with advice for how it was started
     joined = re.search(r"(\d+)/(\d+) clients joined", text)
     if joined:
         return DistributedError(

@@ -2,7 +2,7 @@
 
     results = run_distributed(fn, world_size=2, args=(x,))
 
-`parallel.launch.run_workers` with a test's report: a failing rank's whole traceback comes back
+`parallel.local_workers.run_workers` with a test's report: a failing rank's whole traceback comes back
 in `DistributedTestError`, and `MEGATRON_LEV_TEST_START_METHOD` may choose how ranks start.
 `fn(*args)` runs on every rank after `torch.distributed` is initialised (gloo, a free port on
 127.0.0.1) and its return values come back as a list indexed by rank; a hung group is killed
@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from megatron_lev.parallel.launch import WorkerError, default_start_method, find_free_port, run_workers
+from megatron_lev.parallel.local_workers import WorkerError, default_start_method, find_free_port, run_workers
 
 
 class DistributedTestError(RuntimeError):
@@ -27,7 +27,7 @@ START_METHOD_ENV = "MEGATRON_LEV_TEST_START_METHOD"  # "fork" or "spawn"; defaul
 
 
 def start_method() -> str:
-    """ "fork" when it is safe here, else "spawn" (`parallel.launch.default_start_method`);
+    """ "fork" when it is safe here, else "spawn" (`parallel.local_workers.default_start_method`);
     `MEGATRON_LEV_TEST_START_METHOD` overrides."""
     chosen = os.environ.get(START_METHOD_ENV, "").strip()
     if chosen in ("fork", "spawn"):

@@ -1,7 +1,7 @@
 """Pretraining: the loop, its callbacks, checkpoint directories, preemption and logging.
 
 `run.pretrain(plan)` is the entry point (`megatron-lev train` validates into the `RunPlan` it
-takes, `engine.plan.validate_run`), in three parts: `setup`, `build`, `fit`; `trainer.Trainer`
+takes, `plan.validate_run`), in three parts: `setup`, `build`, `fit`; `trainer.Trainer`
 is the loop and `callbacks` what it does besides stepping; `schedule`, `resume`,
 `signals`, `health`, `metrics`, `dynamics` (what each step does to the weights, per log
 line), `launch` and `wandb_logger` are its parts, one idea each.

@@ -39,7 +39,7 @@ from megatron_lev.training.health import (
 )
 from megatron_lev.training.hooks import Callback, Control, SkipSave, StepRecord, TrainResult, TrainState
 from megatron_lev.training.metrics import MetricsWriter, memory_stats, throughput
-from megatron_lev.training.resume import ResumePlan, plan_resume
+from megatron_lev.training.resume import StartPoint, choose_start
 from megatron_lev.training.schedule import learning_rate
 from megatron_lev.training.signals import PREEMPTED_EXIT_CODE, PreemptionWatcher
 from megatron_lev.utils.progress import on_terminal
@@ -271,18 +271,18 @@ class Checkpointer(Callback):
         """The run's checkpointer: `train.save_interval`, `train.keep_last`, `train.save_initial`."""
         return cls(save_dir, load_dir, train.save_interval, train.keep_last, train.save_initial)
 
-    def resume(self, trainer: Trainer, plan: ResumePlan | None = None, allow_changes=()) -> None:
-        """Load the checkpoint `plan` names (by default the newest one that verifies) into `trainer`:
+    def resume(self, trainer: Trainer, start: StartPoint | None = None, allow_changes=()) -> None:
+        """Load the checkpoint `start` names (by default the newest one that verifies) into `trainer`:
         the engine's model and optimizer, the loop's `TrainState` and the callbacks' states."""
         if not self.load_dir and not self.save_dir:
             return
-        if plan is None:
-            plan = plan_resume(
+        if start is None:
+            start = choose_start(
                 self.load_dir, self.save_dir, trainer.cfg, allow_changes, trainer.engine.owned_files()
             )
-        if plan.tag is None:
+        if start.tag is None:
             return
-        client = load_checkpoint(trainer.engine, plan.root, plan.tag)
+        client = load_checkpoint(trainer.engine, start.root, start.tag)
         st = client.get("train_state", {})
         trainer.state = TrainState(
             iteration=int(st["iteration"]),
@@ -293,7 +293,7 @@ class Checkpointer(Callback):
             if cb.state_key is not None:
                 cb.load_state_dict(st.get(cb.state_key, {}))
         self.saved_at = trainer.state.iteration  # a resumed state is already on disk
-        self.resumed_from = Path(plan.root) / plan.tag
+        self.resumed_from = Path(start.root) / start.tag
 
     def on_train_begin(self, trainer: Trainer, control: Control) -> None:
         if trainer.state.iteration == 0 and self.save_initial and not control.stop:

@@ -27,7 +27,7 @@ Steps between log lines are not measured and cost nothing; a log line costs one 
     grad_norm/global                          the norm of every gradient together (= `grad_norm`)
     clipped                                   1 when the global group's gradients were scaled down
     clip_factor/<g>                           what clip group <g>'s gradients were multiplied by
-                                              (`global`, and each of `engine.plan.clip_group_rules`)
+                                              (`global`, and each of `plan.clip_group_rules`)
     grad_norm/clip/<g>                        clip group <g>'s own norm (only with clip groups)
 """
 

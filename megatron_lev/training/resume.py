@@ -63,7 +63,7 @@ log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
-class ResumePlan:
+class StartPoint:
     """Where a run starts: `tag` under `root`, or from scratch (`tag` None).
 
     Resuming: `saved` is how the checkpoint's steps were made (None if unknown: an older
@@ -194,14 +194,14 @@ def _resolved(path: str | os.PathLike) -> Path:
     return Path(os.path.realpath(os.path.expanduser(os.fspath(path))))
 
 
-def plan_resume(
+def choose_start(
     load_dir: str | os.PathLike | None,
     save_dir: str | os.PathLike | None,
     cfg=None,
     allow=(),
     engine_files: Collection[str] = (),
     provenance: dict | None = None,
-) -> ResumePlan:
+) -> StartPoint:
     """Collective: the newest checkpoint that verifies, looked for in `save_dir` first (a requeued run
     continues its own checkpoints), then `load_dir`; damaged ones are named and skipped. With none,
     checks that starting from scratch loses nothing (`engine_files`: what the engine writes beside
@@ -236,7 +236,7 @@ def plan_resume(
                         global_batch = keep_global_batch(root / tag, saved, cfg, ranks.world_size())
                 if save_dir and _resolved(save_dir) != _resolved(root):  # from train.load: saves go elsewhere
                     check_fresh_start(save_dir, cfg, engine_files)
-                return ResumePlan(root, tag, saved, global_batch)
+                return StartPoint(root, tag, saved, global_batch)
             damaged.append(tag)
             if ranks.rank() == 0:
                 more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
@@ -254,13 +254,13 @@ def plan_resume(
         )
     if ranks.rank() == 0:
         log.info("no checkpoint under %s: starting from scratch", save_dir or load_dir)
-    return ResumePlan(None, None)
+    return StartPoint(None, None)
 
 
 __all__ = [  # and, for their callers, the checks and the saved batch this module uses
     "RUN_OUTPUTS",
     "TOKENIZER",
-    "ResumePlan",
+    "StartPoint",
     "SavedBatch",
     "check_fresh_start",
     "check_resume_config",
@@ -269,6 +269,6 @@ __all__ = [  # and, for their callers, the checks and the saved batch this modul
     "judge",
     "keep_global_batch",
     "kind_of",
-    "plan_resume",
+    "choose_start",
     "saved_batch",
 ]

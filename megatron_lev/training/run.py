@@ -2,13 +2,13 @@
 
     setup(plan, held)  -> RunSetup   environment, process group, directory locks, logging, and the
                                      `ParallelLayout` (`parallel.state.initialize_model_parallel`)
-    build(setup, ...)  -> RunParts   tokenizer (and the plan's vocabulary), resume plan, model,
+    build(setup, ...)  -> RunParts   tokenizer (and the plan's vocabulary), start point, model,
                                      engine, data, callbacks, trainer: each given the layout
     fit(parts)         -> TrainResult  resume, the loop (`Trainer.train`), the start/end records
 
 Order matters for users: everything that can be checked from the config and the
 tokenizer is checked before the model or the data indices are built. The checks run
-once, in `engine.plan` (`validate_run`, then `RunPlan.with_vocab`); what they derive (padded
+once, in `plan` (`validate_run`, then `RunPlan.with_vocab`); what they derive (padded
 vocabulary, batch layout, DeepSpeed JSON) is taken from the plan, not computed again.
 """
 
@@ -30,11 +30,11 @@ from megatron_lev.config import RunConfig
 from megatron_lev.data.batches import make_loader, token_batches
 from megatron_lev.engine.build import build_model
 from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, build_engine, disable_cpu_shm_comm
-from megatron_lev.engine.plan import RunPlan
 from megatron_lev.errors import ConfigError, DataError, LockedError, UserError
 from megatron_lev.log import get_logger, setup_logging
 from megatron_lev.parallel import state
 from megatron_lev.parallel.layout import SINGLE, ParallelLayout
+from megatron_lev.plan import RunPlan
 from megatron_lev.training.callbacks import (
     Checkpointer,
     EmbeddingProbe,
@@ -45,10 +45,10 @@ from megatron_lev.training.callbacks import (
 )
 from megatron_lev.training.dynamics import ClipMetrics, TrainingDynamics
 from megatron_lev.training.hooks import Callback, TrainResult, callbacks_from_specs
-from megatron_lev.training.launch import device as current_device
-from megatron_lev.training.launch import init_distributed
 from megatron_lev.training.metrics import MetricsWriter
-from megatron_lev.training.resume import TOKENIZER, ResumePlan, plan_resume
+from megatron_lev.training.rendezvous import device as current_device
+from megatron_lev.training.rendezvous import init_distributed
+from megatron_lev.training.resume import TOKENIZER, StartPoint, choose_start
 from megatron_lev.training.schedule import training_budget
 from megatron_lev.training.signals import PreemptionWatcher
 from megatron_lev.training.trainer import TrainData, Trainer
@@ -68,14 +68,14 @@ def pretrain(plan: RunPlan, allow_changes=(), extra_callbacks: Sequence[Callback
     """Run (or resume) the pretraining `plan` describes on the launcher's processes; config keys in
     `allow_changes` may differ from the resumed checkpoint's (see `training.resume`).
 
-    `plan` is the `RunPlan` the caller validated (`engine.plan.validate_run`, as `megatron-lev train`
+    `plan` is the `RunPlan` the caller validated (`plan.validate_run`, as `megatron-lev train`
     does before anything heavy). The run has the default callbacks, then those `train.callbacks`
     names (built here, at start), then `extra_callbacks`.
     """
     if not isinstance(plan, RunPlan):
         raise TypeError(
             f"pretrain() takes a RunPlan, not {type(plan).__name__}: "
-            "validate first with engine.plan.validate_run(cfg, world_size, cuda=...)"
+            "validate first with plan.validate_run(cfg, world_size, cuda=...)"
         )
     extra = [*callbacks_from_specs(plan.cfg.train.callbacks), *extra_callbacks]
     watcher = PreemptionWatcher().install()  # before the slow start-up: Slurm's notice may come early
@@ -179,7 +179,7 @@ class RunParts:
 
     trainer: Trainer
     checkpointer: Checkpointer
-    resume: ResumePlan
+    resume: StartPoint
     writer: MetricsWriter
     n_params: int
 
@@ -190,7 +190,7 @@ def build(
     allow_changes=(),
     extra_callbacks: Sequence[Callback] = (),
 ) -> RunParts:
-    """Tokenizer (the plan takes its vocabulary), resume plan, model, engine, data, callbacks, trainer."""
+    """Tokenizer (the plan takes its vocabulary), start point, model, engine, data, callbacks, trainer."""
     from megatron_lev.data.tokenizers import build_tokenizer
     from megatron_lev.model.flops import flops_per_token, parameter_count
     from megatron_lev.parallel.random import model_parallel_manual_seed
@@ -198,7 +198,7 @@ def build(
     cfg = run.plan.cfg
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_path)
     # model.vocab_size against the tokenizer, the padding, the variant's rules at that vocabulary
-    plan, start, load_dir = plan_start(run, tokenizer, allow_changes)
+    plan, start, load_dir = resolve_start(run, tokenizer, allow_changes)
     cfg = plan.cfg
     model_parallel_manual_seed(cfg.train.seed, run.layout)
     model = build_model(plan, run.layout)
@@ -234,13 +234,13 @@ def build(
 
 @dataclass(frozen=True)
 class _Start:
-    """Where the run starts: the resume plan, and the data and tokenizer record checkpoints carry."""
+    """Where the run starts: the start point, and the data and tokenizer record checkpoints carry."""
 
-    resume: ResumePlan
+    resume: StartPoint
     provenance: dict
 
 
-def plan_start(run: RunSetup, tokenizer, allow_changes=()) -> tuple[RunPlan, _Start, str]:
+def resolve_start(run: RunSetup, tokenizer, allow_changes=()) -> tuple[RunPlan, _Start, str]:
     """The plan with the tokenizer's vocabulary and (on a resume with another DP size) the checkpoint's
     batch, and which checkpoint to start from (verified, config compared): before the model."""
     plan = run.plan.with_vocab(tokenizer.vocab_size)
@@ -248,7 +248,7 @@ def plan_start(run: RunSetup, tokenizer, allow_changes=()) -> tuple[RunPlan, _St
     load_dir = cfg.train.load or run.save_dir
     # what the checkpoints record they were trained on (shard sets, blend, tokenizer); a resume compares it
     provenance = run_provenance(cfg.data, tokenizer)
-    resume = plan_resume(
+    resume = choose_start(
         load_dir, run.save_dir, cfg, allow_changes, DeepSpeedEngine.owned_files(), provenance
     )
     check_save_dir(run.save_dir)
@@ -280,7 +280,7 @@ def log_model(plan: RunPlan, n_params: int, budget) -> None:
 
 def build_data(run: RunSetup, plan: RunPlan, budget, start: _Start, tokenizer, allow_changes=()) -> TrainData:
     """The training and validation micro-batches of this rank's data-parallel slice (`run.layout`)."""
-    from megatron_lev.data.documents import DocumentLayout
+    from megatron_lev.data.boundaries import DocumentLayout
     from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
 
     cfg, global_batch, resume = plan.cfg, plan.global_batch, start.resume

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from megatron_lev.analysis.zero_shot import rolling_windows
 from megatron_lev.cli import main as cli
-from megatron_lev.data.zero_shot import (
+from megatron_lev.data.zero_shot_formats import (
     article_title,
     read_lambada,
     split_last_word,

@@ -3,7 +3,7 @@
 import torch
 
 from megatron_lev.config import load_config
-from megatron_lev.data.documents import DocumentLayout, document_positions
+from megatron_lev.data.boundaries import DocumentLayout, document_positions
 
 EOD = 0
 

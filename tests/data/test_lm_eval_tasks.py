@@ -109,7 +109,7 @@ def _lambada_task(path):
 
 def test_lambada_task_reads_a_clean_jsonl_in_place(tmp_path, monkeypatch_module):
     from megatron_lev.data.lm_eval_tasks import LAMBADA_TASK
-    from megatron_lev.data.zero_shot import read_lambada
+    from megatron_lev.data.zero_shot_formats import read_lambada
 
     src = tmp_path / "lambada_test.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in LAMBADA_TEXTS))
@@ -128,7 +128,7 @@ def test_lambada_task_reads_a_clean_jsonl_in_place(tmp_path, monkeypatch_module)
 
 
 def test_lambada_plain_text_is_normalised_for_lm_eval(tmp_path, monkeypatch_module):
-    from megatron_lev.data.zero_shot import read_lambada
+    from megatron_lev.data.zero_shot_formats import read_lambada
 
     src = tmp_path / "lambada.txt"
     src.write_text("a passage whose last word follows\ttwo  spaces\n\nanother passage ends here  \n")

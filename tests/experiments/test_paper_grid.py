@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from megatron_lev.config import load_config
-from megatron_lev.engine.plan import validate_run
 from megatron_lev.experiments.grid import (
     PAPER_DIR,
     PAPER_SIZES,
@@ -24,6 +23,7 @@ from megatron_lev.experiments.grid import (
     submission_script,
 )
 from megatron_lev.model.embeddings import REGISTRY
+from megatron_lev.plan import validate_run
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = {

@@ -207,7 +207,7 @@ def test_every_run_of_the_plan_passes_the_trainers_checks_before_any_step(plan, 
         assert all(c.train.lr == 1e-3 and c.train.lr_warmup_fraction == 0.1 for c in cfgs.values())
         lev = cfgs["lev-s1234"]
         assert lev.model.lev.centre_reference == 256
-        from megatron_lev.engine.plan import param_group_rules
+        from megatron_lev.plan import param_group_rules
 
         assert [r.lr_mult for r in param_group_rules(lev)] == [0.1, 0.1]
         from studies.plans import REGIME_CONFIG

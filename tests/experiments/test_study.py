@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_lev.engine.plan import param_group_rules
 from megatron_lev.errors import UserError
 from megatron_lev.experiments.corpus import lambada_passages
+from megatron_lev.plan import param_group_rules
 from studies.collect import collect_study
 from studies.plans import EQUAL_SCALE_RMS, SEEDS, assign_lanes, select_runs, study_plan
 from studies.runner import Study
@@ -57,7 +57,7 @@ def test_plan_has_19_runs_in_9_groups_with_their_seeds_and_overrides():
 def test_every_run_config_passes_the_trainers_validation_and_keeps_data_order(tmp_path):
     import torch
 
-    from megatron_lev.engine.plan import validate_run
+    from megatron_lev.plan import validate_run
 
     pile = tmp_path / "pile"
     pile.mkdir()
@@ -139,7 +139,7 @@ def test_lambada_passages_end_in_an_alphabetic_word(tmp_path):
     lambada_passages(src, again, min_words=40, max_words=60, max_passages=2)
     assert len(again.read_text().splitlines()) == 2
     # the evaluator reads them: the target is the last word
-    from megatron_lev.data.zero_shot import read_lambada
+    from megatron_lev.data.zero_shot_formats import read_lambada
 
     assert [p.word for p in read_lambada(out)][:1] == ["alpha"]
 

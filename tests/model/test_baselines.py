@@ -120,7 +120,7 @@ def test_the_width_rule_names_the_key_to_raise_and_skips_dense_and_lev():
         embedding_class(variant).check_vocab(_narrow_cfg(), 50304)  # no widths: nothing to refuse
     # with model.vocab_size set the config itself is refused; unset, the trainer checks the tokenizer's
     from megatron_lev.config import load_config
-    from megatron_lev.engine.plan import validate_config
+    from megatron_lev.plan import validate_config
 
     with pytest.raises(ConfigError, match="model.embedding=albert"):
         validate_config(

@@ -7,7 +7,7 @@ import torch
 import megatron_lev.model.attention as attention
 from megatron_lev.config import load_config
 from megatron_lev.data.batches import MicroBatch, token_batches
-from megatron_lev.data.documents import DocumentLayout, document_positions
+from megatron_lev.data.boundaries import DocumentLayout, document_positions
 from megatron_lev.engine.build import build_model
 from megatron_lev.engine.loss import micro_batch_loss
 from megatron_lev.engine.pipeline import pipeline_batches, pipeline_loss

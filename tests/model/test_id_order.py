@@ -235,7 +235,7 @@ def _run_cfg(tmp_path, *over):
 
 
 def test_the_plan_fills_the_counts_from_the_first_training_prefix(tmp_path, counts_file):
-    from megatron_lev.engine.plan import validate_run
+    from megatron_lev.plan import validate_run
 
     plan = validate_run(_run_cfg(tmp_path, "model.lev.id_order=frequency"), 1, cuda=False)
     assert plan.cfg.model.lev.id_order_counts == str(counts_file)
@@ -252,7 +252,7 @@ def test_the_plan_fills_the_counts_from_the_first_training_prefix(tmp_path, coun
 
 
 def test_the_plan_refuses_missing_counts_in_one_line(tmp_path):
-    from megatron_lev.engine.plan import validate_run
+    from megatron_lev.plan import validate_run
 
     data = tmp_path / "train_text_document"
     # the data is not there yet (a grid checks its runs before preprocessing): nothing to refuse yet

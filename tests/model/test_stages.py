@@ -22,7 +22,7 @@ from tests.plans import plan_for
 def test_gpt_state_dict_is_the_union_of_its_stages(embedding):
     cfg = _config(embedding, 1, 1)
     model = GPTModel(cfg.model, VOCAB, seed=cfg.train.seed, true_vocab_size=200)
-    specs = stage_specs(cfg.model, VOCAB, cfg.train.seed)
+    specs = stage_specs(cfg.model, VOCAB, cfg.train.seed, true_vocab_size=200)
     assert len(specs) == cfg.model.num_layers + 3
     union: dict[str, torch.Tensor] = {}
     for spec in specs:  # a tied table's second copy builds the same names and weights again

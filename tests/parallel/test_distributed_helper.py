@@ -1,4 +1,5 @@
-"""The gloo launchers: `testing.run_distributed` (tests) and `parallel.launch.run_workers` (offline tools)."""
+"""The gloo launchers: `testing.run_distributed` (tests) and `parallel.local_workers.run_workers`
+(offline tools)."""
 
 import re
 
@@ -108,7 +109,7 @@ def _user_error_on_rank_one():
 @pytest.mark.multiprocess
 def test_the_user_launcher_reports_one_line_naming_the_rank():
     from megatron_lev.errors import UserError
-    from megatron_lev.parallel.launch import WorkerError, run_workers
+    from megatron_lev.parallel.local_workers import WorkerError, run_workers
 
     with pytest.raises(WorkerError) as info:
         run_workers(_fails_on_rank_one, world_size=2, timeout=60)

@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from megatron_lev.parallel.launch import find_free_port
+from megatron_lev.parallel.local_workers import find_free_port
 from megatron_lev.parallel.watchdog import Heartbeat, beat_interval
 
 TIMEOUT = 1.0  # seconds of silence; a beat every 0.2 s

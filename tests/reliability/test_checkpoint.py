@@ -3,7 +3,7 @@ changes on resume, preemption signals at start-up, a full disk during a save, pi
 
 One real tiny training (two checkpoints, iterations 2 and 4) is shared by the module and
 copied per case. Most cases call the code `megatron-lev train` runs before it builds the
-model (`training.resume.plan_resume` and `ckpt.layout`) in this process; the faults that need a
+model (`training.resume.choose_start` and `ckpt.layout`) in this process; the faults that need a
 real process (signals, a full disk, torchrun, a resume that trains) run the CLI.
 
 A full disk is a real one when this user may mount a small tmpfs (root); otherwise
@@ -273,10 +273,10 @@ def test_damaged_checkpoint_is_named_and_skipped(run_copy, caplog, damage, expec
     caplog.set_level("WARNING", logger="megatron_lev")
     if expected is None:
         with pytest.raises(CheckpointDataError) as err:
-            resume.plan_resume(ckpt, ckpt)
+            resume.choose_start(ckpt, ckpt)
         assert re.search(pattern, str(err.value)), str(err.value)
     else:
-        plan = resume.plan_resume(ckpt, ckpt)
+        plan = resume.choose_start(ckpt, ckpt)
         assert plan.tag == expected
         assert re.search(pattern, caplog.text), caplog.text
         assert ck.verify_checkpoint(ckpt / plan.tag) == []
@@ -437,10 +437,10 @@ def test_fresh_start_refuses_a_directory_it_did_not_write(tmp_path, prepare, pat
     prepare(save)
     before = snapshot(save)
     if pattern is None:
-        assert resume.plan_resume(save, save, engine_files=ENGINE_FILES) == resume.ResumePlan(None, None)
+        assert resume.choose_start(save, save, engine_files=ENGINE_FILES) == resume.StartPoint(None, None)
     else:
         with pytest.raises(CheckpointDataError) as err:
-            resume.plan_resume(save, save, engine_files=ENGINE_FILES)
+            resume.choose_start(save, save, engine_files=ENGINE_FILES)
         msg = str(err.value)
         assert re.search(pattern, msg) and f"train.save={save}" in msg and "move them" in msg, msg
         assert snapshot(save) == before
@@ -657,7 +657,7 @@ def test_fresh_start_into_unmarked_checkpoints_exits_before_training(data, tmp_p
 
 def test_explicit_load_without_checkpoint_is_refused(tmp_path):
     with pytest.raises(CheckpointDataError, match=r"train.load=.*nowhere holds no complete checkpoint"):
-        resume.plan_resume(tmp_path / "nowhere", tmp_path / "ckpt")
+        resume.choose_start(tmp_path / "nowhere", tmp_path / "ckpt")
 
 
 SAME_DIR = [  # how train.load spells the directory train.save names (absolute)
@@ -674,7 +674,7 @@ def test_load_and_save_naming_one_directory_are_the_same(tmp_path, monkeypatch, 
     (tmp_path / "sub").mkdir()
     (tmp_path / "ckpt").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert resume.plan_resume(spell(tmp_path), tmp_path / "ckpt") == resume.ResumePlan(None, None)
+    assert resume.choose_start(spell(tmp_path), tmp_path / "ckpt") == resume.StartPoint(None, None)
 
 
 # ------------------------------------------------------------------ config differences on resume
@@ -734,10 +734,10 @@ def test_config_differences_on_resume(run_copy, data, caplog, change, allow, ref
     cfg = load_config([TINY], overrides(data, run_copy, **change), validate=False)
     caplog.set_level("WARNING", logger="megatron_lev")
     if refusal is None:
-        assert resume.plan_resume(ckpt, ckpt, cfg, allow) == resume.ResumePlan(ckpt, IT4)
+        assert resume.choose_start(ckpt, ckpt, cfg, allow) == resume.StartPoint(ckpt, IT4)
     else:
         with pytest.raises(CheckpointDataError) as err:
-            resume.plan_resume(ckpt, ckpt, cfg, allow)
+            resume.choose_start(ckpt, ckpt, cfg, allow)
         assert re.search(refusal, str(err.value)), str(err.value)
         assert "\n" not in str(err.value)
     for key, value in change.items():  # every difference is printed, with its verdict
@@ -807,7 +807,7 @@ def test_pickle_payload_in_rng_file_is_refused_not_run(run_copy, tmp_path, resea
         ):
             ckio.load_rng_file(tag_dir / RNG)
     else:
-        assert resume.plan_resume(run_copy / "ckpt", run_copy / "ckpt").tag == IT2
+        assert resume.choose_start(run_copy / "ckpt", run_copy / "ckpt").tag == IT2
     assert not target.exists(), "the payload ran"
 
 
@@ -992,7 +992,7 @@ def test_disk_full_during_save_names_the_path_and_keeps_the_previous(data, tmp_p
         assert (ckpt / "latest").read_text().strip() == IT2
         assert ck.verify_checkpoint(ckpt / IT2) == []
         assert not (ckpt / IT4 / ck.COMPLETE_MARKER).exists()
-        assert resume.plan_resume(ckpt, ckpt).tag == IT2
+        assert resume.choose_start(ckpt, ckpt).tag == IT2
         assert not [p for p in ckpt.rglob("*") if TEMP_MARK in p.name]
     finally:
         if real:
@@ -1010,8 +1010,8 @@ def test_resuming_from_train_load_refuses_a_foreign_save_directory(run_copy, tmp
     save = tmp_path / "new-save"
     _unmarked(save)
     with pytest.raises(CheckpointDataError, match=rf"train.save={save} already holds iter_0000004/"):
-        resume.plan_resume(run_copy / "ckpt", save)
-    assert resume.plan_resume(run_copy / "ckpt", tmp_path / "empty-save") == resume.ResumePlan(
+        resume.choose_start(run_copy / "ckpt", save)
+    assert resume.choose_start(run_copy / "ckpt", tmp_path / "empty-save") == resume.StartPoint(
         run_copy / "ckpt", IT4
     )
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_lev.engine import memory
+from megatron_lev.plan import memory
 from megatron_lev.errors import LaunchError
-from megatron_lev.training.launch import read_dist_env
+from megatron_lev.training.rendezvous import read_dist_env
 
 SRUN_TASK = {  # task 5 of an `srun -N2 -n8` step
     "SLURM_JOB_ID": "4242",

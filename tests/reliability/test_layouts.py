@@ -60,7 +60,7 @@ def _world(tp, pp):
 
 def _refusal(tp, pp, zero, precision, offload=False) -> str | None:
     """The key the config names when it refuses this layout on CPU, else None."""
-    from megatron_lev.engine.plan import validate_run
+    from megatron_lev.plan import validate_run
 
     over = [f"{k}={v}" for k, v in _layout_overrides(tp, pp, zero, precision, offload).items()]
     over += [

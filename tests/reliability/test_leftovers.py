@@ -68,7 +68,7 @@ def test_a_prune_killed_part_way_strands_nothing(tmp_path, caplog):
     proc = subprocess.run([sys.executable, "-c", KILLED_PRUNE, str(root)], env=env, capture_output=True)
     assert proc.returncode == 9, proc.stderr.decode()[-2000:]
     with caplog.at_level(logging.INFO):
-        resume.plan_resume(None, root)  # the next start (a start that resumes iter 3)
+        resume.choose_start(None, root)  # the next start (a start that resumes iter 3)
     stranded = [p.name for p in root.iterdir() if p.is_dir() and not (p / ck.COMPLETE_MARKER).exists()]
     assert stranded == [], stranded  # neither a tag without markers nor a trash directory
     assert "interrupted prune" in caplog.text  # and the start said what it removed

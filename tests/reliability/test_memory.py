@@ -2,7 +2,7 @@
 take memory in proportion to the tokenizer's bookkeeping.
 
 `train` estimates its memory per process from the model shape, the sequence length and the
-micro-batch (`engine.memory`) before the model or the data indices are built: on CPU it refuses in
+micro-batch (`plan.memory`) before the model or the data indices are built: on CPU it refuses in
 one line naming the keys to change what this machine cannot hold; on GPU it warns. The trainings
 that could run away run under an address-space limit, so that a regression fails the case with
 a MemoryError instead of waking the kernel's OOM killer on a shared machine.
@@ -169,7 +169,7 @@ def test_memory_estimate_is_close_to_the_measured_peak(shard, neox, tmp_path):
 
 
 def test_gpu_runs_are_warned_not_refused_and_the_check_can_be_skipped(monkeypatch):
-    from megatron_lev.engine.memory import check_memory, estimate_memory
+    from megatron_lev.plan.memory import check_memory, estimate_memory
 
     cfg = load_config([TINY], ["model.seq_length=2000000"])
     est = estimate_memory(cfg, 1, 50304, cuda=True)

@@ -96,7 +96,7 @@ def overrides(data: dict, out: Path, **extra) -> list[str]:
 
 
 def _free_port() -> int:
-    from megatron_lev.parallel.launch import find_free_port
+    from megatron_lev.parallel.local_workers import find_free_port
 
     return find_free_port()
 
@@ -512,7 +512,7 @@ def _killed_worker():
 
 
 def test_run_workers_names_a_killed_rank_its_signal_and_its_last_lines(capfd):
-    from megatron_lev.parallel.launch import WorkerError, run_workers
+    from megatron_lev.parallel.local_workers import WorkerError, run_workers
 
     with pytest.raises(WorkerError) as info:
         run_workers(_killed_worker, world_size=2, timeout=60)

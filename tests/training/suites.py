@@ -42,8 +42,8 @@ def _pretrain(overrides: list[str]):
 
 def pretrain_config(cfg, **kwargs):
     """`pretrain` as `megatron-lev train` runs it: the plan validated for the launcher's world first."""
-    from megatron_lev.engine.plan import validate_run
-    from megatron_lev.training.launch import read_dist_env
+    from megatron_lev.plan import validate_run
+    from megatron_lev.training.rendezvous import read_dist_env
     from megatron_lev.training.run import pretrain
 
     return pretrain(validate_run(cfg, read_dist_env().world_size, cuda=False), **kwargs)

@@ -29,8 +29,8 @@ def train_synthetic(cfg, out: str, vocab: int) -> list[dict] | None:
 
     from megatron_lev.engine.build import build_model
     from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
-    from megatron_lev.engine.plan import validate_run
     from megatron_lev.parallel import state
+    from megatron_lev.plan import validate_run
     from megatron_lev.training.metrics import MetricsWriter, read_metrics
     from megatron_lev.training.run import default_callbacks
     from megatron_lev.training.schedule import Budget

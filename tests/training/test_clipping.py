@@ -248,8 +248,8 @@ def test_a_group_clip_equals_a_hand_computation(hand):
 
 
 def test_a_clip_pattern_that_names_no_parameter_is_refused_in_one_line():
-    from megatron_lev.engine.plan import validate_run
     from megatron_lev.errors import ConfigError
+    from megatron_lev.plan import validate_run
 
     cfg = clip_cfg("lev", **{"train.clip_groups": "[{name: head, patterns: [output_heads.*]}]"})
     with pytest.raises(ConfigError) as err:

@@ -19,7 +19,7 @@ DOCUMENT_KEYS = {
 
 
 def _runs(prefix: str, tok: str, out: str) -> dict:
-    from megatron_lev.data.documents import DocumentLayout
+    from megatron_lev.data.boundaries import DocumentLayout
     from megatron_lev.data.tokenizers import build_tokenizer
     from tests.training.suites import _pretrain
 

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from megatron_lev.config import RunConfig, load_config
-from megatron_lev.engine.config import DS_CONFIG_DIR, batch_layout, build_ds_config, default_template
-from megatron_lev.engine.plan import check_vocab, validate_run
 from megatron_lev.errors import ConfigError
+from megatron_lev.plan import check_vocab, validate_run
+from megatron_lev.plan.ds_config import DS_CONFIG_DIR, batch_layout, build_ds_config, default_template
 
 
 def _cfg(**over) -> RunConfig:

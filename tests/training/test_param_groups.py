@@ -14,9 +14,9 @@ from torch import nn
 
 from megatron_lev.config import ParamGroupRule, load_config
 from megatron_lev.engine.optimizer_files import FILLER, _group_names
-from megatron_lev.engine.plan import param_group_rules, validate_run
 from megatron_lev.errors import CheckpointDataError, ConfigError
 from megatron_lev.optim import group_name, param_groups
+from megatron_lev.plan import param_group_rules, validate_run
 from megatron_lev.testing import run_distributed
 from tests.convert.ds_checkpoints import SEQ
 

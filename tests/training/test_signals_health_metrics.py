@@ -12,8 +12,8 @@ import torch
 from megatron_lev.optim import GuardedAdamW, param_groups
 from megatron_lev.testing.faults import INJECT_NAN_ENV, NaNInjector, injected_nan_steps
 from megatron_lev.training.health import SkipTracker, TooManySkippedSteps
-from megatron_lev.training.launch import read_dist_env
 from megatron_lev.training.metrics import MetricsWriter, read_metrics, throughput
+from megatron_lev.training.rendezvous import read_dist_env
 from megatron_lev.training.signals import PREEMPTED_EXIT_CODE, PreemptionWatcher
 
 

@@ -1,8 +1,8 @@
 """One `megatron-lev train` validates its config once and derives the DeepSpeed JSON and the padded
-vocabulary once (`engine.plan`), however many modules the start-up passes through.
+vocabulary once (`plan`), however many modules the start-up passes through.
 
 A real tiny run, in-process in a one-rank gloo group, with every rule and derivation wrapped in a
-counter that calls the real function. Before `engine.plan` the same run validated 4 times (and ran the
+counter that calls the real function. Before `plan` the same run validated 4 times (and ran the
 variant's `check_config` 4 times), built the DeepSpeed JSON 3 times, the batch layout 5 times, and
 padded the vocabulary and checked it against the tokenizer twice each.
 """
@@ -50,9 +50,9 @@ def _replace_everywhere(original, wrapper) -> None:
 def _count_one_train_run(prefix: str, tok: str, out: str) -> dict:
     """Run `megatron-lev train` for each case in this process; the calls counted per run."""
     import megatron_lev.commands.train  # noqa: F401  (load what a run loads before wrapping)
-    import megatron_lev.engine.config as engine_config
-    import megatron_lev.engine.plan as engine_plan
     import megatron_lev.model.vocab as model_vocab
+    import megatron_lev.plan as engine_plan
+    import megatron_lev.plan.ds_config as engine_config
     import megatron_lev.training.run  # noqa: F401
     from megatron_lev.cli import main
     from megatron_lev.config import RunConfig

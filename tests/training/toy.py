@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lev.config import RunConfig
-from megatron_lev.engine.config import batch_layout
 from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
 from megatron_lev.parallel import state
+from megatron_lev.plan.ds_config import batch_layout
 from megatron_lev.testing.faults import FaultInjection
 from megatron_lev.training.callbacks import Checkpointer
 from megatron_lev.training.metrics import MetricsWriter

@@ -11,7 +11,7 @@ table is a dense `(V, D)` `table.weight` (`dense_table`), how to build it
 (`from_config`) and how many parameters it has (`parameter_count`). Everything
 else (the model, the pipeline, checkpoints, sizing, the grid) asks the class.
 
-Its rules on the run config are classmethods too, asked by `engine.plan`: `check_config` and
+Its rules on the run config are classmethods too, asked by `plan`: `check_config` and
 `check_vocab`; the optimizer rules and clip groups its own keys imply (`param_group_rules`,
 `clip_group_rules`, named in `implied_clip_groups`), put before `train.param_groups` /
 `train.clip_groups`; and `check_group_rules`, which refuses a config rule that takes a parameter
@@ -84,12 +84,12 @@ class InputEmbedding(nn.Module, abc.ABC):
     @classmethod
     def check_config(cls, model_cfg: ModelConfig, tensor_parallel: int) -> None:
         """Raise ConfigError, naming the keys, when this variant cannot run `model_cfg` at this TP size
-        (`engine.plan.validate_config` / `validate_run` call it once per run; the rule lives only here)."""
+        (`plan.validate_config` / `validate_run` call it once per run; the rule lives only here)."""
 
     @classmethod
     def check_vocab(cls, model_cfg: ModelConfig, vocab_size: int) -> None:
         """Raise ConfigError, naming the keys, when this variant cannot run `model_cfg` at the padded
-        `vocab_size` (`engine.plan` calls it once the vocabulary is known: from `model.vocab_size`
+        `vocab_size` (`plan` calls it once the vocabulary is known: from `model.vocab_size`
         when set, else from the tokenizer)."""
 
     # clip groups the variant's keys can imply, each with the key that implies it: no
@@ -99,19 +99,19 @@ class InputEmbedding(nn.Module, abc.ABC):
     @classmethod
     def param_group_rules(cls, cfg: RunConfig) -> list[ParamGroupRule]:
         """Optimizer rules by parameter name that this variant's keys imply, put before
-        `train.param_groups` (`engine.plan.param_group_rules` asks; e.g. LEV's `seed_lr_mult`)."""
+        `train.param_groups` (`plan.param_group_rules` asks; e.g. LEV's `seed_lr_mult`)."""
         return []
 
     @classmethod
     def clip_group_rules(cls, cfg: RunConfig) -> list[ClipGroupRule]:
         """Clip groups this variant's keys imply (named in `implied_clip_groups`), put before
-        `train.clip_groups` (`engine.plan.clip_group_rules` asks; e.g. LEV's `seed_clip_grad`)."""
+        `train.clip_groups` (`plan.clip_group_rules` asks; e.g. LEV's `seed_clip_grad`)."""
         return []
 
     @classmethod
     def check_group_rules(cls, cfg: RunConfig) -> None:
         """Raise ConfigError when a `train.param_groups` or `train.clip_groups` rule takes a parameter
-        one of this variant's implied rules sets (`engine.plan` calls it with `check_config`)."""
+        one of this variant's implied rules sets (`plan` calls it with `check_config`)."""
 
     @abc.abstractmethod
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, D)

@@ -8,7 +8,7 @@ so two `model.lev` keys give it its own optimizer settings:
 - `model.lev.seed_clip_grad` is a clip group named `lev_seed` put before `train.clip_groups`.
 
 Both keys are ignored by the other variants, so one config file serves every variant. The run plan
-asks the variant class of `model.embedding` for these (`engine.plan.param_group_rules`,
+asks the variant class of `model.embedding` for these (`plan.param_group_rules`,
 `clip_group_rules`, and the conflict checks in `validate_config`); `LevEmbedding` takes them from
 `LevRules`. The config package knows none of it.
 """

@@ -62,7 +62,7 @@ class _RemoteTraceback(Exception):
 
 def find_free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (the system picks it): the rendezvous port of local ranks
-    (`run_workers`, and `training.launch` when no launcher set MASTER_PORT)."""
+    (`run_workers`, and `training.rendezvous` when no launcher set MASTER_PORT)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

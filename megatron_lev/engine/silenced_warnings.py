@@ -6,7 +6,7 @@ every other warning of DeepSpeed and torch still shows.
 
 - DeepSpeed "You are using ZeRO with an untested optimizer": it warns about any optimizer outside
   its own list. Ours is `optim.GuardedAdamW`, torch's AdamW with the non-finite guard, passed on
-  purpose (`zero_allow_untested_optimizer` in `engine.config`); `tests/reliability/test_layouts.py`
+  purpose (`zero_allow_untested_optimizer` in `plan.ds_config`); `tests/reliability/test_layouts.py`
   checks every ZeRO stage trains like one process with it.
 - DeepSpeed "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to
   detect it": printed by every command that imports DeepSpeed on a machine without CUDA (convert,

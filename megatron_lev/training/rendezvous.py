@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_lev.errors import LaunchError, UserError
 from megatron_lev.parallel import session
-from megatron_lev.parallel.launch import find_free_port
+from megatron_lev.parallel.local_workers import find_free_port
 from megatron_lev.parallel.session import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 
 

@@ -30,10 +30,10 @@ from typing import Any
 from megatron_lev.ckpt.layout import list_checkpoints
 from megatron_lev.config import GLOBAL_CLIP_GROUP, ClipGroupRule, ParamGroupRule, RunConfig
 from megatron_lev.data.manifest import manifest_path
-from megatron_lev.engine.config import batch_layout, build_ds_config
 from megatron_lev.errors import ConfigError
 from megatron_lev.model.embeddings import REGISTRY, embedding_class
 from megatron_lev.model.vocab import padded_vocab_size
+from megatron_lev.plan.ds_config import batch_layout, build_ds_config
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def validate_run(
     plan = RunPlan(
         cfg=cfg,
         world_size=world_size,
-        # the batch layout as build_ds_config wrote it (engine.config.batch_layout)
+        # the batch layout as build_ds_config wrote it (plan.ds_config.batch_layout)
         micro_batch=ds_config["train_micro_batch_size_per_gpu"],
         gas=ds_config["gradient_accumulation_steps"],
         global_batch=ds_config["train_batch_size"],
@@ -241,10 +241,10 @@ def _has_checkpoint(cfg: RunConfig) -> bool:
 
 
 def _memory_rules(cfg: RunConfig, world_size: int, padded_vocab: int, cuda: bool) -> None:
-    """Refuse (CPU) or warn about (GPU) a run whose estimated memory does not fit (`engine.memory`),
+    """Refuse (CPU) or warn about (GPU) a run whose estimated memory does not fit (`plan.memory`),
     before the model or the data indices are built."""
-    from megatron_lev.engine.memory import check_memory, estimate_memory
     from megatron_lev.log import get_logger
+    from megatron_lev.plan.memory import check_memory, estimate_memory
     from megatron_lev.utils import dist as ranks
 
     est = estimate_memory(cfg, world_size, padded_vocab, cuda=cuda)
