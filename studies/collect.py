@@ -11,7 +11,7 @@ from pathlib import Path
 from megatron_lev.demo.steps import read_marker
 from megatron_lev.errors import UserError
 from megatron_lev.utils.io import atomic_write_json, atomic_write_text
-from studies.plans import PLANS, RUN_STEPS, Plan, StudyRun, get_plan, study_plan
+from studies.plans import PLANS, Plan, StudyRun, get_plan, run_step_names, stage_suffix, study_plan
 from studies.runner import PLAN_FILE, recorded_plan
 
 MAX_RAW_BYTES = 5_000_000  # a raw file larger than this is not a small result file
@@ -40,10 +40,10 @@ def _copy_small(src: Path, dst: Path, out: Path) -> int:
     return dst.stat().st_size
 
 
-def _timing(state_dir: Path, run: StudyRun) -> dict:
+def _timing(state_dir: Path, run: StudyRun, plan: str | Plan) -> dict:
     steps = {}
-    for kind in RUN_STEPS:
-        rec = read_marker(state_dir / f"{kind}-{run.name}.json") or {}
+    for kind, step in run_step_names(run, plan).items():
+        rec = read_marker(state_dir / f"{step}.json") or {}
         command = list(rec.get("command") or [])
         if command:
             command[0] = "python"
@@ -140,14 +140,18 @@ def collect_study(out: Path, raw: Path, log=print, plan: str | Plan | None = Non
         raise UserError(f"{raw}: inside the study directory {out}; give another directory")
     sizes: dict[str, int] = {}
     finished = [
-        r for r in study_plan(plan) if all(read_marker(state / f"{k}-{r.name}.json") for k in RUN_STEPS)
+        r
+        for r in study_plan(plan)
+        if all(read_marker(state / f"{step}.json") for step in run_step_names(r, plan).values())
     ]
     if not finished:
         raise UserError(f"{out}: no finished run (train, convert, evaluate and geometry all done)")
+    stages = [stage_suffix(n) for n in get_plan(plan).stages]
     for run in finished:
         src = out / "runs" / run.name
-        files = {
-            "eval.json": src / "eval" / "eval.json",
+        files = {  # a staged run: each stage's evaluation, and the last one's as eval.json
+            **{f"eval{s}.json": src / f"eval{s}" / "eval.json" for s in stages},
+            "eval.json": src / f"eval{stages[-1] if stages else ''}" / "eval.json",
             "metrics.jsonl": src / "metrics.jsonl",
             "geometry.json": src / "geometry" / "geometry.json",
             "config.yaml": src / "config.yaml",
@@ -155,7 +159,7 @@ def collect_study(out: Path, raw: Path, log=print, plan: str | Plan | None = Non
         for name, path in files.items():
             sizes[f"{run.name}/{name}"] = _copy_small(path, raw / run.name / name, out)
         dst = raw / run.name / "timing.json"
-        atomic_write_text(dst, _scrub(json.dumps(_timing(state, run), indent=1) + "\n", out))
+        atomic_write_text(dst, _scrub(json.dumps(_timing(state, run, plan), indent=1) + "\n", out))
         sizes[f"{run.name}/timing.json"] = dst.stat().st_size
     split = out / "data" / "split.json"
     if split.is_file():

@@ -108,6 +108,11 @@ class Plan:
     tokenizer_hint: str | None = None  # the plan needs `--tokenizer` (this file of the shared data)
     lambada: bool = True  # the LAMBADA-style passages and their evaluation
     about: str = ""
+    max_chars_per_subset: int | None = None  # the split's size per subset (None: the runner's default)
+    # train each run in stages in one directory, each resuming the last and ending at these
+    # iterations (train.train_tokens = iterations x `tokens_per_step`), exported and evaluated at each
+    stages: tuple[int, ...] = ()
+    tokens_per_step: int = 0  # the config's global batch x sequence length (staged plans)
 
 
 # The regime experiment (docs/results/regime/README.md): GPT-NeoX's vocabulary, a model whose input
@@ -165,6 +170,27 @@ LR_GROUPS: tuple[Group, ...] = (
     ("LEV-LR05", "lev", REGIME_SEEDS[:1], _at_lr(LEV_SETTING, 5e-4)),
 )
 
+# The budget curve (docs/results/budget/README.md, plan and criteria fixed before its runs): the
+# regime's TIED and LEV trained four times as long on a split four times larger (no sample seen twice),
+# at a constant rate after a fixed 100-step warm-up, so that every evaluated stage is a prefix of the
+# longer run; exported and evaluated by band at 1000, 2000, 3000 and 4000 steps. One seed each.
+BUDGET_STAGES = (1000, 2000, 3000, 4000)
+REGIME_TOKENS_PER_STEP = 2048  # 8 sequences x 256 tokens (regime.yaml; a test checks it)
+BUDGET_MAX_CHARS = 5_000_000  # about 9M training tokens with GPT-NeoX's tokenizer: one epoch covers 8.2M
+CONSTANT_AFTER_WARMUP = ("train.lr_decay_style=constant", "train.lr_warmup_iters=100")
+
+
+def _constant_rate(setting: tuple[str, ...]) -> tuple[str, ...]:
+    """`setting` with a fixed 100-step warm-up (the regime's 10% of 1000) and a constant rate after
+    it: no schedule depends on the run's length."""
+    return (*(o for o in setting if not o.startswith("train.lr_warmup_fraction=")), *CONSTANT_AFTER_WARMUP)
+
+
+BUDGET_GROUPS: tuple[Group, ...] = (
+    ("TIED", "tied", REGIME_SEEDS[:1], _constant_rate(TIED_SETTING)),
+    ("LEV", "lev", REGIME_SEEDS[:1], _constant_rate(LEV_SETTING)),
+)
+
 PLANS: dict[str, Plan] = {
     "study": Plan(
         "study", STUDY_CONFIG, GROUPS, SEEDS, about="the small grid's variants with seeds and LEV controls"
@@ -204,6 +230,18 @@ PLANS: dict[str, Plan] = {
         lambada=False,
         about="the regime's TIED and LEV at half its learning rate (5e-4), one seed each",
     ),
+    "budget": Plan(
+        "budget",
+        REGIME_CONFIG,
+        BUDGET_GROUPS,
+        REGIME_SEEDS,
+        tokenizer_hint="tokenizers/gpt-neox-20b.json",
+        lambada=False,
+        about="the regime's TIED and LEV at 4x the tokens, constant rate, evaluated at 1k-4k steps",
+        max_chars_per_subset=BUDGET_MAX_CHARS,
+        stages=BUDGET_STAGES,
+        tokens_per_step=REGIME_TOKENS_PER_STEP,
+    ),
     "order": Plan(
         "order",
         PILOT_CONFIG,
@@ -237,6 +275,25 @@ class StudyRun:
     variant: str  # model.embedding
     seed: int  # train.seed
     overrides: tuple[str, ...]  # train.seed first, then the group's own
+
+
+def stage_suffix(iterations: int) -> str:
+    """The suffix of a staged run's step names and its `hf`/`eval` directories at a stage."""
+    return f"-i{iterations}"
+
+
+def run_step_names(run: StudyRun, plan: str | Plan = "study") -> dict[str, str]:
+    """{marker label: step name} of one run: `train`, `convert`, `evaluate`, `geometry`, or for a
+    staged plan each of the first three per stage (`train-i2000`, ...) and `geometry` once."""
+    stages = get_plan(plan).stages
+    if not stages:
+        return {kind: f"{kind}-{run.name}" for kind in RUN_STEPS}
+    names = {
+        f"{kind}{stage_suffix(n)}": f"{kind}-{run.name}{stage_suffix(n)}"
+        for n in stages
+        for kind in RUN_STEPS[:3]
+    }
+    return {**names, "geometry": f"geometry-{run.name}"}
 
 
 def study_plan(plan: str | Plan = "study") -> list[StudyRun]:

@@ -22,11 +22,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_lev.ckpt.layout import tag_for
 from megatron_lev.demo.steps import Step, StepFailed, StepRunner, read_marker
 from megatron_lev.errors import ConfigError, UserError
 from megatron_lev.experiments.small import SmallGrid, check_finished_steps
 from megatron_lev.utils.io import atomic_write_json
-from studies.plans import LAMBADA_MAX_PASSAGES, Plan, StudyRun, assign_lanes, get_plan, select_runs
+from studies.plans import (
+    LAMBADA_MAX_PASSAGES,
+    Plan,
+    StudyRun,
+    assign_lanes,
+    get_plan,
+    select_runs,
+    stage_suffix,
+)
 
 REPO = Path(__file__).resolve().parents[1]  # a lane runs `python -m studies` with this on its path
 
@@ -54,9 +63,12 @@ class Study:
                 f"the {spec.name} plan uses a given tokenizer: pass --tokenizer "
                 f"<shared data>/{spec.tokenizer_hint}"
             )
+        chars = spec.max_chars_per_subset
+        sized = {} if chars is None else {"max_chars_per_subset": chars}
         self.grid = SmallGrid(
             self.data_dir,
             self.out,
+            **sized,
             variants=list(dict.fromkeys(v for _, v, _, _ in spec.groups)),
             config=self.config,
             threads=1,
@@ -118,15 +130,34 @@ class Study:
         ]
 
     def run_steps(self, run: StudyRun) -> list[Step]:
-        return self.grid.run_steps(
-            run.name,
-            run.variant,
-            self.run_dir(run),
-            run.overrides,
-            label=run.group,
-            lambada=self.lambada_file if self.spec.lambada else None,
-            geometry=True,
-        )
+        """The run's steps: train, convert, evaluate, geometry; for a staged plan, train (resuming the
+        previous stage), convert that stage's checkpoint and evaluate it, per stage, then geometry."""
+        lambada = self.lambada_file if self.spec.lambada else None
+        stages = self.spec.stages
+        if not stages:
+            return self.grid.run_steps(
+                run.name,
+                run.variant,
+                self.run_dir(run),
+                run.overrides,
+                label=run.group,
+                lambada=lambada,
+                geometry=True,
+            )
+        steps = []
+        for n in stages:
+            steps += self.grid.run_steps(
+                run.name,
+                run.variant,
+                self.run_dir(run),
+                (*run.overrides, f"train.train_tokens={n * self.spec.tokens_per_step}"),
+                label=f"{run.group} at {n} steps",
+                lambada=lambada,
+                geometry=n == stages[-1],
+                stage=stage_suffix(n),
+                tag=tag_for(n),
+            )
+        return steps
 
     def all_steps(self) -> list[Step]:
         return self.data_steps() + [s for run in self.selected for s in self.run_steps(run)]

@@ -274,44 +274,53 @@ class SmallGrid:
         lambada: Path | None = None,
         geometry: bool = False,
         env: dict[str, str] | None = None,
+        stage: str = "",
+        tag: str | None = None,
     ) -> list[Step]:
         """train-NAME, convert-NAME, evaluate-NAME (and geometry-NAME) of one run of `variant` in `run`
         with the overrides `extra`; evaluation on the validation shard (by frequency), the zero-shot
-        documents and, with `lambada`, LAMBADA-format passages."""
+        documents and, with `lambada`, LAMBADA-format passages.
+
+        `stage` (e.g. "-i2000"): one stage of a run trained in stages in the same directory, each
+        resuming the last and stopping at the length `extra` sets; its steps are named NAME`stage`
+        and its export and evaluation go to `hf<stage>` and `eval<stage>` (geometry: NAME alone).
+        `tag`: the checkpoint the export converts (default: the latest)."""
         env = self._env() if env is None else env
+        hf, evals = run / f"hf{stage}", run / f"eval{stage}"
         label = label or variant_label(variant)
         seq = load_config(self.config, validate=False).model.seq_length
         extra = list(extra)
         what = "validation (by frequency), zero-shot" + (", LAMBADA-style passages" if lambada else "")
         steps = [
             Step(
-                f"train-{name}",
+                f"train-{name}{stage}",
                 f"train {label} ({self.nproc} process(es))",
                 lambda: self._train_command(variant, run, extra),
                 lambda: [run / "checkpoints" / "latest", run / "metrics.jsonl"],
                 env,
             ),
             Step(
-                f"convert-{name}",
+                f"convert-{name}{stage}",
                 f"export {label} to a validated Hugging Face model",
                 lambda: self._python(
                     "megatron_lev",
                     "convert",
                     str(run / "checkpoints"),
-                    str(run / "hf"),
+                    str(hf),
                     "--overwrite",
                     "--no-progress",
+                    *(["--tag", tag] if tag else []),
                 ),
-                lambda: [run / "hf" / "config.json"],
+                lambda: [hf / "config.json"],
                 env,
             ),
             Step(
-                f"evaluate-{name}",
+                f"evaluate-{name}{stage}",
                 f"perplexity of {label}: {what}",
                 lambda: self._python(
                     "megatron_lev",
                     "evaluate",
-                    str(run / "hf"),
+                    str(hf),
                     "--data",
                     str(self.prefix("valid")),
                     "--text",
@@ -324,10 +333,10 @@ class SmallGrid:
                     "--name",
                     label,
                     "--out",
-                    str(run / "eval"),
+                    str(evals),
                     *(["--max-docs", str(self.eval_max_docs)] if self.eval_max_docs else []),
                 ),
-                lambda: [run / "eval" / "eval.json"],
+                lambda: [evals / "eval.json"],
                 env,
             ),
         ]
