@@ -4,6 +4,10 @@ and is a prefix of the longer run), exported and evaluated at every stage, on a 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import numpy as np
+import pytest
 
 from megatron_lev.config import load_config
 from megatron_lev.plan import validate_run
@@ -95,3 +99,51 @@ def test_collect_copies_every_stages_evaluation(tmp_path):
     assert set(timing["steps"]) == {
         f"{k}-i{n}" for n in BUDGET_STAGES for k in ("train", "convert", "evaluate")
     } | {"geometry"}
+
+
+def _eval(tokens, nll) -> dict:
+    doc = {
+        "tokens": tokens.sum(1).tolist(),
+        "nll_sum": nll.sum(1).tolist(),
+        "input_band_tokens": tokens.T.tolist(),
+        "input_band_nll_sum": nll.T.tolist(),
+        "target_band_tokens": tokens.T.tolist(),
+        "target_band_nll_sum": nll.T.tolist(),
+    }
+    return {"results": [{"corpus_kind": "mmidx", "name": "x", "per_document": doc}]}
+
+
+def _raw(tmp_path, gap) -> Path:
+    """Raw files whose LEV - TIED is `gap(k)` at stage k = 1..4 (plus document noise)."""
+    rng = np.random.default_rng(3)
+    raw = tmp_path / "raw"
+    tokens = rng.integers(20, 60, size=(200, 3)).astype(float)
+    for k, n in enumerate(BUDGET_STAGES, start=1):
+        base = 5.0 + rng.normal(0, 0.3, size=tokens.shape)
+        for run, shift in (("tied-s1234", 0.0), ("lev-s1234", gap(k))):
+            (raw / run).mkdir(parents=True, exist_ok=True)
+            nll = tokens * (base + shift + rng.normal(0, 0.01, size=tokens.shape))
+            (raw / run / f"eval-i{n}.json").write_text(json.dumps(_eval(tokens, nll)))
+    return raw
+
+
+def test_the_report_reads_a_shrinking_gap_and_its_crossing(tmp_path):
+    from studies import budget_report as br
+
+    raw = _raw(tmp_path, lambda k: 0.3 - 0.1 * np.log2(k))
+    c = br.curve(raw)
+    assert c["b"] == pytest.approx(-0.1, abs=0.01) and c["b_ci"][1] < 0
+    assert c["crossing_doublings"] == pytest.approx(3.0, abs=0.3)
+    page = br.report(raw)
+    assert "**Overall: the gap shrinks**" in page and "crosses 0 at 16." in page
+    br.write(raw, tmp_path / "out")
+    assert (tmp_path / "out" / "curve.md").read_text() == page
+
+
+def test_the_report_reads_a_flat_gap_as_not_shrinking(tmp_path):
+    from studies import budget_report as br
+
+    raw = _raw(tmp_path, lambda k: 0.1)
+    c = br.curve(raw)
+    assert c["b_ci"][0] < 0 < c["b_ci"][1] and "crossing_doublings" not in c
+    assert "**Overall: the gap does not shrink**" in br.report(raw)

@@ -1,0 +1,151 @@
+"""The budget curve's report (`docs/results/budget/curve.md`) from its raw files: LEV - TIED at every
+stage, overall and for the inputs seen 1-9 times and the targets of band 0, and the gap's change per
+doubling of tokens with a document-bootstrap interval (docs/results/budget/README.md fixes the
+reading before the runs).
+
+python -m studies.budget_report results/budget/raw docs/results/budget
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from megatron_lev.errors import DataError
+from studies.plan_raw import BOOTSTRAP, BOOTSTRAP_SEED, LEVEL, read_raw_json, write_pages
+from studies.plans import PLANS, stage_suffix
+
+PLAN = PLANS["budget"]
+SLICES = {  # name -> (per-document key of the band, band index); None: every predicted token
+    "overall": None,
+    "input 1-9": ("input_band", 1),
+    "target band 0": ("target_band", 0),
+}
+
+
+def _docs(result: dict, band) -> tuple[np.ndarray, np.ndarray]:
+    doc = result.get("per_document") or {}
+    if band is None:
+        tokens, nll = doc.get("tokens"), doc.get("nll_sum")
+    else:
+        tokens, nll = (
+            doc.get(f"{band[0]}_{k}", [None] * (band[1] + 1))[band[1]] for k in ("tokens", "nll_sum")
+        )
+    if tokens is None or nll is None:
+        raise DataError(f"result {result.get('name', '?')}: no per-document sums for {band or 'overall'}")
+    return np.asarray(tokens, dtype=np.float64), np.asarray(nll, dtype=np.float64)
+
+
+def _result(raw: Path, run: str, stage: int, kind: str = "mmidx") -> dict:
+    path = raw / run / f"eval{stage_suffix(stage)}.json"
+    found = next((r for r in read_raw_json(path).get("results", []) if r.get("corpus_kind") == kind), None)
+    if found is None:
+        raise DataError(f"{path}: no {kind} result")
+    return found
+
+
+def fit(x: np.ndarray, g: np.ndarray) -> tuple[float, float]:
+    """Least-squares `g = a + b x`: (a, b)."""
+    b, a = np.polyfit(x, g, 1)
+    return float(a), float(b)
+
+
+def curve(raw: Path, band=None, kind: str = "mmidx") -> dict:
+    """LEV - TIED per stage with its interval, and the fitted slope per doubling with its interval
+    (one resample of the documents applied to every stage)."""
+    stages = PLAN.stages
+    x = np.log2(np.asarray(stages, dtype=np.float64) / stages[0])
+    diffs, per_stage = [], []
+    for n in stages:
+        tt, tn = _docs(_result(raw, "tied-s1234", n, kind), band)
+        lt, ln = _docs(_result(raw, "lev-s1234", n, kind), band)
+        if not np.array_equal(tt, lt):
+            raise DataError(f"stage {n}: TIED and LEV were not evaluated on the same documents")
+        per_stage.append((tt, ln - tn))
+        diffs.append(float((ln - tn).sum() / tt.sum()) if tt.sum() else math.nan)
+    g = np.asarray(diffs)
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    idx = rng.integers(0, len(per_stage[0][0]), size=(BOOTSTRAP, len(per_stage[0][0])))
+    boot = np.stack(
+        [d[idx].sum(axis=1) / np.maximum(t[idx].sum(axis=1), 1e-300) for t, d in per_stage], axis=1
+    )
+    lo_hi = lambda v: tuple(float(q) for q in np.quantile(v, [(1 - LEVEL) / 2, (1 + LEVEL) / 2]))  # noqa: E731
+    stage_ci = [lo_hi(boot[:, k]) for k in range(len(stages))]
+    slopes = np.polyfit(x, boot.T, 1)  # (2, BOOTSTRAP): b, a per resample
+    a, b = fit(x, g)
+    out = {"stages": list(stages), "gap": diffs, "gap_ci": stage_ci, "a": a, "b": b, "b_ci": lo_hi(slopes[0])}
+    if b < 0 < a:  # the fitted line crosses 0 at x* = -a / b doublings of the first stage's tokens
+        cross = -slopes[1] / np.where(slopes[0] < 0, slopes[0], np.nan)
+        out["crossing_doublings"] = -a / b
+        out["crossing_ci"] = lo_hi(cross[np.isfinite(cross)]) if np.isfinite(cross).any() else None
+        out["resamples_shrinking"] = float((slopes[0] < 0).mean())
+    return out
+
+
+def reading(c: dict) -> str:
+    lo, hi = c["b_ci"]
+    return "the gap shrinks" if hi < 0 else "the gap does not shrink"
+
+
+def report(raw: Path) -> str:
+    tokens = [n * PLAN.tokens_per_step for n in PLAN.stages]
+    lines = [
+        "# The budget curve: LEV - TIED by tokens",
+        "",
+        "Validation NLL differences in nats per predicted token, LEV - TIED (positive: LEV behind), one "
+        f"seed (1234) per side; 95% document-bootstrap intervals ({BOOTSTRAP} resamples, seed "
+        f"{BOOTSTRAP_SEED}, one resample of the documents for every stage). `b`: the least-squares "
+        "change of the gap per doubling of tokens over the four stages.",
+        "",
+        "| slice | " + " | ".join(f"{t / 1e6:.3f}M tokens" for t in tokens) + " | b per doubling | reading |",
+        "|---|" + "---|" * (len(tokens) + 2),
+    ]
+    curves = {}
+    for name, band in SLICES.items():
+        c = curves[name] = curve(raw, band)
+        cells = [
+            f"{g:+.3f} [{lo:+.3f}, {hi:+.3f}]" for g, (lo, hi) in zip(c["gap"], c["gap_ci"], strict=True)
+        ]
+        b_lo, b_hi = c["b_ci"]
+        lines.append(
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | {c['b']:+.4f} [{b_lo:+.4f}, {b_hi:+.4f}] | {reading(c)} |"
+        )
+    overall = curves["overall"]
+    lines += ["", f"**Overall: {reading(overall)}** (the README's criterion: the interval of `b` below 0)."]
+    if "crossing_doublings" in overall:
+        ci = overall["crossing_ci"]
+        at = tokens[0] * 2 ** overall["crossing_doublings"]
+        span = (
+            "no interval"
+            if ci is None
+            else f"[{tokens[0] * 2 ** ci[0] / 1e6:.1f}M, {tokens[0] * 2 ** ci[1] / 1e6:.1f}M]"
+        )
+        lines.append(
+            f"The fitted line crosses 0 at {at / 1e6:.1f}M tokens ({span} over the resamples with a "
+            f"falling line, {overall['resamples_shrinking']:.0%} of them): an extrapolation from four "
+            "points of one seed, not a prediction of a longer run."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write(raw: Path, out: Path) -> dict[str, Path]:
+    return write_pages(Path(out), {"curve.md": report(Path(raw))})
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        sys.exit(
+            "usage: python -m studies.budget_report RAW_DIR OUT_DIR (results/budget/raw docs/results/budget)"
+        )
+    for path in write(Path(args[0]), Path(args[1])).values():
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
