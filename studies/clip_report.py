@@ -253,7 +253,37 @@ def clipping_markdown(raw: CombinedRaw) -> str:
             *(fmt_value(by_step.get(s), ".3f") for s in FACTOR_STEPS),
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", *update_lines(raw)]) + "\n"
+
+
+UPDATE_KEYS = ("update_ratio/group/decay", "update_ratio/group/no_decay")
+UPDATE_RANGE = (100, 1000)  # after the warm-up
+
+
+def update_lines(raw: CombinedRaw) -> list[str]:
+    """The median update ratio (|update| / |weight|) of the optimizer's two default groups over the
+    logged steps in `UPDATE_RANGE`: what clipping did to the step sizes AdamW took."""
+    lo, hi = UPDATE_RANGE
+    lines = [
+        "## Update sizes by run",
+        "",
+        f"The median over the logged steps {lo}-{hi} of the update ratio (norm of the step over norm of the "
+        "weights) of the weight-decay group (every matrix outside a clip or rate group: attention, MLP, "
+        "the output head, and for TIED its table) and of the no-decay group (norm gains), from "
+        "`metrics.jsonl`. AdamW's step hardly depends on a constant gradient scale, so a clip factor "
+        "shows here only through how it changes from step to step.",
+        "",
+        "| run | logged steps | decay group | no-decay group |",
+        "|---|---|---|---|",
+    ]
+    for run in raw.runs:
+        rows = [r for r in raw.train_rows(run) if lo <= r["iteration"] <= hi and UPDATE_KEYS[0] in r]
+        if not rows:
+            continue
+        name = run["name"] if run["source"] == "clip" else f"{run['name']} (regime)"
+        meds = [statistics.median(r[k] for r in rows if r.get(k) is not None) for k in UPDATE_KEYS]
+        lines.append(f"| {name} | {len(rows)} | {meds[0]:.5f} | {meds[1]:.6f} |")
+    return lines
 
 
 RERUN_STEPS = (10, 20, 30, 40, 50)
