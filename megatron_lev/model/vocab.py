@@ -10,10 +10,13 @@ from megatron_lev.errors import ConfigError
 def padded_vocab_size(tokenizer_vocab_size: int, model_cfg: ModelConfig, tp: int = 1) -> int:
     """Round the vocabulary up to a multiple of `make_vocab_size_divisible_by x TP`
     (e.g. 50,277 -> 50,304)."""
-    if tokenizer_vocab_size <= 0:
-        raise ConfigError(f"vocabulary size must be positive, got {tokenizer_vocab_size}")
-    multiple = model_cfg.make_vocab_size_divisible_by * tp
-    return -(-tokenizer_vocab_size // multiple) * multiple
+    return _round_up(tokenizer_vocab_size, model_cfg.make_vocab_size_divisible_by * tp)
+
+
+def _round_up(vocab_size: int, multiple: int) -> int:
+    if vocab_size <= 0:
+        raise ConfigError(f"vocabulary size must be positive, got {vocab_size}")
+    return -(-vocab_size // multiple) * multiple
 
 
 def base_vocab_size(vocab_size: int, true_vocab_size: int | None, model_cfg: ModelConfig) -> int:
@@ -23,4 +26,4 @@ def base_vocab_size(vocab_size: int, true_vocab_size: int | None, model_cfg: Mod
     `true_vocab_size` every row is real and the answer is `vocab_size`."""
     if true_vocab_size is None:
         return vocab_size
-    return min(vocab_size, padded_vocab_size(true_vocab_size, model_cfg, tp=1))
+    return min(vocab_size, _round_up(true_vocab_size, model_cfg.make_vocab_size_divisible_by))

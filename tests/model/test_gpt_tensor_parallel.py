@@ -60,6 +60,12 @@ def _tp_worker(ids):
     return {case: _run(case, 2, ids, layout) for case in CASES}
 
 
+def _assert_outputs(got, ref) -> None:
+    """A TP rank's gathered logits and per-token loss equal one process's."""
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(r), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.multiprocess
 def test_tp2_matches_tp1_logits_loss_and_gradients():
     ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -69,13 +75,7 @@ def test_tp2_matches_tp1_logits_loss_and_gradients():
         spec = canonical_state_dict_spec(_config(case, 1).model, 208)
         assert set(spec) == set(ref_grads)
         for rank in range(2):
-            logits, loss, _ = results[rank][case]
-            torch.testing.assert_close(
-                torch.from_numpy(logits), torch.from_numpy(ref_logits), rtol=1e-5, atol=1e-6
-            )
-            torch.testing.assert_close(
-                torch.from_numpy(loss), torch.from_numpy(ref_loss), rtol=1e-5, atol=1e-6
-            )
+            _assert_outputs(results[rank][case][:2], (ref_logits, ref_loss))
         for name, ref in ref_grads.items():
             merged = merge_tp_shards(
                 spec[name], [torch.from_numpy(results[r][case][2][name]) for r in range(2)]
@@ -137,13 +137,7 @@ def test_tp2_matches_tp1_when_the_padding_differs():
         assert (padded1, padded2) == (200, 208)
         spec = canonical_state_dict_spec(cfg2.model, padded2, true_vocab_size=TOKENS)
         for rank in range(2):
-            _, logits, loss, _ = results[rank][case]
-            torch.testing.assert_close(
-                torch.from_numpy(logits), torch.from_numpy(ref_logits), rtol=1e-5, atol=1e-6
-            )
-            torch.testing.assert_close(
-                torch.from_numpy(loss), torch.from_numpy(ref_loss), rtol=1e-5, atol=1e-6
-            )
+            _assert_outputs(results[rank][case][1:3], (ref_logits, ref_loss))
         for name, ref in ref_grads.items():
             merged = merge_tp_shards(
                 spec[name], [torch.from_numpy(results[r][case][3][name]) for r in range(2)]

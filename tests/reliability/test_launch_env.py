@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_lev.plan import memory
 from megatron_lev.errors import LaunchError
+from megatron_lev.plan import memory
 from megatron_lev.training.rendezvous import read_dist_env
 
 SRUN_TASK = {  # task 5 of an `srun -N2 -n8` step

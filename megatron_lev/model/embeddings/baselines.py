@@ -61,6 +61,24 @@ class DenseEmbedding(InputEmbedding):
         return self.table(ids)
 
     @classmethod
+    def from_config(
+        cls,
+        model_cfg: ModelConfig,
+        vocab_size: int,
+        layout: ParallelLayout = SINGLE,
+        base_vocab: int | None = None,
+    ) -> DenseEmbedding:
+        """The subclass's table; the head reuses it when the class `ties_output_head`."""
+        return cls(
+            vocab_size,
+            model_cfg.hidden_size,
+            model_cfg.init_std,
+            tied=cls.ties_output_head,
+            layout=layout,
+            base_vocab=base_vocab,
+        )
+
+    @classmethod
     def parameter_count(cls, model_cfg: ModelConfig, vocab_size: int) -> int:
         return vocab_size * model_cfg.hidden_size
 
@@ -70,45 +88,11 @@ class TiedEmbedding(DenseEmbedding):
 
     name, label, ties_output_head = "tied", "TIED", True
 
-    @classmethod
-    def from_config(
-        cls,
-        model_cfg: ModelConfig,
-        vocab_size: int,
-        layout: ParallelLayout = SINGLE,
-        base_vocab: int | None = None,
-    ) -> TiedEmbedding:
-        return cls(
-            vocab_size,
-            model_cfg.hidden_size,
-            model_cfg.init_std,
-            tied=cls.ties_output_head,
-            layout=layout,
-            base_vocab=base_vocab,
-        )
-
 
 class UntiedEmbedding(DenseEmbedding):
     """`untied`: the dense table; the head has its own."""
 
     name, label = "untied", "UNTIED"
-
-    @classmethod
-    def from_config(
-        cls,
-        model_cfg: ModelConfig,
-        vocab_size: int,
-        layout: ParallelLayout = SINGLE,
-        base_vocab: int | None = None,
-    ) -> UntiedEmbedding:
-        return cls(
-            vocab_size,
-            model_cfg.hidden_size,
-            model_cfg.init_std,
-            tied=cls.ties_output_head,
-            layout=layout,
-            base_vocab=base_vocab,
-        )
 
 
 def _linear(fan_in: int, fan_out: int, init_std: float) -> nn.Linear:
