@@ -109,8 +109,8 @@ class Plan:
     lambada: bool = True  # the LAMBADA-style passages and their evaluation
     about: str = ""
     max_chars_per_subset: int | None = None  # the split's size per subset (None: the runner's default)
-    # train each run in stages in one directory, each resuming the last and ending at these
-    # iterations (train.train_tokens = iterations x `tokens_per_step`), exported and evaluated at each
+    # train each run in stages in one directory, each resuming the last and ending at these evenly
+    # spaced iterations (the full run's length, train.exit_interval the spacing), evaluated at each
     stages: tuple[int, ...] = ()
     tokens_per_step: int = 0  # the config's global batch x sequence length (staged plans)
 

@@ -131,7 +131,9 @@ class Study:
 
     def run_steps(self, run: StudyRun) -> list[Step]:
         """The run's steps: train, convert, evaluate, geometry; for a staged plan, train (resuming the
-        previous stage), convert that stage's checkpoint and evaluate it, per stage, then geometry."""
+        previous stage), convert that stage's checkpoint and evaluate it, per stage, then geometry.
+        Every stage runs the full run's command with `train.exit_interval` at the stage length, so the
+        data order (whose shuffle depends on the run's length) and the schedule are the full run's."""
         lambada = self.lambada_file if self.spec.lambada else None
         stages = self.spec.stages
         if not stages:
@@ -144,13 +146,19 @@ class Study:
                 lambada=lambada,
                 geometry=True,
             )
+        if stages != tuple(stages[0] * (k + 1) for k in range(len(stages))):
+            raise ConfigError(f"the {self.spec.name} plan's stages {stages} are not evenly spaced")
+        length = (
+            f"train.train_tokens={stages[-1] * self.spec.tokens_per_step}",
+            f"train.exit_interval={stages[0]}",
+        )
         steps = []
         for n in stages:
             steps += self.grid.run_steps(
                 run.name,
                 run.variant,
                 self.run_dir(run),
-                (*run.overrides, f"train.train_tokens={n * self.spec.tokens_per_step}"),
+                (*run.overrides, *length),
                 label=f"{run.group} at {n} steps",
                 lambada=lambada,
                 geometry=n == stages[-1],

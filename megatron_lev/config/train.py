@@ -79,6 +79,9 @@ class TrainConfig:
     save_initial: bool = False  # also save the initial weights (iteration 0), e.g. for `geometry`
     keep_last: int = ranged(2, count())
     eval_interval: int = ranged(0, count("0 turns evaluation off", lo=0))
+    # save and exit (status 0) at every multiple of this many iterations before the last (Megatron's
+    # --exit-interval): a long run in stages, each a prefix of it (the same data order and schedule)
+    exit_interval: int = ranged(0, count("0 turns it off", lo=0))
     eval_iters: int = ranged(10, count())
     # non-finite steps in a row before the run stops
     max_consecutive_skips: int = ranged(10, count())

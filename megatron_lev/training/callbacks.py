@@ -493,6 +493,19 @@ class MetricsLogger(Callback):
 # ---------------------------------------------------------------------- preemption
 
 
+class ExitInterval(Callback):
+    """`train.exit_interval`: save and stop (exit status 0, reason "exit_interval") when the iteration
+    reaches a multiple of `interval` short of the run's end, so the same command, run again, trains
+    the next stretch of the same run (its data order and schedule are the full run's)."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+
+    def on_step_end(self, trainer: Trainer, iteration: int, skipped: bool, control: Control) -> None:
+        if self.interval and iteration % self.interval == 0 and iteration < trainer.budget.train_iters:
+            control.request_stop(0, "exit_interval")
+
+
 class Preemption(Callback):
     """On SIGTERM/SIGUSR1 (Slurm's notice) on any rank: save at the next step boundary and exit 75.
 

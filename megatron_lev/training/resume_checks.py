@@ -47,6 +47,7 @@ FREE_KEYS = frozenset(
         "train.keep_last",
         "train.eval_interval",
         "train.eval_iters",
+        "train.exit_interval",
         "train.save",
         "train.load",
         "train.max_consecutive_skips",

@@ -38,6 +38,7 @@ from megatron_lev.plan import RunPlan
 from megatron_lev.training.callbacks import (
     Checkpointer,
     EmbeddingProbe,
+    ExitInterval,
     MetricsLogger,
     NonFiniteGuard,
     Preemption,
@@ -363,6 +364,7 @@ def default_callbacks(
         Validation(t.eval_interval),
         MetricsLogger(writer, lg.log_interval, lg.progress_bar, flops_per_token, lg.peak_tflops),
         Preemption(watcher),
+        ExitInterval(t.exit_interval),
         ClipMetrics(),
     ]
     if lg.train_dynamics:

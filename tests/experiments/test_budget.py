@@ -45,7 +45,11 @@ def test_staged_steps_resume_convert_their_own_tag_and_evaluate_apart(tmp_path):
         train, convert, evaluate = (
             next(x for x in steps if x.name == f"{k}-{run.name}{s}") for k in ("train", "convert", "evaluate")
         )
-        assert train.command()[-1] == f"train.train_tokens={n * REGIME_TOKENS_PER_STEP}"
+        # the full run's length and data order at every stage; it stops at the stage's multiple
+        assert train.command()[-2:] == [
+            f"train.train_tokens={BUDGET_STAGES[-1] * REGIME_TOKENS_PER_STEP}",
+            f"train.exit_interval={BUDGET_STAGES[0]}",
+        ]
         conv = convert.command()
         assert conv[conv.index("--tag") + 1] == f"iter_{n:07d}"
         assert str(study.run_dir(run) / f"hf{s}") in conv
