@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_lev.errors import DataError
-from studies.plan_raw import BOOTSTRAP, BOOTSTRAP_SEED, LEVEL, read_raw_json, write_pages
+from studies.plan_raw import BOOTSTRAP, BOOTSTRAP_SEED, LEVEL, doc_arrays, read_raw_json, write_pages
 from studies.plans import PLANS, stage_suffix
 
 PLAN = PLANS["budget"]
@@ -26,25 +26,18 @@ SLICES = {  # name -> (per-document key of the band, band index); None: every pr
 }
 
 
-def _docs(result: dict, band) -> tuple[np.ndarray, np.ndarray]:
-    doc = result.get("per_document") or {}
-    if band is None:
-        tokens, nll = doc.get("tokens"), doc.get("nll_sum")
-    else:
-        tokens, nll = (
-            doc.get(f"{band[0]}_{k}", [None] * (band[1] + 1))[band[1]] for k in ("tokens", "nll_sum")
-        )
-    if tokens is None or nll is None:
-        raise DataError(f"result {result.get('name', '?')}: no per-document sums for {band or 'overall'}")
-    return np.asarray(tokens, dtype=np.float64), np.asarray(nll, dtype=np.float64)
-
-
 def _result(raw: Path, run: str, stage: int, kind: str = "mmidx") -> dict:
     path = raw / run / f"eval{stage_suffix(stage)}.json"
     found = next((r for r in read_raw_json(path).get("results", []) if r.get("corpus_kind") == kind), None)
     if found is None:
         raise DataError(f"{path}: no {kind} result")
     return found
+
+
+def lo_hi(values: np.ndarray) -> tuple[float, float]:
+    """The central `LEVEL` interval of bootstrap statistics."""
+    lo, hi = np.quantile(values, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
+    return float(lo), float(hi)
 
 
 def fit(x: np.ndarray, g: np.ndarray) -> tuple[float, float]:
@@ -60,8 +53,8 @@ def curve(raw: Path, band=None, kind: str = "mmidx") -> dict:
     x = np.log2(np.asarray(stages, dtype=np.float64) / stages[0])
     diffs, per_stage = [], []
     for n in stages:
-        tt, tn = _docs(_result(raw, "tied-s1234", n, kind), band)
-        lt, ln = _docs(_result(raw, "lev-s1234", n, kind), band)
+        tt, tn = doc_arrays(_result(raw, "tied-s1234", n, kind), band)
+        lt, ln = doc_arrays(_result(raw, "lev-s1234", n, kind), band)
         if not np.array_equal(tt, lt):
             raise DataError(f"stage {n}: TIED and LEV were not evaluated on the same documents")
         per_stage.append((tt, ln - tn))
@@ -72,7 +65,6 @@ def curve(raw: Path, band=None, kind: str = "mmidx") -> dict:
     boot = np.stack(
         [d[idx].sum(axis=1) / np.maximum(t[idx].sum(axis=1), 1e-300) for t, d in per_stage], axis=1
     )
-    lo_hi = lambda v: tuple(float(q) for q in np.quantile(v, [(1 - LEVEL) / 2, (1 + LEVEL) / 2]))  # noqa: E731
     stage_ci = [lo_hi(boot[:, k]) for k in range(len(stages))]
     slopes = np.polyfit(x, boot.T, 1)  # (2, BOOTSTRAP): b, a per resample
     a, b = fit(x, g)

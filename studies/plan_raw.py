@@ -126,7 +126,7 @@ class PlanRaw:
         return next((r for r in self.train_rows(run) if r["iteration"] == iteration), None)
 
 
-def _doc_arrays(result: dict, band: tuple[str, int] | None) -> tuple[np.ndarray, np.ndarray]:
+def doc_arrays(result: dict, band: tuple[str, int] | None) -> tuple[np.ndarray, np.ndarray]:
     """Per-document predicted tokens and NLL sums of a result, overall or of one band
     (`("target_band", 1)`: the per-document sums `evaluate` writes for each count band)."""
     doc = result.get("per_document")
@@ -151,8 +151,8 @@ def paired_differences(
     applied to every pair). The interval is None where a resample can hold no token of the band."""
     diffs, arrays = [], []
     for a, b in pairs:
-        ta, na = _doc_arrays(a, band)
-        tb, nb = _doc_arrays(b, band)
+        ta, na = doc_arrays(a, band)
+        tb, nb = doc_arrays(b, band)
         if len(ta) != len(tb) or not np.array_equal(ta, tb):
             raise DataError("the two results have no per-document sums over the same documents")
         if ta.sum() == 0:
@@ -213,7 +213,7 @@ def seed_contrasts(
     for terms in sets:
         tokens, combined = None, None
         for sign, result in terms:
-            t, n = _doc_arrays(result, band)
+            t, n = doc_arrays(result, band)
             if tokens is None:
                 tokens, combined = t, sign * n
             elif len(t) != len(tokens) or not np.array_equal(t, tokens):

@@ -282,8 +282,9 @@ class SmallGrid:
         documents and, with `lambada`, LAMBADA-format passages.
 
         `stage` (e.g. "-i2000"): one stage of a run trained in stages in the same directory, each
-        resuming the last and stopping at the length `extra` sets; its steps are named NAME`stage`
-        and its export and evaluation go to `hf<stage>` and `eval<stage>` (geometry: NAME alone).
+        resuming the last and stopping where `extra` says (`train.exit_interval`); its steps are
+        named NAME`stage` and its export and evaluation go to `hf<stage>` and `eval<stage>`
+        (geometry: NAME alone).
         `tag`: the checkpoint the export converts (default: the latest)."""
         env = self._env() if env is None else env
         hf, evals = run / f"hf{stage}", run / f"eval{stage}"

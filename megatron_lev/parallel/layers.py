@@ -39,11 +39,12 @@ def init_sharded_(
     `init_rows` (a vocabulary table: the rows padded as for one process) draws only the first rows
     along dim 0 and leaves the extra padding rows a larger TP size adds at zero, so the drawn rows
     (and the random stream after them) are those of one process whatever the padding."""
-    full = torch.zeros(full_shape, dtype=torch.float32)
+    full = torch.empty(full_shape, dtype=torch.float32)
     if init_rows is None or init_rows >= full_shape[0]:
         init_fn(full)
-    else:
+    else:  # only the padding rows are zeroed: no extra pass over a full table at start-up
         init_fn(full[:init_rows])
+        full[init_rows:].zero_()
     world, rank = layout.tp, layout.tp_rank
     shard = full.chunk(world, dim=dim)[rank] if world > 1 else full
     with torch.no_grad():
