@@ -4,6 +4,7 @@ python -m studies plan [--plan pilot]
 python -m studies run --data-dir ../shared/data/minipile --out runs/study --lanes 2
 python -m studies run --plan pilot --data-dir ../shared/data/minipile --out runs/pilot
 python -m studies collect runs/pilot results/pilot/raw    # the plan `run` recorded in runs/pilot
+python -m studies rows runs/clip results/clip/raw          # Adam's state of the output rows
 python -m studies report results/study/raw docs/results/study
 
 A study directory that an earlier checkout's `python -m studies run` started is the same here: the
@@ -70,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     collect.add_argument("out", metavar="OUT", help="the study directory (--out of run)")
     collect.add_argument("raw", metavar="RAW_DIR", help="where the raw files go (RAW_DIR/<run>/)")
     _plan_arg(collect, default=None)
+    rows = sub.add_parser(
+        "rows", help="Adam's state of the output rows by training count, from each collected run's checkpoint"
+    )
+    rows.add_argument("out", metavar="OUT", help="the study directory (--out of run)")
+    rows.add_argument(
+        "raw", metavar="RAW_DIR", help="the collected raw files (RAW_DIR/<run>/output_rows.json)"
+    )
+    rows.add_argument("--tag", default=None, help="checkpoint tag (default: each run's latest)")
     report = sub.add_parser("report", help="every table of the write-up from RAW_DIR alone")
     report.add_argument("raw", metavar="RAW_DIR")
     report.add_argument("out", metavar="OUT_DIR")
@@ -130,6 +139,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.action == "lane":
         runner.run_lane(_study(args), args.lane)
+        return 0
+    if args.action == "rows":
+        from studies.output_rows import collect_rows
+
+        collect_rows(Path(args.out), Path(args.raw), tag=args.tag)
         return 0
     if args.action == "collect":
         collect.collect_study(Path(args.out), Path(args.raw), plan=args.plan)

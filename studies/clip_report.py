@@ -23,12 +23,13 @@ from studies.plan_raw import (
     LEVEL,
     PlanRaw,
     fmt_value,
+    read_raw_json,
     seed_contrasts,
     seed_interval,
     write_pages,
 )
 
-PAGES = ("overall.md", "bands.md", "clipping.md", "verdict.md")
+PAGES = ("overall.md", "bands.md", "clipping.md", "rows.md", "verdict.md")
 REGIME_NAMES = {"TIED": "TIED-R", "LEV": "LEV-R", "ALBERT-32": "ALBERT-32-R", "UNTIED": "UNTIED"}
 TIED, LEV_SC, TIED_R, LEV_R, ALBERT_R = "TIED", "LEV-SC", "TIED-R", "LEV-R", "ALBERT-32-R"
 UNTIED, TIED_C0, LEV_C0 = "UNTIED", "TIED-C0", "LEV-C0"
@@ -286,6 +287,70 @@ def update_lines(raw: CombinedRaw) -> list[str]:
     return lines
 
 
+def _median_global_factor(raw: CombinedRaw, group: str, seed: int) -> float | None:
+    run = raw.seeds(group).get(seed)
+    rows = factors(raw, run) if run is not None else []
+    return statistics.median(g for _, g, _ in rows) if rows else None
+
+
+def rows_markdown(raw: CombinedRaw) -> str:
+    """The output layer's rows by the training count of their token: Adam's state at each run's final
+    checkpoint (`output_rows.json`, `python -m studies rows`), and what a constant clip factor would
+    make of the never-seen rows' eps share."""
+    lines = [
+        "# Clip: Adam's state of the output rows",
+        "",
+        "Per training-count band of the row's token, at each run's final checkpoint "
+        "(`output_rows.json`, written by `python -m studies rows runs/clip results/clip/raw` from the "
+        "checkpoint and the split's training counts; the regime's checkpoints were not kept): the "
+        "median of `sqrt(v_hat)` over the band's elements with its 10% and 90% quantiles, the median "
+        "share of Adam's `eps` in the step's denominator, `eps / (sqrt(v_hat) + eps)`, the median step "
+        "per element before the learning rate, `|m_hat| / (sqrt(v_hat) + eps)`, and the median L2 norm "
+        "of the rows. The output layer is LEV's and UNTIED's head and TIED's table. A row whose token "
+        "is never a training target gets only the softmax's push-down, whose size falls with the row's "
+        "logit: where `sqrt(v_hat)` nears `eps`, the step shrinks, and a clip factor `f` scales "
+        "`sqrt(v_hat)` by `f`.",
+        "",
+    ]
+    found = [(r, raw.clip.root / r["name"] / "output_rows.json") for r in raw.runs if r["source"] == "clip"]
+    found = [(r, p) for r, p in found if p.is_file()]
+    if not found:
+        return "\n".join([*lines, "No run has `output_rows.json` yet."]) + "\n"
+    lines += [
+        "| run | band | rows | median sqrt(v_hat) [10%, 90%] | eps share | Adam step | row norm |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    never: dict[str, float] = {}
+    for run, path in found:
+        rec = read_raw_json(path)
+        eps = rec["adam_eps"]
+        for b in rec["bands"]:
+            if not b["rows"]:
+                continue
+            s = b["sqrt_v"]
+            lines.append(
+                f"| {run['name']} | {b['band']} | {b['rows']:,} | {s['q50']:.2e} [{s['q10']:.2e}, "
+                f"{s['q90']:.2e}] | {b['eps_share_median']:.3f} | {b['adam_step_median']:.3f} | "
+                f"{b['row_norm_median']:.3f} |"
+            )
+            if b["band"] == "0":
+                never[run["name"]] = (s["q50"], eps)
+    f = _median_global_factor(raw, LEV_R, 1234)
+    if f is not None and never:
+        lines += [
+            "",
+            f"**Arithmetic, not a measurement**: the regime's LEV (seed 1234) was clipped by a median "
+            f"global factor of {f:.3f} (`clipping.md`). Were the never-seen rows' gradients of each run "
+            f"above scaled by that factor, their median eps share `eps / (f sqrt(v_hat) + eps)` would be:",
+            "",
+            "| run | median sqrt(v_hat), band 0 | eps share as is | at the factor |",
+            "|---|---|---|---|",
+        ]
+        for name, (s, eps) in never.items():
+            lines.append(f"| {name} | {s:.2e} | {eps / (s + eps):.3f} | {eps / (f * s + eps):.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 RERUN_STEPS = (10, 20, 30, 40, 50)
 
 
@@ -445,6 +510,7 @@ def write_clip_report(
             "overall.md": overall_markdown(raw),
             "bands.md": bands_markdown(raw),
             "clipping.md": clipping_markdown(raw),
+            "rows.md": rows_markdown(raw),
             "verdict.md": verdict_markdown(raw),
         },
     )

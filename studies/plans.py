@@ -170,6 +170,16 @@ LR_GROUPS: tuple[Group, ...] = (
     ("LEV-LR05", "lev", REGIME_SEEDS[:1], _at_lr(LEV_SETTING, 5e-4)),
 )
 
+# Adam's eps (docs/results/eps/README.md, plan and criteria fixed before its runs): the regime's LEV
+# on this code, and the same with train.adam_eps=1e-10, one seed. Tests whether the regime LEV's lead
+# on never-seen targets comes from its global clip factor meeting Adam's eps in the rows of the output
+# head whose token is never a target (docs/results/clip/rows.md).
+SMALL_EPS = "train.adam_eps=1e-10"
+EPS_GROUPS: tuple[Group, ...] = (
+    ("LEV", "lev", REGIME_SEEDS[:1], LEV_SETTING),
+    ("LEV-EPS", "lev", REGIME_SEEDS[:1], (*LEV_SETTING, SMALL_EPS)),
+)
+
 # The budget curve (docs/results/budget/README.md, plan and criteria fixed before its runs): the
 # regime's TIED and LEV trained four times as long on a split four times larger (no sample seen twice),
 # at a constant rate after a fixed 100-step warm-up, so that every evaluated stage is a prefix of the
@@ -229,6 +239,15 @@ PLANS: dict[str, Plan] = {
         tokenizer_hint="tokenizers/gpt-neox-20b.json",
         lambada=False,
         about="the regime's TIED and LEV at half its learning rate (5e-4), one seed each",
+    ),
+    "eps": Plan(
+        "eps",
+        REGIME_CONFIG,
+        EPS_GROUPS,
+        REGIME_SEEDS,
+        tokenizer_hint="tokenizers/gpt-neox-20b.json",
+        lambada=False,
+        about="the regime's LEV on this code and with Adam's eps at 1e-10, seed 1234",
     ),
     "budget": Plan(
         "budget",
