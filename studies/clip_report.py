@@ -320,7 +320,7 @@ def rows_markdown(raw: CombinedRaw) -> str:
         "| run | band | rows | median sqrt(v_hat) [10%, 90%] | eps share | Adam step | row norm |",
         "|---|---|---|---|---|---|---|",
     ]
-    never: dict[str, float] = {}
+    never: dict[str, tuple[float, float, float]] = {}  # run -> (median sqrt(v_hat) of band 0, eps, factor)
     for run, path in found:
         rec = read_raw_json(path)
         eps = rec["adam_eps"]
@@ -333,21 +333,26 @@ def rows_markdown(raw: CombinedRaw) -> str:
                 f"{s['q90']:.2e}] | {b['eps_share_median']:.3f} | {b['adam_step_median']:.3f} | "
                 f"{b['row_norm_median']:.3f} |"
             )
-            if b["band"] == "0":
-                never[run["name"]] = (s["q50"], eps)
+            own = factors(raw, run)
+            if b["band"] == "0" and own:
+                never[run["name"]] = (s["q50"], eps, statistics.median(g for _, g, _ in own))
     f = _median_global_factor(raw, LEV_R, 1234)
     if f is not None and never:
         lines += [
             "",
             f"**Arithmetic, not a measurement**: the regime's LEV (seed 1234) was clipped by a median "
-            f"global factor of {f:.3f} (`clipping.md`). Were the never-seen rows' gradients of each run "
-            f"above scaled by that factor, their median eps share `eps / (f sqrt(v_hat) + eps)` would be:",
+            f"global factor `f` of {f:.3f} (`clipping.md`); each run here had its own median global factor "
+            "`f_run` (1 without clipping). Were the never-seen rows' gradients of each run scaled by "
+            "`f / f_run` instead, their median eps share `eps / ((f / f_run) sqrt(v_hat) + eps)` would be:",
             "",
-            "| run | median sqrt(v_hat), band 0 | eps share as is | at the factor |",
-            "|---|---|---|---|",
+            "| run | median sqrt(v_hat), band 0 | f_run | eps share as is | at f |",
+            "|---|---|---|---|---|",
         ]
-        for name, (s, eps) in never.items():
-            lines.append(f"| {name} | {s:.2e} | {eps / (s + eps):.3f} | {eps / (f * s + eps):.3f} |")
+        for name, (s, eps, own) in never.items():
+            scaled = f / own * s
+            lines.append(
+                f"| {name} | {s:.2e} | {own:.3f} | {eps / (s + eps):.3f} | {eps / (scaled + eps):.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

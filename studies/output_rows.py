@@ -30,7 +30,13 @@ HEAD, TABLE = "output_head.weight", "embedding.table.weight"
 
 
 def band_stats(
-    weight: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, counts: np.ndarray, step: int, eps: float
+    weight: np.ndarray,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    counts: np.ndarray,
+    step: int,
+    eps: float,
+    betas: tuple[float, float] = (0.9, 0.95),
 ) -> list[dict]:
     """One entry per training-count band: rows, sqrt(v_hat) quantiles, the median eps share, the median
     Adam step per element and the median row norm. `weight` and the moments are (rows, width) with at
@@ -41,8 +47,8 @@ def band_stats(
             f"the output layer's shapes {weight.shape}, {exp_avg.shape}, {exp_avg_sq.shape} do not hold "
             f"the {vocab:,} ids the training counts have"
         )
-    m_hat = exp_avg[:vocab] / (1 - 0.9**step)
-    sqrt_v = np.sqrt(exp_avg_sq[:vocab] / (1 - 0.95**step))
+    m_hat = exp_avg[:vocab] / (1 - betas[0] ** step)
+    sqrt_v = np.sqrt(exp_avg_sq[:vocab] / (1 - betas[1] ** step))
     band = np.searchsorted(np.asarray(COUNT_EDGES), counts, side="right")
     out = []
     for b, label in enumerate(count_band_labels(COUNT_EDGES)):
@@ -64,6 +70,17 @@ def band_stats(
     return out
 
 
+def adam_eps_of(cfg, name: str) -> float:
+    """The `eps` AdamW used for parameter `name`: the first optimizer rule matching it
+    (`plan.param_group_rules`) that sets one, else `train.adam_eps`."""
+    from fnmatch import fnmatchcase
+
+    from megatron_lev.plan import param_group_rules
+
+    rule = next((r for r in param_group_rules(cfg) if fnmatchcase(name, r.pattern)), None)
+    return float(rule.adam_eps if rule is not None and rule.adam_eps is not None else cfg.train.adam_eps)
+
+
 def output_rows(path: Path, counts: np.ndarray, tag: str | None = None) -> dict:
     """The band statistics (`band_stats`) of a checkpoint (a save directory and `tag`, default its
     latest, or a tag directory), merged over its TP/PP/DP shards, with what they were read from."""
@@ -81,14 +98,21 @@ def output_rows(path: Path, counts: np.ndarray, tag: str | None = None) -> dict:
     if weight is None:
         raise DataError(f"{tag_dir}: no fp32 master weights of {name} (a ZeRO-1/2 checkpoint has them)")
     step = int(state.step)
-    eps = float(src.cfg.train.adam_eps)
+    train = src.cfg.train
+    eps, betas = adam_eps_of(src.cfg, name), (float(train.adam_beta1), float(train.adam_beta2))
     return {
         "tag": tag_dir.name,
         "step": step,
         "adam_eps": eps,
         "parameter": name,
         "bands": band_stats(
-            weight.numpy(), moments["exp_avg"].numpy(), moments["exp_avg_sq"].numpy(), counts, step, eps
+            weight.numpy(),
+            moments["exp_avg"].numpy(),
+            moments["exp_avg_sq"].numpy(),
+            counts,
+            step,
+            eps,
+            betas,
         ),
     }
 
@@ -108,7 +132,11 @@ def collect_rows(out: Path, raw: Path, tag: str | None = None, log=print) -> lis
         root = run_dir / "checkpoints"
         if not dst.is_dir() or not root.is_dir():
             continue
-        if (tag or read_latest(root)[0]) is None:
+        latest, problem = read_latest(root)
+        if problem:
+            raise DataError(f"{run_dir.name}: {problem}; give --tag")
+        if (tag or latest) is None:
+            log(f"{run_dir.name}: no checkpoint, left out")
             continue
         rec = output_rows(root, counts, tag)
         atomic_write_json(dst / FILE, rec)

@@ -38,12 +38,13 @@ def test_known_moments_give_known_band_statistics():
     w, m, v = _moments(counts, sqrt_v, m_hat)
     stats = band_stats(w, m, v, counts, STEP, eps=1e-8)
     assert [s["band"] for s in stats] == ["0", "1-9", "10-99", "100-999", ">= 1000"]
-    assert [s["rows"] for s in stats] == [4, 2, 1, 1, 1]  # padding rows left out
+    assert [s["rows"] for s in stats] == [4, 2, 1, 1, 1]
     zero = stats[0]
     assert zero["sqrt_v"]["q50"] == pytest.approx(1e-8)
     assert zero["eps_share_median"] == pytest.approx(0.5)  # sqrt(v) equal to eps: half the denominator
     assert zero["adam_step_median"] == pytest.approx(1.0)  # 2e-8 / (1e-8 + 1e-8)
-    assert zero["row_norm_median"] == pytest.approx(np.median([1, 2, 3, 9]))  # rows 0, 1, 2 and 8
+    # rows 0, 1, 2 and 8; the padding rows (values 1e3) would change every median if read
+    assert zero["row_norm_median"] == pytest.approx(np.median([1, 2, 3, 9]))
     assert stats[1]["eps_share_median"] == pytest.approx(1e-8 / (1e-7 + 1e-8))
     assert stats[4]["adam_step_median"] == pytest.approx(5e-4 / (1e-3 + 1e-8))
     assert stats[2]["row_norm_median"] == pytest.approx(6.0)
@@ -84,12 +85,21 @@ def test_the_rows_page_prints_the_files_and_the_factor_s_arithmetic(tmp_path):
     page = cr.rows_markdown(cr.CombinedRaw(cr.PlanRaw(raw_dir), cr.PlanRaw(tmp_path / "regime" / "raw")))
     assert "| lev-sc-s1234 | 0 | 1,234 | 4.00e-08 [2.00e-08, 8.00e-08] | 0.200 | 0.300 | 2.500 |" in page
     assert "| lev-sc-s1234 | 1-9 |" not in page  # a band without rows has no line
-    # the regime's LEV seed 1234 logged grad norm 4 (clip_grad 1): factor 1 / (4 + 1e-6)
-    f = 1 / (4 + 1e-6)
-    assert (
-        f"| lev-sc-s1234 | 4.00e-08 | {1e-8 / (4e-8 + 1e-8):.3f} | {1e-8 / (f * 4e-8 + 1e-8):.3f} |" in page
-    )
+    # the regime's LEV seed 1234 logged grad norm 4 (clip_grad 1): f = 1 / (4 + 1e-6); the run's own
+    # logged global factor is 0.9, so its gradients are scaled by f / 0.9
+    scaled = 1 / (4 + 1e-6) / 0.9 * 4e-8
+    share = f"{1e-8 / (4e-8 + 1e-8):.3f} | {1e-8 / (scaled + 1e-8):.3f}"
+    assert f"| lev-sc-s1234 | 4.00e-08 | 0.900 | {share} |" in page
     empty = tmp_path / "empty"
     _raw(empty, lev_sc_shift=0.1 * RARE, lev_r_shift=0.4 * RARE)
     raw = cr.CombinedRaw(cr.PlanRaw(empty / "clip" / "raw"), cr.PlanRaw(empty / "regime" / "raw"))
     assert "No run has `output_rows.json` yet." in cr.rows_markdown(raw)
+
+
+def test_the_moments_are_bias_corrected_with_the_run_s_betas():
+    counts = np.array([0, 0])
+    w, m, v = _moments(counts, [1e-6] * 5, [1e-6] * 5, padding=0)
+    stats = band_stats(w, m, v, counts, step=2, eps=1e-30, betas=(0.5, 0.75))
+    # m_hat = m / (1 - 0.5**2), sqrt(v_hat) = sqrt(v / (1 - 0.75**2))
+    assert stats[0]["sqrt_v"]["q50"] == pytest.approx(1e-6 / np.sqrt(1 - 0.75**2))
+    assert stats[0]["adam_step_median"] == pytest.approx(np.sqrt(1 - 0.75**2) / (1 - 0.5**2))
