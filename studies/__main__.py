@@ -108,6 +108,8 @@ def report_writer(plan: str):
         from studies.regime_report import write_order_report as write
     elif plan == "clip":
         from studies.clip_report import write_clip_report as write
+    elif plan == "budget":
+        from studies.budget_report import write_budget_report as write
     elif plan == "lr":
         from studies.lr_report import write_lr_report as write
     elif plan == "eps":

@@ -3,7 +3,7 @@ stage, overall and for the inputs seen 1-9 times and the targets of band 0, and 
 doubling of tokens with a document-bootstrap interval (docs/results/budget/README.md fixes the
 reading before the runs).
 
-python -m studies.budget_report results/budget/raw docs/results/budget
+python -m studies report results/budget/raw docs/results/budget   # the same, with plots/curve.png
 """
 
 from __future__ import annotations
@@ -125,8 +125,39 @@ def report(raw: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(raw: Path, out: Path) -> dict[str, Path]:
-    return write_pages(Path(out), {"curve.md": report(Path(raw))})
+def write_plot(raw: Path, out: Path) -> None:
+    """LEV - TIED by tokens per slice, with the stages' intervals and the fitted line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens = np.asarray([n * PLAN.tokens_per_step for n in PLAN.stages], dtype=np.float64)
+    x = np.log2(tokens / tokens[0])
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for name, band in SLICES.items():
+        c = curve(raw, band)
+        g = np.asarray(c["gap"])
+        err = np.abs(np.asarray(c["gap_ci"]).T - g)
+        line = ax.errorbar(tokens / 1e6, g, yerr=err, fmt="o", capsize=3, label=f"{name} (b {c['b']:+.3f})")
+        ax.plot(tokens / 1e6, c["a"] + c["b"] * x, "--", color=line[0].get_color(), lw=0.9)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("LEV - TIED, validation NLL (nats)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    (Path(out) / "plots").mkdir(parents=True, exist_ok=True)
+    fig.savefig(Path(out) / "plots" / "curve.png", dpi=110)
+    plt.close(fig)
+
+
+def write_budget_report(raw: Path, out: Path, plots: bool = True) -> dict[str, Path]:
+    """`curve.md` (and `plots/curve.png`) from the budget plan's raw files."""
+    paths = write_pages(Path(out), {"curve.md": report(Path(raw))})
+    if plots:
+        write_plot(Path(raw), Path(out))
+    return paths
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(
             "usage: python -m studies.budget_report RAW_DIR OUT_DIR (results/budget/raw docs/results/budget)"
         )
-    for path in write(Path(args[0]), Path(args[1])).values():
+    for path in write_budget_report(Path(args[0]), Path(args[1])).values():
         print(f"wrote {path}")
 
 

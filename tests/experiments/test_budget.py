@@ -140,8 +140,9 @@ def test_the_report_reads_a_shrinking_gap_and_its_crossing(tmp_path):
     assert c["crossing_doublings"] == pytest.approx(3.0, abs=0.3)
     page = br.report(raw)
     assert "**Overall: the gap shrinks**" in page and "crosses 0 at 16." in page
-    br.write(raw, tmp_path / "out")
+    br.write_budget_report(raw, tmp_path / "out")
     assert (tmp_path / "out" / "curve.md").read_text() == page
+    assert (tmp_path / "out" / "plots" / "curve.png").stat().st_size > 0
 
 
 def test_the_report_reads_a_flat_gap_as_not_shrinking(tmp_path):
