@@ -15,7 +15,15 @@ from pathlib import Path
 import numpy as np
 
 from megatron_lev.errors import DataError
-from studies.plan_raw import BOOTSTRAP, BOOTSTRAP_SEED, LEVEL, doc_arrays, read_raw_json, write_pages
+from studies.plan_raw import (
+    BOOTSTRAP,
+    BOOTSTRAP_SEED,
+    LEVEL,
+    doc_arrays,
+    read_raw_json,
+    save_plot,
+    write_pages,
+)
 from studies.plans import PLANS, stage_suffix
 
 PLAN = PLANS["budget"]
@@ -146,10 +154,7 @@ def write_plot(raw: Path, out: Path) -> None:
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("LEV - TIED, validation NLL (nats)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    (Path(out) / "plots").mkdir(parents=True, exist_ok=True)
-    fig.savefig(Path(out) / "plots" / "curve.png", dpi=110)
-    plt.close(fig)
+    save_plot(fig, out, "curve.png")
 
 
 def write_budget_report(raw: Path, out: Path, plots: bool = True) -> dict[str, Path]:

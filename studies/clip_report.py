@@ -24,6 +24,7 @@ from studies.plan_raw import (
     PlanRaw,
     fmt_value,
     read_raw_json,
+    save_plot,
     seed_contrasts,
     seed_interval,
     write_pages,
@@ -488,10 +489,7 @@ def write_plots(raw: CombinedRaw, out: Path) -> None:
     ax.set_ylabel("clip factor")
     ax.set_title("clip factors, seed 1234")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    (out / "plots").mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "plots" / "factors.png", dpi=110)
-    plt.close(fig)
+    save_plot(fig, out, "factors.png")
 
 
 def write_clip_report(

@@ -16,7 +16,7 @@ from megatron_lev.errors import DataError
 from studies import regime_report as rr
 from studies.clip_report import LEV_R, CombinedRaw
 from studies.output_rows import FILE as ROWS_FILE
-from studies.plan_raw import PlanRaw, read_raw_json, write_pages
+from studies.plan_raw import PlanRaw, read_raw_json, save_plot, write_pages
 
 PAGES = ("eps.md",)
 LEV, LEV_EPS = "LEV", "LEV-EPS"
@@ -151,10 +151,7 @@ def write_plot(raw: CombinedRaw, out: Path) -> None:
     ax.set_xlabel("target's training frequency (the paper's buckets)")
     ax.set_ylabel("validation NLL difference (nats)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    (out / "plots").mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "plots" / "eps.png", dpi=110)
-    plt.close(fig)
+    save_plot(fig, out, "eps.png")
 
 
 def write_eps_report(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from megatron_lev.errors import DataError
 from studies import regime_report as rr
-from studies.plan_raw import PlanRaw, write_pages
+from studies.plan_raw import PlanRaw, save_plot, write_pages
 
 PAGES = ("lr.md",)
 READ = 0.01  # README: a difference is read only beyond this (the regime's seed noise, about 0.005)
@@ -177,10 +177,7 @@ def write_plot(raw: Sources, out: Path) -> None:
     ax.set_ylabel("validation loss (trainer's batches)")
     ax.set_ylim(top=7)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    (out / "plots").mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "plots" / "lr.png", dpi=110)
-    plt.close(fig)
+    save_plot(fig, out, "lr.png")
 
 
 def write_lr_report(raw_dir: Path, out_dir: Path, plots: bool = True) -> dict[str, Path]:

@@ -46,6 +46,22 @@ def write_pages(out: Path, pages: dict[str, str]) -> dict[str, Path]:
     return paths
 
 
+def save_plot(fig, out: Path, name: str) -> Path:
+    """Write `fig` as `out/plots/<name>` (110 dpi) through a temporary file and a rename, and close it."""
+    import os
+
+    import matplotlib.pyplot as plt
+
+    path = Path(out) / "plots" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{name}.tmp")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".") or "png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
 class PlanRaw:
     """The collected runs of a plan (`study collect`) in plan order, with their results and logged
     dynamics read on demand."""

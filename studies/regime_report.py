@@ -22,6 +22,7 @@ from studies.plan_raw import (
     PlanRaw,
     fmt_value,
     paired_differences,
+    save_plot,
     seed_interval,
     write_pages,
 )
@@ -398,10 +399,7 @@ def write_plots(raw: PlanRaw, out: Path) -> None:
         ax.set_xlabel("training count band")
     axes[0].set_ylabel("NLL difference (nats)")
     axes[0].legend()
-    fig.tight_layout()
-    (out / "plots").mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "plots" / "bands.png", dpi=110)
-    plt.close(fig)
+    save_plot(fig, out, "bands.png")
 
     groups = list(dict.fromkeys(r["group"] for r in raw.runs))
     colour = {g: plt.get_cmap("tab10").colors[i % 10] for i, g in enumerate(groups)}
