@@ -492,20 +492,27 @@ def write_plots(raw: CombinedRaw, out: Path) -> None:
     save_plot(fig, out, "factors.png")
 
 
+def with_regime(raw_dir: Path, regime_raw: Path | None, report: str, needed: str) -> CombinedRaw:
+    """`raw_dir`'s runs beside the regime's (`regime_raw`, default `../regime/raw` beside `raw_dir`'s
+    results folder); a missing regime or no run of group `needed` is one line naming it."""
+    raw_dir = Path(raw_dir)
+    regime_raw = Path(regime_raw) if regime_raw is not None else raw_dir.parent.parent / "regime" / "raw"
+    if not (regime_raw / "study.json").is_file():
+        raise DataError(
+            f"{regime_raw}: the regime's raw files are missing; the {report} report compares with them"
+        )
+    raw = CombinedRaw(PlanRaw(raw_dir), PlanRaw(regime_raw))
+    if not raw.seeds(needed):
+        raise DataError(f"{raw_dir}: no {needed} run collected; the {report} report compares against it")
+    return raw
+
+
 def write_clip_report(
     raw_dir: Path, out_dir: Path, plots: bool = True, regime_raw: Path | None = None
 ) -> dict[str, Path]:
     """The pages from `raw_dir` (plan `clip`) and the regime's raw files (default: `../regime/raw`
     beside `raw_dir`'s results folder)."""
-    raw_dir = Path(raw_dir)
-    regime_raw = Path(regime_raw) if regime_raw is not None else raw_dir.parent.parent / "regime" / "raw"
-    if not (regime_raw / "study.json").is_file():
-        raise DataError(
-            f"{regime_raw}: the regime's raw files are missing; the clip report compares with them"
-        )
-    raw = CombinedRaw(PlanRaw(raw_dir), PlanRaw(regime_raw))
-    if not raw.seeds(TIED):
-        raise DataError(f"{raw_dir}: no {TIED} run collected; the clip report compares against it")
+    raw = with_regime(raw_dir, regime_raw, "clip", TIED)
     out = Path(out_dir)
     paths = write_pages(
         out,
@@ -522,4 +529,4 @@ def write_clip_report(
     return paths
 
 
-__all__ = ["CombinedRaw", "change", "write_clip_report"]
+__all__ = ["CombinedRaw", "change", "with_regime", "write_clip_report"]

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from megatron_lev.errors import DataError
 from studies import regime_report as rr
-from studies.clip_report import LEV_R, CombinedRaw
+from studies.clip_report import LEV_R, CombinedRaw, with_regime
 from studies.output_rows import FILE as ROWS_FILE
-from studies.plan_raw import PlanRaw, read_raw_json, save_plot, write_pages
+from studies.plan_raw import read_raw_json, save_plot, write_pages
 
 PAGES = ("eps.md",)
 LEV, LEV_EPS = "LEV", "LEV-EPS"
@@ -158,15 +158,7 @@ def write_eps_report(
     raw_dir: Path, out_dir: Path, plots: bool = True, regime_raw: Path | None = None
 ) -> dict[str, Path]:
     """`eps.md` (and `plots/eps.png`) from `raw_dir` (plan `eps`) and the regime's raw files."""
-    raw_dir = Path(raw_dir)
-    regime_raw = Path(regime_raw) if regime_raw is not None else raw_dir.parent.parent / "regime" / "raw"
-    if not (regime_raw / "study.json").is_file():
-        raise DataError(
-            f"{regime_raw}: the regime's raw files are missing; the eps report compares with them"
-        )
-    raw = CombinedRaw(PlanRaw(raw_dir), PlanRaw(regime_raw))
-    if not raw.seeds(LEV):
-        raise DataError(f"{raw_dir}: no {LEV} run collected; the eps report compares against it")
+    raw = with_regime(raw_dir, regime_raw, "eps", LEV)
     out = Path(out_dir)
     paths = write_pages(out, {"eps.md": eps_markdown(raw)})
     if plots:

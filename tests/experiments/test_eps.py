@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from studies import eps_report as er
+from studies.plan_raw import PlanRaw
 from tests.experiments.test_clip import BANDS, _write
 
 NEVER = np.array([1.0, 0.0, 0.0, 0.0, 0.0])  # the paper's bucket < 1e-7 (and band 0) only
@@ -56,7 +57,7 @@ def _raw(tmp_path, eps_shift: float, share: float):
 )
 def test_the_outcomes(tmp_path, shift, share, expected):
     raw_dir = _raw(tmp_path, shift, share)
-    raw = er.CombinedRaw(er.PlanRaw(raw_dir), er.PlanRaw(tmp_path / "regime" / "raw"))
+    raw = er.CombinedRaw(PlanRaw(raw_dir), PlanRaw(tmp_path / "regime" / "raw"))
     label, reasons = er.outcome(raw)
     assert label == expected, reasons
     assert f"{share:.3f}" in reasons[0]
@@ -87,7 +88,7 @@ def test_the_page_and_plot(tmp_path):
 )
 def test_the_outcomes_at_their_boundaries(tmp_path, monkeypatch, share, mean, interval, expected):
     raw_dir = _raw(tmp_path, 0.0, share)
-    raw = er.CombinedRaw(er.PlanRaw(raw_dir), er.PlanRaw(tmp_path / "regime" / "raw"))
+    raw = er.CombinedRaw(PlanRaw(raw_dir), PlanRaw(tmp_path / "regime" / "raw"))
     fixed = {"seeds": [1234], "diffs": [mean], "mean": mean, "document": interval, "seed": None}
     monkeypatch.setattr(er.rr, "comparison", lambda *a, **k: fixed)
     monkeypatch.setattr(er, "reproduces_regime", lambda raw: (True, "reproduced"))
@@ -117,7 +118,7 @@ def test_the_outcome_says_when_this_code_s_lev_is_not_the_regime_s(tmp_path, reg
     groups = [("LEV", (1234,), zero, {}), ("LEV-EPS", (1234,), 0.4 * NEVER, {})]
     _write(raw_dir, "eps", groups, rng, tokens, logged=True)
     (raw_dir / "lev-s1234" / "output_rows.json").write_text(json.dumps(_rows(0.5)))
-    raw = er.CombinedRaw(er.PlanRaw(raw_dir), er.PlanRaw(tmp_path / "regime" / "raw"))
+    raw = er.CombinedRaw(PlanRaw(raw_dir), PlanRaw(tmp_path / "regime" / "raw"))
     label, reasons = er.outcome(raw)
     assert label.startswith("eps carries the lead")
     assert label.endswith("about this code's LEV only") != reproduced, reasons[-1]
