@@ -122,3 +122,10 @@ def test_the_outcome_says_when_this_code_s_lev_is_not_the_regime_s(tmp_path, reg
     label, reasons = er.outcome(raw)
     assert label.startswith("eps carries the lead")
     assert label.endswith("about this code's LEV only") != reproduced, reasons[-1]
+
+
+def test_the_committed_eps_page_is_that_of_the_committed_raw_files(tmp_path):
+    """The committed eps.md is the report of results/eps/raw and the regime's raw files."""
+    from tests.experiments.committed import assert_pages_regenerate
+
+    assert_pages_regenerate(er.write_eps_report, "eps", er.PAGES, tmp_path, plots=False)
