@@ -87,7 +87,7 @@ def rate_outcomes(raw: Sources) -> dict[str, tuple[str, dict | None]]:
     return out
 
 
-def best(raw: Sources, outcomes: dict) -> dict[str, str]:
+def best(outcomes: dict) -> dict[str, str]:
     """Each side's group at its better rate of the two: the lower rate where the README's outcome is
     "prefers a lower rate", else 1e-3 (a difference not read does not move a side off 1e-3)."""
     return {base: (low if outcomes[base][0] == "prefers a lower rate" else base) for base, low in PAIRS}
@@ -107,7 +107,7 @@ def behind_on_rare(raw: Sources, lev: str, others: tuple[str, ...]) -> list[str]
 
 def verdict_change(raw: Sources, outcomes: dict) -> tuple[str, list[str]]:
     """Whether the regime's verdict at this scale changes, with each side at its better rate."""
-    at = best(raw, outcomes)
+    at = best(outcomes)
     lev, tied = at["LEV"], at["TIED"]
     if not (raw.has(lev) and raw.has(tied)):
         return "not available yet", [f"{lev} or {tied} is missing"]

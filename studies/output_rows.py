@@ -132,7 +132,7 @@ def collect_rows(out: Path, raw: Path, tag: str | None = None, log=print) -> lis
         root = run_dir / "checkpoints"
         if not dst.is_dir() or not root.is_dir():
             continue
-        latest, problem = read_latest(root)
+        latest, problem = (None, None) if tag else read_latest(root)
         if problem:
             raise DataError(f"{run_dir.name}: {problem}; give --tag")
         if (tag or latest) is None:
