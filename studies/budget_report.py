@@ -54,15 +54,32 @@ def fit(x: np.ndarray, g: np.ndarray) -> tuple[float, float]:
     return float(a), float(b)
 
 
+RUNS = ("tied-s1234", "lev-s1234")
+
+
+def evaluated(raw: Path) -> tuple[int, ...]:
+    """The plan's stages that both runs have an evaluation of (a run stopped early has the first
+    few); a DataError where they share fewer than two (no slope to fit)."""
+    stages = tuple(
+        n for n in PLAN.stages if all((raw / r / f"eval{stage_suffix(n)}.json").is_file() for r in RUNS)
+    )
+    if len(stages) < 2:
+        raise DataError(
+            f"{raw}: TIED and LEV share {len(stages)} evaluated stage(s) of {len(PLAN.stages)}; the "
+            "curve needs two (collect the runs after their second stage)"
+        )
+    return stages
+
+
 def curve(raw: Path, band=None, kind: str = "mmidx") -> dict:
-    """LEV - TIED per stage with its interval, and the fitted slope per doubling with its interval
-    (one resample of the documents applied to every stage)."""
-    stages = PLAN.stages
+    """LEV - TIED per evaluated stage with its interval, and the fitted slope per doubling with its
+    interval (one resample of the documents applied to every stage)."""
+    stages = evaluated(raw)
     x = np.log2(np.asarray(stages, dtype=np.float64) / stages[0])
     diffs, per_stage = [], []
     for n in stages:
-        tt, tn = doc_arrays(_result(raw, "tied-s1234", n, kind), band)
-        lt, ln = doc_arrays(_result(raw, "lev-s1234", n, kind), band)
+        tt, tn = doc_arrays(_result(raw, RUNS[0], n, kind), band)
+        lt, ln = doc_arrays(_result(raw, RUNS[1], n, kind), band)
         if not np.array_equal(tt, lt):
             raise DataError(f"stage {n}: TIED and LEV were not evaluated on the same documents")
         per_stage.append((tt, ln - tn))
@@ -91,15 +108,28 @@ def reading(c: dict) -> str:
 
 
 def report(raw: Path) -> str:
-    tokens = [n * PLAN.tokens_per_step for n in PLAN.stages]
+    stages = evaluated(raw)
+    tokens = [n * PLAN.tokens_per_step for n in stages]
+    lacks = [n for n in PLAN.stages if n not in stages]
+    points = f"{len(stages)} points"
     lines = [
         "# The budget curve: LEV - TIED by tokens",
         "",
         "Validation NLL differences in nats per predicted token, LEV - TIED (positive: LEV behind), one "
         f"seed (1234) per side; 95% document-bootstrap intervals ({BOOTSTRAP} resamples, seed "
         f"{BOOTSTRAP_SEED}, one resample of the documents for every stage). `b`: the least-squares "
-        "change of the gap per doubling of tokens over the four stages.",
+        f"change of the gap per doubling of tokens over the {len(stages)} stages evaluated"
+        + (" (with two, the change from the first to the second)." if len(stages) == 2 else "."),
         "",
+    ]
+    if lacks:
+        lines += [
+            f"**Partial: {len(stages)} of the plan's {len(PLAN.stages)} stages.** Evaluated at "
+            f"{', '.join(f'{n:,}' for n in stages)} steps; not run: {', '.join(f'{n:,}' for n in lacks)} "
+            "steps (the README's amendment says what a partial can and cannot decide).",
+            "",
+        ]
+    lines += [
         "| slice | " + " | ".join(f"{t / 1e6:.3f}M tokens" for t in tokens) + " | b per doubling | reading |",
         "|---|" + "---|" * (len(tokens) + 2),
     ]
@@ -127,9 +157,23 @@ def report(raw: Path) -> str:
         )
         lines.append(
             f"The fitted line crosses 0 at {at / 1e6:.1f}M tokens ({span} over the resamples with a "
-            f"falling line, {overall['resamples_shrinking']:.0%} of them): an extrapolation from four "
-            "points of one seed, not a prediction of a longer run."
+            f"falling line, {overall['resamples_shrinking']:.0%} of them): an extrapolation from "
+            f"{points} of one seed, not a prediction of a longer run."
         )
+    limit = 2 * PLAN.stages[-1] * PLAN.tokens_per_step  # twice the full run's tokens
+    ci = overall.get("crossing_ci")
+    near = reading(overall) == "the gap shrinks" and ci is not None and tokens[0] * 2 ** ci[1] <= limit
+    longer = f"over a {tokens[-1] / tokens[0]:.0f}x longer run with a constant rate"
+    if near and lacks:
+        verdict = (
+            f"the partial points towards a change (the crossing's interval lies within {limit / 1e6:.1f}M "
+            "tokens), but a partial does not change the verdict: the stages not run decide."
+        )
+    elif near:
+        verdict = f"it changes: the gap shrinks and crosses within {limit / 1e6:.1f}M tokens."
+    else:
+        verdict = f"the regime's verdict stands, {longer} added to its scope."
+    lines += ["", f"**The verdict at this scale** (the README's rule): {verdict}"]
     return "\n".join(lines) + "\n"
 
 
@@ -140,7 +184,7 @@ def write_plot(raw: Path, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tokens = np.asarray([n * PLAN.tokens_per_step for n in PLAN.stages], dtype=np.float64)
+    tokens = np.asarray([n * PLAN.tokens_per_step for n in evaluated(raw)], dtype=np.float64)
     x = np.log2(tokens / tokens[0])
     fig, ax = plt.subplots(figsize=(7, 3.8))
     for name, band in SLICES.items():

@@ -11,7 +11,7 @@ from pathlib import Path
 from megatron_lev.demo.steps import read_marker
 from megatron_lev.errors import UserError
 from megatron_lev.utils.io import atomic_write_json, atomic_write_text
-from studies.plans import PLANS, Plan, StudyRun, get_plan, run_step_names, stage_suffix, study_plan
+from studies.plans import PLANS, RUN_STEPS, Plan, StudyRun, get_plan, run_step_names, stage_suffix, study_plan
 from studies.runner import PLAN_FILE, recorded_plan
 
 MAX_RAW_BYTES = 5_000_000  # a raw file larger than this is not a small result file
@@ -114,11 +114,12 @@ def _collected_before(raw: Path, plan: str) -> set[str]:
 
 
 def collect_study(out: Path, raw: Path, log=print, plan: str | Plan | None = None) -> dict[str, int]:
-    """Copy the small raw files of every finished run (all four steps done) of `out` into
-    `raw/<run>/`, with the data split, the LAMBADA passages' summary and the plan; `study.json` lists
-    these runs and those an earlier collection into `raw` listed. Returns the bytes written per file
-    (relative name). `plan`: None for the one `study run` recorded in `out` (refused for a
-    directory without a record); another than the recorded one is refused."""
+    """Copy the small raw files of every finished run of `out` (all four steps done; a staged run
+    from its first evaluated stage on, with the stages it has) into `raw/<run>/`, with the data
+    split, the LAMBADA passages' summary and the plan; `study.json` lists these runs and those an
+    earlier collection into `raw` listed. Returns the bytes written per file (relative name).
+    `plan`: None for the one `study run` recorded in `out` (refused for a directory without a
+    record); another than the recorded one is refused."""
     out, raw = Path(out), Path(raw)
     state = out / ".steps"
     if not state.is_dir():
@@ -139,23 +140,41 @@ def collect_study(out: Path, raw: Path, log=print, plan: str | Plan | None = Non
     if raw_resolved == out.resolve() or out.resolve() in raw_resolved.parents:
         raise UserError(f"{raw}: inside the study directory {out}; give another directory")
     sizes: dict[str, int] = {}
-    finished = [
-        r
+    evaluated = {r.name: evaluated_stages(state, r, plan) for r in study_plan(plan)}
+    done = {
+        r.name: bool(read_marker(state / f"{run_step_names(r, plan)['geometry']}.json"))
         for r in study_plan(plan)
-        if all(read_marker(state / f"{step}.json") for step in run_step_names(r, plan).values())
-    ]
+    }
+    if get_plan(plan).stages:  # a staged run counts from its first evaluated stage
+        finished = [r for r in study_plan(plan) if evaluated[r.name]]
+    else:
+        finished = [
+            r
+            for r in study_plan(plan)
+            if all(read_marker(state / f"{step}.json") for step in run_step_names(r, plan).values())
+        ]
     if not finished:
-        raise UserError(f"{out}: no finished run (train, convert, evaluate and geometry all done)")
-    stages = [stage_suffix(n) for n in get_plan(plan).stages]
+        raise UserError(
+            f"{out}: no finished run (train, convert, evaluate and geometry all done; for a staged "
+            "plan, its first stage's train, convert and evaluate)"
+        )
+    partial = []
     for run in finished:
         src = out / "runs" / run.name
-        files = {  # a staged run: each stage's evaluation, and the last one's as eval.json
+        stages = [stage_suffix(n) for n in evaluated[run.name]]
+        files = {  # a staged run: each evaluated stage's evaluation, and the last one's as eval.json
             **{f"eval{s}.json": src / f"eval{s}" / "eval.json" for s in stages},
             "eval.json": src / f"eval{stages[-1] if stages else ''}" / "eval.json",
             "metrics.jsonl": src / "metrics.jsonl",
-            "geometry.json": src / "geometry" / "geometry.json",
             "config.yaml": src / "config.yaml",
         }
+        if done[run.name]:
+            files["geometry.json"] = src / "geometry" / "geometry.json"
+        if get_plan(plan).stages and not (done[run.name] and len(stages) == len(get_plan(plan).stages)):
+            partial.append(run.name)
+            for stale in ("geometry.json", *(f"eval{stage_suffix(n)}.json" for n in get_plan(plan).stages)):
+                if stale not in files and (raw / run.name / stale).is_file():  # an earlier collection's
+                    (raw / run.name / stale).unlink()
         for name, path in files.items():
             sizes[f"{run.name}/{name}"] = _copy_small(path, raw / run.name / name, out)
         dst = raw / run.name / "timing.json"
@@ -196,4 +215,25 @@ def collect_study(out: Path, raw: Path, log=print, plan: str | Plan | None = Non
     log(f"{sum(sizes.values()):,} bytes in {len(sizes)} files -> {raw}")
     if missing:
         log(f"not finished (not collected): {' '.join(missing)}")
+    for name in partial:
+        have = evaluated[name]
+        lacks = [n for n in get_plan(plan).stages if n not in have]
+        log(
+            f"{name}: partial, evaluated at iterations {', '.join(map(str, have))}"
+            + (f"; not at {', '.join(map(str, lacks))}" if lacks else "")
+            + ("" if done[name] else "; no geometry")
+        )
     return sizes
+
+
+def evaluated_stages(state: Path, run: StudyRun, plan: str | Plan) -> list[int]:
+    """A staged run's stages (iterations) whose train, convert and evaluate steps are all done, from
+    the first up to the first that is not (a later stage resumes the earlier ones); [] for a plan
+    without stages."""
+    names = run_step_names(run, plan)
+    have = []
+    for n in get_plan(plan).stages:
+        if not all(read_marker(state / f"{names[f'{k}{stage_suffix(n)}']}.json") for k in RUN_STEPS[:3]):
+            break
+        have.append(n)
+    return have

@@ -71,25 +71,31 @@ def test_every_stage_is_a_prefix_of_the_longer_run(tmp_path):
         validate_run(cfg, 1, cuda=False, tokenizer_vocab=50277)
 
 
-def test_collect_copies_every_stages_evaluation(tmp_path):
-    out = tmp_path / "budget"
+def _staged_run(out: Path, name: str, stages, geometry: bool) -> None:
+    """A budget run's directory and step markers, evaluated at `stages` (and its geometry step)."""
     state = out / ".steps"
-    state.mkdir(parents=True)
-    name = "tied-s1234"
+    state.mkdir(parents=True, exist_ok=True)
     run = out / "runs" / name
     (run / "geometry").mkdir(parents=True)
-    (run / "geometry" / "geometry.json").write_text("{}")
     (run / "metrics.jsonl").write_text("{}\n")
     (run / "config.yaml").write_text("train: {}\n")
-    for n in BUDGET_STAGES:
+    for n in stages:
         (run / f"eval-i{n}").mkdir()
         (run / f"eval-i{n}" / "eval.json").write_text(json.dumps({"results": [], "stage": n}))
         for kind in ("train", "convert", "evaluate"):
             (state / f"{kind}-{name}-i{n}.json").write_text(json.dumps({"seconds": 1.0, "command": ["x"]}))
-    (state / f"geometry-{name}.json").write_text(json.dumps({"seconds": 1.0, "command": ["x"]}))
-    (state / f"train-lev-s1234-i{BUDGET_STAGES[0]}.json").write_text(
+    if geometry:
+        (run / "geometry" / "geometry.json").write_text("{}")
+        (state / f"geometry-{name}.json").write_text(json.dumps({"seconds": 1.0, "command": ["x"]}))
+
+
+def test_collect_copies_every_stages_evaluation(tmp_path):
+    out = tmp_path / "budget"
+    name = "tied-s1234"
+    _staged_run(out, name, BUDGET_STAGES, geometry=True)
+    (out / ".steps" / f"train-lev-s1234-i{BUDGET_STAGES[0]}.json").write_text(
         json.dumps({"seconds": 1.0})
-    )  # unfinished
+    )  # its first stage trained, not evaluated: nothing to collect
     raw = tmp_path / "raw"
     collect_study(out, raw, log=lambda *_: None, plan="budget")
     held = sorted(p.name for p in (raw / name).iterdir())
@@ -117,12 +123,12 @@ def _eval(tokens, nll) -> dict:
     return {"results": [{"corpus_kind": "mmidx", "name": "x", "per_document": doc}]}
 
 
-def _raw(tmp_path, gap) -> Path:
-    """Raw files whose LEV - TIED is `gap(k)` at stage k = 1..4 (plus document noise)."""
+def _raw(tmp_path, gap, stages=BUDGET_STAGES) -> Path:
+    """Raw files whose LEV - TIED is `gap(k)` at stage k = 1..4 (plus document noise), for `stages`."""
     rng = np.random.default_rng(3)
     raw = tmp_path / "raw"
     tokens = rng.integers(20, 60, size=(200, 3)).astype(float)
-    for k, n in enumerate(BUDGET_STAGES, start=1):
+    for k, n in enumerate(stages, start=1):
         base = 5.0 + rng.normal(0, 0.3, size=tokens.shape)
         for run, shift in (("tied-s1234", 0.0), ("lev-s1234", gap(k))):
             (raw / run).mkdir(parents=True, exist_ok=True)
@@ -151,4 +157,69 @@ def test_the_report_reads_a_flat_gap_as_not_shrinking(tmp_path):
     raw = _raw(tmp_path, lambda k: 0.1)
     c = br.curve(raw)
     assert c["b_ci"][0] < 0 < c["b_ci"][1] and "crossing_doublings" not in c
-    assert "**Overall: the gap does not shrink**" in br.report(raw)
+    page = br.report(raw)
+    assert "**Overall: the gap does not shrink**" in page and "Partial" not in page
+    assert "the regime's verdict stands, over a 4x longer run with a constant rate" in page
+
+
+def test_collect_takes_a_run_stopped_after_some_stages_with_the_stages_it_has(tmp_path):
+    """A run stopped after stage 2 is collected with its two evaluations (the second as eval.json),
+    no geometry, and a line naming what it lacks; a stage after a missing one is not taken."""
+    out = tmp_path / "budget"
+    _staged_run(out, "tied-s1234", BUDGET_STAGES[:2], geometry=False)
+    _staged_run(out, "lev-s1234", BUDGET_STAGES[:2], geometry=False)
+    # the last stage's markers without the third's (a damaged state): not a prefix, not collected
+    (out / "runs" / "lev-s1234" / f"eval-i{BUDGET_STAGES[3]}").mkdir()
+    for kind in ("train", "convert", "evaluate"):
+        (out / ".steps" / f"{kind}-lev-s1234-i{BUDGET_STAGES[3]}.json").write_text(
+            json.dumps({"seconds": 1.0})
+        )
+    raw = tmp_path / "raw"
+    (raw / "tied-s1234").mkdir(parents=True)
+    (raw / "tied-s1234" / "geometry.json").write_text("{}")  # an earlier, different collection's
+    lines = []
+    collect_study(out, raw, log=lines.append, plan="budget")
+    for name in ("tied-s1234", "lev-s1234"):
+        assert sorted(p.name for p in (raw / name).iterdir()) == sorted(
+            ["config.yaml", "eval.json", "metrics.jsonl", "timing.json"]
+            + [f"eval-i{n}.json" for n in BUDGET_STAGES[:2]]
+        )
+        assert json.loads((raw / name / "eval.json").read_text())["stage"] == BUDGET_STAGES[1]
+        assert (
+            f"{name}: partial, evaluated at iterations {BUDGET_STAGES[0]}, {BUDGET_STAGES[1]}; "
+            f"not at {BUDGET_STAGES[2]}, {BUDGET_STAGES[3]}; no geometry"
+        ) in lines
+    assert {r["name"] for r in json.loads((raw / "study.json").read_text())["runs"]} == {
+        "tied-s1234",
+        "lev-s1234",
+    }
+
+
+def test_the_report_of_two_stages_is_one_doubling_and_says_it_is_partial(tmp_path):
+    from studies import budget_report as br
+
+    raw = _raw(tmp_path, lambda k: 0.3 - 0.02 * (k - 1), stages=BUDGET_STAGES[:2])
+    c = br.curve(raw)
+    assert c["stages"] == list(BUDGET_STAGES[:2])
+    assert c["b"] == pytest.approx(c["gap"][1] - c["gap"][0], abs=1e-12)
+    assert c["b"] == pytest.approx(-0.02, abs=0.005) and c["b_ci"][1] < 0
+    page = br.report(raw)
+    assert "**Partial: 2 of the plan's 4 stages.**" in page
+    assert f"not run: {BUDGET_STAGES[2]:,}, {BUDGET_STAGES[3]:,} steps" in page
+    assert "**Overall: the gap shrinks**" in page
+    # crossing at 15 doublings of 2.048M tokens: far past twice the full run, so the verdict stands
+    assert "the regime's verdict stands, over a 2x longer run with a constant rate" in page
+    near = _raw(tmp_path / "near", lambda k: 0.3 - 0.15 * (k - 1), stages=BUDGET_STAGES[:2])
+    assert "the partial points towards a change" in br.report(near)
+    br.write_budget_report(raw, tmp_path / "out")
+    assert (tmp_path / "out" / "plots" / "curve.png").stat().st_size > 0
+
+
+def test_the_report_needs_two_stages_of_both_runs(tmp_path):
+    from megatron_lev.errors import DataError
+    from studies import budget_report as br
+
+    raw = _raw(tmp_path, lambda k: 0.1, stages=BUDGET_STAGES[:2])
+    (raw / "lev-s1234" / f"eval-i{BUDGET_STAGES[1]}.json").unlink()
+    with pytest.raises(DataError, match="share 1 evaluated stage"):
+        br.report(raw)
