@@ -55,6 +55,7 @@ def fit(x: np.ndarray, g: np.ndarray) -> tuple[float, float]:
 
 
 RUNS = ("tied-s1234", "lev-s1234")
+PAGES = ("curve.md",)
 
 
 def evaluated(raw: Path) -> tuple[int, ...]:
@@ -172,7 +173,7 @@ def report(raw: Path) -> str:
     elif near:
         verdict = f"it changes: the gap shrinks and crosses within {limit / 1e6:.1f}M tokens."
     else:
-        verdict = f"the regime's verdict stands, {longer} added to its scope."
+        verdict = f'the regime\'s verdict stands, with "{longer}" added to its scope.'
     lines += ["", f"**The verdict at this scale** (the README's rule): {verdict}"]
     return "\n".join(lines) + "\n"
 
@@ -203,7 +204,7 @@ def write_plot(raw: Path, out: Path) -> None:
 
 def write_budget_report(raw: Path, out: Path, plots: bool = True) -> dict[str, Path]:
     """`curve.md` (and `plots/curve.png`) from the budget plan's raw files."""
-    paths = write_pages(Path(out), {"curve.md": report(Path(raw))})
+    paths = write_pages(Path(out), {PAGES[0]: report(Path(raw))})
     if plots:
         write_plot(Path(raw), Path(out))
     return paths

@@ -159,7 +159,7 @@ def test_the_report_reads_a_flat_gap_as_not_shrinking(tmp_path):
     assert c["b_ci"][0] < 0 < c["b_ci"][1] and "crossing_doublings" not in c
     page = br.report(raw)
     assert "**Overall: the gap does not shrink**" in page and "Partial" not in page
-    assert "the regime's verdict stands, over a 4x longer run with a constant rate" in page
+    assert 'the regime\'s verdict stands, with "over a 4x longer run with a constant rate"' in page
 
 
 def test_collect_takes_a_run_stopped_after_some_stages_with_the_stages_it_has(tmp_path):
@@ -208,7 +208,7 @@ def test_the_report_of_two_stages_is_one_doubling_and_says_it_is_partial(tmp_pat
     assert f"not run: {BUDGET_STAGES[2]:,}, {BUDGET_STAGES[3]:,} steps" in page
     assert "**Overall: the gap shrinks**" in page
     # crossing at 15 doublings of 2.048M tokens: far past twice the full run, so the verdict stands
-    assert "the regime's verdict stands, over a 2x longer run with a constant rate" in page
+    assert 'the regime\'s verdict stands, with "over a 2x longer run with a constant rate"' in page
     near = _raw(tmp_path / "near", lambda k: 0.3 - 0.15 * (k - 1), stages=BUDGET_STAGES[:2])
     assert "the partial points towards a change" in br.report(near)
     br.write_budget_report(raw, tmp_path / "out")
@@ -223,3 +223,11 @@ def test_the_report_needs_two_stages_of_both_runs(tmp_path):
     (raw / "lev-s1234" / f"eval-i{BUDGET_STAGES[1]}.json").unlink()
     with pytest.raises(DataError, match="share 1 evaluated stage"):
         br.report(raw)
+
+
+def test_the_committed_curve_is_that_of_the_committed_raw_files(tmp_path):
+    """The committed curve.md is the report of results/budget/raw."""
+    from studies import budget_report as br
+    from tests.experiments.committed import assert_pages_regenerate
+
+    assert_pages_regenerate(br.write_budget_report, "budget", br.PAGES, tmp_path, plots=False)
