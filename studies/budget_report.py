@@ -112,7 +112,6 @@ def report(raw: Path) -> str:
     stages = evaluated(raw)
     tokens = [n * PLAN.tokens_per_step for n in stages]
     lacks = [n for n in PLAN.stages if n not in stages]
-    points = f"{len(stages)} points"
     lines = [
         "# The budget curve: LEV - TIED by tokens",
         "",
@@ -159,7 +158,7 @@ def report(raw: Path) -> str:
         lines.append(
             f"The fitted line crosses 0 at {at / 1e6:.1f}M tokens ({span} over the resamples with a "
             f"falling line, {overall['resamples_shrinking']:.0%} of them): an extrapolation from "
-            f"{points} of one seed, not a prediction of a longer run."
+            f"{len(stages)} points of one seed, not a prediction of a longer run."
         )
     limit = 2 * PLAN.stages[-1] * PLAN.tokens_per_step  # twice the full run's tokens
     ci = overall.get("crossing_ci")

@@ -140,12 +140,13 @@ def collect_study(out: Path, raw: Path, log=print, plan: str | Plan | None = Non
     if raw_resolved == out.resolve() or out.resolve() in raw_resolved.parents:
         raise UserError(f"{raw}: inside the study directory {out}; give another directory")
     sizes: dict[str, int] = {}
+    plan_stages = get_plan(plan).stages
     evaluated = {r.name: evaluated_stages(state, r, plan) for r in study_plan(plan)}
     done = {
         r.name: bool(read_marker(state / f"{run_step_names(r, plan)['geometry']}.json"))
         for r in study_plan(plan)
     }
-    if get_plan(plan).stages:  # a staged run counts from its first evaluated stage
+    if plan_stages:  # a staged run counts from its first evaluated stage
         finished = [r for r in study_plan(plan) if evaluated[r.name]]
     else:
         finished = [
@@ -170,9 +171,9 @@ def collect_study(out: Path, raw: Path, log=print, plan: str | Plan | None = Non
         }
         if done[run.name]:
             files["geometry.json"] = src / "geometry" / "geometry.json"
-        if get_plan(plan).stages and not (done[run.name] and len(stages) == len(get_plan(plan).stages)):
+        if plan_stages and not (done[run.name] and len(stages) == len(plan_stages)):
             partial.append(run.name)
-            for stale in ("geometry.json", *(f"eval{stage_suffix(n)}.json" for n in get_plan(plan).stages)):
+            for stale in ("geometry.json", *(f"eval{stage_suffix(n)}.json" for n in plan_stages)):
                 if stale not in files and (raw / run.name / stale).is_file():  # an earlier collection's
                     (raw / run.name / stale).unlink()
         for name, path in files.items():
@@ -217,7 +218,7 @@ def collect_study(out: Path, raw: Path, log=print, plan: str | Plan | None = Non
         log(f"not finished (not collected): {' '.join(missing)}")
     for name in partial:
         have = evaluated[name]
-        lacks = [n for n in get_plan(plan).stages if n not in have]
+        lacks = [n for n in plan_stages if n not in have]
         log(
             f"{name}: partial, evaluated at iterations {', '.join(map(str, have))}"
             + (f"; not at {', '.join(map(str, lacks))}" if lacks else "")
