@@ -20,6 +20,7 @@ from studies.plan_raw import (
     BOOTSTRAP_SEED,
     LEVEL,
     doc_arrays,
+    logged_rows,
     read_raw_json,
     save_plot,
     write_pages,
@@ -103,6 +104,32 @@ def curve(raw: Path, band=None, kind: str = "mmidx") -> dict:
     return out
 
 
+def trainer_gap(raw: Path) -> list[dict]:
+    """LEV - TIED in the trainer's own validation (`train.eval_interval`: the same few validation
+    sequences every time) over each evaluated stage's window of steps: how far the gap moves between
+    checkpoints at a constant rate, which a single checkpoint's document interval does not include."""
+    stages = evaluated(raw)
+    loss = [
+        {r["iteration"]: r["loss"] for r in logged_rows(raw / run / "metrics.jsonl", "valid")} for run in RUNS
+    ]
+    out = []
+    for prev, n in zip((0, *stages), stages):
+        its = sorted(i for i in loss[0].keys() & loss[1].keys() if prev < i <= n)
+        gap = np.asarray([loss[1][i] - loss[0][i] for i in its])
+        if len(gap) >= 2:
+            out.append(
+                {
+                    "steps": (prev, n),
+                    "points": len(gap),
+                    "mean": float(gap.mean()),
+                    "sd": float(gap.std(ddof=1)),
+                    "min": float(gap.min()),
+                    "max": float(gap.max()),
+                }
+            )
+    return out
+
+
 def reading(c: dict) -> str:
     lo, hi = c["b_ci"]
     return "the gap shrinks" if hi < 0 else "the gap does not shrink"
@@ -174,6 +201,26 @@ def report(raw: Path) -> str:
     else:
         verdict = f'the regime\'s verdict stands, with "{longer}" added to its scope.'
     lines += ["", f"**The verdict at this scale** (the README's rule): {verdict}"]
+    windows = trainer_gap(raw)
+    if windows:
+        lines += [
+            "",
+            "## Between the stages: the trainer's validation gap (not the plan's criterion)",
+            "",
+            "Added after stage 3 was evaluated. The trainer validates both runs every "
+            "`train.eval_interval` steps on the same few validation sequences; LEV - TIED there, "
+            "over each stage's window of steps. At a constant rate the gap moves between checkpoints "
+            "by about its sd here, and a single checkpoint's gap (the table above) carries that "
+            "movement, which its document interval does not include.",
+            "",
+            "| steps | points | mean | sd | min | max |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {w['steps'][0] + 1:,}-{w['steps'][1]:,} | {w['points']} | {w['mean']:+.3f} | {w['sd']:.3f} "
+            f"| {w['min']:+.3f} | {w['max']:+.3f} |"
+            for w in windows
+        ]
     return "\n".join(lines) + "\n"
 
 

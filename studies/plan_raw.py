@@ -62,6 +62,20 @@ def save_plot(fig, out: Path, name: str) -> Path:
     return path
 
 
+def logged_rows(path: Path, kind: str) -> list[dict]:
+    """The `kind` lines ("train", "valid") of a run's `metrics.jsonl`, one per iteration in order."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing from the raw results") from None
+    rows = {}
+    for line in lines:
+        rec = json.loads(line)
+        if rec.get("kind") == kind:
+            rows[rec["iteration"]] = rec  # a resumed run's later line wins
+    return [rows[k] for k in sorted(rows)]
+
+
 class PlanRaw:
     """The collected runs of a plan (`study collect`) in plan order, with their results and logged
     dynamics read on demand."""
@@ -112,17 +126,7 @@ class PlanRaw:
     def _rows(self, run: dict, kind: str) -> list[dict]:
         key = (run["name"], kind)
         if key not in self._cache:
-            path = self.root / run["name"] / "metrics.jsonl"
-            try:
-                lines = path.read_text(encoding="utf-8").splitlines()
-            except FileNotFoundError:
-                raise DataError(f"{path}: missing from the raw results") from None
-            rows = {}
-            for line in lines:
-                rec = json.loads(line)
-                if rec.get("kind") == kind:
-                    rows[rec["iteration"]] = rec  # a resumed run's later line wins
-            self._cache[key] = [rows[k] for k in sorted(rows)]
+            self._cache[key] = logged_rows(self.root / run["name"] / "metrics.jsonl", kind)
         return self._cache[key]
 
     def train_rows(self, run: dict) -> list[dict]:

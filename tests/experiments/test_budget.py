@@ -134,6 +134,15 @@ def _raw(tmp_path, gap, stages=BUDGET_STAGES) -> Path:
             (raw / run).mkdir(parents=True, exist_ok=True)
             nll = tokens * (base + shift + rng.normal(0, 0.01, size=tokens.shape))
             (raw / run / f"eval-i{n}.json").write_text(json.dumps(_eval(tokens, nll)))
+    for run, run_gap in (("tied-s1234", lambda k: 0.0), ("lev-s1234", gap)):
+        # the trainer's validation every 100 steps (none at a stage's own step), with the same gap
+        valid = [
+            {"kind": "valid", "iteration": i, "loss": 5.0 + run_gap(k) + (0.01 if i % 200 else -0.01)}
+            for k, n in enumerate(stages, start=1)
+            for i in range(n - stages[0] + 100, n, 100)
+        ]
+        lines = [{"kind": "train", "iteration": 1, "loss": 9.0}, *valid]
+        (raw / run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     return raw
 
 
@@ -149,6 +158,23 @@ def test_the_report_reads_a_shrinking_gap_and_its_crossing(tmp_path):
     br.write_budget_report(raw, tmp_path / "out")
     assert (tmp_path / "out" / "curve.md").read_text() == page
     assert (tmp_path / "out" / "plots" / "curve.png").stat().st_size > 0
+
+
+def test_the_trainer_gap_between_stages_is_the_mean_and_spread_of_each_window(tmp_path):
+    from studies import budget_report as br
+
+    raw = _raw(tmp_path, lambda k: 0.1 * k, stages=BUDGET_STAGES[:3])
+    windows = br.trainer_gap(raw)
+    assert [w["steps"] for w in windows] == [(0, 1000), (1000, 2000), (2000, 3000)]
+    for k, w in enumerate(windows, start=1):
+        # LEV's +-0.01 alternation against TIED's same alternation: the gap is exactly 0.1 k
+        assert (
+            w["points"] == 9
+            and w["mean"] == pytest.approx(0.1 * k)
+            and w["sd"] == pytest.approx(0, abs=1e-12)
+        )
+    page = br.report(raw)
+    assert "| 2,001-3,000 | 9 | +0.300 | 0.000 | +0.300 | +0.300 |" in page
 
 
 def test_the_report_reads_a_flat_gap_as_not_shrinking(tmp_path):
