@@ -130,6 +130,12 @@ def trainer_gap(raw: Path) -> list[dict]:
     return out
 
 
+def side_nll(raw: Path, run: str, stage: int, band=None) -> float:
+    """One run's mean NLL over the predicted tokens of a slice at one stage."""
+    tokens, nll = doc_arrays(_result(raw, run, stage), band)
+    return float(nll.sum() / tokens.sum()) if tokens.sum() else math.nan
+
+
 def reading(c: dict) -> str:
     lo, hi = c["b_ci"]
     return "the gap shrinks" if hi < 0 else "the gap does not shrink"
@@ -172,6 +178,17 @@ def report(raw: Path) -> str:
             + " | ".join(cells)
             + f" | {c['b']:+.4f} [{b_lo:+.4f}, {b_hi:+.4f}] | {reading(c)} |"
         )
+    lines += [
+        "",
+        "Each side's NLL (nats per predicted token of the slice) at every stage:",
+        "",
+        "| slice | side | " + " | ".join(f"{t / 1e6:.3f}M" for t in tokens) + " |",
+        "|---|---|" + "---|" * len(tokens),
+    ]
+    for name, band in SLICES.items():
+        for side, run in zip(("TIED", "LEV"), RUNS, strict=True):
+            cells = [side_nll(raw, run, n, band) for n in stages]
+            lines.append(f"| {name} | {side} | " + " | ".join(f"{v:.3f}" for v in cells) + " |")
     overall = curves["overall"]
     lines += ["", f"**Overall: {reading(overall)}** (the README's criterion: the interval of `b` below 0)."]
     if "crossing_doublings" in overall:
