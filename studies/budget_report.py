@@ -78,13 +78,14 @@ def curve(raw: Path, band=None, kind: str = "mmidx") -> dict:
     interval (one resample of the documents applied to every stage)."""
     stages = evaluated(raw)
     x = np.log2(np.asarray(stages, dtype=np.float64) / stages[0])
-    diffs, per_stage = [], []
+    diffs, per_stage, sides = [], [], []
     for n in stages:
         tt, tn = doc_arrays(_result(raw, RUNS[0], n, kind), band)
         lt, ln = doc_arrays(_result(raw, RUNS[1], n, kind), band)
         if not np.array_equal(tt, lt):
             raise DataError(f"stage {n}: TIED and LEV were not evaluated on the same documents")
         per_stage.append((tt, ln - tn))
+        sides.append(tuple(float(v.sum() / tt.sum()) if tt.sum() else math.nan for v in (tn, ln)))
         diffs.append(float((ln - tn).sum() / tt.sum()) if tt.sum() else math.nan)
     g = np.asarray(diffs)
     rng = np.random.default_rng(BOOTSTRAP_SEED)
@@ -95,7 +96,15 @@ def curve(raw: Path, band=None, kind: str = "mmidx") -> dict:
     stage_ci = [lo_hi(boot[:, k]) for k in range(len(stages))]
     slopes = np.polyfit(x, boot.T, 1)  # (2, BOOTSTRAP): b, a per resample
     a, b = fit(x, g)
-    out = {"stages": list(stages), "gap": diffs, "gap_ci": stage_ci, "a": a, "b": b, "b_ci": lo_hi(slopes[0])}
+    out = {
+        "stages": list(stages),
+        "gap": diffs,
+        "sides": sides,
+        "gap_ci": stage_ci,
+        "a": a,
+        "b": b,
+        "b_ci": lo_hi(slopes[0]),
+    }
     if b < 0 < a:  # the fitted line crosses 0 at x* = -a / b doublings of the first stage's tokens
         cross = -slopes[1] / np.where(slopes[0] < 0, slopes[0], np.nan)
         out["crossing_doublings"] = -a / b
@@ -128,12 +137,6 @@ def trainer_gap(raw: Path) -> list[dict]:
                 }
             )
     return out
-
-
-def side_nll(raw: Path, run: str, stage: int, band=None) -> float:
-    """One run's mean NLL over the predicted tokens of a slice at one stage."""
-    tokens, nll = doc_arrays(_result(raw, run, stage), band)
-    return float(nll.sum() / tokens.sum()) if tokens.sum() else math.nan
 
 
 def reading(c: dict) -> str:
@@ -185,10 +188,9 @@ def report(raw: Path) -> str:
         "| slice | side | " + " | ".join(f"{t / 1e6:.3f}M" for t in tokens) + " |",
         "|---|---|" + "---|" * len(tokens),
     ]
-    for name, band in SLICES.items():
-        for side, run in zip(("TIED", "LEV"), RUNS, strict=True):
-            cells = [side_nll(raw, run, n, band) for n in stages]
-            lines.append(f"| {name} | {side} | " + " | ".join(f"{v:.3f}" for v in cells) + " |")
+    for name, c in curves.items():
+        for k, side in enumerate(("TIED", "LEV")):
+            lines.append(f"| {name} | {side} | " + " | ".join(f"{nll[k]:.3f}" for nll in c["sides"]) + " |")
     overall = curves["overall"]
     lines += ["", f"**Overall: {reading(overall)}** (the README's criterion: the interval of `b` below 0)."]
     if "crossing_doublings" in overall:
