@@ -12,11 +12,13 @@ Deterministic output (fixed bootstrap seed, formats).
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from megatron_lev.errors import DataError
+from studies import clip_report as cr
 from studies import regime_report as rr
-from studies.plan_raw import PlanRaw, save_plot, write_pages
+from studies.plan_raw import PlanRaw, doc_arrays, fmt_value, save_plot, write_pages
 
 PAGES = ("lr.md",)
 READ = 0.01  # README: a difference is read only beyond this (the regime's seed noise, about 0.005)
@@ -53,6 +55,9 @@ class Sources:
 
     def valid_rows(self, run: dict) -> list[dict]:
         return self.raws[run["source"]].valid_rows(run)
+
+    def train_rows(self, run: dict) -> list[dict]:
+        return self.raws[run["source"]].train_rows(run)
 
     def has(self, group: str) -> bool:
         return any(r["group"] == group for r in self.runs)
@@ -156,7 +161,54 @@ def lr_markdown(raw: Sources) -> str:
                 lines.append(f"| {base} | {side} 1-9 | {c['mean']:+.3f} | {rr._interval(c['document'])} |")
     label, reasons = verdict_change(raw, outcomes)
     lines += ["", f"**{label}** (the README's rule).", "", *(f"- {r}" for r in reasons)]
+    lines += ["", *runs_lines(raw)]
     return "\n".join(lines) + "\n"
+
+
+RATIO = "input_table/mean_row_ratio"
+RATES = {"TIED-LR05": "5e-4", "LEV-LR05": "5e-4", "TIED": "1e-3", "LEV": "1e-3"}
+
+
+def runs_lines(raw: Sources) -> list[str]:
+    """Descriptive, not a criterion: each run's validation NLL, its input-1-9 NLL, and what clipping and
+    AdamW did over training (median clip factor, median update ratio of the weight-decay group over
+    steps 100-1000, the input table's mean-row ratio at the last logged step)."""
+    lo, hi = cr.UPDATE_RANGE
+    lines = [
+        "## The four runs",
+        "",
+        "Descriptive, not a criterion. Validation NLL overall and on inputs seen 1-9 times (mean per "
+        "predicted token); from `metrics.jsonl`: the median global clip factor over the logged steps "
+        "(a regime run's from its logged norm, as `../clip/clipping.md`), the median update ratio of the "
+        f"weight-decay group over steps {lo}-{hi}, and the input table's mean-row ratio at the last logged "
+        "step.",
+        "",
+        "| run | peak rate | validation NLL | input 1-9 NLL | median clip factor | update ratio (decay) | "
+        "mean-row ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in raw.runs:
+        if run["group"] not in RATES:
+            continue
+        result = raw.result(run)
+        tokens, sums = doc_arrays(result, ("input_band", rr.RARE_BAND))
+        rare = float(sums.sum() / tokens.sum()) if tokens.sum() else None
+        factors = [g for _, g, _ in cr.factors(raw, run)]
+        rows = raw.train_rows(run)
+        key = cr.UPDATE_KEYS[0]
+        upd = [r[key] for r in rows if lo <= r["iteration"] <= hi and r.get(key) is not None]
+        ratio = [r[RATIO] for r in rows if r.get(RATIO) is not None]
+        cells = [
+            run["group"],
+            RATES[run["group"]],
+            f"{float(result['mean_nll']):.4f}",
+            fmt_value(rare, ".4f"),
+            fmt_value(statistics.median(factors) if factors else None, ".3f"),
+            fmt_value(statistics.median(upd) if upd else None, ".5f"),
+            fmt_value(ratio[-1] if ratio else None, ".3f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_plot(raw: Sources, out: Path) -> None:

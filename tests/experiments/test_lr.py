@@ -59,6 +59,12 @@ def test_the_page_and_plot(tmp_path):
     assert "| LEV | -0.09" in page or "| LEV | -0.10" in page
     assert "**the verdict at this scale changes**" in page
     assert "at the better rates: LEV-LR05 - TIED" in page
+    # the descriptive table, one row per run at its rate: the clip factor a run logged (0.9), or for a
+    # regime run (DeepSpeed clipped, nothing logged) 1 / its logged norm of 4
+    rows = {line.split("|")[1].strip(): line.split("|") for line in page.splitlines() if "e-" in line[:20]}
+    assert set(rows) == {"TIED-LR05", "LEV-LR05", "TIED", "LEV"}
+    assert rows["TIED-LR05"][2].strip() == "5e-4" and rows["LEV"][2].strip() == "1e-3"
+    assert rows["TIED-LR05"][5].strip() == "0.900" and rows["LEV"][5].strip() == "0.250"
     assert (tmp_path / "out" / "plots" / "lr.png").stat().st_size > 0
     again = lr.write_lr_report(tmp_path / "lr" / "raw", tmp_path / "again", plots=False)
     assert again["lr.md"].read_text() == page
