@@ -79,3 +79,10 @@ def test_a_missing_neighbour_is_one_line(tmp_path):
     shutil.rmtree(tmp_path / "clip")
     with pytest.raises(DataError, match="clip/raw: missing"):
         lr.write_lr_report(tmp_path / "lr" / "raw", tmp_path / "out")
+
+
+def test_the_committed_lr_page_is_that_of_the_committed_raw_files(tmp_path):
+    """The committed lr.md is the report of results/lr/raw and the clip and regime raw files."""
+    from tests.experiments.committed import assert_pages_regenerate
+
+    assert_pages_regenerate(lr.write_lr_report, "lr", lr.PAGES, tmp_path, plots=False)
