@@ -346,10 +346,11 @@ def verdict(raw: PlanRaw) -> tuple[str, list[str]]:
 
 SCALE_NOTE = (
     "The scale: a 4 x 192 model of 11.4M parameters (TIED) trained on 2.05M tokens, 0.18 tokens per "
-    "parameter, about 1% of a compute-optimal budget, with one learning rate per side and "
-    "`train.clip_grad=1` clipping every LEV step (`../clip/`). The paper reports that at 200M "
-    '"LEV starts behind and overtakes" TIED; a deficit this early in training is what that predicts, '
-    "so this verdict says nothing about a longer run."
+    "parameter, about 1% of a compute-optimal budget, at a peak rate of 1e-3 for both sides (5e-4 is "
+    "worse for both: `../lr/`) and with `train.clip_grad=1` clipping every LEV step (`../clip/`). The "
+    'paper reports that at 200M "LEV starts behind and overtakes" TIED; a deficit this early in '
+    "training is what that predicts. Over a 4x longer run at a constant rate the gap grows "
+    "(`../budget/curve.md`, one seed); this verdict says nothing about the paper's scale."
 )
 
 
