@@ -16,6 +16,15 @@ still joinable ("terminate called without an active exception", an abort with st
 reproduced after a gloo timeout). It leaves alone a group this module did not create (a test
 harness's, or `run_workers`'s when a command runs inside a worker).
 
+A process that left a group of several ranks ends through `end_process(code)` (the command-line
+entry point calls it): non-daemon threads joined and `atexit` handlers run as at a normal exit,
+the streams flushed, then `os._exit(code)` without the interpreter's finalization. Groups that
+DeepSpeed and the parallel layout still reference outlive `destroy_process_group` with their gloo
+worker threads (a 2-rank gloo job holding one subgroup keeps 4 of its 7 threads after it); their
+C++ destructors would run during finalization, where a worker thread that takes the GIL is made
+to exit and the process aborts ("terminate called without an active exception", status 134): seen
+once on rank 1 of a 2-rank CPU run after a clean save and a clean leave on both ranks.
+
 `leaving_cleanly()` wraps a command's body: a collective that timed out or lost its peer becomes
 a `DistributedError`, one line naming this rank and, when the watchdog can tell, the rank to
 blame; a rank that fails otherwise leaves its one-line error for the others to quote; and
@@ -55,6 +64,7 @@ class Session:
 
 
 _SESSION: Session | None = None
+_LEFT_GROUP = False  # `shutdown` left a group of several ranks: `end_process` skips finalization
 
 
 def set_phase(phase: str) -> None:
@@ -146,10 +156,11 @@ def shutdown(announce: bool = True) -> None:
     """Leave what `join` set up: stop the watchdog, destroy every process group (no barrier; the
     model-parallel groups of any `ParallelLayout` with them), flush the logs. Idempotent; always
     flushes. `announce` logs one INFO line saying so (else DEBUG)."""
-    global _SESSION
+    global _SESSION, _LEFT_GROUP
     session, _SESSION = _SESSION, None
     try:
         if session is not None:
+            _LEFT_GROUP = _LEFT_GROUP or session.world_size > 1
             if session.heartbeat is not None:
                 session.heartbeat.stop()
             import torch.distributed as dist
@@ -170,6 +181,30 @@ def shutdown(announce: bool = True) -> None:
             )
     finally:
         flush_logs()
+
+
+def end_process(code: int | None) -> None:
+    """End this process with `code` if it left a group of several ranks; else return (the caller
+    exits as usual).
+
+    What a normal exit does for Python code still happens first: every non-daemon thread is
+    joined, the `atexit` handlers run (logging, multiprocessing children, TensorBoard), the
+    streams are flushed. Only the interpreter's finalization is skipped, in which the C++
+    destructors of process groups still referenced elsewhere would run with their worker threads
+    alive (module docstring)."""
+    if not _LEFT_GROUP:
+        return
+    import atexit
+    import os
+    import threading
+
+    main = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main and not thread.daemon and thread is not threading.current_thread():
+            thread.join()
+    atexit._run_exitfuncs()
+    flush_logs()
+    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
 
 
 def flush_logs() -> None:
@@ -315,6 +350,7 @@ __all__ = [
     "as_distributed_error",
     "collective_failure",
     "current",
+    "end_process",
     "flush_logs",
     "join",
     "leaving_cleanly",
