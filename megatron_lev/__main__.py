@@ -6,10 +6,6 @@ if sys.argv[1:2] == ["train"] or sys.argv[1:3] == ["--debug", "train"]:
 
     install_startup_handler()
 
-from megatron_lev.cli import main  # noqa: E402
+from megatron_lev.cli import entry  # noqa: E402
 
-code = main()
-session = sys.modules.get("megatron_lev.parallel.session")  # never imported: no group was joined
-if session is not None:
-    session.end_process(code)  # a rank that left a group of several ranks ends here, unfinalized
-sys.exit(code)
+entry()

@@ -111,6 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     )
 
 
+def entry() -> None:
+    """The process's entry point (`megatron-lev`, `python -m megatron_lev`): `main`, then the exit.
+    A rank that left a group of several ranks ends through `parallel.session.end_process`, without
+    the interpreter's finalization (that module's docstring says why); any other process exits the
+    usual way. Code that runs a command in-process calls `main`."""
+    code = main()
+    session = sys.modules.get("megatron_lev.parallel.session")  # never imported: no group was joined
+    if session is not None:
+        session.end_process(code)
+    sys.exit(code)
+
+
 def run_guarded(prog: str, fn, debug: bool = False) -> int:
     """Run `fn`; print a user error as one line (`prog: message`) and return its exit code.
 

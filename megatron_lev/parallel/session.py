@@ -16,8 +16,8 @@ still joinable ("terminate called without an active exception", an abort with st
 reproduced after a gloo timeout). It leaves alone a group this module did not create (a test
 harness's, or `run_workers`'s when a command runs inside a worker).
 
-A process that left a group of several ranks ends through `end_process(code)` (the command-line
-entry point calls it): non-daemon threads joined and `atexit` handlers run as at a normal exit,
+A process that left a group of several ranks ends through `end_process(code)` (`cli.entry`, the
+process's entry point, calls it): non-daemon threads joined and `atexit` handlers run as at a normal exit,
 the streams flushed, then `os._exit(code)` without the interpreter's finalization. Groups that
 DeepSpeed and the parallel layout still reference outlive `destroy_process_group` with their gloo
 worker threads (a 2-rank gloo job holding one subgroup keeps 4 of its 7 threads after it); their

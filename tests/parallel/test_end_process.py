@@ -77,3 +77,12 @@ def test_a_process_that_joined_no_group_exits_the_usual_way(tmp_path):
     assert proc.stdout == "buffered, no newlineafter end_process\n"
     assert (tmp_path / "thread0").read_text() == "done"
     assert (tmp_path / "atexit0").read_text() == "ran"
+
+
+def test_both_entry_points_end_through_cli_entry():
+    """`megatron-lev` (the console script) and `python -m megatron_lev` both reach `end_process`."""
+    from importlib.metadata import entry_points
+
+    (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "megatron-lev"]
+    assert script.value == "megatron_lev.cli:entry"
+    assert (ROOT / "megatron_lev" / "__main__.py").read_text().rstrip().endswith("entry()")

@@ -209,6 +209,47 @@ def test_the_tolerance_path_refuses_a_moved_number():
     assert len(_within(flipped, ref, CPU_TOLERANCE)) == 1
 
 
+def updated_reference(fresh: dict[str, list[dict]]) -> dict:
+    """The reference with `fresh` recorded for this machine's arithmetic. Numbers within
+    `CPU_TOLERANCE` of the primary set add (or refresh) this CPU's set; numbers that moved beyond it,
+    or that differ from this CPU's recorded set, are a change of the code's numbers: this CPU's set
+    becomes the primary and the other CPUs' sets, now stale, are dropped."""
+    here = arithmetic()
+    data = json.loads(REFERENCE.read_text()) if REFERENCE.is_file() else {"primary": here, "arithmetics": {}}
+    sets = data["arithmetics"]
+    base = sets.get(here, {})
+    runs = {**base, **fresh}
+    if set(runs) != set(RUNS):
+        sys.exit(f"{here} has no recorded set to complete: record every run (--write with no names)")
+    primary = sets.get(data["primary"])
+    moved = (here in sets and any(sets[here][k] != v for k, v in fresh.items())) or (
+        primary is not None and any(_within(runs[n], primary[n], CPU_TOLERANCE) for n in RUNS)
+    )
+    if moved or primary is None:
+        return {"primary": here, "arithmetics": {here: runs}}
+    return {"primary": data["primary"], "arithmetics": {**sets, here: runs}}
+
+
+def test_recording_adds_a_cpu_and_a_moved_number_replaces_every_set(tmp_path, monkeypatch):
+    """`--write` on a new CPU whose numbers are within the tolerance adds its set beside the
+    primary; numbers that moved make this CPU's set the only one (the others are stale)."""
+    import tests.training.test_numbers_fixed as t
+
+    primary, sets = load_reference()
+    base = sets[primary]
+    ref = tmp_path / "numbers.json"
+    ref.write_text(json.dumps({"primary": primary, "arithmetics": {primary: base}}))
+    monkeypatch.setattr(t, "REFERENCE", ref)
+    monkeypatch.setattr(t, "arithmetic", lambda: "another CPU")
+    near = {n: [{**r, "loss": r["loss"] * (1 + 1e-7)} for r in base[n]] for n in RUNS}
+    added = t.updated_reference(near)
+    assert added["primary"] == primary and added["arithmetics"] == {primary: base, "another CPU": near}
+    moved = {**near, "tied": [{**r, "loss": r["loss"] + 0.01} for r in base["tied"]]}
+    assert t.updated_reference(moved) == {"primary": "another CPU", "arithmetics": {"another CPU": moved}}
+    with pytest.raises(SystemExit, match="record every run"):
+        t.updated_reference({"tied": near["tied"]})
+
+
 def main() -> None:
     """Record the reference anew (`--write`), from the same corpus the test fixture builds."""
     if "--write" not in sys.argv:
@@ -245,46 +286,5 @@ def main() -> None:
     )
 
 
-def updated_reference(fresh: dict[str, list[dict]]) -> dict:
-    """The reference with `fresh` recorded for this machine's arithmetic. Numbers within
-    `CPU_TOLERANCE` of the primary set add (or refresh) this CPU's set; numbers that moved beyond it,
-    or that differ from this CPU's recorded set, are a change of the code's numbers: this CPU's set
-    becomes the primary and the other CPUs' sets, now stale, are dropped."""
-    here = arithmetic()
-    data = json.loads(REFERENCE.read_text()) if REFERENCE.is_file() else {"primary": here, "arithmetics": {}}
-    sets = data["arithmetics"]
-    base = sets.get(here, {})
-    runs = {**base, **fresh}
-    if set(runs) != set(RUNS):
-        sys.exit(f"{here} has no recorded set to complete: record every run (--write with no names)")
-    primary = sets.get(data["primary"])
-    moved = (here in sets and any(sets[here][k] != v for k, v in fresh.items())) or (
-        primary is not None and any(_within(runs[n], primary[n], CPU_TOLERANCE) for n in RUNS)
-    )
-    if moved or primary is None:
-        return {"primary": here, "arithmetics": {here: runs}}
-    return {"primary": data["primary"], "arithmetics": {**sets, here: runs}}
-
-
 if __name__ == "__main__":
     main()
-
-
-def test_recording_adds_a_cpu_and_a_moved_number_replaces_every_set(tmp_path, monkeypatch):
-    """`--write` on a new CPU whose numbers are within the tolerance adds its set beside the
-    primary; numbers that moved make this CPU's set the only one (the others are stale)."""
-    import tests.training.test_numbers_fixed as t
-
-    primary, sets = load_reference()
-    base = sets[primary]
-    ref = tmp_path / "numbers.json"
-    ref.write_text(json.dumps({"primary": primary, "arithmetics": {primary: base}}))
-    monkeypatch.setattr(t, "REFERENCE", ref)
-    monkeypatch.setattr(t, "arithmetic", lambda: "another CPU")
-    near = {n: [{**r, "loss": r["loss"] * (1 + 1e-7)} for r in base[n]] for n in RUNS}
-    added = t.updated_reference(near)
-    assert added["primary"] == primary and added["arithmetics"] == {primary: base, "another CPU": near}
-    moved = {**near, "tied": [{**r, "loss": r["loss"] + 0.01} for r in base["tied"]]}
-    assert t.updated_reference(moved) == {"primary": "another CPU", "arithmetics": {"another CPU": moved}}
-    with pytest.raises(SystemExit, match="record every run"):
-        t.updated_reference({"tied": near["tied"]})
