@@ -82,6 +82,8 @@ TRAINING_ONLY_MODEL_KEYS = {
     "name",
     "activation_checkpointing",
     "checkpoint_num_layers",
+    "fused_loss",
+    "loss_chunk_tokens",
     "hidden_dropout",
     "attention_dropout",
     "init_std",

@@ -91,21 +91,35 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-ASSUMED_VOCAB = 50277  # GPT-NeoX's tokenizer, the project's default, when model.vocab_size is unset
+def implied_vocab(data_cfg) -> tuple[int, str]:
+    """The vocabulary the tokenizer settings imply, without reading the tokenizer: (size, what it is).
+
+    A tiktoken file is o200k_base (the paper's) unless its name says cl100k_base; an HF or
+    SentencePiece file is taken as GPT-NeoX's (the project's default) unless its name says otherwise."""
+    from megatron_lev.data.tokenizers import KNOWN_VOCABULARIES
+
+    name = str(data_cfg.tokenizer_path or "").lower()
+    for known in ("o200k_base", "cl100k_base"):
+        if known.split("_")[0] in name:
+            return KNOWN_VOCABULARIES[known], known
+    if data_cfg.tokenizer_type == "tiktoken":
+        return KNOWN_VOCABULARIES["o200k_base"], "o200k_base, as data.tokenizer_type=tiktoken implies"
+    return KNOWN_VOCABULARIES["neox"], "GPT-NeoX"
 
 
 def memory_comment(cfg, world_size: int) -> str:
     """A YAML comment with the memory estimate (`plan.memory`) against this machine's memory.
 
-    `config` does not read the tokenizer: without model.vocab_size it assumes GPT-NeoX's vocabulary.
-    `train` checks the estimate with the real vocabulary and refuses a CPU run that cannot fit."""
+    `config` does not read the tokenizer: without model.vocab_size it takes the vocabulary the
+    tokenizer's type and name imply (`implied_vocab`). `train` checks the estimate with the real
+    vocabulary and refuses a CPU run that cannot fit."""
     from megatron_lev.model.vocab import padded_vocab_size
     from megatron_lev.plan.memory import available_memory, estimate_memory, gib
 
-    vocab = cfg.model.vocab_size or ASSUMED_VOCAB
+    vocab, what = (cfg.model.vocab_size, "") if cfg.model.vocab_size else implied_vocab(cfg.data)
     padded = padded_vocab_size(vocab, cfg.model, cfg.parallel.tensor_model_parallel_size)
     est = estimate_memory(cfg, world_size, padded, cuda=False)
-    assumed = "" if cfg.model.vocab_size else f", vocabulary assumed {ASSUMED_VOCAB:,} (GPT-NeoX)"
+    assumed = f", vocabulary assumed {vocab:,} ({what})" if what else ""
     line = f"# memory estimate ({world_size} process(es){assumed}): {est.text()}"
     available, source = available_memory()
     if available is not None and est.machine > available:

@@ -142,6 +142,13 @@ class ModelConfig:
     attention_dropout: float = ranged(0.0, FRACTION)
     activation_checkpointing: bool = False
     checkpoint_num_layers: int = ranged(1, count(cap=4 * K))
+    # the head's matmul and the cross-entropy in one function chunked over tokens, so no (B, S, V/tp)
+    # logits are held (parallel/fused_cross_entropy.py); false: the logits path, for comparison
+    fused_loss: bool = True
+    # tokens per chunk of the fused loss; 0: as many as fit 256 MiB of fp32 logits
+    loss_chunk_tokens: int = ranged(
+        0, Range(0, 16 * M, why="tokens per chunk of the fused loss (0: chosen from memory)")
+    )
 
     def validate(self) -> None:
         check_fields(self, "model")

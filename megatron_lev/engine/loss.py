@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from megatron_lev.data.batches import MicroBatch
-from megatron_lev.model.loss import masked_mean
 
 
 def micro_batch_loss(model, batch: tuple[torch.Tensor, torch.Tensor] | MicroBatch) -> torch.Tensor:
@@ -15,13 +14,18 @@ def micro_batch_loss(model, batch: tuple[torch.Tensor, torch.Tensor] | MicroBatc
     (as Megatron-LM and GPT-NeoX do), so a token's weight depends slightly on how many targets its
     micro-batch masks.
 
-    The model returns the per-token losses (`model.loss.token_losses`); their `masked_mean` here is
-    what a pipeline's `loss_fn` (`model.loss.lm_loss`) computes.
+    The model returns the masked mean itself (`reduction="mean"`): with `model.fused_loss` its head
+    and loss run fused, and otherwise it is `model.loss.masked_mean` of the per-token losses, what a
+    pipeline's `loss_fn` (`engine.pipeline.pipeline_loss`) computes.
     """
     if not isinstance(batch, MicroBatch):
         input_ids, labels = batch
-        return masked_mean(model(input_ids, labels=labels))  # (B, S) per-token -> ()
-    losses = model(
-        batch.input_ids, labels=batch.labels, position_ids=batch.position_ids, document_ids=batch.document_ids
-    )  # (B, S)
-    return masked_mean(losses, batch.loss_mask)
+        return model(input_ids, labels=labels, reduction="mean")  # ()
+    return model(
+        batch.input_ids,
+        labels=batch.labels,
+        position_ids=batch.position_ids,
+        document_ids=batch.document_ids,
+        loss_mask=batch.loss_mask,
+        reduction="mean",
+    )  # ()

@@ -7,8 +7,11 @@ its layer file, holds canonical (`GPTModel`) names. A stage with a `tied_key` be
 (the last one runs `EmbeddingStage.head_logits`); DeepSpeed broadcasts it at start and
 all-reduces its gradient between the two stages, so the copies stay identical.
 
-Batches are `((input_ids,), labels)`; `loss_fn` returns the mean per-token loss
-(`model.loss.lm_loss`). Every TP rank of the first and last stage reads its own data iterator:
+Batches are `((input_ids,), labels)`; `loss_fn` returns the mean per-token loss. With
+`model.fused_loss` (the default) the last layer passes the hidden state on (`DeferredHeadStage`, or
+the tied table's `head_hidden`) and `loss_fn` (`FusedPipelineLoss`) runs that layer's head fused with
+the cross-entropy, as `GPTModel` does; otherwise the last layer returns logits and `loss_fn` is
+`pipeline_loss` (`model.loss.lm_loss`). Every TP rank of the first and last stage reads its own data iterator:
 feed them the same batches.
 
 Packed documents (`data.reset_position_ids`, `data.reset_attention_mask`, `data.eod_mask_loss`):
@@ -33,7 +36,7 @@ from torch import nn
 from megatron_lev.config import RunConfig
 from megatron_lev.engine.recompute import checkpointed
 from megatron_lev.model.loss import lm_loss, real_vocab_size
-from megatron_lev.model.stages import BlockStage, StageSpec, stage_specs
+from megatron_lev.model.stages import TIED_EMBEDDING, BlockStage, DeferredHeadStage, StageSpec, stage_specs
 from megatron_lev.parallel.layout import ParallelLayout
 
 STAGE_PREFIX = re.compile(r"^(?:\d+|tied_modules\.[^.]+)\.")  # a PipelineModule's layer (or tied) prefix
@@ -53,6 +56,37 @@ def pipeline_loss(
     if isinstance(labels, (tuple, list)):
         labels, loss_mask = labels
     return lm_loss(logits, labels, vocab_size, loss_mask, layout=layout)
+
+
+class FusedPipelineLoss:
+    """A pipeline's `loss_fn` with the fused head: the last layer's hidden state `(B, S, D)` and the
+    labels (`pipeline_loss`'s forms) -> the masked mean loss, through the head this stage holds.
+
+    `bind(pipe)` finds the head after DeepSpeed built the stage: the `DeferredHeadStage`, or the tied
+    embedding's copy on the last stage. Its weight gets its gradient through this call (and, tied,
+    DeepSpeed's all-reduce between the two copies), as it does through the head's forward unfused.
+    """
+
+    def __init__(self, vocab_size: int | None, chunk_tokens: int | None, layout: ParallelLayout):
+        self.vocab_size, self.chunk_tokens, self.layout = vocab_size, chunk_tokens, layout
+        self.head = None
+
+    def bind(self, pipe) -> FusedPipelineLoss:
+        for module in pipe.forward_funcs:
+            if isinstance(module, DeferredHeadStage):
+                self.head = module
+        if self.head is None and TIED_EMBEDDING in getattr(pipe, "tied_modules", {}):
+            self.head = pipe.tied_modules[TIED_EMBEDDING]
+        return self
+
+    def __call__(self, hidden: torch.Tensor, labels) -> torch.Tensor:
+        if self.head is None:
+            raise RuntimeError("FusedPipelineLoss: no head on this stage (bind it to the last stage's module)")
+        loss_mask = None
+        if isinstance(labels, (tuple, list)):
+            labels, loss_mask = labels
+        mean, _ = self.head.head_loss(hidden, labels, self.vocab_size, loss_mask, self.chunk_tokens)
+        return mean
 
 
 def document_inputs(data_cfg) -> tuple[str, ...]:
@@ -108,12 +142,16 @@ def build_pipeline(
     m, p = cfg.model, cfg.parallel
     if topology is None:
         topology = PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
-    stages = stage_specs(m, vocab_size, cfg.train.seed, document_inputs(cfg.data), layout, true_vocab_size)
-    loss_fn = functools.partial(
-        pipeline_loss, vocab_size=real_vocab_size(vocab_size, true_vocab_size), layout=layout
+    stages = stage_specs(
+        m, vocab_size, cfg.train.seed, document_inputs(cfg.data), layout, true_vocab_size, m.fused_loss
     )
+    real = real_vocab_size(vocab_size, true_vocab_size)
+    if m.fused_loss:
+        loss_fn = FusedPipelineLoss(real, m.loss_chunk_tokens or None, layout)
+    else:
+        loss_fn = functools.partial(pipeline_loss, vocab_size=real, layout=layout)
     # each stage seeds itself (layer_seed), so DeepSpeed's own per-layer seeding stays off
-    return PipelineModule(
+    pipe = PipelineModule(
         layers=layer_specs(stages),
         topology=topology,
         loss_fn=loss_fn,
@@ -123,6 +161,9 @@ def build_pipeline(
         checkpointable_layers=[BlockStage.__name__],
         seed_layers=False,
     )
+    if m.fused_loss:
+        loss_fn.bind(pipe)
+    return pipe
 
 
 def stage_modules(pipe: nn.Module) -> list[nn.Module]:

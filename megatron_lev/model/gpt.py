@@ -1,7 +1,12 @@
 """The GPT model as one module (PP = 1; also what ZeRO-2/3 wrap).
 
     input ids (B, S) -> input embedding (any variant) -> N x TransformerBlock
-    -> RMSNorm -> vocabulary-parallel head -> logits (B, S, V/tp) or per-token loss (B, S)
+    -> RMSNorm -> vocabulary-parallel head -> logits (B, S, V/tp), per-token loss (B, S) or mean loss ()
+
+With labels and `model.fused_loss` (the default), the head and the cross-entropy run as one
+function chunked over tokens (`parallel.fused_cross_entropy`), never holding the logits: for the
+mean loss (`reduction="mean"`, what training asks for), and for per-token losses without a gradient
+(evaluation). Per-token losses with a gradient, or `model.fused_loss=false`, take the logits path.
 
 Packed documents (optional, `model.documents`): `position_ids (B, S)` restart RoPE at each
 document, `document_ids (B, S)` keep attention inside each document.
@@ -24,7 +29,7 @@ import torch
 from torch import nn
 
 from megatron_lev.config import ModelConfig
-from megatron_lev.model.loss import real_vocab_size, token_losses
+from megatron_lev.model.loss import masked_mean, real_vocab_size, token_losses
 from megatron_lev.model.stages import DOCUMENT_TENSORS, stage_specs
 from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 
@@ -76,6 +81,8 @@ class GPTModel(nn.Module):
         for name, module in modules.items():
             setattr(self, name, module)
         self.stages: list[Callable] = stages  # a plain list: not registered (see the class doc)
+        head = stages[-1]  # a HeadStage, or the shared embedding stage's bound head_logits
+        self._head_loss = getattr(head, "__self__", head).head_loss  # the fused head + loss
 
     def train(self, mode: bool = True) -> GPTModel:
         super().train(mode)
@@ -90,12 +97,24 @@ class GPTModel(nn.Module):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        reduction: str = "none",
     ) -> torch.Tensor:
+        """Logits `(B, S, V/tp)` without `labels`; with them, the per-token losses `(B, S)` fp32
+        (`reduction="none"`) or their mean over the tokens `loss_mask` keeps `()` (`"mean"`)."""
+        if reduction not in ("none", "mean"):
+            raise ValueError(f"reduction must be 'none' or 'mean', got {reduction!r}")
         x = input_ids  # (B, S), or with documents (input_ids, position_ids, document_ids) as DOCUMENT_TENSORS
         if position_ids is not None or document_ids is not None:
             x = (input_ids, position_ids, document_ids)
-        for stage in self.stages:
-            x = stage(x)
+        *body, head = self.stages
+        for stage in body:
+            x = stage(x)  # ends with the final norm: hidden (B, S, D)
         if labels is None:
-            return x  # logits (B, S, V/tp)
-        return token_losses(x, labels, self.true_vocab_size, layout=self.layout)  # (B, S) fp32
+            return head(x)  # logits (B, S, V/tp)
+        if self.cfg.fused_loss and (reduction == "mean" or not torch.is_grad_enabled()):
+            chunk = self.cfg.loss_chunk_tokens or None
+            mean, losses = self._head_loss(x, labels, self.true_vocab_size, loss_mask, chunk)
+            return mean if reduction == "mean" else losses
+        losses = token_losses(head(x), labels, self.true_vocab_size, layout=self.layout)  # (B, S) fp32
+        return masked_mean(losses, loss_mask) if reduction == "mean" else losses

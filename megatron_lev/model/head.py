@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lev.parallel.fused_cross_entropy import fused_linear_cross_entropy
 from megatron_lev.parallel.layers import init_sharded_, vocab_range
 from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 from megatron_lev.parallel.mappings import copy_to_tensor_parallel_region
@@ -15,6 +16,29 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, layout: Pa
     """`(B, S, D)` hidden states and this rank's rows `(V/tp, D)` of `layout` -> logits `(B, S, V/tp)`."""
     # the hidden state is replicated on TP ranks: its gradient is the sum over vocabulary shards
     return F.linear(copy_to_tensor_parallel_region(hidden, layout), weight)
+
+
+def vocab_parallel_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int | None,
+    loss_mask: torch.Tensor | None,
+    chunk_tokens: int | None,
+    layout: ParallelLayout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head and its loss fused: `(B, S, D)` hidden, rows `(V/tp, D)`, labels `(B, S)` -> the masked
+    mean loss `()` and the detached per-token losses `(B, S)`, without the logits
+    (`parallel.fused_cross_entropy`); `vocab_size`: the real vocabulary."""
+    return fused_linear_cross_entropy(
+        copy_to_tensor_parallel_region(hidden, layout),
+        weight,
+        labels,
+        vocab_size,
+        layout=layout,
+        loss_mask=loss_mask,
+        chunk_tokens=chunk_tokens,
+    )
 
 
 class VocabParallelHead(nn.Module):
@@ -49,5 +73,16 @@ class VocabParallelHead(nn.Module):
             init_rows,
         )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_logits(hidden, self.weight, self.layout)  # (B, S, V/tp)
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        vocab_size: int | None = None,
+        loss_mask: torch.Tensor | None = None,
+        chunk_tokens: int | None = None,
+    ):
+        """Logits `(B, S, V/tp)`; given `labels`, the fused loss instead (`vocab_parallel_loss`), run
+        inside this module's forward so that whatever gathers its weight (ZeRO-3) sees the use."""
+        if labels is None:
+            return vocab_parallel_logits(hidden, self.weight, self.layout)  # (B, S, V/tp)
+        return vocab_parallel_loss(hidden, self.weight, labels, vocab_size, loss_mask, chunk_tokens, self.layout)

@@ -31,7 +31,7 @@ from megatron_lev.config import ModelConfig
 from megatron_lev.model.block import TransformerBlock
 from megatron_lev.model.documents import documents_for
 from megatron_lev.model.embeddings import build_input_embedding, embedding_class
-from megatron_lev.model.head import VocabParallelHead, vocab_parallel_logits
+from megatron_lev.model.head import VocabParallelHead, vocab_parallel_logits, vocab_parallel_loss
 from megatron_lev.model.norm import RMSNorm
 from megatron_lev.model.vocab import base_vocab_size
 from megatron_lev.parallel.layout import SINGLE, ParallelLayout
@@ -97,6 +97,14 @@ class EmbeddingStage(nn.Module):
         """The tied output head: `(B, S, D)` -> logits `(B, S, V/tp)` from this table."""
         return vocab_parallel_logits(hidden, self.tied_weight, self.layout)
 
+    def head_loss(self, hidden, labels, vocab_size=None, loss_mask=None, chunk_tokens=None):
+        """The tied head fused with its loss: `(mean (), per-token losses (B, S))` (`vocab_parallel_loss`)."""
+        return vocab_parallel_loss(hidden, self.tied_weight, labels, vocab_size, loss_mask, chunk_tokens, self.layout)
+
+    def head_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A pipeline's last stage with the fused loss: the hidden state passes on to `loss_fn`."""
+        return hidden
+
 
 class BlockStage(nn.Module):
     """Decoder block `index` as `layers[str(index)]`; `document_inputs` travel beside the hidden state.
@@ -161,6 +169,18 @@ class HeadStage(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.output_head(hidden)
 
+    def head_loss(self, hidden, labels, vocab_size=None, loss_mask=None, chunk_tokens=None):
+        """The head fused with its loss: `(mean (), per-token losses (B, S))` (`vocab_parallel_loss`)."""
+        return self.output_head(hidden, labels, vocab_size, loss_mask, chunk_tokens)
+
+
+class DeferredHeadStage(HeadStage):
+    """`HeadStage` as a pipeline's last layer with the fused loss: it passes the hidden state on, and
+    the pipeline's `loss_fn` runs `head_loss` (the same weights, names and checkpoint files)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
 
 def stage_specs(
     model_cfg: ModelConfig,
@@ -169,12 +189,15 @@ def stage_specs(
     document_inputs: tuple[str, ...] = (),
     layout: ParallelLayout = SINGLE,
     true_vocab_size: int | None = None,
+    deferred_head: bool = False,
 ) -> list[StageSpec]:
     """The model's stages in order (see the module doc); `vocab_size` is the padded size.
 
     `document_inputs`: the document tensors that follow the hidden state (`DOCUMENT_TENSORS`, in order).
     `layout`: the TP layout every stage is sharded over (its TP layers keep it).
     `true_vocab_size` (default: every row real) gives the embedding its one-process vocabulary.
+    `deferred_head`: the last stage passes the hidden state on (`DeferredHeadStage`, `head_hidden`), for a
+    pipeline whose `loss_fn` runs the head fused with the loss.
     """
     tied = embedding_class(model_cfg.embedding).ties_output_head
     base = base_vocab_size(vocab_size, true_vocab_size, model_cfg)
@@ -186,7 +209,9 @@ def stage_specs(
     ]
     specs.append(StageSpec(FinalNormStage, (model_cfg,)))
     if tied:
-        specs.append(StageSpec(EmbeddingStage, embedding, TIED_EMBEDDING, "head_logits"))
+        forward = "head_hidden" if deferred_head else "head_logits"
+        specs.append(StageSpec(EmbeddingStage, embedding, TIED_EMBEDDING, forward))
     else:
-        specs.append(StageSpec(HeadStage, (model_cfg, vocab_size, seed, layout, base)))
+        head = DeferredHeadStage if deferred_head else HeadStage
+        specs.append(StageSpec(head, (model_cfg, vocab_size, seed, layout, base)))
     return specs

@@ -17,7 +17,11 @@ DP the data-parallel size, L the layers of this rank's pipeline stage:
 - attention scores where they are materialised (not the flash kernels: a document mask,
   `data.reset_attention_mask`, or attention dropout on the scaled-dot-product path): micro x
   heads / TP x seq^2 x 2 values per layer kept, plus the boolean mask micro x seq^2;
-- logits and the fp32 cross-entropy: micro x seq x vocab / TP x (value + 8) bytes;
+- the output head's loss. Fused (`model.fused_loss`, the default): one chunk's logits, c x vocab /
+  TP x (4 + value, the matmul's output before the fp32 copy in half precision), the head's gradient
+  accumulated in fp32 (vocab / TP x h x (4 + value)) and the hidden states' (micro x seq x h x value),
+  with c the chunk's tokens (`model.loss_chunk_tokens`, or what fits 256 MiB of fp32 logits);
+  unfused: micro x seq x vocab / TP x (value + 8), the logits and the fp32 softmax the backward keeps;
 - 0.5 GiB for the framework (torch, DeepSpeed, buffers).
 
 An estimate, not a measurement (within a factor of about 2 of the peak for the shipped
@@ -66,7 +70,7 @@ class MemoryEstimate:
             "weights, gradients and Adam": self.model_states,
             "activations": self.activations,
             "attention scores": self.attention,
-            "logits": self.logits,
+            "logits and loss": self.logits,
         }
 
     def text(self) -> str:
@@ -119,11 +123,26 @@ def estimate_memory(cfg: RunConfig, world_size: int, vocab: int, *, cuda: bool) 
     if materialised:
         kept = 1 if m.activation_checkpointing else layers
         attention = kept * b * (m.num_attention_heads / tp) * s * s * 2 * value + b * s * s
-    logits = b * s * vocab / tp * (value + 8)
+    logits = loss_bytes(cfg, vocab)
     processes = _processes_here(world_size)
     return MemoryEstimate(
         int(states), int(activations), int(attention), int(logits), FRAMEWORK_BYTES, processes, vocab
     )
+
+
+def loss_bytes(cfg: RunConfig, vocab: int) -> int:
+    """Bytes the output head's loss adds on one process (see the module doc): fused or not."""
+    from megatron_lev.parallel.fused_cross_entropy import chunk_tokens_for
+
+    m, t = cfg.model, cfg.train
+    value = 2 if t.precision in ("bf16", "fp16") else 4
+    rows = vocab / cfg.parallel.tensor_model_parallel_size
+    tokens = t.micro_batch_size * m.seq_length
+    if not m.fused_loss:
+        return int(tokens * rows * (value + 8))
+    chunk = min(m.loss_chunk_tokens or chunk_tokens_for(int(rows), tokens), tokens)
+    half_copy = 0 if value == 4 else value  # in half precision the matmul's output and its fp32 copy
+    return int(chunk * rows * (4 + half_copy) + rows * m.hidden_size * (4 + half_copy) + tokens * m.hidden_size * value)
 
 
 def check_memory(
@@ -166,10 +185,11 @@ def advice(est: MemoryEstimate, cfg: RunConfig) -> str:
             f"lower model.seq_length or train.micro_batch_size ({shape}: the scores grow with the square of "
             "the sequence), or set data.reset_attention_mask=false and model.attention_dropout=0"
         )
-    if largest == "logits":
+    if largest == "logits and loss":
         return (
-            f"lower train.micro_batch_size or model.seq_length ({shape} x a vocabulary of {est.vocab:,}), or "
+            f"lower train.micro_batch_size or model.seq_length ({shape} x a vocabulary of {est.vocab:,}), "
             "raise parallel.tensor_model_parallel_size"
+            + (", or set model.fused_loss=true" if not cfg.model.fused_loss else "")
         )
     return (
         f"choose a smaller model (model.hidden_size={m.hidden_size}, model.num_layers={m.num_layers}), raise "

@@ -62,6 +62,8 @@ FREE_KEYS = frozenset(
         "model.name",
         "model.activation_checkpointing",
         "model.checkpoint_num_layers",
+        "model.fused_loss",
+        "model.loss_chunk_tokens",
         "model.lev.chunk_size",
         "model.lev.recompute",
         "model.hidden_dropout",

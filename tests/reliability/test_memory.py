@@ -126,8 +126,13 @@ TRAIN_REFUSED = [
         id="seq-length-2M-on-cpu",
     ),
     pytest.param(
+        {"model.seq_length": 200_000, "train.micro_batch_size": 64, "model.fused_loss": False},
+        [r"logits and loss", r"lower train\.micro_batch_size or model\.seq_length", r"model\.fused_loss=true"],
+        id="micro-batch-64-x-seq-200k-unfused-on-cpu",
+    ),
+    pytest.param(  # fused, the loss is small: what is refused is the activations
         {"model.seq_length": 200_000, "train.micro_batch_size": 64},
-        [r"logits", r"lower train\.micro_batch_size or model\.seq_length"],
+        [r"activations", r"lower model\.seq_length or train\.micro_batch_size"],
         id="micro-batch-64-x-seq-200k-on-cpu",
     ),
     pytest.param(
