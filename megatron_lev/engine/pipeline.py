@@ -81,7 +81,9 @@ class FusedPipelineLoss:
 
     def __call__(self, hidden: torch.Tensor, labels) -> torch.Tensor:
         if self.head is None:
-            raise RuntimeError("FusedPipelineLoss: no head on this stage (bind it to the last stage's module)")
+            raise RuntimeError(
+                "FusedPipelineLoss: no head on this stage (bind it to the last stage's module)"
+            )
         loss_mask = None
         if isinstance(labels, (tuple, list)):
             labels, loss_mask = labels

@@ -85,4 +85,6 @@ class VocabParallelHead(nn.Module):
         inside this module's forward so that whatever gathers its weight (ZeRO-3) sees the use."""
         if labels is None:
             return vocab_parallel_logits(hidden, self.weight, self.layout)  # (B, S, V/tp)
-        return vocab_parallel_loss(hidden, self.weight, labels, vocab_size, loss_mask, chunk_tokens, self.layout)
+        return vocab_parallel_loss(
+            hidden, self.weight, labels, vocab_size, loss_mask, chunk_tokens, self.layout
+        )

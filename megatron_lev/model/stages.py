@@ -99,7 +99,9 @@ class EmbeddingStage(nn.Module):
 
     def head_loss(self, hidden, labels, vocab_size=None, loss_mask=None, chunk_tokens=None):
         """The tied head fused with its loss: `(mean (), per-token losses (B, S))` (`vocab_parallel_loss`)."""
-        return vocab_parallel_loss(hidden, self.tied_weight, labels, vocab_size, loss_mask, chunk_tokens, self.layout)
+        return vocab_parallel_loss(
+            hidden, self.tied_weight, labels, vocab_size, loss_mask, chunk_tokens, self.layout
+        )
 
     def head_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """A pipeline's last stage with the fused loss: the hidden state passes on to `loss_fn`."""

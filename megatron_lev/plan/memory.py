@@ -142,7 +142,11 @@ def loss_bytes(cfg: RunConfig, vocab: int) -> int:
         return int(tokens * rows * (value + 8))
     chunk = min(m.loss_chunk_tokens or chunk_tokens_for(int(rows), tokens), tokens)
     half_copy = 0 if value == 4 else value  # in half precision the matmul's output and its fp32 copy
-    return int(chunk * rows * (4 + half_copy) + rows * m.hidden_size * (4 + half_copy) + tokens * m.hidden_size * value)
+    return int(
+        chunk * rows * (4 + half_copy)
+        + rows * m.hidden_size * (4 + half_copy)
+        + tokens * m.hidden_size * value
+    )
 
 
 def check_memory(

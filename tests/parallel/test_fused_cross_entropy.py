@@ -41,7 +41,9 @@ def test_fused_loss_and_gradients_equal_the_logits_path(vocab, masked, chunk):
     target = torch.randint(0, vocab, (B, S), generator=g)
     mask = {"none": None, "some": torch.rand(B, S, generator=g) > 0.3, "all": torch.zeros(B, S)}[masked]
     ref = _unfused(hidden, weight, target, vocab, mask)
-    ref_grads = torch.autograd.grad(ref * 0.37, (hidden, weight))  # 0.37: an upstream scale (1 / accumulation)
+    ref_grads = torch.autograd.grad(
+        ref * 0.37, (hidden, weight)
+    )  # 0.37: an upstream scale (1 / accumulation)
     mean, losses = fused_linear_cross_entropy(
         hidden, weight, target, vocab, layout=SINGLE, loss_mask=mask, chunk_tokens=chunk
     )
@@ -156,7 +158,9 @@ def test_tp2_fused_matches_the_logits_path_and_one_process():
             assert loss == pytest.approx(tp_loss, rel=REL) and loss == pytest.approx(ref_loss, rel=1e-5)
             for name, ref in tp_grads.items():
                 _close(grads[name], ref, what=f"TP=2 rank {rank} {embedding} {name}")
-        cfg = load_config(None, SMALL + [f"model.embedding={embedding}", "parallel.tensor_model_parallel_size=2"])
+        cfg = load_config(
+            None, SMALL + [f"model.embedding={embedding}", "parallel.tensor_model_parallel_size=2"]
+        )
         spec = canonical_state_dict_spec(cfg.model, VOCAB, true_vocab_size=TOKENS)
         for name, ref in ref_grads.items():
             merged = merge_tp_shards(spec[name], [results[r][embedding][0][1][name] for r in range(2)])
@@ -211,7 +215,10 @@ def _pp_worker(embeddings):
                 "gradient_clipping": 0.0,
             }
             engine, optimizer, *_ = deepspeed.initialize(
-                model=pipe, optimizer=_GradRecorder(pipe.parameters()), config=ds_config, dist_init_required=False
+                model=pipe,
+                optimizer=_GradRecorder(pipe.parameters()),
+                config=ds_config,
+                dist_init_required=False,
             )
             loss = engine.train_batch(iter(batches)).item()
             names = [n for stage in stage_modules(pipe) for n, _ in stage.named_parameters()]
@@ -233,6 +240,8 @@ def test_pp2_fused_matches_the_logits_path():
             )
             # the last stage holds the head (tied: its copy of the table; the first stage holds the other)
             assert bound == (rank == 1 or embedding == "tied")
-            assert loss == pytest.approx(ref_loss, rel=REL) and n == ref_n and len(grads) == len(ref_grads) > 0
+            assert (
+                loss == pytest.approx(ref_loss, rel=REL) and n == ref_n and len(grads) == len(ref_grads) > 0
+            )
             for i, (got, ref) in enumerate(zip(grads, ref_grads, strict=True)):
                 _close(got, ref, what=f"PP=2 rank {rank} {embedding} parameter {i}")

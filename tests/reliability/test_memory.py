@@ -127,7 +127,11 @@ TRAIN_REFUSED = [
     ),
     pytest.param(
         {"model.seq_length": 200_000, "train.micro_batch_size": 64, "model.fused_loss": False},
-        [r"logits and loss", r"lower train\.micro_batch_size or model\.seq_length", r"model\.fused_loss=true"],
+        [
+            r"logits and loss",
+            r"lower train\.micro_batch_size or model\.seq_length",
+            r"model\.fused_loss=true",
+        ],
         id="micro-batch-64-x-seq-200k-unfused-on-cpu",
     ),
     pytest.param(  # fused, the loss is small: what is refused is the activations

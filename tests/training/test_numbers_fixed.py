@@ -20,6 +20,11 @@ A change that means to move numbers records a new reference and says why in its 
 `python -m tests.training.test_numbers_fixed --write [RUN ...]` (the named runs only, else all),
 on this machine's arithmetic (`updated_reference` says when the other CPUs' sets are kept).
 
+The fused head + loss (`model.fused_loss`, the default since it was added) is checked against the
+same numbers within `FUSED_TOLERANCE`; the pinned runs set `model.fused_loss=false`, the path they
+were recorded on (their numbers on the AMD family 26 CPU were recorded by the code before the fused
+loss existed, and the logits path reproduces them bit for bit).
+
 History: the TP = 2 run was re-recorded when LEV's reference ids, digit base and token order
 became those of the vocabulary padded for one process (before, TP = 2 spread the reference ids over
 its own padding, 50,432 rows instead of 50,304); the one-process runs are the lanes' reference.
@@ -54,10 +59,13 @@ LEV = {
     ),
     "model.lev.seed_clip_grad": 0.02,
 }
+# the logits path the numbers were recorded on; the fused default is checked against them within
+# FUSED_TOLERANCE (test_the_fused_loss_tracks_the_recorded_numbers)
+UNFUSED = {"model.fused_loss": False}
 RUNS = {
-    "tied": (1, {"model.embedding": "tied"}),
-    "lev-seedclip": (1, LEV),
-    "lev-seedclip-tp2": (2, {**LEV, "parallel.tensor_model_parallel_size": 2}),
+    "tied": (1, {"model.embedding": "tied", **UNFUSED}),
+    "lev-seedclip": (1, {**LEV, **UNFUSED}),
+    "lev-seedclip-tp2": (2, {**LEV, "parallel.tensor_model_parallel_size": 2, **UNFUSED}),
 }
 FIELDS = ("loss", "grad_norm", "clipped", "lr")
 # relative, TP = 2 against one process: it reduces in another order, nothing more. Measured when
@@ -131,8 +139,9 @@ def _numbers(out: Path) -> list[dict]:
     return keep
 
 
-def run_numbers(name: str, prefix: str, tokenizer: str, work: Path) -> list[dict]:
+def run_numbers(name: str, prefix: str, tokenizer: str, work: Path, **change) -> list[dict]:
     nproc, extra = RUNS[name]
+    extra = {**extra, **change}
     out = work / name
     over = tiny_overrides(
         prefix,
@@ -170,6 +179,39 @@ def test_training_numbers_equal_the_recorded_reference(name, minipile_prefix, to
         "CPU_TOLERANCE, not bit for bit (record it: python -m tests.training.test_numbers_fixed --write)",
         stacklevel=1,
     )
+
+
+# relative, the fused head + loss (the default) against the logits path the numbers were recorded on:
+# the same arithmetic, the head's gradient summed over chunks. Measured when added (3 chunks, 30 steps,
+# AMD family 26): loss 1.9e-7 at most; gradient norms 4.9e-7 (TIED), 6.1e-5 (LEV; its seed group's
+# 1.2e-4, the group whose norm jumps 100-fold between steps). One chunk gives the logits path's bits.
+FUSED_TOLERANCE = {
+    "loss": 1e-5,
+    "grad_norm": 2e-3,
+    "grad_norm/clip/global": 2e-3,
+    "grad_norm/clip/lev_seed": 2e-3,
+}
+
+
+# the default loss, in chunks of 24 of the 64 tokens of a micro-batch (one chunk, the default
+# here, runs the very matmuls of the logits path)
+FUSED = {"model.fused_loss": True, "model.loss_chunk_tokens": 24}
+
+
+@pytest.mark.parametrize("name", ["tied", "lev-seedclip"])
+def test_the_fused_loss_tracks_the_recorded_numbers(name, minipile_prefix, tokenizer_path, tmp_path):
+    """`model.fused_loss=true` (the default) trains the recorded runs within FUSED_TOLERANCE of their
+    numbers on the logits path, with the same clip decisions and rates over all 30 steps: this
+    machine's set when it is recorded, else the primary set (then with the cross-CPU tolerance added)."""
+    primary, sets = load_reference()
+    here = arithmetic()
+    ref = sets.get(here, sets[primary])[name]
+    tolerance = FUSED_TOLERANCE
+    if here not in sets:
+        tolerance = {k: v + CPU_TOLERANCE.get(k, 0) for k, v in FUSED_TOLERANCE.items()}
+    rows = run_numbers(name, minipile_prefix, tokenizer_path, tmp_path, **FUSED)
+    bad = _within(rows, ref, tolerance)
+    assert not bad, f"{name} fused: " + "; ".join(bad[:5])
 
 
 def test_tp2_lev_tracks_the_one_process_run():
