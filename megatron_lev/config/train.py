@@ -14,7 +14,10 @@ from megatron_lev.config.ranges import FRACTION, SEED, K, M, Range, check_fields
 from megatron_lev.errors import ConfigError, check_choice
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-LR_DECAY_STYLES = ("cosine", "linear", "constant")
+LR_DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
+# the shape of WSD's decay stage: from lr to min_lr over its iterations (progress p from 0 to 1)
+#   linear 1 - p; cosine (1 + cos(pi p)) / 2; minus_sqrt 1 - sqrt(p) (Hagele et al., 2024)
+WSD_DECAY_STYLES = ("linear", "cosine", "minus_sqrt")
 GLOBAL_CLIP_GROUP = "global"  # every parameter no clip group names
 
 
@@ -62,6 +65,13 @@ class TrainConfig:
     lr_decay_style: str = "cosine"
     lr_warmup_iters: int | None = ranged(None, count(lo=0))
     lr_warmup_fraction: float = ranged(0.01, FRACTION)
+    # lr_decay_style=wsd: warm-up, lr held constant, then a decay stage to min_lr over the last
+    # lr_wsd_decay_iters iterations (None: lr_wsd_decay_fraction of them), shaped by lr_wsd_decay_style
+    lr_wsd_decay_iters: int | None = ranged(None, count("or null for train.lr_wsd_decay_fraction", lo=0))
+    lr_wsd_decay_fraction: float = ranged(
+        0.1, Range(0, 1, why="the share of the run spent decaying, e.g. 0.1")
+    )
+    lr_wsd_decay_style: str = "linear"  # one of WSD_DECAY_STYLES
     weight_decay: float = ranged(0.1, Range(0, cap=100))
     adam_beta1: float = ranged(0.9, FRACTION)
     adam_beta2: float = ranged(0.95, FRACTION)
@@ -137,6 +147,7 @@ class TrainConfig:
                 )
         check_choice("train.precision", self.precision, PRECISIONS)
         check_choice("train.lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
+        check_choice("train.lr_wsd_decay_style", self.lr_wsd_decay_style, WSD_DECAY_STYLES)
         if self.train_iters is None and self.train_tokens is None and not self.chinchilla:
             raise ConfigError("set one of train.train_iters, train.train_tokens or train.chinchilla=true")
         if self.min_lr > self.lr:

@@ -82,6 +82,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             sum_exp = _all_reduce(exp.sum(dim=-1), layout)  # (c,)
             losses[lo:hi] = sum_exp.log() - target_logit
             if not (want_h or want_w):
+                del logits, exp  # free this chunk's buffer before the next one is made
                 continue
             grad = exp.div_(sum_exp.unsqueeze(-1))  # softmax, then minus the one-hot target
             grad.scatter_add_(-1, tgt.unsqueeze(-1), (~out).to(grad.dtype).unsqueeze(-1).neg())
@@ -96,20 +97,26 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 grad_weight.addmm_(grad.t(), h)  # (V/tp, D), accumulated in place
             elif want_w:
                 grad_weight.add_(grad.t() @ h)  # half precision: summed in fp32
+            del logits, exp, grad  # free this chunk's buffer before the next one is made
         mean = losses.mean() if loss_mask is None else (losses * loss_mask.to(losses.dtype)).sum() / count
-        ctx.save_for_backward(
-            grad_hidden if want_h else None, grad_weight.to(weight.dtype) if want_w else None
-        )
+        # kept as attributes, not saved tensors: neither is an input or output, and the backward scales
+        # them in place and hands them on (no second copy of the head's gradient)
+        ctx.grads = [grad_hidden, grad_weight.to(weight.dtype) if want_w else None]
         ctx.mark_non_differentiable(losses)
         return mean, losses
 
     @staticmethod
     def backward(ctx, grad_mean, _grad_losses):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        scale = grad_mean
-        gh = grad_hidden * scale.to(grad_hidden.dtype) if grad_hidden is not None else None
-        gw = grad_weight * scale.to(grad_weight.dtype) if grad_weight is not None else None
-        return gh, gw, None, None, None, None, None, None
+        if ctx.grads is None:
+            raise RuntimeError(
+                "the fused cross-entropy's backward ran twice: its gradients were handed on the first "
+                "time (retain_graph is not supported; set model.fused_loss=false for that)"
+            )
+        grads, ctx.grads = ctx.grads, None
+        for g in grads:
+            if g is not None:
+                g.mul_(grad_mean.to(g.dtype))  # the upstream scale: loss scale, 1 / accumulation steps
+        return grads[0], grads[1], None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(

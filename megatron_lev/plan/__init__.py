@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_lev.ckpt.layout import list_checkpoints
+from megatron_lev.ckpt.layout import iteration_of, list_checkpoints
 from megatron_lev.config import GLOBAL_CLIP_GROUP, ClipGroupRule, ParamGroupRule, RunConfig
 from megatron_lev.data.manifest import manifest_path
 from megatron_lev.errors import ConfigError
@@ -237,7 +237,11 @@ def with_id_order_counts(cfg: RunConfig) -> RunConfig:
 def _has_checkpoint(cfg: RunConfig) -> bool:
     """Whether the run's save or load directory holds a complete checkpoint (it would resume)."""
     save = cfg.train.save or str(Path(cfg.logging.output_dir) / "checkpoints")  # as the trainer does
-    return any(c.complete for root in (save, cfg.train.load) if root for c in list_checkpoints(root))
+    load = cfg.train.load
+    if load and iteration_of(Path(load).name) is not None:  # train.load names one checkpoint
+        named = any(c.complete and c.tag == Path(load).name for c in list_checkpoints(Path(load).parent))
+        return named or any(c.complete for c in list_checkpoints(save))
+    return any(c.complete for root in (save, load) if root for c in list_checkpoints(root))
 
 
 def _memory_rules(cfg: RunConfig, world_size: int, padded_vocab: int, cuda: bool) -> None:

@@ -194,6 +194,21 @@ def _resolved(path: str | os.PathLike) -> Path:
     return Path(os.path.realpath(os.path.expanduser(os.fspath(path))))
 
 
+def _named_tag(load_dir) -> str | None:
+    """The tag `train.load` names when it is one checkpoint (`<save>/iter_0001000`), else None."""
+    if not load_dir:
+        return None
+    path = Path(load_dir)
+    if iteration_of(path.name) is None:
+        return None
+    if not path.is_dir():
+        raise CheckpointDataError(
+            f"train.load={load_dir} names checkpoint {path.name}, which does not exist: give an existing "
+            "tag directory, or the save directory to resume from its latest checkpoint"
+        )
+    return path.name
+
+
 def choose_start(
     load_dir: str | os.PathLike | None,
     save_dir: str | os.PathLike | None,
@@ -205,17 +220,33 @@ def choose_start(
     """Collective: the newest checkpoint that verifies, looked for in `save_dir` first (a requeued run
     continues its own checkpoints), then `load_dir`; damaged ones are named and skipped. With none,
     checks that starting from scratch loses nothing (`engine_files`: what the engine writes beside
-    its tags, `Engine.owned_files()`). Directories are compared resolved: a relative path or a
-    symlink naming `save_dir` is the same directory. With `cfg`, the checkpoint's config and
-    provenance are compared with the run's (`provenance`: the run's record, if already built)."""
+    its tags, `Engine.owned_files()`). `load_dir` may name one checkpoint (`<save>/iter_0001000`): that
+    one is taken, not its directory's latest (a branch from it); the run's own `save_dir` still comes
+    first, so a requeued branch continues its own checkpoints. Directories are compared resolved: a
+    relative path or a symlink naming `save_dir` is the same directory. With `cfg`, the checkpoint's
+    config and provenance are compared with the run's (`provenance`: the run's record, if already
+    built)."""
     roots: list[Path] = []
+    chosen: dict[Path, str] = {}  # a root whose one tag train.load names (a branch from it)
+    load_tag = _named_tag(load_dir)
+    if load_tag is not None:
+        load_dir = Path(load_dir).parent
+        if save_dir and _resolved(load_dir) == _resolved(save_dir):
+            raise CheckpointDataError(
+                f"train.load names checkpoint {load_tag} of train.save={save_dir} itself: a branch from one "
+                "checkpoint saves into a directory of its own; set train.save to a new directory"
+            )
+        chosen[_resolved(load_dir)] = load_tag
     for d in (save_dir, load_dir):
         if d and all(_resolved(d) != _resolved(r) for r in roots):
             roots.append(Path(d))
     if save_dir and ranks.rank() == 0:
         empty_trash(save_dir)  # what a prune killed part-way left (this run's lock owns the directory)
     for root in roots:
-        tags, notes = resume_candidates(root)
+        if _resolved(root) in chosen:
+            tags, notes = [chosen[_resolved(root)]], []
+        else:
+            tags, notes = resume_candidates(root)
         if ranks.rank() == 0:
             for note in notes:
                 log.warning("%s", note)

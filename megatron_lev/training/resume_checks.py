@@ -79,6 +79,20 @@ DATA, TOKENIZER = "data", "tokenizer"  # --allow-change names for the provenance
 # where the data and the tokenizer are: compared by content (provenance.json's digests), not as strings,
 # when the checkpoint records its provenance; a copy of the same shards elsewhere resumes exactly
 CONTENT_KEYS = frozenset({"data.data_path", "data.valid_data_path", "data.tokenizer_path"})
+# the learning-rate schedule: a change that keeps the rate of every update before the checkpoint is a
+# branch (a cool-down from a constant-rate checkpoint, say) and is allowed; any other needs --allow-change
+SCHEDULE_KEYS = frozenset(
+    {
+        "train.lr",
+        "train.min_lr",
+        "train.lr_decay_style",
+        "train.lr_warmup_iters",
+        "train.lr_warmup_fraction",
+        "train.lr_wsd_decay_iters",
+        "train.lr_wsd_decay_fraction",
+        "train.lr_wsd_decay_style",
+    }
+)
 EXACT_KEYS = frozenset({"model.seq_length"})  # under a fixed prefix, yet allowed by --allow-change
 FIXED_PREFIXES = ("model.",)
 FIXED_KEYS = frozenset(
@@ -136,12 +150,16 @@ def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[tuple[s
 
 
 def judge(
-    diffs: list[tuple[str, Any, Any]], allow: frozenset[str] | set[str]
+    diffs: list[tuple[str, Any, Any]], allow: frozenset[str] | set[str], branch: str | None = None
 ) -> tuple[list[str], list[str], list[str]]:
-    """Split differing keys into (log lines, refused fixed keys, refused exact keys)."""
+    """Split differing keys into (log lines, refused fixed keys, refused exact keys). `branch`: why
+    the schedule keys' changes keep every past rate (`schedule_branch`), None when they do not."""
     lines, fixed, exact = [], [], []
     for key, old, new in diffs:
         kind = kind_of(key)
+        if key in SCHEDULE_KEYS and branch and key not in allow:
+            lines.append(f"  {key}: {old!r} -> {new!r} (allowed: {branch})")
+            continue
         if kind == "fixed":
             fixed.append(key)
             verdict = "refused: the checkpoint's weights or optimizer states were saved with the old value"
@@ -185,7 +203,10 @@ def check_resume_config(path: str | os.PathLike, cfg, allow=(), saved: SavedBatc
             )
     if not diffs:
         return
-    lines, fixed, exact = judge(diffs, frozenset(allow))
+    branch = None
+    if any(k in SCHEDULE_KEYS for k, _, _ in diffs):
+        branch = schedule_branch(stored, cfg, Path(path).name, saved)
+    lines, fixed, exact = judge(diffs, frozenset(allow), branch)
     if ranks.rank() == 0:
         log.warning("the config differs from the checkpoint's (%s):\n%s", stored_file, "\n".join(lines))
     if fixed:
@@ -201,6 +222,41 @@ def check_resume_config(path: str | os.PathLike, cfg, allow=(), saved: SavedBatc
             f"cannot resume exactly from {path}: {', '.join(exact)} differ from the checkpoint's config "
             f"({stored_file}): restore them, or pass {flags} to accept a resume that is not exact"
         )
+
+
+def schedule_branch(stored: dict, cfg, tag: str, saved: SavedBatch | None) -> str | None:
+    """Why resuming checkpoint `tag` (saved under config `stored`) with `cfg`'s schedule is a branch:
+    every update before the checkpoint's iteration had the rate `cfg`'s schedule gives it (a
+    `train.lr_decay_style=wsd` decay that starts at or after it, say); None when one did not, or when
+    the lengths need the parameter count (`train.chinchilla`)."""
+    from megatron_lev.ckpt.layout import iteration_of
+    from megatron_lev.config import TrainConfig
+    from megatron_lev.config.load import from_dict
+    from megatron_lev.errors import ConfigError
+    from megatron_lev.training.schedule import learning_rate, training_budget
+
+    iteration = iteration_of(tag)
+    try:
+        old_train = from_dict(TrainConfig, stored.get("train"), "train")
+    except ConfigError:
+        return None
+    new_train = cfg.train
+    if iteration is None or old_train.chinchilla or new_train.chinchilla:
+        return None
+    seq = cfg.model.seq_length
+    batch = saved.global_batch if saved is not None else new_train.global_batch_size
+    if batch is None:
+        return None
+    old_total = training_budget(old_train, batch, seq, 0).train_iters
+    new_total = training_budget(new_train, batch, seq, 0).train_iters
+    for i in range(iteration):
+        a, b = learning_rate(i, old_train, old_total), learning_rate(i, new_train, new_total)
+        if abs(a - b) > 1e-12 * max(abs(a), abs(b)):
+            return None
+    return (
+        f"a branch: the {iteration:,} updates before the checkpoint had the rates this schedule gives "
+        f"them; it differs from iteration {iteration:,} on"
+    )
 
 
 def _records_provenance(path: Path) -> bool:

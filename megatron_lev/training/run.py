@@ -26,6 +26,7 @@ from torch import nn
 
 from megatron_lev.ckpt.io import check_save_dir
 from megatron_lev.ckpt.provenance import run_provenance
+from megatron_lev.ckpt.record import read_stored_config
 from megatron_lev.config import RunConfig
 from megatron_lev.data.batches import make_loader, token_batches
 from megatron_lev.engine.build import build_model
@@ -209,7 +210,7 @@ def build(
     embedding = find_input_embedding(model)
     probe = EmbeddingProbe(embedding) if embedding is not None else None
     engine = build_engine(plan, model, run.layout)
-    data = build_data(run, plan, budget, start, tokenizer, allow_changes)
+    data = build_data(run, plan, budget, start, tokenizer, allow_changes, n_params)
     writer = MetricsWriter(run.out, enabled=run.rank == 0, tensorboard=cfg.logging.tensorboard)
     checkpointer = Checkpointer.from_config(cfg.train, run.save_dir, load_dir)
     checkpointer.provenance = start.provenance
@@ -279,7 +280,28 @@ def log_model(plan: RunPlan, n_params: int, budget) -> None:
     )
 
 
-def build_data(run: RunSetup, plan: RunPlan, budget, start: _Start, tokenizer, allow_changes=()) -> TrainData:
+def checkpoint_samples(resume: StartPoint, seq_length: int, n_params: int) -> int:
+    """Training samples the checkpoint's own run built its data order for (its config's length x its
+    global batch), 0 when unknown: a resume with a shorter `train.train_iters` (a cool-down branch)
+    builds at least as many, so it draws the batches that run would have drawn, not a reshuffle."""
+    from megatron_lev.config import TrainConfig
+    from megatron_lev.config.load import from_dict
+
+    if resume.root is None or resume.saved is None:
+        return 0
+    stored = read_stored_config(resume.root / resume.tag)
+    try:
+        train = from_dict(TrainConfig, (stored or {}).get("train"), "train")
+        return training_budget(train, resume.saved.global_batch, seq_length, n_params).train_iters * (
+            resume.saved.global_batch
+        )
+    except ConfigError:  # an older or odd stored config: this run's own length decides
+        return 0
+
+
+def build_data(
+    run: RunSetup, plan: RunPlan, budget, start: _Start, tokenizer, allow_changes=(), n_params: int = 0
+) -> TrainData:
     """The training and validation micro-batches of this rank's data-parallel slice (`run.layout`)."""
     from megatron_lev.data.boundaries import DocumentLayout
     from megatron_lev.data.gpt_dataset import build_train_valid_test_datasets
@@ -290,6 +312,8 @@ def build_data(run: RunSetup, plan: RunPlan, budget, start: _Start, tokenizer, a
     if resume.saved is not None and resume.saved.global_batch != global_batch:  # a changed batch (allowed)
         done = min(resume.iteration, budget.train_iters)
         n_train = max(n_train, done * resume.saved.global_batch + (budget.train_iters - done) * global_batch)
+    if resume.saved is not None and resume.saved.global_batch == global_batch:
+        n_train = max(n_train, checkpoint_samples(resume, cfg.model.seq_length, n_params))
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
         cfg.data,
         cfg.model.seq_length,

@@ -57,21 +57,44 @@ def warmup_iters(train: TrainConfig, total_iters: int) -> int:
     return int(round(train.lr_warmup_fraction * total_iters))
 
 
+def wsd_decay_iters(train: TrainConfig, total_iters: int) -> int:
+    """Iterations of WSD's decay stage: train.lr_wsd_decay_iters, else that fraction of the run."""
+    if train.lr_wsd_decay_iters is not None:
+        return min(train.lr_wsd_decay_iters, total_iters)
+    return int(round(train.lr_wsd_decay_fraction * total_iters))
+
+
+def _decay_factor(style: str, progress: float) -> float:
+    """From 1 at progress 0 to 0 at progress 1."""
+    if style == "linear":
+        return 1.0 - progress
+    if style == "minus_sqrt":
+        return 1.0 - math.sqrt(progress)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+
+
 def learning_rate(iteration: int, train: TrainConfig, total_iters: int) -> float:
     """LR for the update that produces iteration `iteration + 1` (0-based: the first update uses it=0).
 
     Linear warmup from lr/warmup to lr over the warmup iterations, then cosine, linear
-    or constant decay to min_lr at `total_iters`, min_lr afterwards.
+    or constant decay to min_lr at `total_iters`, min_lr afterwards. `wsd` (warmup-stable-decay):
+    lr until the last `wsd_decay_iters` iterations, which decay it to min_lr in the shape of
+    train.lr_wsd_decay_style; a constant-rate checkpoint of such a run branches into its own decay
+    by a resume with a shorter train.train_iters (the rate before the checkpoint is unchanged).
     """
     warm = warmup_iters(train, total_iters)
     if warm > 0 and iteration < warm:
         return train.lr * (iteration + 1) / warm
     if train.lr_decay_style == "constant":
         return train.lr
+    if train.lr_decay_style == "wsd":
+        decay = wsd_decay_iters(train, total_iters)
+        start = max(total_iters - decay, warm)
+        if iteration < start:
+            return train.lr
+        progress = min(1.0, (iteration - start + 1) / max(1, total_iters - start))
+        return train.min_lr + (train.lr - train.min_lr) * _decay_factor(train.lr_wsd_decay_style, progress)
     decay_iters = max(1, total_iters - warm)
     progress = min(1.0, (iteration - warm) / decay_iters)
-    if train.lr_decay_style == "linear":
-        factor = 1.0 - progress
-    else:  # cosine
-        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    factor = _decay_factor(train.lr_decay_style, progress)
     return train.min_lr + (train.lr - train.min_lr) * factor
