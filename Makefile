@@ -4,10 +4,15 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
+# DeepSpeed's accelerator: CPU on a machine without an NVIDIA GPU; on a GPU node it is left to
+# DeepSpeed (CUDA), so `make demo` there trains on the GPUs. The tests always run on the CPU.
+HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+ifeq ($(HAVE_GPU),)
 export DS_ACCELERATOR ?= cpu
+endif
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
-.PHONY: setup system-packages demo test test-quick lint bench
+.PHONY: setup system-packages demo test test-quick lint bench accelerator
 setup:
 	@VENV=$(VENV) scripts/setup_env.sh
 
@@ -21,13 +26,13 @@ demo: setup
 # Two pytest-xdist workers (CI has two cores), tests dealt out one by one.
 TEST_WORKERS ?= 2
 test: setup system-packages
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist load
+	DS_ACCELERATOR=cpu $(PY) -m pytest tests -n $(TEST_WORKERS) --dist load
 
 # The quick tier, on one process: leaves out the tests marked multiprocess (gloo process groups),
 # slurm (the Slurm daemons) and slow (trainings and subprocess pipelines: tests/conftest.py).
 QUICK_MARKERS := not multiprocess and not slurm and not slow
 test-quick: setup system-packages
-	$(PY) -m pytest tests -m "$(QUICK_MARKERS)" -q
+	DS_ACCELERATOR=cpu $(PY) -m pytest tests -m "$(QUICK_MARKERS)" -q
 
 LINT_PATHS := megatron_lev studies tests tools pretrain benchmarks
 lint: setup
@@ -36,3 +41,7 @@ lint: setup
 
 bench: setup
 	$(PY) benchmarks/run_all.py
+
+# what the targets above give DeepSpeed as its accelerator on this machine
+accelerator:
+	@echo "DS_ACCELERATOR=$${DS_ACCELERATOR:-unset (DeepSpeed chooses: CUDA on a GPU node)}"

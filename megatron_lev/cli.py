@@ -111,12 +111,25 @@ def main(argv: list[str] | None = None) -> int:
     )
 
 
-def entry() -> None:
-    """The process's entry point (`megatron-lev`, `python -m megatron_lev`): `main`, then the exit.
-    A rank that left a group of several ranks ends through `parallel.session.end_process`, without
-    the interpreter's finalization (that module's docstring says why); any other process exits the
-    usual way. Code that runs a command in-process calls `main`."""
-    code = main()
+def entry(argv: list[str] | None = None) -> None:
+    """The process's entry point (`megatron-lev`, `python -m megatron_lev`, `pretrain/pretrain_gpt.py`):
+    `main`, then the exit. A rank that left a group of several ranks ends through
+    `parallel.session.end_process`, without the interpreter's finalization (that module's docstring
+    says why), also when an exception escapes `main` (a bug: its traceback is printed, status 1);
+    any other process exits the usual way. Code that runs a command in-process calls `main`."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # a command that exits by itself
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001 - a bug: say where, then leave as every exit does
+        import traceback
+
+        traceback.print_exc()
+        code = 1
     session = sys.modules.get("megatron_lev.parallel.session")  # never imported: no group was joined
     if session is not None:
         session.end_process(code)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from megatron_lev.cli import main  # noqa: E402
+from megatron_lev.cli import entry  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    entry(["train", *sys.argv[1:]])  # the clean multi-rank exit of `megatron-lev train`

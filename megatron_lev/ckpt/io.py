@@ -76,7 +76,8 @@ def capture_rng_state() -> dict[str, Any]:
             "gauss": float(np_gauss),
         },
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        # this rank's device only: a resume may see another number of GPUs per task than the save did
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": get_rng_tracker().get_states(),
     }
 
@@ -91,8 +92,12 @@ def restore_rng_state(states: dict[str, Any]) -> None:
         (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"])
     )
     torch.set_rng_state(states["torch"])
-    if states.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    cuda = states.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, (list, tuple)):  # saved before: every visible device's, the current one's used
+            here = torch.cuda.current_device()
+            cuda = cuda[here] if here < len(cuda) else cuda[0]
+        torch.cuda.set_rng_state(cuda)
     if states.get("tracker"):
         get_rng_tracker().set_states(states["tracker"])
 

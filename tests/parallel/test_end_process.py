@@ -86,3 +86,73 @@ def test_both_entry_points_end_through_cli_entry():
     (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "megatron-lev"]
     assert script.value == "megatron_lev.cli:entry"
     assert (ROOT / "megatron_lev" / "__main__.py").read_text().rstrip().endswith("entry()")
+
+
+BUGGY_RANK = textwrap.dedent(
+    """
+    import atexit, sys
+    import torch.distributed as dist
+    from megatron_lev import cli
+    from megatron_lev.parallel import session
+
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+
+    def main(argv=None):  # a command with a bug: the exception escapes after the group was joined
+        session.join("gloo", rank, world, "127.0.0.1", port, timeout_s=60)
+        dist.new_group(list(range(world)))  # held, as DeepSpeed holds its groups
+        session.shutdown()
+        raise ZeroDivisionError("a bug")
+
+    real_end = session.end_process
+
+    def end_process(code):  # the real one, after noting that the exit went through it
+        open(f"{out}/ended{rank}", "w").write(str(code))
+        real_end(code)
+
+    session.end_process = end_process
+    cli.main = main
+    atexit.register(lambda: open(f"{out}/atexit{rank}", "w").write("ran"))
+    cli.entry()
+    """
+)
+
+
+def test_an_exception_escaping_main_still_ends_every_rank_through_end_process(tmp_path):
+    """Before, `entry` ran `end_process` only when `main` returned: a bug's exception left the rank to
+    the interpreter's finalization (the abort the clean exit was added for). Now: its traceback,
+    status 1, atexit handlers run, no abort."""
+    port = find_free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BUGGY_RANK, str(rank), "2", str(port), str(tmp_path)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for rank, proc in enumerate(procs):
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, f"rank {rank}: exit {proc.returncode}\n{err[-3000:]}"
+        assert "ZeroDivisionError: a bug" in err and "terminate called" not in err, err[-3000:]
+        assert (tmp_path / f"atexit{rank}").read_text() == "ran"
+        assert (tmp_path / f"ended{rank}").read_text() == "1"  # left through end_process, status 1
+
+
+def test_pretrain_gpt_ends_through_cli_entry():
+    """`torchrun pretrain/pretrain_gpt.py` (the documented Megatron-style path) exits as `megatron-lev
+    train` does: through `cli.entry`, not `sys.exit(cli.main(...))`."""
+    import ast
+
+    tree = ast.parse((ROOT / "pretrain" / "pretrain_gpt.py").read_text())
+    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert "entry" in called and "main" not in called
+    out = subprocess.run(
+        [sys.executable, "pretrain/pretrain_gpt.py", "--config", "no-such.yaml"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0 and "no-such.yaml" in out.stderr and "Traceback" not in out.stderr

@@ -1080,3 +1080,35 @@ def test_sigkill_at_every_step_of_a_save_resumes_on_rerun(trained, data, tmp_pat
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_cuda_rng_saved_on_eight_gpus_restores_on_a_task_that_sees_one(tmp_path, monkeypatch):
+    """A save records this rank's CUDA generator only, and a checkpoint of the earlier format (every
+    visible device's state) restores on a task that sees fewer GPUs: the current device's entry.
+    Before, `set_rng_state_all` with 8 states on 1 visible GPU failed the resume. No GPU here: torch's
+    CUDA generator calls are replaced by a recorder of what the code asks of them."""
+    import torch
+
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.cuda, "get_rng_state", lambda device="cuda": torch.full((8,), 5, dtype=torch.uint8)
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda state, device="cuda": calls.__setitem__("set", state)
+    )
+
+    def one_device_only(states):
+        if len(states) != 1:
+            raise RuntimeError(f"{len(states)} states for 1 visible device")
+
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", one_device_only)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.zeros(8, dtype=torch.uint8)] * 8)
+    captured = ckio.capture_rng_state()
+    assert torch.equal(captured["cuda"], torch.full((8,), 5, dtype=torch.uint8))  # one state, not a list
+    old_format = {**captured, "cuda": [torch.full((8,), i, dtype=torch.uint8) for i in range(8)]}
+    ckio.restore_rng_state(old_format)  # 8 saved, 1 visible: the current device's (0) is taken
+    assert torch.equal(calls["set"], torch.zeros(8, dtype=torch.uint8))
+    ckio.restore_rng_state(captured)
+    assert torch.equal(calls["set"], torch.full((8,), 5, dtype=torch.uint8))
