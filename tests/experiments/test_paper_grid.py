@@ -157,3 +157,57 @@ def test_vocabulary_study_runs_read_their_own_data_variables():
     assert ': "${PILE_TOKENIZER_NEOX:?' in script and ': "${PILE_TOKENIZER:?' in script
     evals = evaluation_script(runs)
     assert 'EVAL_DATA="$PILE_VALID_NEOX"' in evals and "results/paper/400m-neox" in evals
+
+
+# the layouts of the paper configs before the fused loss: (micro-batch, activation checkpointing)
+LAYOUT_BEFORE = {"200m": (8, False), "400m": (8, False), "1.2b": (4, True)}
+GPUS = {"200m": 8, "400m": 16, "1.2b": 32}
+
+
+def _estimate(size: str, *overrides: str) -> float:
+    from megatron_lev.model.vocab import padded_vocab_size
+    from megatron_lev.plan.memory import estimate_memory
+
+    cfg = load_config([ROOT / PAPER_DIR / f"{size}.yaml"], list(overrides), validate=False)
+    vocab = padded_vocab_size(199_999, cfg.model, 1)
+    return estimate_memory(cfg, GPUS[size], vocab, cuda=False).per_process / 2**30
+
+
+def _layout(micro: int, gpus: int, checkpointing: bool) -> str:
+    return f"{micro} x {256 // (micro * gpus)}" + (", checkpointed" if checkpointing else "")
+
+
+def test_paper_memory_table_is_what_the_estimate_gives_and_every_layout_fits_with_room():
+    """docs/experiments.md's table, recomputed from the configs; every size's layout now is the largest
+    micro-batch whose estimate is at most 40 GiB (half an 80 GB GPU), without checkpointing."""
+    rows = []
+    for size, gpus in GPUS.items():
+        cfg = load_config([ROOT / PAPER_DIR / f"{size}.yaml"], validate=False)
+        micro, ac = cfg.train.micro_batch_size, cfg.model.activation_checkpointing
+        now = _estimate(size)
+        assert now <= 40 and not ac and cfg.model.fused_loss, (size, now)
+        bigger = 2 * micro
+        if 256 % (bigger * gpus) == 0:
+            assert _estimate(size, f"train.micro_batch_size={bigger}") > 40, f"{size}: micro {bigger} fits too"
+        logits = _estimate(size, "model.fused_loss=false")
+        b_micro, b_ac = LAYOUT_BEFORE[size]
+        before = _estimate(
+            size,
+            "model.fused_loss=false",
+            f"train.micro_batch_size={b_micro}",
+            f"model.activation_checkpointing={str(b_ac).lower()}",
+        )
+        rows.append(
+            f"| {size} | {gpus} | {_layout(micro, gpus, ac)} | {now:.1f} GiB | {logits:.1f} GiB "
+            f"| {_layout(b_micro, gpus, b_ac)} | {before:.1f} GiB |"
+        )
+    text = (ROOT / "docs" / "experiments.md").read_text()
+    start, end = "<!-- paper-memory-table -->\n", "<!-- /paper-memory-table -->"
+    body = text[text.index(start) + len(start) : text.index(end)].splitlines()
+    if os.environ.get("MEGATRON_LEV_WRITE_DOCS") == "1":  # regenerate the table in place
+        new = "\n".join(body[:2] + rows) + "\n"
+        (ROOT / "docs" / "experiments.md").write_text(
+            text[: text.index(start) + len(start)] + new + text[text.index(end) :]
+        )
+        return
+    assert body[2:] == rows
