@@ -8,11 +8,11 @@ its layer file, holds canonical (`GPTModel`) names. A stage with a `tied_key` be
 all-reduces its gradient between the two stages, so the copies stay identical.
 
 Batches are `((input_ids,), labels)`; `loss_fn` returns the mean per-token loss. With
-`model.fused_loss` (the default) the last layer passes the hidden state on (`DeferredHeadStage`, or
-the tied table's `head_hidden`) and `loss_fn` (`FusedPipelineLoss`) runs that layer's head fused with
-the cross-entropy, as `GPTModel` does; otherwise the last layer returns logits and `loss_fn` is
-`pipeline_loss` (`model.loss.lm_loss`). Every TP rank of the first and last stage reads its own data iterator:
-feed them the same batches.
+`model.fused_loss` (the default) the last layer passes the hidden state and its head's rows on
+(`DeferredHeadStage`, or the tied table's `head_hidden`) and `loss_fn` (`FusedPipelineLoss`) runs the
+head fused with the cross-entropy, as `GPTModel` does; otherwise the last layer returns logits and
+`loss_fn` is `pipeline_loss` (`model.loss.lm_loss`). Every TP rank of the first and last stage reads
+its own data iterator: feed them the same batches.
 
 Packed documents (`data.reset_position_ids`, `data.reset_attention_mask`, `data.eod_mask_loss`):
 the inputs are `(input_ids, position_ids, document_ids)`, each `(B, S)`, keeping only those
@@ -35,8 +35,9 @@ from torch import nn
 
 from megatron_lev.config import RunConfig
 from megatron_lev.engine.recompute import checkpointed
+from megatron_lev.model.head import vocab_parallel_loss
 from megatron_lev.model.loss import lm_loss, real_vocab_size
-from megatron_lev.model.stages import TIED_EMBEDDING, BlockStage, DeferredHeadStage, StageSpec, stage_specs
+from megatron_lev.model.stages import BlockStage, StageSpec, stage_specs
 from megatron_lev.parallel.layout import ParallelLayout
 
 STAGE_PREFIX = re.compile(r"^(?:\d+|tied_modules\.[^.]+)\.")  # a PipelineModule's layer (or tied) prefix
@@ -59,35 +60,27 @@ def pipeline_loss(
 
 
 class FusedPipelineLoss:
-    """A pipeline's `loss_fn` with the fused head: the last layer's hidden state `(B, S, D)` and the
-    labels (`pipeline_loss`'s forms) -> the masked mean loss, through the head this stage holds.
+    """A pipeline's `loss_fn` with the fused head: the last layer's `(hidden (B, S, D), head rows
+    (V/tp, D))` (`DeferredHeadStage`, or the tied table's `head_hidden`) and the labels
+    (`pipeline_loss`'s forms) -> the masked mean loss (`model.head.vocab_parallel_loss`).
 
-    `bind(pipe)` finds the head after DeepSpeed built the stage: the `DeferredHeadStage`, or the tied
-    embedding's copy on the last stage. Its weight gets its gradient through this call (and, tied,
-    DeepSpeed's all-reduce between the two copies), as it does through the head's forward unfused.
+    The head's rows come out of the stage as a view, not read from the module here: DeepSpeed starts
+    its backward bookkeeping (the bf16 optimizer clears the gradients it has not yet taken) when the
+    gradient reaches the module's outputs, so a weight used only here would get its gradient before
+    that and lose it. As an output, its gradient passes the module's outputs first, as the logits' did.
     """
 
     def __init__(self, vocab_size: int | None, chunk_tokens: int | None, layout: ParallelLayout):
         self.vocab_size, self.chunk_tokens, self.layout = vocab_size, chunk_tokens, layout
-        self.head = None
 
-    def bind(self, pipe) -> FusedPipelineLoss:
-        for module in pipe.forward_funcs:
-            if isinstance(module, DeferredHeadStage):
-                self.head = module
-        if self.head is None and TIED_EMBEDDING in getattr(pipe, "tied_modules", {}):
-            self.head = pipe.tied_modules[TIED_EMBEDDING]
-        return self
-
-    def __call__(self, hidden: torch.Tensor, labels) -> torch.Tensor:
-        if self.head is None:
-            raise RuntimeError(
-                "FusedPipelineLoss: no head on this stage (bind it to the last stage's module)"
-            )
+    def __call__(self, outputs, labels) -> torch.Tensor:
+        hidden, weight = outputs
         loss_mask = None
         if isinstance(labels, (tuple, list)):
             labels, loss_mask = labels
-        mean, _ = self.head.head_loss(hidden, labels, self.vocab_size, loss_mask, self.chunk_tokens)
+        mean, _ = vocab_parallel_loss(
+            hidden, weight, labels, self.vocab_size, loss_mask, self.chunk_tokens, self.layout
+        )
         return mean
 
 
@@ -153,7 +146,7 @@ def build_pipeline(
     else:
         loss_fn = functools.partial(pipeline_loss, vocab_size=real, layout=layout)
     # each stage seeds itself (layer_seed), so DeepSpeed's own per-layer seeding stays off
-    pipe = PipelineModule(
+    return PipelineModule(
         layers=layer_specs(stages),
         topology=topology,
         loss_fn=loss_fn,
@@ -163,9 +156,6 @@ def build_pipeline(
         checkpointable_layers=[BlockStage.__name__],
         seed_layers=False,
     )
-    if m.fused_loss:
-        loss_fn.bind(pipe)
-    return pipe
 
 
 def stage_modules(pipe: nn.Module) -> list[nn.Module]:

@@ -103,9 +103,10 @@ class EmbeddingStage(nn.Module):
             hidden, self.tied_weight, labels, vocab_size, loss_mask, chunk_tokens, self.layout
         )
 
-    def head_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """A pipeline's last stage with the fused loss: the hidden state passes on to `loss_fn`."""
-        return hidden
+    def head_hidden(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pipeline's last stage with the fused loss: `(hidden (B, S, D), the table's rows (V/tp, D))`
+        pass on to `loss_fn` (`engine.pipeline.FusedPipelineLoss` says why the rows are an output)."""
+        return hidden, self.tied_weight.view_as(self.tied_weight)
 
 
 class BlockStage(nn.Module):
@@ -177,11 +178,13 @@ class HeadStage(nn.Module):
 
 
 class DeferredHeadStage(HeadStage):
-    """`HeadStage` as a pipeline's last layer with the fused loss: it passes the hidden state on, and
-    the pipeline's `loss_fn` runs `head_loss` (the same weights, names and checkpoint files)."""
+    """`HeadStage` as a pipeline's last layer with the fused loss: `(hidden (B, S, D), its rows
+    (V/tp, D))` pass on to the pipeline's `loss_fn`, which runs the head fused with the loss (the same
+    weights, names and checkpoint files; `engine.pipeline.FusedPipelineLoss`)."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = self.output_head.weight
+        return hidden, weight.view_as(weight)
 
 
 def stage_specs(

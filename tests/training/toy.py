@@ -34,13 +34,22 @@ class ToyLM(nn.Module):
         self.norm = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        reduction: str = "none",
+    ) -> torch.Tensor:
+        """As `GPTModel`: logits, per-token losses, or (`reduction="mean"`) their masked mean."""
+        from megatron_lev.model.loss import masked_mean
+
         logits = self.head(self.norm(self.embed(input_ids)))  # (B, S, V)
         if labels is None:
             return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(
-            labels
-        )
+        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+        losses = losses.view_as(labels)
+        return masked_mean(losses, loss_mask) if reduction == "mean" else losses
 
 
 def toy_batches(seed: int, micro_batch: int, seq: int, vocab: int = 64, start: int = 0):
