@@ -21,6 +21,7 @@ SECTIONS = (
     "LEV kernels: Triton and gather vs the fp64 spec formula",
     "flash-attn vs scaled_dot_product_attention",
     "bf16 training tracks fp32 (30 steps)",
+    "Fused head + loss vs the logits path at V = 200,064",
     "2-process data-parallel run",
     "Throughput, MFU, peak memory and syncs per step",
 )
