@@ -36,6 +36,7 @@ SLOW_MODULES = (
     "test_install.py",  # pip-installs the package into a fresh site, then trains with it
     "training/test_numbers_fixed.py",  # three recorded trainings, bit for bit
     "model/test_triton_kernel.py",  # compiles the Triton kernels in a subprocess per test
+    "model/test_compile.py",  # torch.compile with inductor on CPU: about a minute a model
     "reliability/test_clean_log.py",
     "reliability/test_concurrency.py",
     "reliability/test_io_faults.py",

@@ -142,6 +142,8 @@ class ModelConfig:
     attention_dropout: float = ranged(0.0, FRACTION)
     activation_checkpointing: bool = False
     checkpoint_num_layers: int = ranged(1, count(cap=4 * K))
+    # torch.compile each decoder block in place (engine/compile.py); the first steps pay the compilation
+    compile: bool = False
     # the head's matmul and the cross-entropy in one function chunked over tokens, so no (B, S, V/tp)
     # logits are held (parallel/fused_cross_entropy.py); false: the logits path, for comparison
     fused_loss: bool = True
@@ -163,6 +165,12 @@ class ModelConfig:
                 "model.hidden_size / model.num_attention_heads = "
                 f"{self.hidden_size // self.num_attention_heads} "
                 "is odd: rotary position embeddings need an even head width; change either key"
+            )
+        if self.compile and self.activation_checkpointing:
+            raise ConfigError(
+                "model.compile=true with model.activation_checkpointing=true: a compiled block recomputed "
+                "by the checkpointing does not save what its forward saved (torch refuses the backward); "
+                "turn one of them off (the paper configs train without checkpointing)"
             )
         kv = self.kv_heads
         if self.num_attention_heads % kv:

@@ -34,6 +34,7 @@ from megatron_lev.config import RunConfig
 from megatron_lev.engine.base import StepMeasurement
 from megatron_lev.engine.checkpoint_files import ENGINE_HELPER_FILES
 from megatron_lev.engine.clipping import ClipRecord, GradClipper
+from megatron_lev.engine.compile import apply_compile
 from megatron_lev.engine.loss import micro_batch_loss
 from megatron_lev.engine.mpu import TensorParallelMPU
 from megatron_lev.engine.optimizer_files import MOMENTS as _MOMENTS
@@ -446,7 +447,7 @@ def build_engine(plan: RunPlan, model: nn.Module, layout: ParallelLayout) -> Dee
     cfg = plan.cfg
     check_layout(plan, layout)
     pipeline = cfg.parallel.pipeline_model_parallel_size > 1
-    model = apply_activation_checkpointing(model, cfg.model)
+    model = apply_compile(apply_activation_checkpointing(model, cfg.model), cfg.model)
     groups = _optimizer_groups(cfg, model, plan.ds_config, pipeline)
     # the groups' own parameters, by name: ZeRO replaces a group's "params" with its flat partition
     named_groups = [(g.get("name", str(i)), list(g["params"])) for i, g in enumerate(groups)]
