@@ -5,7 +5,8 @@ eager against eager, and (with --compile) compiled against compiled.
     python benchmarks/bench_hf_step.py --compile --steps 6              # also torch.compile'd, both sides
 
 Both models: the same layers, width, heads, SwiGLU width, RoPE, RMSNorm, a tied table of the padded
-GPT-NeoX vocabulary (TIED; HF `tie_word_embeddings=True`), fp32, one process, `--threads` threads. A
+vocabulary (the shape's `model.vocab_size`, else GPT-NeoX's; TIED, HF `tie_word_embeddings=True`),
+fp32, one process, `--threads` threads. A
 step is forward + backward + `torch.optim.AdamW` on the same random tokens, the project's model
 through its training call (`reduction="mean"`: the fused head + loss by default, `--unfused` for the
 logits path). The cases take turns step by step (round-robin) so the machine's load falls on all of
@@ -48,16 +49,22 @@ def build_cases(shape: str, batch: int, compile_: bool, fused: bool):
 
     cfg = load_config(
         [str(SHAPES[shape])],
-        ["model.embedding=tied", f"model.fused_loss={str(fused).lower()}", "model.compile=false"],
+        [
+            "model.embedding=tied",
+            f"model.fused_loss={str(fused).lower()}",
+            "model.compile=false",
+            "train.eval_interval=0",
+        ],
     )
-    vocab = padded_vocab_size(NEOX, cfg.model, 1)
+    real = cfg.model.vocab_size or NEOX  # the shape's own vocabulary where it names one
+    vocab = padded_vocab_size(real, cfg.model, 1)
     seq = cfg.model.seq_length
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, NEOX, (batch, seq + 1), generator=gen)
+    tokens = torch.randint(0, real, (batch, seq + 1), generator=gen)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]  # (B, S) each
 
     def ours():
-        return build_model(plan_for_model(cfg, NEOX), SINGLE)
+        return build_model(plan_for_model(cfg, real), SINGLE)
 
     def hf():
         from transformers import LlamaForCausalLM

@@ -83,6 +83,7 @@ TRAINING_ONLY_MODEL_KEYS = {
     "activation_checkpointing",
     "checkpoint_num_layers",
     "fused_loss",
+    "recompute_attention",
     "compile",
     "loss_chunk_tokens",
     "hidden_dropout",

@@ -142,6 +142,9 @@ class ModelConfig:
     attention_dropout: float = ranged(0.0, FRACTION)
     activation_checkpointing: bool = False
     checkpoint_num_layers: int = ranged(1, count(cap=4 * K))
+    # selective recompute: only the attention core (scores, softmax, dropout) is recomputed in backward,
+    # not whole blocks (Megatron's --recompute-granularity selective); engine/recompute.py
+    recompute_attention: bool = False
     # torch.compile each decoder block in place (engine/compile.py); the first steps pay the compilation
     compile: bool = False
     # the head's matmul and the cross-entropy in one function chunked over tokens, so no (B, S, V/tp)
@@ -165,6 +168,16 @@ class ModelConfig:
                 "model.hidden_size / model.num_attention_heads = "
                 f"{self.hidden_size // self.num_attention_heads} "
                 "is odd: rotary position embeddings need an even head width; change either key"
+            )
+        if self.recompute_attention and self.activation_checkpointing:
+            raise ConfigError(
+                "model.recompute_attention=true with model.activation_checkpointing=true: whole blocks are "
+                "already recomputed; keep one (selective recompute keeps more memory and recomputes less)"
+            )
+        if self.compile and self.recompute_attention:
+            raise ConfigError(
+                "model.compile=true with model.recompute_attention=true: a compiled block's recomputation "
+                "is not supported; turn one of them off"
             )
         if self.compile and self.activation_checkpointing:
             raise ConfigError(

@@ -2,7 +2,10 @@
 in torchtitan).
 
 `model.activation_checkpointing` keeps only the inputs of each group of `model.checkpoint_num_layers`
-decoder blocks and recomputes the rest in backward. The model's own forward knows nothing of it:
+decoder blocks and recomputes the rest in backward; `model.recompute_attention` (selective) recomputes
+only each block's attention core (scores, softmax, dropout: the `(B, H, S, S)` part where it is
+materialised), through the slot `ParallelAttention.recompute_core` this module fills. The model's own
+forward knows nothing of either:
 
     GPTModel (PP = 1)        `apply_activation_checkpointing(model, model_cfg)` replaces each group of
                              block stages in `model.stages` by one `CheckpointedStages`
@@ -22,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron_lev.config import ModelConfig
+from megatron_lev.model.attention import ParallelAttention
 from megatron_lev.model.gpt import GPTModel
 from megatron_lev.model.stages import BlockStage
 from megatron_lev.parallel.random import get_rng_tracker
@@ -85,6 +89,10 @@ def apply_activation_checkpointing(model: nn.Module, model_cfg: ModelConfig) -> 
     names do not change. A pipeline (anything else) is left as is: DeepSpeed checkpoints its layers
     (`build_pipeline`). Applying it twice changes nothing more.
     """
+    if model_cfg.recompute_attention:  # selective: the attention cores of every block, any model
+        for module in model.modules():
+            if isinstance(module, ParallelAttention):
+                module.recompute_core = checkpointed
     if not model_cfg.activation_checkpointing or not isinstance(model, GPTModel):
         return model
     if any(isinstance(stage, CheckpointedStages) for stage in model.stages):

@@ -55,6 +55,9 @@ class ParallelAttention(nn.Module):
             q, cfg.hidden_size, init_std=cfg.init_std / math.sqrt(2 * num_layers_for_init), layout=layout
         )
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta)
+        # selective recompute, set from outside (`engine.recompute`): a `checkpointed(fn, *args)` that
+        # runs the attention core without keeping its activations, recomputing it in backward
+        self.recompute_core = None
 
     def forward(
         self, x: torch.Tensor, documents: Documents | None = None
@@ -75,12 +78,22 @@ class ParallelAttention(nn.Module):
                 sin[documents.position_ids],
             )  # (B, S, hd): restart per document
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.recompute_core is not None and self.training and torch.is_grad_enabled():
+            out = self.recompute_core(self._core, q, k, v, documents)
+        else:
+            out = self._core(q, k, v, documents)
+        return self.dense(out.reshape(b, s, self.local_heads * hd))
+
+    def _core(self, q, k, v, documents: Documents | None) -> torch.Tensor:
+        """Scores, softmax (dropout) and the weighted values: `q (B, S, H/tp, hd)`, `k`, `v (B, S,
+        KV/tp, hd)` -> `(B, S, H/tp, hd)`; what selective recompute recomputes."""
+        b, s, _, hd = q.shape
         separate = documents is not None and documents.separate_attention
         p = self.dropout if self.training else 0.0
         with (
             get_rng_tracker().fork() if p > 0 else contextlib.nullcontext()
         ):  # dropout on this rank's own heads
-            if use_flash_attention(x) and separate:
+            if use_flash_attention(q) and separate:
                 cu, longest = documents.cu_seqlens()  # every document of every row, end to end
                 out = flash_attn_varlen_func(
                     q.reshape(b * s, self.local_heads, hd),
@@ -93,7 +106,7 @@ class ParallelAttention(nn.Module):
                     dropout_p=p,
                     causal=True,
                 ).view(b, s, self.local_heads, hd)  # (B*S, H/tp, hd) -> (B, S, H/tp, hd)
-            elif use_flash_attention(x):
+            elif use_flash_attention(q):
                 out = flash_attn_func(q, k, v, dropout_p=p, causal=True)  # (B, S, H/tp, hd), GQA native
             else:
                 mask = documents.attention_mask() if separate else None  # (B, 1, S, S) bool
@@ -106,4 +119,4 @@ class ParallelAttention(nn.Module):
                     is_causal=mask is None,
                     enable_gqa=self.local_kv_heads != self.local_heads,
                 ).transpose(1, 2)  # (B, S, H/tp, hd)
-        return self.dense(out.reshape(b, s, self.local_heads * hd))
+        return out

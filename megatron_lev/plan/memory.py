@@ -16,7 +16,8 @@ DP the data-parallel size, L the layers of this rank's pipeline stage:
   input (micro x seq x h);
 - attention scores where they are materialised (not the flash kernels: a document mask,
   `data.reset_attention_mask`, or attention dropout on the scaled-dot-product path): micro x
-  heads / TP x seq^2 x 2 values per layer kept, plus the boolean mask micro x seq^2;
+  heads / TP x seq^2 x 2 values per layer kept (one layer's with `model.recompute_attention` or
+  whole-block checkpointing), plus the boolean mask micro x seq^2;
 - the output head's loss. Fused (`model.fused_loss`, the default): one chunk's logits, c x vocab /
   TP x (4 + value, the matmul's output before the fp32 copy in half precision), the head's gradient
   accumulated in fp32 (vocab / TP x h x (4 + value)) and the hidden states' (micro x seq x h x value),
@@ -121,7 +122,7 @@ def estimate_memory(cfg: RunConfig, world_size: int, vocab: int, *, cuda: bool) 
     materialised = not flash and (cfg.data.reset_attention_mask or m.attention_dropout > 0)
     attention = 0
     if materialised:
-        kept = 1 if m.activation_checkpointing else layers
+        kept = 1 if (m.activation_checkpointing or m.recompute_attention) else layers
         attention = kept * b * (m.num_attention_heads / tp) * s * s * 2 * value + b * s * s
     logits = loss_bytes(cfg, vocab)
     processes = _processes_here(world_size)

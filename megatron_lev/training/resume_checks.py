@@ -63,6 +63,7 @@ FREE_KEYS = frozenset(
         "model.activation_checkpointing",
         "model.checkpoint_num_layers",
         "model.fused_loss",
+        "model.recompute_attention",
         "model.compile",
         "model.loss_chunk_tokens",
         "model.lev.chunk_size",
