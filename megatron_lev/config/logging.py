@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_lev.config.ranges import M, Range, check_fields, count, nonempty, ranged
 from megatron_lev.errors import ConfigError
@@ -28,8 +28,21 @@ class LoggingConfig:
     wandb_project: str | None = nonempty(None)
     wandb_group: str | None = nonempty(None)
     wandb_mode: str = "online"  # "offline": write the run under output_dir/wandb, `wandb sync` it later
+    # [first, last]: a torch.profiler trace of these iterations (and on CUDA a memory snapshot) under
+    # output_dir/profile (training/profiler.py); empty: off
+    profile_steps: list[int] = field(default_factory=list)
+    profile_ranks: list[int] = field(default_factory=lambda: [0])  # the ranks that profile
 
     def validate(self) -> None:
         check_fields(self, "logging")
+        if self.profile_steps and (
+            len(self.profile_steps) != 2 or not 1 <= self.profile_steps[0] <= self.profile_steps[1]
+        ):
+            raise ConfigError(
+                f"logging.profile_steps={self.profile_steps}: give [first, last] iterations with "
+                "1 <= first <= last, e.g. [20, 24], or [] for no profile"
+            )
+        if any(r < 0 for r in self.profile_ranks):
+            raise ConfigError(f"logging.profile_ranks={self.profile_ranks}: ranks are >= 0, e.g. [0]")
         if self.wandb_mode not in ("online", "offline"):
             raise ConfigError(f"logging.wandb_mode={self.wandb_mode!r}: must be 'online' or 'offline'")

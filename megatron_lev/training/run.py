@@ -48,6 +48,7 @@ from megatron_lev.training.callbacks import (
 from megatron_lev.training.dynamics import ClipMetrics, TrainingDynamics
 from megatron_lev.training.hooks import Callback, TrainResult, callbacks_from_specs
 from megatron_lev.training.metrics import MetricsWriter
+from megatron_lev.training.profiler import profiler_callback
 from megatron_lev.training.rendezvous import device as current_device
 from megatron_lev.training.rendezvous import init_distributed
 from megatron_lev.training.resume import TOKENIZER, StartPoint, choose_start
@@ -393,6 +394,7 @@ def default_callbacks(
     ]
     if lg.train_dynamics:
         callbacks.append(TrainingDynamics(lg.log_interval, lg.dynamics_sample_ids, vocab_size, layout))
+    callbacks.append(profiler_callback(cfg, layout.rank))
     return [cb for cb in callbacks if cb is not None]
 
 
