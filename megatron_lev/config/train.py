@@ -93,8 +93,12 @@ class TrainConfig:
     # --exit-interval): a long run in stages, each a prefix of it (the same data order and schedule)
     exit_interval: int = ranged(0, count("0 turns it off", lo=0))
     eval_iters: int = ranged(10, count())
-    # non-finite steps in a row before the run stops
+    # non-finite or spike steps in a row before the run stops
     max_consecutive_skips: int = ranged(10, count())
+    # spike skipping (engine/spikes.py): a step whose gradient norm or loss is more than spike_zscore
+    # standard deviations above its mean over the last spike_window applied steps is not applied; 0: off
+    spike_window: int = ranged(0, count("applied steps the mean is over, e.g. 100; 0 turns it off", lo=0))
+    spike_zscore: float = ranged(6.0, Range(0, lo_open=True, cap=1e6, why="standard deviations, e.g. 6"))
     # an update growing the global weight norm more stops the run
     max_update_ratio: float | None = ranged(
         2.0,

@@ -85,10 +85,14 @@ class GradClipper:
         self.record: ClipRecord | None = None
         self._entries: list[tuple[nn.Parameter, str]] | None = None
         self._rows: torch.Tensor | None = None
+        self.spikes = None  # an `engine.spikes.SpikeDetector` when train.spike_window is set
+        self.pending_loss: torch.Tensor | None = None  # the step's loss, where known before its update
         step = ds_engine._take_model_step
 
         def take_model_step(*args, **kwargs):
             self._measure()
+            if self.spikes is not None:  # decided on the device; the guard's one read carries it
+                self.optimizer.spike_flag = self.spikes.check(self.record.full, self.pending_loss)
             return step(*args, **kwargs)
 
         ds_engine._take_model_step = take_model_step

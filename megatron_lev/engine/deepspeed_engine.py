@@ -105,6 +105,7 @@ class StepOutput:
     scaler_overflow: bool  # DeepSpeed's fp16 loss scaler held it back (gradient overflow)
     grad_norm: torch.Tensor | None  # () global gradient norm, the one clipping used; None if unknown
     clip: torch.Tensor | None = None  # the clip groups' norms then their factors (`ClipRecord`)
+    spiked: bool = False  # held back as a loss or gradient-norm spike (`engine.spikes`), not non-finite
 
 
 def block_names(num_layers: int) -> list[str]:
@@ -138,6 +139,7 @@ class DeepSpeedEngine:
         self.groups = [(name, list(params)) for name, params in groups]  # the optimizer's, by name
         self._probe = None  # engine.step_probe.StepProbe, built at the first measured step
         self.clipper: GradClipper | None = None  # set by build_engine: every step's clipping
+        self.last_spike: torch.Tensor | None = None  # the window the last spike was judged against
 
     @staticmethod
     def owned_files() -> tuple[str, ...]:
@@ -187,14 +189,23 @@ class DeepSpeedEngine:
                 self.ds_engine.backward(loss_mb)
                 if micro == self.gas - 1:  # a non-finite loss skips the update: decided on the device
                     self.optimizer.begin_iteration(force_skip=~torch.isfinite(total))
+                    if self.clipper is not None:
+                        self.clipper.pending_loss = total / self.gas  # for the spike check
                 self.ds_engine.step()
             loss = total / self.gas
         skipped = self.optimizer.iteration_skipped  # the same on every rank (the guard agrees)
+        spiked = skipped and self.optimizer.spiked
         record = self.clip_record()
         norm = clip = None
         if record is not None:
             norm, clip = record.full.reshape(()), torch.cat([record.norms, record.factors])
-        return StepOutput(loss, skipped, skipped and self._loss_scaler_overflow(), norm, clip)
+        spikes = None if self.clipper is None else self.clipper.spikes
+        if spikes is not None and norm is not None:
+            if spiked:
+                self.last_spike = spikes.last  # the window it was judged against, read when logged
+            elif not skipped:
+                spikes.record(norm, None if self.pipeline else loss)
+        return StepOutput(loss, skipped, skipped and self._loss_scaler_overflow(), norm, clip, spiked)
 
     def clip_record(self) -> ClipRecord | None:
         """The last optimizer step's clipping (`engine.clipping`): norms and factors by clip group."""
@@ -481,6 +492,10 @@ def build_engine(plan: RunPlan, model: nn.Module, layout: ParallelLayout) -> Dee
         fp16=t.precision == "fp16",
         layout=layout,
     )
+    if t.spike_window:
+        from megatron_lev.engine.spikes import SpikeDetector
+
+        engine.clipper.spikes = SpikeDetector(t.spike_window, t.spike_zscore, engine.step_device())
     return engine
 
 

@@ -174,6 +174,9 @@ class GuardedAdamW(torch.optim.AdamW):
         self.force_skip = force_skip
         self.calls = 0
         self.skipped_calls = 0
+        # a () bool device tensor set before the step (engine.spikes): a loss or gradient-norm spike
+        self.spike_flag: torch.Tensor | None = None
+        self.spiked = False  # the held-back update was a spike's (finite gradients and loss)
 
     @property
     def iteration_skipped(self) -> bool:
@@ -193,10 +196,14 @@ class GuardedAdamW(torch.optim.AdamW):
             bad = torch.maximum(bad, self.force_skip.to(device=bad.device, dtype=bad.dtype).reshape(1))
         elif self.force_skip:
             bad.fill_(1.0)
+        if self.spike_flag is not None:  # the same one read: [non-finite or forced, spike]
+            bad = torch.cat([bad, self.spike_flag.to(device=bad.device, dtype=bad.dtype).reshape(1)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item() > 0:
+        flags = bad.tolist()
+        if max(flags) > 0:
             self.skipped_calls += 1
+            self.spiked = self.spiked or flags[0] == 0
             return None
         if self.grad_factors is not None:
             self._clip(self.grad_factors)

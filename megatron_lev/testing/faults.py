@@ -11,6 +11,7 @@ variables below (read when the callback is built with no arguments):
     MEGATRON_LEV_INJECT_NAN_AT_STEP=3,4          the model's output is NaN (the loss is NaN)
     MEGATRON_LEV_INJECT_NAN_GRAD_AT_STEP=2        the loss is finite, the gradients NaN
     MEGATRON_LEV_INJECT_INF_WEIGHTS_AT_STEP=2     the applied update writes inf into a weight
+    MEGATRON_LEV_INJECT_GRAD_SPIKE_AT_STEP=8      the loss is unchanged, the gradients 1,000x (a spike)
 
 `SaveKill` (`train.callbacks=[megatron_lev.testing.faults:SaveKill]`) kills its own process with
 SIGKILL at one step of the save of one iteration (`ckpt.io.save_checkpoint`'s protocol):
@@ -34,6 +35,8 @@ from megatron_lev.training.hooks import Callback, Control
 INJECT_NAN_ENV = "MEGATRON_LEV_INJECT_NAN_AT_STEP"
 INJECT_NAN_GRAD_ENV = "MEGATRON_LEV_INJECT_NAN_GRAD_AT_STEP"
 INJECT_INF_WEIGHTS_ENV = "MEGATRON_LEV_INJECT_INF_WEIGHTS_AT_STEP"
+INJECT_GRAD_SPIKE_ENV = "MEGATRON_LEV_INJECT_GRAD_SPIKE_AT_STEP"
+GRAD_SPIKE = 1000.0  # what an injected spike multiplies the gradients by
 
 
 def injected_nan_steps(environ: dict | None = None, name: str = INJECT_NAN_ENV) -> set[int]:
@@ -59,16 +62,31 @@ class _NaNGradient(torch.autograd.Function):
         return grad * float("nan")
 
 
-def _poison(t, grad: bool):
+class _SpikeGradient(torch.autograd.Function):
+    """Identity forward; the gradient that flows back is GRAD_SPIKE times larger."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * GRAD_SPIKE
+
+
+def _poison(t, grad: bool | str):
     if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
         return t
+    if grad == "spike":
+        return _SpikeGradient.apply(t)
     return _NaNGradient.apply(t) if grad else t * float("nan")
 
 
 class NaNInjector:
     """Forward hook that makes a module's output NaN while armed (testing aid).
 
-    `grad=True` keeps the output (and the loss) finite and makes its gradient NaN instead.
+    `grad=True` keeps the output (and the loss) finite and makes its gradient NaN instead;
+    `grad="spike"` keeps them and makes the gradient GRAD_SPIKE times larger.
     """
 
     def __init__(self, module: nn.Module, grad: bool = False) -> None:
@@ -93,16 +111,24 @@ class FaultInjection(Callback):
     the whole model, or the stages a pipeline rank holds, so its output is what the rank passes on)
     and on the optimizer (`engine.optimizer`, `DeepSpeedEngine`'s `GuardedAdamW`)."""
 
-    def __init__(self, nan_steps=None, nan_grad_steps=None, inf_weight_steps=None, environ=None) -> None:
+    def __init__(
+        self, nan_steps=None, nan_grad_steps=None, inf_weight_steps=None, environ=None, spike_steps=None
+    ) -> None:
         """The faults at the iterations given; with none given, those the variables (in `environ`,
         default `os.environ`) name."""
-        if nan_steps is None and nan_grad_steps is None and inf_weight_steps is None:
-            nan_steps, nan_grad_steps, inf_weight_steps = (
+        if nan_steps is None and nan_grad_steps is None and inf_weight_steps is None and spike_steps is None:
+            nan_steps, nan_grad_steps, inf_weight_steps, spike_steps = (
                 injected_nan_steps(environ, name)
-                for name in (INJECT_NAN_ENV, INJECT_NAN_GRAD_ENV, INJECT_INF_WEIGHTS_ENV)
+                for name in (
+                    INJECT_NAN_ENV,
+                    INJECT_NAN_GRAD_ENV,
+                    INJECT_INF_WEIGHTS_ENV,
+                    INJECT_GRAD_SPIKE_ENV,
+                )
             )
         self.nan_steps, self.nan_grad_steps = set(nan_steps or ()), set(nan_grad_steps or ())
         self.inf_weight_steps = set(inf_weight_steps or ())
+        self.spike_steps = set(spike_steps or ())
         self._injectors: list[tuple[NaNInjector, set[int]]] = []
         self._corrupt_armed = False
         self._hook = None
@@ -113,6 +139,8 @@ class FaultInjection(Callback):
             self._injectors.append((NaNInjector(target), self.nan_steps))
         if self.nan_grad_steps:
             self._injectors.append((NaNInjector(target, grad=True), self.nan_grad_steps))
+        if self.spike_steps:
+            self._injectors.append((NaNInjector(target, grad="spike"), self.spike_steps))
         if self.inf_weight_steps:
             self._hook = trainer.engine.optimizer.register_step_post_hook(self._corrupt)
 

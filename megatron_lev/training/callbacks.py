@@ -87,6 +87,48 @@ def one_block_blew_up(before, after, limit: float) -> tuple[str, float, float] |
     return None
 
 
+def spike_line(trainer: Trainer, record: StepRecord) -> str:
+    """The log line of a step held back as a spike, with the window it was judged against (one host
+    read, on a spike step only)."""
+    t = trainer.cfg.train
+    window = getattr(trainer.engine, "last_spike", None)
+    against = ""
+    if window is not None:
+        norm_mean, norm_sd, loss_mean, loss_sd = window.tolist()
+        against = f" (window: gradient norm {norm_mean:.4g} +- {norm_sd:.3g}"
+        against += f", loss {loss_mean:.4g} +- {loss_sd:.3g})" if loss_mean else ")"
+    head = f"iteration {record.iteration}: loss {record.loss:.4g}, gradient norm {record.grad_norm:.4g}"
+    return (
+        f"{head}: a spike, more than train.spike_zscore={t.spike_zscore:g} standard deviations above "
+        f"the mean of the last {t.spike_window} applied steps{against}; update skipped"
+    )
+
+
+class SpikeWindow(Callback):
+    """Carries the spike detector's window (`engine.spikes`) in the checkpoint's train state, so a
+    resumed run judges its next steps against the same window as the uninterrupted run."""
+
+    state_key = "spike_window"
+
+    def __init__(self) -> None:
+        self._detector = None
+        self._pending: dict = {}
+
+    def on_train_begin(self, trainer: Trainer, control: Control) -> None:
+        clipper = getattr(trainer.engine, "clipper", None)
+        self._detector = getattr(clipper, "spikes", None)
+        if self._detector is not None and self._pending:
+            self._detector.load_state_dict(self._pending)
+
+    def state_dict(self) -> dict:
+        return self._detector.state_dict() if self._detector is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._pending = dict(state)
+        if self._detector is not None:
+            self._detector.load_state_dict(self._pending)
+
+
 class NonFiniteGuard(Callback):
     """Counts skipped updates (exit 3 at `max_consecutive_skips` in a row), stops at the first update
     that made a weight inf/NaN or grew the weight norm more than `max_update_ratio`-fold, refuses to
@@ -100,6 +142,7 @@ class NonFiniteGuard(Callback):
         self.skips = SkipTracker(max_consecutive_skips)
         self.max_update_ratio = max_update_ratio
         self._run = self._applied = self._scaler = 0
+        self.spikes = 0  # updates of this process's run held back as spikes
         self._started_at = 0
         self._blocks = None  # the weights' sum of squares by block, on the device (one_block_blew_up)
         self._blocks_at = 0
@@ -152,7 +195,10 @@ class NonFiniteGuard(Callback):
         self._run += 1
         self._applied += int(not record.skipped)
         self._scaler += int(record.skipped and record.scaler_overflow and math.isfinite(record.loss))
-        if record.skipped:
+        if record.skipped and record.spiked:
+            self.spikes += 1
+            log.warning("%s", spike_line(trainer, record))
+        elif record.skipped:
             log.warning(
                 "iteration %d: non-finite loss (%s) or gradient norm (%s): update skipped",
                 record.iteration,
@@ -181,7 +227,7 @@ class NonFiniteGuard(Callback):
         return self._started_at > 0 or self._run > self._scaler
 
     def metrics(self, trainer: Trainer, iteration: int) -> dict[str, Any]:
-        return {"skipped_steps": self.skips.total}
+        return {"skipped_steps": self.skips.total, "spike_steps": self.spikes}
 
     def on_before_save(self, trainer: Trainer) -> None:
         if self.nothing_learnt(trainer.state.iteration):

@@ -103,6 +103,7 @@ class StepRecord:
     weights_bad: bool  # the update made a weight inf/NaN on some rank
     weight_growth: float = 1.0  # the global weight norm after the update / before it (1: skipped)
     clip: tuple[float, ...] | None = None  # the clip groups' norms, then their factors (engine.clipping)
+    spiked: bool = False  # skipped as a loss or gradient-norm spike (engine.spikes), not a non-finite step
 
 
 class Callback:

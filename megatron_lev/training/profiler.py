@@ -46,8 +46,8 @@ class StepProfiler(Callback):
         self._rank = trainer.rank
 
     def on_step_begin(self, trainer: Trainer, iteration: int) -> None:
-        # `iteration` is the step about to run, 0-based: it produces iteration + 1
-        if self._rank not in self.ranks or self._prof is not None or iteration + 1 != self.first:
+        # `iteration`: the one this step makes (1-based, as the log lines count)
+        if self._rank not in self.ranks or self._prof is not None or iteration != self.first:
             return
         from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 

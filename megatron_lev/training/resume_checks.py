@@ -51,6 +51,8 @@ FREE_KEYS = frozenset(
         "train.save",
         "train.load",
         "train.max_consecutive_skips",
+        "train.spike_window",
+        "train.spike_zscore",
         "train.max_update_ratio",
         "train.callbacks",
         "data.num_workers",

@@ -43,6 +43,7 @@ from megatron_lev.training.callbacks import (
     MetricsLogger,
     NonFiniteGuard,
     Preemption,
+    SpikeWindow,
     Validation,
 )
 from megatron_lev.training.dynamics import ClipMetrics, TrainingDynamics
@@ -385,6 +386,7 @@ def default_callbacks(
     t, lg = cfg.train, cfg.logging
     callbacks = [
         NonFiniteGuard(t.max_consecutive_skips, t.max_update_ratio),
+        SpikeWindow() if t.spike_window else None,
         checkpointer,
         Validation(t.eval_interval),
         MetricsLogger(writer, lg.log_interval, lg.progress_bar, flops_per_token, lg.peak_tflops),

@@ -137,7 +137,14 @@ class Trainer:
             dist.all_reduce(stats)
         clip = getattr(out, "clip", None)
         return _Step(
-            it + 1, stats, max(self.world_size, 1), out.grad_norm, out.skipped, out.scaler_overflow, clip
+            it + 1,
+            stats,
+            max(self.world_size, 1),
+            out.grad_norm,
+            out.skipped,
+            out.scaler_overflow,
+            clip,
+            getattr(out, "spiked", False),
         )
 
     # ------------------------------------------------------------------ validation
@@ -229,6 +236,7 @@ class Trainer:
                 weights_bad,
                 growth,
                 clip,
+                step.spiked,
             )
             result.losses[step.iteration] = loss
             self._call("on_step_values", record, control)
@@ -247,6 +255,7 @@ class _Step:
     skipped: bool  # the guard held the update back (a host value: the guard read its flag)
     scaler_overflow: bool = False  # the fp16 loss scaler held it back (gradient overflow)
     clip: torch.Tensor | None = None  # the clip groups' norms then factors (`StepOutput.clip`)
+    spiked: bool = False  # held back as a loss or gradient-norm spike (a host value, as `skipped`)
 
 
 def _read(steps: list[_Step]) -> list[tuple[float, float | None, bool, float, tuple | None]]:
