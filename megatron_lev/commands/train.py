@@ -66,6 +66,7 @@ def _train(args: argparse.Namespace) -> int:
 
         keep_freed_memory()  # with MEGATRON_LEV_HOST_MALLOC=1: a step's large buffers are reused
 
+    from megatron_lev.convert.warm_start import warm_start
     from megatron_lev.training.run import pretrain
 
-    return pretrain(plan, allow_changes=args.allow_change).exit_code
+    return pretrain(plan, allow_changes=args.allow_change, init_weights=warm_start).exit_code

@@ -85,6 +85,9 @@ class TrainConfig:
     ds_config: str | None = nonempty(None)
     save: str | None = nonempty(None)  # checkpoint directory
     load: str | None = nonempty(None)  # checkpoint directory to resume from (default: save)
+    # a fresh run's first weights (weights only: fresh optimizer, iteration 0, this run's schedule): a
+    # Hugging Face model directory or a checkpoint (tag or save directory); ignored when the run resumes
+    init_from: str | None = nonempty(None)
     save_interval: int = ranged(0, count("0 saves only at the end", lo=0))  # 0: only at the end
     save_initial: bool = False  # also save the initial weights (iteration 0), e.g. for `geometry`
     keep_last: int = ranged(2, count())

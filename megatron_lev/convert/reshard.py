@@ -229,9 +229,24 @@ def fill_from_source(
 ) -> dict[str, list[torch.nn.Parameter]]:
     """Copy `layout`'s TP shard of every merged source tensor into the (plain or pipeline) model;
     returns the model's parameters by canonical name (a tied table's copies under one name)."""
+    return fill_from_tensors(model, iter_canonical(src, progress=False), cfg, layout, src.vocab_size)
+
+
+def fill_from_tensors(
+    model: torch.nn.Module,
+    tensors,
+    cfg: RunConfig,
+    layout: ParallelLayout,
+    vocab: int,
+    what: str = "the source",
+) -> dict[str, list[torch.nn.Parameter]]:
+    """Copy `layout`'s TP shard of each full `(canonical name, tensor)` of `tensors` into the (plain or
+    pipeline) model, the vocabulary's padding rows adapted to the model's (`adapt_rows`); every
+    parameter must be given. Returns the model's parameters by canonical name. `what` names the
+    source in errors."""
     tp, rank = layout.tp, layout.tp_rank
-    padded = padded_vocab_size(src.vocab_size, cfg.model, tp)
-    specs = canonical_state_dict_spec(cfg.model, padded, layout, src.vocab_size)
+    padded = padded_vocab_size(vocab, cfg.model, tp)
+    specs = canonical_state_dict_spec(cfg.model, padded, layout, vocab)
     if cfg.parallel.pipeline_model_parallel_size > 1:
         from megatron_lev.engine.pipeline import stage_modules
 
@@ -243,10 +258,15 @@ def fill_from_source(
         for name, param in part.state_dict(keep_vars=True).items():
             local.setdefault(name, []).append(param)
     filled = set()
-    for name, full in iter_canonical(src, progress=False):
+    for name, full in tensors:
         if name not in local:
             continue
-        full = adapt_rows(name, full, specs[name].shape, src.vocab_size)
+        full = adapt_rows(name, full, specs[name].shape, vocab)
+        if tuple(full.shape) != tuple(specs[name].shape):
+            raise CheckpointError(
+                f"{what}: {name} is {tuple(full.shape)} there but {tuple(specs[name].shape)} in the "
+                "target model: the two are not the same model"
+            )
         shard = split_full(full, specs[name], tp)[rank]
         with torch.no_grad():
             for param in local[name]:
@@ -258,7 +278,7 @@ def fill_from_source(
                 module.order_pending = False
     missing = sorted(set(local) - filled)
     if missing:
-        raise CheckpointError(f"the target model has parameters the source lacks: {missing[:3]}")
+        raise CheckpointError(f"the target model has parameters {what} lacks: {missing[:3]}")
     return local
 
 
@@ -397,4 +417,12 @@ def reshard(
     return out / latest, ref, got
 
 
-__all__ = ["reshard", "target_config", "adapt_rows", "adapt_ranks", "fill_from_source", "reference_loss"]
+__all__ = [
+    "reshard",
+    "target_config",
+    "adapt_rows",
+    "adapt_ranks",
+    "fill_from_source",
+    "fill_from_tensors",
+    "reference_loss",
+]

@@ -50,6 +50,7 @@ FREE_KEYS = frozenset(
         "train.exit_interval",
         "train.save",
         "train.load",
+        "train.init_from",  # a fresh run's first weights: a resume has its own
         "train.max_consecutive_skips",
         "train.spike_window",
         "train.spike_zscore",

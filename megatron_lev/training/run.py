@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,13 +68,20 @@ def find_input_embedding(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if isinstance(m, InputEmbedding)), None)
 
 
-def pretrain(plan: RunPlan, allow_changes=(), extra_callbacks: Sequence[Callback] = ()) -> TrainResult:
+def pretrain(
+    plan: RunPlan,
+    allow_changes=(),
+    extra_callbacks: Sequence[Callback] = (),
+    init_weights: InitWeights = None,
+) -> TrainResult:
     """Run (or resume) the pretraining `plan` describes on the launcher's processes; config keys in
     `allow_changes` may differ from the resumed checkpoint's (see `training.resume`).
 
     `plan` is the `RunPlan` the caller validated (`plan.validate_run`, as `megatron-lev train`
     does before anything heavy). The run has the default callbacks, then those `train.callbacks`
-    names (built here, at start), then `extra_callbacks`.
+    names (built here, at start), then `extra_callbacks`. `init_weights(model, cfg, layout, vocab) ->
+    record` loads `train.init_from` into a fresh run's model before the engine is built (`megatron-lev
+    train` passes `convert.warm_start.warm_start`); the record goes into the checkpoints' provenance.
     """
     if not isinstance(plan, RunPlan):
         raise TypeError(
@@ -86,7 +93,7 @@ def pretrain(plan: RunPlan, allow_changes=(), extra_callbacks: Sequence[Callback
     try:
         with contextlib.ExitStack() as held:  # the locks of the run's directories
             run = setup(plan, held)
-            return fit(build(run, watcher, allow_changes, extra))
+            return fit(build(run, watcher, allow_changes, extra, init_weights))
     finally:
         watcher.uninstall()
 
@@ -122,6 +129,10 @@ def lock_run_dirs(held: contextlib.ExitStack, cfg: RunConfig, save_dir: str) -> 
     if failure:
         kind, message = failure[0]
         raise (LockedError if kind == "locked" else UserError)(message)
+
+
+# (model, run config, layout, tokenizer vocabulary) -> the record of what was loaded
+InitWeights = Callable[[nn.Module, RunConfig, ParallelLayout, int], dict] | None
 
 
 @dataclass(frozen=True)
@@ -193,8 +204,10 @@ def build(
     watcher: PreemptionWatcher,
     allow_changes=(),
     extra_callbacks: Sequence[Callback] = (),
+    init_weights: InitWeights = None,
 ) -> RunParts:
-    """Tokenizer (the plan takes its vocabulary), start point, model, engine, data, callbacks, trainer."""
+    """Tokenizer (the plan takes its vocabulary), start point, model (warm-started where asked),
+    engine, data, callbacks, trainer."""
     from megatron_lev.data.tokenizers import build_tokenizer
     from megatron_lev.model.flops import flops_per_token, parameter_count
     from megatron_lev.parallel.random import model_parallel_manual_seed
@@ -206,6 +219,8 @@ def build(
     cfg = plan.cfg
     model_parallel_manual_seed(cfg.train.seed, run.layout)
     model = build_model(plan, run.layout)
+    if cfg.train.init_from:
+        warm_start(model, plan, run, start, init_weights)
     n_params = parameter_count(cfg.model, plan.padded_vocab)["total"]
     budget = training_budget(cfg.train, plan.global_batch, cfg.model.seq_length, n_params)
     log_model(plan, n_params, budget)
@@ -265,6 +280,36 @@ def resolve_start(run: RunSetup, tokenizer, allow_changes=()) -> tuple[RunPlan, 
     if run.rank == 0:
         log.info("resolved config saved to %s", cfg.save(run.out))
     return plan, _Start(resume, provenance), load_dir
+
+
+def warm_start(
+    model: nn.Module, plan: RunPlan, run: RunSetup, start: _Start, init_weights: InitWeights
+) -> None:
+    """`train.init_from` into a fresh run's model, before the engine copies the weights; a run that
+    resumes keeps its checkpoint's weights (a requeued warm-started run continues, never restarts)."""
+    source = plan.cfg.train.init_from
+    if start.resume.tag is not None:
+        if run.rank == 0:
+            log.info(
+                "resuming from %s: train.init_from=%s applies to a fresh start only",
+                start.resume.root,
+                source,
+            )
+        return
+    if init_weights is None:
+        raise UserError(
+            f"train.init_from={source} needs a loader: pretrain(..., init_weights=convert.warm_start."
+            "warm_start), as `megatron-lev train` passes"
+        )
+    record = init_weights(model, plan.cfg, run.layout, plan.true_vocab)
+    start.provenance["init_from"] = record
+    if run.rank == 0:
+        log.info("warm start: %s", describe_init(record))
+
+
+def describe_init(record: dict) -> str:
+    """One line: what a warm start's weights came from."""
+    return f"weights from the {record['kind']} {record['path']}; optimizer, iteration and schedule fresh"
 
 
 def log_model(plan: RunPlan, n_params: int, budget) -> None:
