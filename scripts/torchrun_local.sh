@@ -14,7 +14,8 @@
 # Exit status: the trainer's. A preempted run (SIGTERM or SIGUSR1, to this script or to the
 # ranks) exits 75 so a scheduler can requeue it; torchrun itself reports any failed rank as
 # 1, so each rank writes its status into $MEGATRON_LEV_EXIT_DIR and this script passes a 75
-# through when no rank reported another failure. A rank that wrote no status was killed (out
+# through when no rank reported another failure, and any other status every rank reported
+# alike (3: stopped at the skip limit). A rank that wrote no status was killed (out
 # of memory, a crash): unless this script forwarded a preemption signal, that is a failure,
 # even if torchrun then stopped the other ranks while they were starting up (they report 75).
 #
@@ -102,6 +103,14 @@ if [ "$status" -ne 0 ]; then
     if [ "$preempted" = 1 ] && [ "$other" = 0 ]; then
         echo "[torchrun_local] preempted: exiting with status 75 (requeue)" >&2
         status=75
+    elif [ "$missing" = 0 ] && [ "$preempted" = 0 ]; then
+        # every rank reported, one and the same failure (3: the skip limit; 2: a config error):
+        # that status, not torchrun's 1, so a wrapper or a scheduler can tell them apart
+        reported=$(cat "$exit_dir"/rank* 2>/dev/null | sort -u | grep -vx 0 || true)
+        if [ -n "$reported" ] && [ "$(printf '%s\n' "$reported" | wc -l)" = 1 ]; then
+            echo "[torchrun_local] every rank exited with status $reported" >&2
+            status=$reported
+        fi
     fi
 fi
 exit "$status"

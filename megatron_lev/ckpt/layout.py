@@ -256,16 +256,18 @@ def _discard(path: Path) -> None:
 
 
 def empty_trash(root: str | os.PathLike) -> list[str]:
-    """Delete what a killed prune left under `root` (`.trash-<tag>-<pid>` of another process: the save
-    directory's lock lets one trainer at a time save and prune there) and say so in one line; returns
-    the tags it removed."""
+    """Delete what a killed prune left under `root` (`.trash-<tag>-<pid>`: the save directory's lock lets
+    one trainer at a time save and prune there, and a prune renames and deletes in one call, so any
+    trash found between prunes is a leftover, also one named with this process's pid: a container's
+    restarted trainer often gets the pid of the one that died) and say so in one line; returns the
+    tags it removed."""
     root = Path(root)
     if not root.is_dir():
         return []
     removed = []
     for child in sorted(root.iterdir()):
         m = _TRASH_RE.match(child.name)
-        if m is None or not child.is_dir() or child.is_symlink() or int(m.group(2)) == os.getpid():
+        if m is None or not child.is_dir() or child.is_symlink():
             continue
         shutil.rmtree(child, ignore_errors=True)
         if not child.exists():

@@ -248,7 +248,8 @@ def _processes_here(world_size: int, environ=None) -> int:
     if value.isdigit() and int(value) > 0:
         return int(value)
     slurm = slurm_tasks_here(env)
-    return slurm if slurm else max(world_size, 1)
+    # never more than the run has: a one-process run started inside an allocation of 8 tasks is one
+    return min(slurm, max(world_size, 1)) if slurm else max(world_size, 1)
 
 
 def _expand_tasks_per_node(spec: str) -> list[int] | None:

@@ -1112,3 +1112,19 @@ def test_cuda_rng_saved_on_eight_gpus_restores_on_a_task_that_sees_one(tmp_path,
     assert torch.equal(calls["set"], torch.zeros(8, dtype=torch.uint8))
     ckio.restore_rng_state(captured)
     assert torch.equal(calls["set"], torch.full((8,), 5, dtype=torch.uint8))
+
+
+def test_torchrun_local_passes_a_skip_limit_stop_through_as_3(data, tmp_path):
+    """Both ranks stop at the skip limit (status 3); torchrun reports 1, the script passes the ranks'
+    common status through (before, 3 became 1). A crash of one rank stays a failure (its own test)."""
+    out = tmp_path / "run"
+    env = _env(NPROC="2", MEGATRON_LEV_INJECT_NAN_AT_STEP="2,3")
+    extra = {
+        "train.train_iters": 6,
+        "train.max_consecutive_skips": 2,
+        "train.callbacks": "[megatron_lev.testing.faults:FaultInjection]",
+    }
+    proc = _run_script(["--config", str(TINY), *overrides(data, out, **extra)], env)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 3, log[-4000:]
+    assert "[torchrun_local] every rank exited with status 3" in log

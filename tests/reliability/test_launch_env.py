@@ -103,3 +103,12 @@ def test_a_small_run_on_512_ranks_over_64_nodes_is_not_refused(monkeypatch):
     assert est.processes == 8
     assert est.per_process < 1 << 30  # the tiny model: well under 1 GiB a process
     memory.check_memory(est, cfg, cuda=False)  # 8 of them fit this machine; 512 would not
+
+
+def test_a_one_process_run_inside_an_allocation_counts_one_process():
+    """A run of one process started inside an allocation of 8 tasks per node (salloc, an interactive
+    srun shell) shares the machine with no other rank of its own: before, the memory check counted the
+    allocation's 8 and refused a run that fits. The 8-rank launch in the same allocation counts 8."""
+    allocation = {"SLURM_JOB_ID": "7", "SLURM_NTASKS_PER_NODE": "8", "SLURM_NTASKS": "8"}
+    assert memory._processes_here(1, allocation) == 1
+    assert memory._processes_here(8, allocation) == 8

@@ -140,3 +140,20 @@ def test_a_prefix_re_preprocessed_into_shards_names_its_shards_not_a_missing_fil
     message = str(err.value)
     assert "no such shard" in message and "pile_00000" in message and "delete" not in message
     verify_shard_set(shards[0])  # the shards themselves pass
+
+
+def test_trash_named_with_this_process_pid_is_removed(tmp_path):
+    """A restarted trainer in a container often gets the pid of the one a kill stopped mid-prune: its
+    `.trash-<tag>-<pid>` was skipped as if this process were still deleting it, and stayed forever.
+    Any trash found between prunes is a leftover; the run's tags and other directories stay."""
+    import os
+
+    from megatron_lev.ckpt.layout import empty_trash
+
+    mine = tmp_path / f".trash-iter_0000004-{os.getpid()}"
+    other = tmp_path / ".trash-iter_0000002-1"
+    keep = [tmp_path / "iter_0000006", tmp_path / ".trash-notes", tmp_path / "trash-iter_0000001-5"]
+    for d in (mine, other, *keep):
+        (d / "sub").mkdir(parents=True)
+    assert sorted(empty_trash(tmp_path)) == ["iter_0000002", "iter_0000004"]
+    assert not mine.exists() and not other.exists() and all(d.is_dir() for d in keep)
