@@ -154,6 +154,22 @@ def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[tuple[s
     return [(k, old[k], new[k]) for k in sorted(old.keys() & new.keys()) if not _same(old[k], new[k])]
 
 
+def threshold_only(key: str, old: Any, new: Any) -> bool:
+    """Whether a fixed key's change moves only a clipping threshold, not the optimizer's groups: the same
+    clip groups (names, patterns, order) with other `max_norm`s, or LEV's seed-side group kept with
+    another `model.lev.seed_clip_grad`. Such a change is as inexact as `train.clip_grad`'s and, like it,
+    allowed by `--allow-change KEY`."""
+    if key == "model.lev.seed_clip_grad":
+        return old is not None and new is not None
+    if key != "train.clip_groups" or not isinstance(old, list) or not isinstance(new, list):
+        return False
+
+    def groups(rules):
+        return [(r.get("name"), list(r.get("patterns") or [])) if isinstance(r, dict) else r for r in rules]
+
+    return len(old) == len(new) and groups(old) == groups(new)
+
+
 def judge(
     diffs: list[tuple[str, Any, Any]], allow: frozenset[str] | set[str], branch: str | None = None
 ) -> tuple[list[str], list[str], list[str]]:
@@ -161,7 +177,7 @@ def judge(
     the schedule keys' changes keep every past rate (`schedule_branch`), None when they do not."""
     lines, fixed, exact = [], [], []
     for key, old, new in diffs:
-        kind = kind_of(key)
+        kind = "exact" if threshold_only(key, old, new) else kind_of(key)
         if key in SCHEDULE_KEYS and branch and key not in allow:
             lines.append(f"  {key}: {old!r} -> {new!r} (allowed: {branch})")
             continue

@@ -260,15 +260,60 @@ def test_a_clip_pattern_that_names_no_parameter_is_refused_in_one_line():
 
 
 def test_a_resume_with_other_clip_groups_is_refused_and_the_same_ones_pass():
+    """Other groups (patterns, names, a group added or dropped) split the optimizer's saved states
+    otherwise: refused. The same groups with other thresholds move only the clipping, like
+    `train.clip_grad`: refused without, allowed with `--allow-change KEY` (before, refused even with
+    it, and the message advised a reshard that carries the old rules)."""
     from megatron_lev.training.resume import differences, judge
 
     stored = clip_cfg("lev", **HAND_GROUPS).to_dict()
     for over in (
-        {"train.clip_groups": "[{name: head, patterns: [output_head.*], max_norm: 0.3}]"},
-        {"model.lev.seed_clip_grad": 0.5},
+        {"train.clip_groups": "[{name: head, patterns: [output_head.weight], max_norm: 0.2}]"},
+        {"train.clip_groups": "[{name: tail, patterns: [output_head.*], max_norm: 0.2}]"},
+        {"train.clip_groups": "[]"},
+        {"model.lev.seed_clip_grad": "null"},
     ):
         changed = clip_cfg("lev", **{**HAND_GROUPS, **over}).to_dict()
         _, fixed, _ = judge(differences(stored, changed), set())
         assert fixed == [next(iter(over))], over  # refused: the optimizer's groups were saved with them
+    for over in (
+        {"train.clip_groups": "[{name: head, patterns: [output_head.*], max_norm: 0.3}]"},
+        {"model.lev.seed_clip_grad": 0.5},
+    ):
+        key = next(iter(over))
+        changed = clip_cfg("lev", **{**HAND_GROUPS, **over}).to_dict()
+        _, fixed, exact = judge(differences(stored, changed), set())
+        assert (fixed, exact) == ([], [key]), over  # inexact: named, with its --allow-change
+        assert judge(differences(stored, changed), {key})[1:] == ([], [])
     same = clip_cfg("lev", **HAND_GROUPS).to_dict()
     assert differences(stored, same) == []
+
+
+def test_a_resume_moves_a_clip_threshold_with_its_flag_and_clips_at_the_new_one(
+    minipile_prefix, tokenizer_path, tmp_path
+):
+    """The seed side's threshold moved on a resume: refused in one line without the flag, trained with
+    `--allow-change model.lev.seed_clip_grad`, and the steps after it clip at the new threshold."""
+    from megatron_lev.training.metrics import read_metrics
+    from tests.tiny_run import tiny_overrides
+    from tests.training.conftest import run_train
+
+    out = tmp_path / "run"
+    base = {"model.lev.seed_clip_grad": 0.02, "train.train_iters": 2, "train.save_interval": 2}
+    assert run_train(1, tiny_overrides(minipile_prefix, tokenizer_path, out, **base)).returncode == 0
+    moved = tiny_overrides(
+        minipile_prefix,
+        tokenizer_path,
+        out,
+        **{**base, "model.lev.seed_clip_grad": 0.05, "train.train_iters": 4},
+    )
+    refused = run_train(1, moved)
+    assert refused.returncode != 0
+    assert "--allow-change model.lev.seed_clip_grad" in refused.stderr.strip().splitlines()[-1]
+    res = run_train(1, [*moved, "--allow-change", "model.lev.seed_clip_grad"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {r["iteration"]: r for r in read_metrics(out / "metrics.jsonl", kind="train")}
+    assert sorted(rows) == [1, 2, 3, 4]
+    for it in (3, 4):  # the factor is the new threshold's: min(1, 0.05 / norm)
+        norm, factor = rows[it]["grad_norm/clip/lev_seed"], rows[it]["clip_factor/lev_seed"]
+        assert factor == pytest.approx(min(1.0, 0.05 / (norm + 1e-6)), rel=1e-5), rows[it]
