@@ -193,6 +193,24 @@ def data_changes(recorded: dict | None, current: dict | None) -> list[str]:
     current manifest is missing are left to the dataset builder."""
     changes = []
     old_data, new_data = (recorded or {}).get("data") or {}, (current or {}).get("data") or {}
+    added = bool(new_data.get("valid")) and not old_data.get("valid")
+    removed = bool(old_data.get("valid")) and not new_data.get("valid")
+    split = str(old_data.get("split") or new_data.get("split") or "")
+    if (added or removed) and "train" in old_data and not _trains_on_every_document(split):
+        # with data.valid_data_path, training reads every document of data.data_path; without, the
+        # training part of data.split: another set of training documents, so other losses from here on
+        now, then = (
+            ("every document", f"data.split={split}'s training part")
+            if added
+            else (
+                f"data.split={split}'s training part",
+                "every document",
+            )
+        )
+        changes.append(
+            f"a validation set was {'added' if added else 'removed'} (data.valid_data_path): training now "
+            f"reads {now} of data.data_path, the checkpoint read {then}"
+        )
     for part in ("train", "valid"):
         old, new = old_data.get(part), new_data.get(part)
         if not old or not new:
@@ -214,6 +232,15 @@ def data_changes(recorded: dict | None, current: dict | None) -> list[str]:
                     f"the blend weight of {b['prefix']} is {b['weight']:g}, recorded {a['weight']:g}"
                 )
     return changes
+
+
+def _trains_on_every_document(split: str) -> bool:
+    """Whether `data.split` ('train,valid,test' weights) gives every document to training."""
+    try:
+        weights = [float(w) for w in split.split(",")]
+    except ValueError:
+        return False
+    return len(weights) > 0 and all(w == 0 for w in weights[1:])
 
 
 __all__ = [

@@ -402,3 +402,46 @@ def test_the_record_is_covered_by_the_checkpoint_checksums(world):
     assert record["data"]["split"] == "98,2,0"
     listed = json.loads((tag / ck.COMPLETE_MARKER).read_text())["files"][PROVENANCE_FILE]
     assert listed["sha256"] == sha256_file(tag / PROVENANCE_FILE)
+
+
+def _record(valid: bool, split: str) -> dict:
+    entry = {"prefix": "data/pile_00_text_document", "digest": "a" * 64, "weight": 1.0}
+    val = [{"prefix": "data/pile_val_text_document", "digest": "b" * 64, "weight": 1.0}] if valid else []
+    from megatron_lev.ckpt.provenance import FORMAT, VERSION
+
+    return {"format": FORMAT, "version": VERSION, "data": {"train": [entry], "valid": val, "split": split}}
+
+
+@pytest.mark.parametrize(
+    "before, after, split, changed",
+    [
+        (False, True, "969,30,1", "added"),  # the split's training part -> every document: other losses
+        (True, False, "969,30,1", "removed"),
+        (False, True, "100,0,0", None),  # the split trained on every document already: the same run
+        (True, True, "969,30,1", None),
+        (False, False, "969,30,1", None),
+    ],
+)
+def test_adding_a_validation_set_on_a_resume_is_named_when_it_moves_the_training_documents(
+    tmp_path, before, after, split, changed
+):
+    """With `data.valid_data_path`, training reads every document of `data.data_path`; without it,
+    `data.split`'s training part. Before, adding one on a resume was accepted as exact (an info line)
+    while the losses that followed changed. Now refused like other data, unless --allow-change data."""
+    from megatron_lev.ckpt.provenance import data_changes
+    from megatron_lev.errors import CheckpointDataError
+    from megatron_lev.training.resume_checks import check_resume_provenance
+
+    changes = data_changes(_record(before, split), _record(after, split))
+    if changed is None:
+        assert changes == []
+        return
+    assert len(changes) == 1 and f"a validation set was {changed} (data.valid_data_path)" in changes[0]
+    tag = tmp_path / "iter_0000004"
+    tag.mkdir()
+    (tag / PROVENANCE_FILE).write_text(json.dumps(_record(before, split)))
+    current = _record(after, split)
+    current["tokenizer"] = None
+    with pytest.raises(CheckpointDataError, match="--allow-change data"):
+        check_resume_provenance(tag, None, (), current)
+    check_resume_provenance(tag, None, ("data",), current)
