@@ -33,9 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-type", default="hf", choices=TOKENIZER_TYPES)
     parser.add_argument(
         "--tokenizer",
-        required=True,
+        default=None,
         metavar="FILE",
-        help="tokenizer.json (hf), .model (sentencepiece) or BPE ranks file (tiktoken)",
+        help="tokenizer.json (hf), .model (sentencepiece) or BPE ranks file (tiktoken); required to "
+        "preprocess and with --write-manifest-for, not with --verify (the manifest says what it was)",
     )
     parser.add_argument("--json-key", default="text", help="the JSON field holding the document text")
     parser.add_argument(
@@ -102,6 +103,8 @@ def main(args: argparse.Namespace) -> int:
         raise FlagError(
             "--input and --output-prefix are required (or --write-manifest-for PREFIX, or --verify PREFIX)"
         )
+    if not args.tokenizer:
+        raise FlagError("--tokenizer is required to preprocess: the tokenizer file the shards are made with")
     if not args.chunk_mb > 0 or args.chunk_mb == float("inf"):
         raise FlagError(f"--chunk-mb must be a positive number, got {args.chunk_mb}")
     opts = PreprocessOptions(
@@ -149,7 +152,10 @@ def main(args: argparse.Namespace) -> int:
 
 def _write_manifest_for(args: argparse.Namespace) -> int:
     from megatron_lev.data.manifest import write_manifest_for
+    from megatron_lev.data.preprocess import FlagError
 
+    if not args.tokenizer:
+        raise FlagError("--write-manifest-for needs --tokenizer: the tokenizer file the shards were made with")
     path, shards = write_manifest_for(args.write_manifest_for, args.tokenizer_type, args.tokenizer)
     print(
         f"checked {len(shards)} shard(s) ({', '.join(os.path.basename(s) for s in shards[:4])}"

@@ -515,7 +515,11 @@ def verify_every_byte(prefix: str | os.PathLike, workers: int = 2, log=None) -> 
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    path, manifest, _ = find_manifest(prefix)
+    own = Path(f"{prefix}{SUFFIX}")
+    if own.is_file():  # the set named by its prefix: its own manifest, sharded or not
+        path, manifest = own, read_manifest(own)
+    else:  # one shard of a set (`P_Github_00003`): the manifest that lists it
+        path, manifest, _ = find_manifest(prefix)
     if manifest is None:
         raise ShardSetError(f"{prefix}: no shard-set manifest lists it; {how_to_fix(prefix)}")
     directory, start = path.parent, time.perf_counter()

@@ -252,3 +252,39 @@ def test_a_tokenizer_that_really_differs_is_refused_and_its_escape_works_end_to_
     res = train([*over, "--allow-change", "tokenizer"])  # past the resume check and the shards' own
     expect_ok(res)
     assert "resumed from" in res.err, res.err[-3000:]
+
+
+def _sharded_set(prefix: Path) -> list[Path]:
+    """A set written in two shards (`P_00000`, `P_00001`) under one manifest `P.manifest.json`, as
+    `preprocess --shard-documents` writes it."""
+    shards = [Path(f"{prefix}_{i:05d}") for i in range(2)]
+    rng = np.random.default_rng(3)
+    for shard in shards:
+        b = IndexedDatasetBuilder(shard, np.uint16)
+        for n in (120, 80):
+            b.add_document(rng.integers(1, 1000, n))
+        b.finalize()
+    write_manifest(prefix, [str(s) for s in shards], FINGERPRINT, 999)
+    return shards
+
+
+def test_the_full_check_takes_a_sharded_set_by_its_prefix_and_needs_no_tokenizer(tmp_path, monkeypatch):
+    """`preprocess --verify P` of a healthy set written in shards: before, refused with advice to
+    preprocess again (its manifest does not list `P` itself as a shard), and it asked for --tokenizer.
+    Now every shard is checked, by the prefix or by one shard's name; damage is still named."""
+    monkeypatch.setenv(mf.CACHE_ENV, str(tmp_path / "cache"))
+    prefix = tmp_path / "data" / "pile"
+    shards = _sharded_set(prefix)
+    r = mf.verify_every_byte(prefix)
+    assert r["files"] >= 4  # two .bin and two .idx, at least
+    assert mf.verify_every_byte(shards[1])["files"] == r["files"]  # one shard names the same set
+    res = run_cli_process(["preprocess", "--verify", str(prefix)], env=ENV)
+    expect_ok(res)
+    assert "match the manifest" in res.out
+    _rewrite_keeping_size_and_mtime(Path(f"{shards[1]}.bin"))
+    with pytest.raises(ShardSetError, match=r"pile_00001\.bin: sha256 .* differs"):
+        mf.verify_every_byte(prefix)
+    res = run_cli_process(
+        ["preprocess", "--input", "x.jsonl", "--output-prefix", str(tmp_path / "o")], env=ENV
+    )
+    expect_error(res, r"--tokenizer is required to preprocess")
