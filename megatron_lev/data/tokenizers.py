@@ -115,6 +115,10 @@ class HFTokenizer(Tokenizer):
             self._tok = _Tok.from_file(str(self.path))
         except Exception as exc:
             raise TokenizerError(f"{self.path}: not a Hugging Face tokenizer.json ({exc})") from None
+        # a Hub file may carry truncation or padding for inference pipelines; the project encodes whole
+        # documents, so both are off here (the identity digest leaves them out: they change no id here)
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.name = f"hf:{self.path.name}"
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod_token = next((t for t in EOD_CANDIDATES if self._tok.token_to_id(t) is not None), None)

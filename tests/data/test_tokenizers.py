@@ -93,3 +93,35 @@ def test_bad_tokenizer_files(tmp_path):
         build_tokenizer("hf", tmp_path / "bad.json")
     with pytest.raises(TokenizerError, match="not one of"):
         build_tokenizer("bpe", tmp_path / "bad.json")
+
+
+def test_a_tokenizer_file_with_truncation_or_padding_encodes_whole_documents(tmp_path, neox_path):
+    """Many Hub `tokenizer.json` files carry truncation (and padding) for inference. Before, such a
+    file counted as the same tokenizer (the identity digest leaves those settings out) while every
+    document `preprocess` encoded was cut to its max_length, with exit status 0. The project switches
+    both off where it encodes: the ids are the plain file's, and it is the same tokenizer."""
+    import json
+
+    from megatron_lev.data.tokenizers import tokenizer_fingerprint
+
+    spec = json.loads(open(neox_path).read())
+    spec["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    spec["padding"] = {
+        "strategy": {"Fixed": 64},
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 1,
+        "pad_type_id": 0,
+        "pad_token": "<|padding|>",
+    }
+    cut = tmp_path / "tokenizer.json"
+    cut.write_text(json.dumps(spec))
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    plain, hub = build_tokenizer("hf", neox_path), build_tokenizer("hf", cut)
+    ids = plain.encode(text)
+    assert len(ids) > 64
+    assert hub.encode(text) == ids and hub.encode_batch([text, "a b"]) == plain.encode_batch([text, "a b"])
+    theirs, ours = tokenizer_fingerprint("hf", cut, hub), tokenizer_fingerprint("hf", neox_path, plain)
+    assert (
+        theirs["content_sha256"] == ours["content_sha256"] and theirs["probe_sha256"] == ours["probe_sha256"]
+    )
