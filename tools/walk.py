@@ -4,7 +4,7 @@ This is an approximation of a by-hand walk, for before/after numbers in an archi
 It imports nothing of the package: it reads the source of any checkout.
 
     python tools/walk.py [--root DIR] [--list] [--json] START PARAM
-    e.g. python tools/walk.py megatron_lev.training.run:pretrain run
+    e.g. python tools/walk.py megatron_lev.training.run:pretrain plan
 
 Definitions:
 - Start: `module.path:function` or `module.path:Class.method`, and one of its parameter names.

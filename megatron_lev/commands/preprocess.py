@@ -155,7 +155,9 @@ def _write_manifest_for(args: argparse.Namespace) -> int:
     from megatron_lev.data.preprocess import FlagError
 
     if not args.tokenizer:
-        raise FlagError("--write-manifest-for needs --tokenizer: the tokenizer file the shards were made with")
+        raise FlagError(
+            "--write-manifest-for needs --tokenizer: the tokenizer file the shards were made with"
+        )
     path, shards = write_manifest_for(args.write_manifest_for, args.tokenizer_type, args.tokenizer)
     print(
         f"checked {len(shards)} shard(s) ({', '.join(os.path.basename(s) for s in shards[:4])}"

@@ -240,23 +240,6 @@ class IndexedDatasetBuilder:
         self._sizes.extend(np.asarray(sizes, dtype=np.int32).tolist())
         self._doc_idx.extend(range(start + 1, len(self._sizes) + 1))
 
-    def copy_range(self, ds: IndexedDataset, first: int, count: int) -> None:
-        """Stream-copy sequences `[first, first + count)` of `ds` (one document each) into this shard."""
-        if count <= 0:
-            return
-        if ds.dtype != self.dtype:
-            raise IndexedDatasetError(f"{ds.prefix}: dtype {ds.dtype} differs from the output's {self.dtype}")
-        start = int(ds.pointers[first])
-        sizes = ds.sizes[first : first + count]
-        nbytes = int(sizes.sum(dtype=np.int64)) * self.dtype.itemsize
-        self._out.flush()
-        with open(data_file(ds.prefix), "rb") as src:
-            src.seek(start)
-            _copy_bytes(src, self, nbytes)
-        first_seq = len(self._sizes)
-        self._sizes.extend(sizes.tolist())
-        self._doc_idx.extend(range(first_seq + 1, len(self._sizes) + 1))
-
     def merge_file_(self, other_prefix: str | os.PathLike) -> None:
         """Append a whole finalized shard, keeping its document boundaries."""
         other = IndexedDataset(other_prefix)
@@ -307,12 +290,3 @@ class IndexedDatasetBuilder:
             with contextlib.suppress(OSError):  # e.g. the disk is full: the partial file goes anyway
                 self._out.close()
         self._tmp_bin.unlink(missing_ok=True)
-
-
-def _copy_bytes(src, dst: IndexedDatasetBuilder, nbytes: int, chunk: int = 16 << 20) -> None:
-    while nbytes > 0:
-        buf = src.read(min(chunk, nbytes))
-        if not buf:
-            raise IndexedDatasetError(f"{src.name}: ended {nbytes} bytes early while copying; {REBUILD}")
-        dst._write(buf)
-        nbytes -= len(buf)

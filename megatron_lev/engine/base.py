@@ -37,11 +37,6 @@ class StepMeasurement:
     weight: torch.Tensor
     update: torch.Tensor
 
-    def global_grad_norm(self) -> torch.Tensor:
-        """The norm over every parameter (the groups together), a `()` device tensor."""
-        rows = [i for i, n in enumerate(self.names) if n.startswith(GROUP_PREFIX)]
-        return self.grad[rows].square().sum().sqrt()
-
 
 @runtime_checkable
 class Engine(Protocol):

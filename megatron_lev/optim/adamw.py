@@ -102,11 +102,6 @@ def group_names(rules: Sequence = (), clip_rules: Sequence = ()) -> list[str]:
     return bases + [f"{b}{CLIP_SEPARATOR}{c.name}" for c in clip_rules for b in bases]
 
 
-def base_group(name: str) -> str:
-    """The optimizer group's name without its clip group."""
-    return name.split(CLIP_SEPARATOR, 1)[0]
-
-
 def param_groups(
     model: nn.Module,
     weight_decay: float,
