@@ -10,8 +10,9 @@ gradients); flash-attn against `scaled_dot_product_attention` (forward and backw
 at the paper's vocabulary (200,064 rows, 8 x 2048 tokens: loss, peak memory, time); a 2-process
 data-parallel run
 (NCCL with 2 GPUs; gloo in the tiny CPU mode). Throughput: the 200M and 1.2B configs at
-sequence 2048, bf16, ZeRO-1, activation checkpointing off and on, LEV and TIED: tokens/s,
-TFLOP/s, MFU against the stated peak, peak memory, and the host syncs of one step
+sequence 2048, bf16, ZeRO-1, activation checkpointing off and on, LEV and TIED, and at the first size
+LEV with selective recompute and with compiled blocks: tokens/s, TFLOP/s, MFU against the stated
+peak, peak memory, and the host syncs of one step
 (`torch.cuda.set_sync_debug_mode("warn")` on CUDA; Python-side reads everywhere).
 Each section records PASSED / FAILED (with the error) / SKIPPED (with the reason) and
 the run goes on; the exit status is 1 when a correctness check failed. Cases that do
@@ -564,7 +565,16 @@ def _count_syncs(tr, batches, device) -> tuple[int | None, int, str]:
     return cuda_syncs, reads.total, reads.summary()
 
 
-def measure(ctx, size: str, embedding: str, checkpointing: bool) -> dict:
+# how a throughput case trains: recomputation (none, the attention core, whole blocks) or compiled blocks
+MODES = {
+    "none": [],
+    "selective": ["model.recompute_attention=true"],
+    "full": ["model.activation_checkpointing=true"],
+    "compiled": ["model.compile=true"],
+}
+
+
+def measure(ctx, size: str, embedding: str, mode: str) -> dict:
     from megatron_lev.model.flops import flops_per_token
     from megatron_lev.model.vocab import padded_vocab_size
 
@@ -591,7 +601,7 @@ def measure(ctx, size: str, embedding: str, checkpointing: bool) -> dict:
             *over,
             f"model.embedding={embedding}",
             "train.precision=bf16",
-            f"model.activation_checkpointing={str(checkpointing).lower()}",
+            *MODES[mode],
             f"train.micro_batch_size={micro}",
             f"train.global_batch_size={micro}",
             f"train.train_iters={warm + steps + 1}",
@@ -622,7 +632,7 @@ def measure(ctx, size: str, embedding: str, checkpointing: bool) -> dict:
     return {
         "size": size,
         "embedding": embedding,
-        "ckpt": checkpointing,
+        "ckpt": mode,
         "micro": micro,
         "seq": cfg.model.seq_length,
         "step_s": seconds,
@@ -639,31 +649,34 @@ def measure(ctx, size: str, embedding: str, checkpointing: bool) -> dict:
 def throughput(ctx, budget: Budget, rows: list, skipped: list):
     sizes = ["tiny"] if ctx["tiny"] else ctx["args"].sizes
     estimate = {"tiny": 5.0, "200m": 40.0, "1.2b": 90.0, "400m": 60.0}
-    for ckpt in (False, True):
-        for size in sizes:
-            for emb in ("tied", "lev"):
-                need = estimate.get(size, 90.0)
-                if budget.left() < need:
-                    skipped.append(
-                        f"{size} {emb} checkpointing {'on' if ckpt else 'off'}: time budget "
-                        f"({budget.left():.0f} s left, the case needs about {need:.0f} s)"
-                    )
-                    continue
-                start = time.perf_counter()
-                try:
-                    rows.append(measure(ctx, size, emb, ckpt))
-                except Exception as exc:  # noqa: BLE001 - one case (often out of memory) must not stop the rest
-                    rows.append(
-                        {
-                            "size": size,
-                            "embedding": emb,
-                            "ckpt": ckpt,
-                            "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                        }
-                    )
-                    _free()
-                estimate[size] = max(estimate.get(size, 0.0) * 0.5, time.perf_counter() - start)
-                print(f"  {size} {emb} ckpt={ckpt}: {time.perf_counter() - start:.1f} s", flush=True)
+    # none and whole-block recompute for both variants at every size; then, at the first size, LEV
+    # with selective recompute and with compiled blocks (the compile counts in its warm-up steps)
+    cases = [(mode, size, emb) for mode in ("none", "full") for size in sizes for emb in ("tied", "lev")]
+    cases += [(mode, sizes[0], "lev") for mode in ("selective", "compiled")]
+    for ckpt, size, emb in cases:
+        need = estimate.get(size, 90.0) * (2 if ckpt == "compiled" else 1)
+        if budget.left() < need:
+            skipped.append(
+                f"{size} {emb} {ckpt}: time budget "
+                f"({budget.left():.0f} s left, the case needs about {need:.0f} s)"
+            )
+            continue
+        start = time.perf_counter()
+        try:
+            rows.append(measure(ctx, size, emb, ckpt))
+        except Exception as exc:  # noqa: BLE001 - one case (often out of memory) must not stop the rest
+            rows.append(
+                {
+                    "size": size,
+                    "embedding": emb,
+                    "ckpt": ckpt,
+                    "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                }
+            )
+            _free()
+        if ckpt != "compiled":  # a compile's first steps say nothing of the next case's time
+            estimate[size] = max(estimate.get(size, 0.0) * 0.5, time.perf_counter() - start)
+        print(f"  {size} {emb} ckpt={ckpt}: {time.perf_counter() - start:.1f} s", flush=True)
     failed = [r for r in rows if "error" in r]
     ok_rows = [r for r in rows if "error" not in r]
     peak = ctx["peak"]
@@ -673,41 +686,48 @@ def throughput(ctx, budget: Budget, rows: list, skipped: list):
         f"model FLOPs per token from `megatron_lev.model.flops` (recomputation not counted); MFU against "
         + (f"**{peak:g} TFLOP/s** dense bf16 per device" if peak else "no known peak (pass --peak-tflops)"),
         "",
-        "| size | embedding | act. ckpt | micro | ms/step | tokens/s | TFLOP/s | MFU | peak GiB | "
+        "| size | embedding | recompute / compile | micro | ms/step | tokens/s | TFLOP/s | MFU | peak GiB | "
         "CUDA syncs/step | Python reads/step |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(
-                f"| {r['size']} | {r['embedding']} | {'on' if r['ckpt'] else 'off'} | FAILED: "
-                f"`{r['error']}` |||||||"
-            )
+            lines.append(f"| {r['size']} | {r['embedding']} | {r['ckpt']} | FAILED: `{r['error']}` |||||||")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         syncs = r["cuda_syncs"] if r["cuda_syncs"] is not None else "- (CPU)"
         lines.append(
-            f"| {r['size']} | {r['embedding']} | {'on' if r['ckpt'] else 'off'} | {r['micro']} | "
+            f"| {r['size']} | {r['embedding']} | {r['ckpt']} | {r['micro']} | "
             f"{1e3 * r['step_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | {mem} | "
             f"{syncs} | {r['reads']} |"
         )
     lines += ["", "LEV/TIED step time (target <= 1.03):", ""]
     for size in sizes:
-        for ckpt in (False, True):
+        for ckpt in ("none", "full"):
             pair = {r["embedding"]: r for r in ok_rows if r["size"] == size and r["ckpt"] == ckpt}
             if {"lev", "tied"} <= pair.keys():
                 ratio = pair["lev"]["step_s"] / pair["tied"]["step_s"]
                 verdict = "met" if ratio <= TARGET_LEV_RATIO else "not met"
-                lines.append(
-                    f"- {size}, checkpointing {'on' if ckpt else 'off'}: **{ratio:.3f}** ({verdict})"
+                lines.append(f"- {size}, recompute {ckpt}: **{ratio:.3f}** ({verdict})")
+    lev = {r["ckpt"]: r for r in ok_rows if r["size"] == sizes[0] and r["embedding"] == "lev"}
+    if "none" in lev:
+        for mode in ("selective", "full", "compiled"):
+            if mode in lev:
+                r, base = lev[mode], lev["none"]
+                mem = (
+                    f", peak memory {r['peak_gib']:.1f} vs {base['peak_gib']:.1f} GiB"
+                    if r["peak_gib"] is not None and base["peak_gib"] is not None
+                    else ""
                 )
+                times = r["step_s"] / base["step_s"]
+                lines.append(f"- {sizes[0]} LEV, {mode} against none: step time x{times:.3f}{mem}")
     best = [r for r in ok_rows if r["size"] == "1.2b" and r["mfu"] is not None]
     if best:
         top = max(best, key=lambda r: r["mfu"])
         lines.append(
-            f"- best MFU at 1.2B: **{100 * top['mfu']:.1f}%** ({top['embedding']}, checkpointing "
-            f"{'on' if top['ckpt'] else 'off'}; target >= {100 * TARGET_MFU_1B:.0f}%: "
+            f"- best MFU at 1.2B: **{100 * top['mfu']:.1f}%** ({top['embedding']}, {top['ckpt']}; "
+            f"target >= {100 * TARGET_MFU_1B:.0f}%: "
             f"{'met' if top['mfu'] >= TARGET_MFU_1B else 'not met'})"
         )
     sites = next((r["sites"] for r in ok_rows if r["embedding"] == "lev"), None)
