@@ -56,7 +56,8 @@ def test_tiny_cpu_mode_writes_every_section(tmp_path):
     for title in SECTIONS:
         assert f"## {title}: " in report, title
     assert ": FAILED" not in report and "| FAILED" not in report, report
-    assert "| tiny | lev | off |" in report and "| tiny | tied | on |" in report
+    assert "| tiny | lev | none |" in report and "| tiny | tied | full |" in report
+    assert "| tiny | lev | selective |" in report and "| tiny | lev | compiled |" in report
     assert "LEV/TIED step time" in report and "Python-side reads in one LEV step" in report
     assert "| triton |" in report or "triton kernel" in report  # checked, or the reason it was not
 
