@@ -18,7 +18,8 @@ import torch.distributed as dist
 from megatron_lev.parallel.layout import ParallelLayout
 
 
-def _all_reduce(x: torch.Tensor, layout: ParallelLayout, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def tp_all_reduce(x: torch.Tensor, layout: ParallelLayout, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """`x` all-reduced in place over `layout`'s TP group (nothing at TP = 1); returns `x`."""
     if layout.tp > 1:
         dist.all_reduce(x, op=op, group=layout.tp_group)
     return x
@@ -38,16 +39,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if vocab_size is not None and start + per > vocab_size:  # this shard holds padding rows
             padded = torch.arange(start, start + per, device=logits.device) >= vocab_size  # (V/tp,)
             logits = logits.masked_fill(padded, float("-inf"))
-        logits_max = _all_reduce(logits.max(dim=-1).values, layout, op=dist.ReduceOp.MAX)  # (..)
+        logits_max = tp_all_reduce(logits.max(dim=-1).values, layout, op=dist.ReduceOp.MAX)  # (..)
         shifted = logits - logits_max.unsqueeze(-1)  # (.., V/tp)
 
         outside = (target < start) | (target >= start + per)  # (..) target row lives on another rank
         local_target = (target - start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        target_logit = _all_reduce(target_logit.masked_fill(outside, 0.0), layout)  # (..)
+        target_logit = tp_all_reduce(target_logit.masked_fill(outside, 0.0), layout)  # (..)
 
         exp = shifted.exp_()  # reuse the buffer: (.., V/tp)
-        sum_exp = _all_reduce(exp.sum(dim=-1), layout)  # (..)
+        sum_exp = tp_all_reduce(exp.sum(dim=-1), layout)  # (..)
         loss = sum_exp.log() - target_logit  # (..) fp32
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_lev.parallel.cross_entropy import tp_all_reduce
 from megatron_lev.parallel.layout import ParallelLayout
 
 CHUNK_BYTES = 256 << 20  # one chunk's fp32 logits, when the chunk size is not given
@@ -36,12 +37,6 @@ CHUNK_BYTES = 256 << 20  # one chunk's fp32 logits, when the chunk size is not g
 def chunk_tokens_for(rows: int, tokens: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Tokens per chunk so that one chunk's fp32 logits `(c, rows)` take about `chunk_bytes`."""
     return max(1, min(tokens, chunk_bytes // (4 * max(rows, 1))))
-
-
-def _all_reduce(x: torch.Tensor, layout: ParallelLayout, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if layout.tp > 1:
-        dist.all_reduce(x, op=op, group=layout.tp_group)
-    return x
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -73,13 +68,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             logits = (h @ weight.t()).float()  # (c, V/tp), this chunk's own buffer
             if pad_from is not None:
                 logits[:, pad_from:] = float("-inf")
-            logits_max = _all_reduce(logits.max(dim=-1).values, layout, op=dist.ReduceOp.MAX)  # (c,)
+            logits_max = tp_all_reduce(logits.max(dim=-1).values, layout, op=dist.ReduceOp.MAX)  # (c,)
             logits.sub_(logits_max.unsqueeze(-1))
             out, tgt = outside[lo:hi], local_target[lo:hi]
             target_logit = logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1).masked_fill(out, 0.0)
-            target_logit = _all_reduce(target_logit, layout)  # (c,)
+            target_logit = tp_all_reduce(target_logit, layout)  # (c,)
             exp = logits.exp_()
-            sum_exp = _all_reduce(exp.sum(dim=-1), layout)  # (c,)
+            sum_exp = tp_all_reduce(exp.sum(dim=-1), layout)  # (c,)
             losses[lo:hi] = sum_exp.log() - target_logit
             if not (want_h or want_w):
                 del logits, exp  # free this chunk's buffer before the next one is made
