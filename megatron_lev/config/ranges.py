@@ -116,13 +116,16 @@ def field_ranges(cls: type, prefix: str = "") -> dict[str, Range]:
 
 
 def numeric_fields(cls: type, prefix: str = "") -> list[str]:
-    """Dotted names of every int/float field of `cls` and its nested sections."""
+    """Dotted names of every int/float field of `cls` and its nested sections (scalars: a list of
+    numbers, such as `logging.profile_steps`, is checked by its section's `validate`)."""
     keys = []
     for name, tp in typing.get_type_hints(cls).items():
         key = join(prefix, name)
         args = [a for a in (typing.get_args(tp) or (tp,)) if a is not type(None)]
         if dataclasses.is_dataclass(tp):
             keys += numeric_fields(tp, key)
+        elif typing.get_origin(tp) in (list, tuple):
+            continue
         elif any(a in (int, float) for a in args):
             keys.append(key)
     return keys
