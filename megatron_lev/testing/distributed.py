@@ -45,20 +45,33 @@ def run_distributed(
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results."""
+    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results.
+
+    The rendezvous port is one the system called free a moment before the ranks bind it; when another
+    process of the test session took it in between (EADDRINUSE), the ranks are started once more on a
+    new port: a port race, not the code under test."""
     import torch.multiprocessing  # noqa: F401 - before the start method is chosen, as run_workers does
 
-    try:
-        return run_workers(
-            fn, world_size, args, kwargs, timeout=timeout, env=env, start_method=start_method()
-        )
-    except WorkerError as exc:
-        if not exc.traceback:  # died without a word, or timed out
-            raise DistributedTestError(str(exc)) from None
-        also = f" (then rank(s) {list(exc.others)} failed too)" if exc.others else ""
-        raise DistributedTestError(
-            f"rank {exc.rank} of {world_size} failed first{also}:\n{exc.traceback}"
-        ) from None
+    for attempt in range(2):
+        try:
+            return run_workers(
+                fn, world_size, args, kwargs, timeout=timeout, env=env, start_method=start_method()
+            )
+        except WorkerError as exc:
+            if attempt == 0 and "EADDRINUSE" in f"{exc} {exc.traceback or ''}":
+                continue
+            _raise(exc, world_size)
+    raise AssertionError("unreachable")
+
+
+def _raise(exc: WorkerError, world_size: int) -> None:
+    """The one-paragraph failure of a distributed test from the launcher's error."""
+    if not exc.traceback:  # died without a word, or timed out
+        raise DistributedTestError(str(exc)) from None
+    also = f" (then rank(s) {list(exc.others)} failed too)" if exc.others else ""
+    raise DistributedTestError(
+        f"rank {exc.rank} of {world_size} failed first{also}:\n{exc.traceback}"
+    ) from None
 
 
 __all__ = ["DistributedTestError", "find_free_port", "run_distributed", "start_method"]
