@@ -50,36 +50,25 @@ def injected_nan_steps(environ: dict | None = None, name: str = INJECT_NAN_ENV) 
         raise ValueError(f"{name}={raw!r} must be iteration numbers, e.g. 3 or 3,4") from None
 
 
-class _NaNGradient(torch.autograd.Function):
-    """Identity forward; the gradient that flows back is NaN."""
+class _ScaledGradient(torch.autograd.Function):
+    """Identity forward; the gradient that flows back is multiplied by `factor` (NaN, or a spike)."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * float("nan")
-
-
-class _SpikeGradient(torch.autograd.Function):
-    """Identity forward; the gradient that flows back is GRAD_SPIKE times larger."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * GRAD_SPIKE
+        return grad * ctx.factor, None
 
 
 def _poison(t, grad: bool | str):
     if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
         return t
     if grad == "spike":
-        return _SpikeGradient.apply(t)
-    return _NaNGradient.apply(t) if grad else t * float("nan")
+        return _ScaledGradient.apply(t, GRAD_SPIKE)
+    return _ScaledGradient.apply(t, float("nan")) if grad else t * float("nan")
 
 
 class NaNInjector:
