@@ -19,6 +19,12 @@
 # of memory, a crash): unless this script forwarded a preemption signal, that is a failure,
 # even if torchrun then stopped the other ranks while they were starting up (they report 75).
 #
+# Restart after a failure: a run that failed for a reason a restart can cure (a rank killed or
+# crashed, a peer lost) is started again, and resumes from its last checkpoint (pass train.save),
+# after RESTART_DELAY seconds (10), at most MAX_FAILURES times (3; 0: never) within FAILURE_WINDOW
+# seconds (3600). A config, data or checkpoint error, a stop by the run's own health checks, a
+# preemption or a signal to this script ends it at once (the rules of slurm/pretrain.sbatch).
+#
 # Logs: each rank's stdout and stderr go to its own file under LOG_DIR (default: a temporary
 # directory, deleted when the run succeeds) and to the console, each line prefixed with its
 # rank ("[default1]:"). When a rank fails, the last lines printed name it, its exit status or
@@ -42,6 +48,12 @@ export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
 read -ra entry <<<"${ENTRY:--m megatron_lev train}"
 echo "[torchrun_local] $NPROC process(es), python $python"
 
+# shellcheck source=slurm/lib.sh
+source "$root/slurm/lib.sh"  # mlev_failure_kind, mlev_count_failure: the Slurm script's restart rules
+max_failures=${MAX_FAILURES:-3} failure_window=${FAILURE_WINDOW:-3600} restart_delay=${RESTART_DELAY:-10}
+for value in "$max_failures" "$failure_window" "$restart_delay"; do
+    [[ $value =~ ^[0-9]+$ ]] || { echo "[torchrun_local] error: MAX_FAILURES, FAILURE_WINDOW and RESTART_DELAY take whole numbers (got '$value')" >&2; exit 2; }
+done
 exit_dir=$(mktemp -d "${TMPDIR:-/tmp}/torchrun_local.XXXXXX")
 if [ -n "${LOG_DIR:-}" ]; then
     mkdir -p "$LOG_DIR"
@@ -53,38 +65,45 @@ else
 fi
 status=1
 # the ranks' exit statuses always go; their logs stay when the run failed or LOG_DIR asked for them
-trap 'rm -rf "$exit_dir"; if [ "$status" = 0 ] && [ "$keep_logs" = 0 ]; then rm -rf "$log_dir"; else rmdir "$log_dir" 2>/dev/null || true; fi' EXIT
-export MEGATRON_LEV_EXIT_DIR=$exit_dir
+trap 'rm -rf "$exit_dir"; if [ "$status" = 0 ] && [ "$keep_logs" = 0 ]; then rm -rf "$log_dir"; else rmdir "$log_dir"/* "$log_dir" 2>/dev/null || true; fi' EXIT
 # torchrun forwards these to the ranks (SIGUSR1 is not among its defaults)
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 # ranks get this long to finish the step and save after a signal before torchrun kills them
 export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-300}
-# torchrun itself, with a report naming each failed rank, its exit status or signal and the end of its log
-( trap - INT QUIT; exec "$python" -m megatron_lev.parallel.torchrun --report-name torchrun_local \
-    --standalone --nproc_per_node "$NPROC" --log-dir "$log_dir" --redirects 3 --tee 3 \
-    "${entry[@]}" "$@" ) &
-pid=$!
-signalled=0  # a preemption signal came to this script: forwarded, and a reason to requeue
-for sig in TERM USR1; do
-    trap "signalled=1; kill -$sig $pid 2>/dev/null || true" "$sig"
-done
-for sig in INT HUP QUIT; do
-    trap "kill -$sig $pid 2>/dev/null || true" "$sig"
-done
-status=0
-while :; do
-    status=0
-    wait "$pid" || status=$?
-    kill -0 "$pid" 2>/dev/null || break  # else a trapped signal interrupted the wait
-done
-status=0
-wait "$pid" || status=$?  # the child's own status, also when a signal interrupted the last wait
+signalled=0  # a signal came to this script: forwarded; a preemption is a reason to requeue, never to restart
+stopped=0    # any signal at all (Ctrl-C included): no restart after it
 
-if [ "$status" -ne 0 ]; then
-    preempted=0 other=0 missing=0
-    for f in "$exit_dir"/rank*; do
+# launch ATTEMPT: torchrun once (logs under $log_dir/attemptN), then `status`, the run's exit status
+launch() {
+    local attempt=$1 reports=$exit_dir/attempt$1 pid sig f code kind preempted=0 other=0 missing=0 reported
+    shift
+    mkdir -p "$reports" "$log_dir/attempt$attempt"
+    export MEGATRON_LEV_EXIT_DIR=$reports
+    # torchrun itself, with a report naming each failed rank, its exit status or signal and the end of its log
+    ( trap - INT QUIT; exec "$python" -m megatron_lev.parallel.torchrun --report-name torchrun_local \
+        --standalone --nproc_per_node "$NPROC" --log-dir "$log_dir/attempt$attempt" --redirects 3 --tee 3 \
+        "${entry[@]}" "$@" ) &
+    pid=$!
+    for sig in TERM USR1; do
+        trap "signalled=1; stopped=1; kill -$sig $pid 2>/dev/null || true" "$sig"
+    done
+    for sig in INT HUP QUIT; do
+        trap "stopped=1; kill -$sig $pid 2>/dev/null || true" "$sig"
+    done
+    while :; do
+        status=0
+        wait "$pid" || status=$?
+        kill -0 "$pid" 2>/dev/null || break  # else a trapped signal interrupted the wait
+    done
+    status=0
+    wait "$pid" || status=$?  # the child's own status, also when a signal interrupted the last wait
+    [ "$status" -ne 0 ] || return 0
+
+    for f in "$reports"/rank*; do
         [ -e "$f" ] || continue
-        case $(cat "$f") in
+        code=''
+        read -r code kind <"$f" || true
+        case $code in
             75) preempted=1 ;;
             0) ;;
             *) other=1 ;;
@@ -92,7 +111,7 @@ if [ "$status" -ne 0 ]; then
     done
     case $NPROC in
         '' | *[!0-9]*) ;;  # e.g. "auto": the number of ranks is torchrun's to know
-        *) for ((r = 0; r < NPROC; r++)); do [ -e "$exit_dir/rank$r" ] || missing=1; done ;;
+        *) for ((r = 0; r < NPROC; r++)); do [ -e "$reports/rank$r" ] || missing=1; done ;;
     esac
     if [ "$signalled" = 0 ] && [ "$missing" = 1 ]; then
         other=1  # a rank died without a word and nobody asked the job to stop: a crash, not a preemption
@@ -106,11 +125,40 @@ if [ "$status" -ne 0 ]; then
     elif [ "$missing" = 0 ] && [ "$preempted" = 0 ]; then
         # every rank reported, one and the same failure (3: the skip limit; 2: a config error):
         # that status, not torchrun's 1, so a wrapper or a scheduler can tell them apart
-        reported=$(cat "$exit_dir"/rank* 2>/dev/null | sort -u | grep -vx 0 || true)
+        reported=$(for f in "$reports"/rank*; do read -r code _ <"$f" && echo "$code"; done | sort -u | grep -vx 0 || true)
         if [ -n "$reported" ] && [ "$(printf '%s\n' "$reported" | wc -l)" = 1 ]; then
             echo "[torchrun_local] every rank exited with status $reported" >&2
             status=$reported
         fi
     fi
-fi
+}
+
+attempt=0
+while :; do
+    launch "$attempt" "$@"
+    if [ "$status" = 0 ] || [ "$status" = 75 ] || [ "$stopped" = 1 ] || [ "$max_failures" = 0 ]; then
+        break  # done, preempted, stopped by a signal, or restarts switched off (nothing more to say)
+    fi
+    kind=$(mlev_failure_kind "$exit_dir/attempt$attempt" "$status")
+    if [ "$kind" = fatal ]; then
+        echo "[torchrun_local] not restarting: status $status is an error a restart cannot cure" \
+            "(a config, data or checkpoint error, or the run's own health checks)" >&2
+        break
+    fi
+    count=$(mlev_count_failure "$exit_dir/failures" "$failure_window" "status $status")
+    if [ "$count" -gt "$max_failures" ]; then
+        echo "[torchrun_local] not restarting after status $status: failure $count within ${failure_window} s" \
+            "(MAX_FAILURES=$max_failures, FAILURE_WINDOW=$failure_window)" >&2
+        break
+    fi
+    attempt=$((attempt + 1))
+    echo "[torchrun_local] restart after a failure ($count of $max_failures within ${failure_window} s):" \
+        "status $status; starting attempt $attempt in $restart_delay s from the last checkpoint" >&2
+    sleep "$restart_delay" &
+    wait $! || true  # a signal interrupts the delay: its trap ran, and no attempt starts after it
+    if [ "$stopped" = 1 ]; then
+        [ "$signalled" = 0 ] || status=75  # preempted between attempts: requeue
+        break
+    fi
+done
 exit "$status"

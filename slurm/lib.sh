@@ -63,15 +63,18 @@ mlev_setup() {
 
 # mlev_rendezvous: MASTER_ADDR = address of the first node of the allocation (its
 # NodeAddr in slurm.conf, so node names need not resolve), MASTER_PORT = 15000 plus
-# a number derived from the job id and restart (below the Linux ephemeral range).
+# a number derived from the job id, the requeue count and the restart within the job
+# (MLEV_ATTEMPT), below the Linux ephemeral range.
 mlev_rendezvous() {
     local first addr
     first=$(scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a Slurm allocation}" | head -n 1)
     addr=$(scontrol show node "$first" -o 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')
     export MASTER_ADDR=${MASTER_ADDR:-${addr:-$first}}
-    export MASTER_PORT=${MASTER_PORT:-$((15000 + (SLURM_JOB_ID + 997 * MLEV_RESTART) % 17000))}
+    # a port the user chose stays; a derived one moves with each restart within the job (MLEV_ATTEMPT)
+    [ -n "${MLEV_PORT_GIVEN+x}" ] || MLEV_PORT_GIVEN=${MASTER_PORT:-}
+    export MASTER_PORT=${MLEV_PORT_GIVEN:-$((15000 + (SLURM_JOB_ID + 997 * MLEV_RESTART + 389 * ${MLEV_ATTEMPT:-0}) % 17000))}
     mlev_log "rendezvous $MASTER_ADDR:$MASTER_PORT (first node $first), nodes ${SLURM_JOB_NODELIST}," \
-        "${SLURM_NTASKS:-?} tasks, restart $MLEV_RESTART"
+        "${SLURM_NTASKS:-?} tasks, restart $MLEV_RESTART$([ "${MLEV_ATTEMPT:-0}" = 0 ] || echo ", attempt $MLEV_ATTEMPT")"
 }
 
 # mlev_signal_name WORDS: srun's words for how a task ended ("Killed", "Exited with exit code 3")
@@ -157,4 +160,60 @@ mlev_step() {
         mlev_report_failed_tasks "$log" "$offset"
     fi
     return "$rc"
+}
+
+# ---- restart after a failure: what a restart can cure, and how often within a window ----
+
+# mlev_failure_kind EXIT_DIR STATUS: "fatal" when a rank reported an exit that a restart cannot cure
+# (a config, data or checkpoint error, or the run's own health checks stopping it), else "crash".
+# Each rank writes "<status> <kind>" into EXIT_DIR as it exits (megatron_lev/training/signals.py:
+# exit_kind); a rank killed outright writes nothing. With no report at all the status decides:
+# 2 (a usage or launch error) and 3 (the skip limit) are fatal, anything else a crash.
+mlev_failure_kind() {
+    local dir=$1 status=$2 f code kind reported=0
+    for f in "$dir"/rank*; do
+        [ -e "$f" ] || continue
+        reported=1
+        code='' kind=''
+        read -r code kind <"$f" || true
+        if [ "$kind" = fatal ] || { [ -z "$kind" ] && { [ "$code" = 2 ] || [ "$code" = 3 ]; }; }; then
+            echo fatal
+            return 0
+        fi
+    done
+    if [ "$reported" = 0 ] && { [ "$status" = 2 ] || [ "$status" = 3 ]; }; then
+        echo fatal
+    else
+        echo crash
+    fi
+}
+
+# mlev_count_failure FILE WINDOW CAUSE...: append this failure (epoch seconds, then CAUSE) to FILE and
+# print how many of the failures it lists happened within the last WINDOW seconds, this one included.
+mlev_count_failure() {
+    local file=$1 window=$2 now
+    shift 2
+    now=$(date +%s)
+    printf '%s %s\n' "$now" "$*" >>"$file"
+    awk -v since=$((now - window)) '$1 + 0 >= since { n++ } END { print n + 0 }' "$file"
+}
+
+# mlev_failure_cause LOG OFFSET STATUS: one line for the log of a restart: the first task srun
+# reported as failed in the step's output (from byte OFFSET of LOG), else the step's status.
+mlev_failure_cause() {
+    local log=$1 offset=$2 status=$3 line rest node tasks what
+    line=$( (tail -c +"$((offset + 1))" "$log" 2>/dev/null || true) |
+        grep -E -m 1 '^srun: error: [^ ]+: tasks? [0-9][0-9,-]*: ' || true)
+    if [ -z "$line" ]; then
+        echo "the step exited with status $status"
+        return 0
+    fi
+    rest=${line#srun: error: }
+    node=${rest%%: *}
+    rest=${rest#*: }
+    tasks=${rest%%: *}
+    what=${rest#*: }
+    tasks=${tasks#tasks }
+    tasks=${tasks#task }
+    echo "rank $tasks (node $node) $(mlev_signal_name "$what")"
 }

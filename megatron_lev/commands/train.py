@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_lev.training.signals import install_startup_handler, report_exit_code
+from megatron_lev.training.signals import exit_kind, install_startup_handler, report_exit_code
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from megatron_lev.training.rendezvous import distributed_session
 
-    code = 1
+    code, kind = 1, None
     try:
         # every exit (done, error, preempted) leaves the process group the same way: the watchdog
         # stopped, every group destroyed without a barrier, the logs flushed
@@ -42,9 +42,10 @@ def main(args: argparse.Namespace) -> int:
         raise
     except BaseException as exc:
         code = getattr(exc, "exit_code", 1)
+        kind = exit_kind(code, exc)  # a launcher restarts a crash, never a config or data error
         raise
     finally:
-        report_exit_code(code)
+        report_exit_code(code, kind)
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -258,7 +258,7 @@ def _abort(prog: str, line: str) -> None:
 
     with contextlib.suppress(OSError):
         os.write(2, f"{prog}: error: {line}\n".encode())
-    report_exit_code(1)
+    report_exit_code(1, "crash")  # the silent rank's fault, which a restart may cure
     session.flush_logs()
     os._exit(1)
 

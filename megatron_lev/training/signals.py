@@ -15,6 +15,7 @@ start within milliseconds.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -32,14 +33,46 @@ def _log():
     return get_logger(__name__)
 
 
-def report_exit_code(code: int) -> None:
-    """Write this rank's exit status to `$MEGATRON_LEV_EXIT_DIR/rank<R>` if a launcher asked for it."""
+# What a rank's report says of its exit, for a launcher deciding whether to start the run again:
+# "done" (0), "preempted" (75: requeue), "fatal" (the same command would fail the same way: a config,
+# data or checkpoint error, or a run stopped by its own health checks) or "crash" (anything a restart
+# from the last checkpoint can cure: a peer that died, a collective that timed out, an uncaught
+# exception such as a CUDA or NCCL error). A rank killed outright writes nothing.
+EXIT_KINDS = ("done", "preempted", "fatal", "crash")
+
+
+def exit_kind(code: int, exc: BaseException | None = None) -> str:
+    """The kind of exit (`EXIT_KINDS`) of a rank that ends with status `code`, raised by `exc` if any."""
+    from megatron_lev.errors import DistributedError, UserError
+
+    if code == 0:
+        return "done"
+    if code == PREEMPTED_EXIT_CODE:
+        return "preempted"
+    if exc is None or isinstance(exc, SystemExit):
+        # a status returned by the trainer (3: its health checks stopped it) or an argument error (2)
+        return "fatal"
+    if isinstance(exc, DistributedError):
+        return "crash"  # another rank stopped answering: the cause is there, and a restart may cure it
+    if isinstance(exc, (UserError, KeyboardInterrupt)):
+        return "fatal"
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
+        return "fatal"  # a path the user gave
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return "fatal"  # a full or read-only disk stays so until someone acts
+    return "crash"
+
+
+def report_exit_code(code: int, kind: str | None = None) -> None:
+    """Write this rank's exit status and its kind (`exit_kind`; by default that of a status alone) to
+    `$MEGATRON_LEV_EXIT_DIR/rank<R>` ("1 crash") if a launcher asked for it."""
     directory = os.environ.get(EXIT_DIR_ENV)
     if not directory:
         return
     rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+    kind = kind or exit_kind(int(code))
     try:
-        Path(directory, f"rank{rank}").write_text(f"{int(code)}\n")
+        Path(directory, f"rank{rank}").write_text(f"{int(code)} {kind}\n")
     except OSError:
         pass  # best effort: the launcher then keeps torchrun's own status
 

@@ -65,7 +65,7 @@ def _env(**extra) -> dict:
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MEGATRON_LEV_DEBUG")
     }
-    env.update(ENV, **extra)
+    env.update(ENV, MAX_FAILURES="0", **extra)  # torchrun_local.sh: one attempt, its report read here
     return env
 
 

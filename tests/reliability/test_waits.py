@@ -59,6 +59,7 @@ def _env(**extra) -> dict:
     env.update(
         {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     )
+    env["MAX_FAILURES"] = "0"  # torchrun_local.sh: one attempt; these tests read a failure's report
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

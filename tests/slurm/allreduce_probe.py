@@ -18,6 +18,11 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--kill-rank", type=int, default=None, help="this rank kills itself after step 0")
+    parser.add_argument(
+        "--kill-once",
+        default=None,
+        help="with --kill-rank: only while this file is absent (then made)",
+    )
     args = parser.parse_args()
 
     import torch
@@ -39,6 +44,11 @@ def main() -> int:
             f"allreduce_sum {t.item():g}\n"
         )
         os.write(sys.stdout.fileno(), line.encode())
+        if args.kill_once and args.kill_rank == rank:
+            if os.path.exists(args.kill_once):
+                args.kill_rank = None  # killed at an earlier attempt: this one runs to the end
+            else:
+                open(args.kill_once, "w").close()
         if args.kill_rank == rank:  # as the out-of-memory killer would
             os.write(sys.stdout.fileno(), f"[probe] rank {rank} is about to be killed\n".encode())
             os.kill(os.getpid(), signal.SIGKILL)

@@ -73,6 +73,16 @@ def run_logs(workdir: Path, job_id: str) -> dict[int, str]:
     return logs
 
 
+def attempt_logs(workdir: Path, job_id: str) -> dict[tuple[int, int], str]:
+    """Step logs of a job by (restart, attempt): a restart after a failure within the job is a new
+    attempt with its own log (`...-restart0-attempt1.log`)."""
+    logs = {}
+    for path in (workdir / "logs").glob(f"*-{job_id}-restart*.log"):
+        m = re.search(r"restart(\d+)(?:-attempt(\d+))?\.log$", path.name)
+        logs[int(m.group(1)), int(m.group(2) or 0)] = path.read_text(errors="replace")
+    return logs
+
+
 def describe(workdir: Path, info: JobInfo) -> str:
     """Everything a failing assertion should show: the job state and all its logs."""
     parts = [f"job {info.job_id}: {info.state} exit {info.exit_code} restarts {info.restarts}"]
@@ -80,8 +90,8 @@ def describe(workdir: Path, info: JobInfo) -> str:
     parts.append(
         f"--- {batch.name} ---\n" + (batch.read_text(errors="replace") if batch.exists() else "(none)")
     )
-    for restart, text in sorted(run_logs(workdir, info.job_id).items()):
-        parts.append(f"--- restart {restart} ---\n{text[-4000:]}")
+    for (restart, attempt), text in sorted(attempt_logs(workdir, info.job_id).items()):
+        parts.append(f"--- restart {restart} attempt {attempt} ---\n{text[-4000:]}")
     return "\n".join(parts)
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.slurm.conftest import ROOT, SMALL_JOB, describe, run_logs, submit_pretrain, wait_job
+from tests.slurm.conftest import ROOT, SMALL_JOB, attempt_logs, describe, run_logs, submit_pretrain, wait_job
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 PROBE = {"ENTRY": "-m tests.slurm.allreduce_probe"}
@@ -81,22 +81,38 @@ def test_job_scripts_refuse_missing_inputs_with_a_clear_message(slurm_cluster, t
         assert cases[script] in out, out
 
 
-def test_a_killed_task_is_named_with_its_signal_and_its_last_lines(slurm_cluster, tmp_path):
-    """Rank 1 is killed by SIGKILL after the first all-reduce: the batch output names the rank,
-    its node and signal, and quotes the end of its output from the step's log."""
+def test_a_killed_task_is_named_restarted_and_a_crash_loop_ends_at_the_limit(slurm_cluster, tmp_path):
+    """Rank 1 is killed by SIGKILL after the first all-reduce, at every attempt: the batch output
+    names the rank, its node and signal, and quotes the end of its output; the job starts a new
+    step once (MAX_FAILURES=1) with the cause and count logged, then ends at the limit."""
     job = submit_pretrain(
         slurm_cluster,
         tmp_path,
         ["--nodes=1", "--ntasks-per-node=2", "--time=5", "--signal=USR1@30"],
         ["--steps", "3", "--kill-rank", "1"],
-        env={**PROBE, "REQUEUE": "0", "TASK_EXIT_GRACE": "5"},
+        env={**PROBE, "TASK_EXIT_GRACE": "5", "MAX_FAILURES": "1", "RESTART_DELAY": "0"},
     )
     info = wait_job(slurm_cluster, tmp_path, job, timeout=120)
     report = describe(tmp_path, info)
-    assert info.state == "FAILED", report
+    assert info.state == "FAILED" and info.restarts == 0, report
     batch = (tmp_path / f"slurm-{job}.out").read_text()
-    assert re.search(r"rank 1 \(node n1\) was killed by SIGKILL; its last lines in \S+\.log:", batch), report
+    named = re.findall(r"rank 1 \(node n1\) was killed by SIGKILL; its last lines in \S+\.log:", batch)
+    assert len(named) == 2, report  # once per attempt
     assert re.search(r"\n {4}1: \[probe\] rank 1 is about to be killed\n", batch), report
+    assert re.search(
+        r"restart after a failure \(1 of 1 within 3600 s\): rank 1 \(node n1\) was killed by SIGKILL; "
+        r"starting attempt 1 in 0 s from the last checkpoint",
+        batch,
+    ), report
+    assert re.search(
+        r"not restarting after rank 1 \(node n1\) was killed by SIGKILL: "
+        r"failure 2 within 3600 s \(MAX_FAILURES=1",
+        batch,
+    ), report
+    assert sorted(attempt_logs(tmp_path, job)) == [(0, 0), (0, 1)], report
+    assert "attempt 1" in batch.split("starting attempt 1")[1].split("\n", 2)[1], report  # its own rendezvous
+    failures = (tmp_path / "logs" / f"megatron-lev-{job}.failures").read_text().splitlines()
+    assert len(failures) == 2 and all("was killed by SIGKILL" in line for line in failures), failures
 
 
 @pytest.fixture(scope="module")

@@ -33,3 +33,104 @@ def test_torchrun_local_without_arguments_prints_usage():
         [str(ROOT / "scripts" / "torchrun_local.sh")], cwd=ROOT, capture_output=True, text=True, timeout=30
     )
     assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+def _script(args: list[str], **env) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NPROC": "2", "OMP_NUM_THREADS": "1", "RESTART_DELAY": "0", **env}
+    return subprocess.run(
+        [str(ROOT / "scripts" / "torchrun_local.sh"), *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+@pytest.mark.multiprocess
+def test_torchrun_local_restarts_a_killed_rank_once_then_the_run_ends_well(tmp_path):
+    marker = tmp_path / "killed"
+    proc = _script(
+        ["--steps", "2", "--kill-rank", "1", "--kill-once", str(marker)],
+        ENTRY="-m tests.slurm.allreduce_probe",
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and marker.exists(), out
+    assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL", out), out
+    assert "restart after a failure (1 of 3 within 3600 s): status 1; starting attempt 1" in out, out
+    assert len(re.findall(r"\[probe\] rank 1 local_rank 1 node local step 1 allreduce_sum 3\b", out)) == 1, (
+        out
+    )
+
+
+@pytest.mark.multiprocess
+def test_torchrun_local_ends_a_crash_loop_at_the_limit(tmp_path):
+    proc = _script(
+        ["--steps", "2", "--kill-rank", "1"], ENTRY="-m tests.slurm.allreduce_probe", MAX_FAILURES="1"
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 75), out
+    assert len(re.findall(r"rank 1 \(pid \d+\) was killed by SIGKILL", out)) == 2, out
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "not restarting after status 1: failure 2 within 3600 s (MAX_FAILURES=1" in last, out
+
+
+@pytest.mark.multiprocess
+def test_torchrun_local_does_not_restart_a_config_error(tmp_path):
+    proc = _script(
+        ["--config", str(ROOT / "tests" / "configs" / "tiny.yaml"), "train.lr_decay_style=cosin"],
+        DS_ACCELERATOR="cpu",
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "train.lr_decay_style='cosin' is not one of" in out, out
+    assert "not restarting: status 2 is an error a restart cannot cure" in out and "restart after" not in out
+
+
+def test_failures_outside_the_window_do_not_count(tmp_path):
+    """The limit ends a crash loop, never a long run that fails now and then: three failures a
+    day ago and this one make 1 within the hour."""
+    import time
+
+    record = tmp_path / "failures"
+    now = int(time.time())
+    record.write_text("".join(f"{now - 86400 + i} status 1: old\n" for i in range(3)))
+    lib = ROOT / "slurm" / "lib.sh"
+    count = subprocess.run(
+        ["bash", "-c", f'source "{lib}" && mlev_count_failure "{record}" 3600 status 1: now'],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert count == "1"
+    count = subprocess.run(
+        ["bash", "-c", f'source "{lib}" && mlev_count_failure "{record}" 100000 status 1: again'],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert count == "5" and len(record.read_text().splitlines()) == 5
+
+
+@pytest.mark.parametrize(
+    "reports,status,kind",
+    [
+        ({}, 137, "crash"),  # every rank killed outright
+        ({0: "1 crash"}, 1, "crash"),  # rank 0 lost its peer, rank 1 killed
+        ({0: "2 fatal", 1: "2 fatal"}, 2, "fatal"),  # a config error on every rank
+        ({0: "1 crash", 1: "1 fatal"}, 1, "fatal"),  # a data error on one rank
+        ({0: "3"}, 3, "fatal"),  # a report without a kind (an older trainer): the skip limit
+        ({}, 2, "fatal"),  # nothing reported, a usage error
+        ({0: "75 preempted", 1: "1 crash"}, 1, "crash"),
+    ],
+)
+def test_failure_kind_from_the_ranks_reports(tmp_path, reports, status, kind):
+    for rank, text in reports.items():
+        (tmp_path / f"rank{rank}").write_text(text + "\n")
+    out = subprocess.run(
+        ["bash", "-c", f'source "{ROOT / "slurm" / "lib.sh"}" && mlev_failure_kind "{tmp_path}" {status}'],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert out == kind

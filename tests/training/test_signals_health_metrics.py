@@ -137,3 +137,27 @@ def test_squared_norm_sums_every_tensor_of_every_dtype():
     tensors = [torch.full((3, 2), 2.0), torch.full((5,), 1.0, dtype=torch.bfloat16), torch.zeros(0)]
     assert squared_norm(tensors).item() == pytest.approx(6 * 4.0 + 5 * 1.0)
     assert squared_norm([]).item() == 0.0
+
+
+def test_exit_kind_says_whether_a_restart_can_cure_the_exit(tmp_path, monkeypatch):
+    """The launchers restart a "crash" and never a "fatal" exit: each class of error, and a report
+    written where the launcher reads it."""
+    import errno
+
+    from megatron_lev.errors import CheckpointDataError, ConfigError, DataError, DistributedError
+    from megatron_lev.training.signals import EXIT_DIR_ENV, exit_kind, report_exit_code
+
+    assert exit_kind(0) == "done" and exit_kind(75) == "preempted"
+    assert exit_kind(3) == "fatal"  # the run's own health checks stopped it: a restart replays the same
+    for exc in (ConfigError("x"), DataError("x"), CheckpointDataError("x"), FileNotFoundError(2, "x", "f")):
+        assert exit_kind(1, exc) == "fatal", exc
+    assert exit_kind(1, OSError(errno.ENOSPC, "full")) == "fatal"
+    assert exit_kind(1, DistributedError("rank 1 stopped answering")) == "crash"
+    assert exit_kind(1, RuntimeError("NCCL error: unhandled system error")) == "crash"
+    assert exit_kind(1, OSError(errno.ECONNRESET, "reset")) == "crash"
+    monkeypatch.setenv(EXIT_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    report_exit_code(1, exit_kind(1, RuntimeError("CUDA error")))
+    assert (tmp_path / "rank3").read_text() == "1 crash\n"
+    report_exit_code(2)
+    assert (tmp_path / "rank3").read_text() == "2 fatal\n"
