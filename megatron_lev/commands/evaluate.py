@@ -212,10 +212,9 @@ def _trained_tokenizer(model: str, is_hf: bool, tag: str | None) -> tuple[dict, 
 def _verify_shard_sets(prefixes: list[str]) -> None:
     """Every --data shard against its set's manifest, as `train` and `build-indices` check it: a set
     without one, or whose files differ from it (size, sha256), is refused."""
-    from megatron_lev.data.manifest import verify_shard_set
+    from megatron_lev.data.manifest import verify_shard_sets
 
-    for prefix in prefixes:
-        verify_shard_set(prefix)
+    verify_shard_sets(prefixes)
 
 
 def _check_shard_tokenizers(

@@ -22,7 +22,7 @@ import torch
 
 from megatron_lev.data import indices as ix
 from megatron_lev.data.indexed import IndexedDataset
-from megatron_lev.data.manifest import cached_sha256, verify_shard_set
+from megatron_lev.data.manifest import cached_sha256, verify_shard_sets
 from megatron_lev.errors import DataError
 from megatron_lev.utils import dist as ranks
 from megatron_lev.utils.io import atomic_open, atomic_write_json
@@ -255,13 +255,13 @@ def open_shards(
         fingerprint = tokenizer_fingerprint(data_cfg.tokenizer_type, data_cfg.tokenizer_path)
         vocab_size = vocab_size or fingerprint["vocab_size"]
     out = []
-    for weight, prefix in blend:
-        manifest = verify_shard_set(
-            prefix,
-            tokenizer_fp=fingerprint,
-            vocab_size=vocab_size,
-            allow_tokenizer_change=allow_tokenizer_change,
-        )
+    manifests = verify_shard_sets(  # one start-up sample of each set's chunks, however many shards listed
+        [prefix for _, prefix in blend],
+        tokenizer_fp=fingerprint,
+        vocab_size=vocab_size,
+        allow_tokenizer_change=allow_tokenizer_change,
+    )
+    for (weight, prefix), manifest in zip(blend, manifests):
         ds = IndexedDataset(prefix)
         entry = manifest.get("files", {}).get(f"{Path(prefix).name}.idx") or {}
         ds.index_digest = entry.get("sha256")  # what the sample index depends on (index_digest())

@@ -9,7 +9,8 @@ A set without one is incomplete (its run died) or predates manifests.
 call. Policy: file sizes are checked on every open (a `stat` per file). Each shard
 file also has its chunk digests in the manifest (sha256 of every `CHUNK_BYTES`, computed
 by `preprocess` where it writes the set): every start checks a fresh random sample of
-chunks (always the last, at most `SAMPLE_BYTES` a set), split over the ranks, so a 600 GB
+chunks (the last ones first, at most `SAMPLE_BYTES` a set however many of its shards a run
+lists: `verify_shard_sets`), split over the ranks, so a 600 GB
 shard costs the same seconds as a small one and no rank waits long in a collective; a
 file rewritten with its size and mtime restored (`rsync -a`, `tar x`, `cp -p`) differs in
 every chunk. `megatron-lev preprocess --verify PREFIX` checks every byte. A manifest
@@ -38,7 +39,7 @@ SHARD_FILES = (".bin", ".idx")
 SET_FILES = (".stats.json", ".counts.npy")
 CACHE_ENV = "MEGATRON_LEV_CACHE_DIR"  # where the checksum cache lives (default ~/.cache/megatron_lev)
 CHUNK_BYTES = 64 << 20  # the unit of the chunk digests a manifest records for each shard file
-SAMPLE_BYTES = 1 << 30  # chunks checked at a start, per shard set (the last chunk of every file always)
+SAMPLE_BYTES = 1 << 30  # chunks checked at a start, per shard set (the last chunk of each file first)
 CHUNK_DIGEST_HEX = 32  # a chunk digest is the first 128 bits of its sha256
 LEGACY_HASH_BYTES_PER_S = 100e6  # the slowest whole-file hashing a legacy check's wait allows for
 
@@ -177,16 +178,41 @@ def find_manifest(shard: str | os.PathLike) -> tuple[Path | None, dict | None, l
 # --------------------------------------------------------------------------- checking
 
 
+def verify_shard_sets(prefixes: list[str | os.PathLike], **kwargs) -> list[dict]:
+    """`verify_shard_set` for each of `prefixes` (their manifests, in order), checking each shard set
+    once: its files' sizes, and one start-up sample of chunks over the shards of it that are listed.
+    The shards of a set written in many (`P_00000`, `P_00001`, ...) share its `SAMPLE_BYTES`, so
+    listing a set's 150 shards costs a start what one shard would, not 150 GiB of reading."""
+    keys = [str(find_manifest(prefix)[0] or prefix) for prefix in prefixes]
+    listed: dict[str, list[str]] = {}
+    for key, prefix in zip(keys, prefixes):
+        listed.setdefault(key, []).append(Path(prefix).name)
+    seen: set[str] = set()
+    manifests = []
+    for key, prefix in zip(keys, prefixes):
+        manifests.append(
+            verify_shard_set(prefix, sample_shards=listed[key], set_checked=key in seen, **kwargs)
+        )
+        seen.add(key)
+    return manifests
+
+
 def verify_shard_set(
     prefix: str | os.PathLike,
     tokenizer_fp: dict | None = None,
     vocab_size: int | None = None,
     checksums: bool = True,
     allow_tokenizer_change: bool = False,
+    sample_shards: list[str] | None = None,
+    set_checked: bool = False,
 ) -> dict:
     """Refuse a shard whose set has no manifest, whose files differ from it (size always, sha256
     once per file version), whose tokenizer differs from `tokenizer_fp`, or whose largest token
-    id does not fit `vocab_size`. Returns the manifest."""
+    id does not fit `vocab_size`. Returns the manifest. The contents' check covers the shard's files
+    and the set's, or those of every shard named in `sample_shards` (names in the set: one
+    sample for the shards of a set a run lists, `verify_shard_sets`); `set_checked`: an earlier call
+    of the same start checked the set's files (sizes and sample), only the listing and the
+    tokenizer remain."""
     shard = Path(prefix)
     path, manifest, others = find_manifest(shard)
     if manifest is None:
@@ -210,7 +236,7 @@ def verify_shard_set(
             f"or it predates manifests); {how_to_fix(shard)}"
         )
     directory = path.parent
-    for name, entry in manifest["files"].items():
+    for name, entry in () if set_checked else manifest["files"].items():
         file = directory / name
         if not file.is_file():
             raise ShardSetError(
@@ -223,8 +249,9 @@ def verify_shard_set(
                 f"{file}: {size} bytes, but {path} records {entry.get('size')}; the file was "
                 f"changed or cut short: {how_to_fix(directory / manifest['prefix'])}"
             )
-    if checksums:
-        mine = [f"{shard.name}{ext}" for ext in SHARD_FILES]
+    if checksums and not set_checked:
+        shards = [n for n in (sample_shards or []) if n in manifest["shards"]] or [shard.name]
+        mine = [f"{name}{ext}" for name in shards for ext in SHARD_FILES]
         mine += [n for n in manifest["files"] if any(n.endswith(ext) for ext in SET_FILES)]
         chunked = [n for n in mine if manifest["files"].get(n, {}).get("chunks") is not None]
         whole = [n for n in mine if n not in chunked]
@@ -275,20 +302,28 @@ def _checksum_problem(directory: Path, path: Path, manifest: dict, names: list[s
 
 
 def sample_chunks(manifest: dict, names: list[str], seed: int, budget: int = SAMPLE_BYTES):
-    """(name, chunk index) to check at a start: the last chunk of every file, then chunks drawn at
-    random (`seed`) over all of them until `budget` bytes."""
+    """(name, chunk index) to check at a start, at most `budget` bytes of chunks: the last chunk of
+    every file (a random half of the budget's chunks when there are more files than that: a set
+    written in 150 shards), then chunks drawn at random (`seed`) over all of them."""
     import random
 
-    pool, picked = [], []
+    rng = random.Random(seed)
+    lasts, pool = [], []
     for name in names:
         n = len(manifest["files"][name]["chunks"])
         if n:
-            picked.append((name, n - 1))
+            lasts.append((name, n - 1))
             pool += [(name, i) for i in range(n - 1)]
     chunk = max((manifest["files"][n].get("chunk_bytes", CHUNK_BYTES) for n in names), default=CHUNK_BYTES)
-    room = max(budget // chunk - len(picked), 0)
-    if pool and room:
-        picked += random.Random(seed).sample(pool, min(room, len(pool)))
+    slots = max(budget // chunk, 1)
+    if len(lasts) <= slots:
+        picked = lasts
+    else:  # more files than the budget holds chunks: the other lasts join the random draw
+        picked = rng.sample(lasts, max(slots // 2, 1))
+        pool += [c for c in lasts if c not in set(picked)]
+    room = slots - len(picked)
+    if pool and room > 0:
+        picked = picked + rng.sample(pool, min(room, len(pool)))
     return picked
 
 
@@ -300,7 +335,7 @@ def _check_sampled_chunks(directory: Path, path: Path, manifest: dict, names: li
     box = [int.from_bytes(os.urandom(4), "little")]
     if td:
         td.broadcast_object_list(box, src=0)
-    mine = sample_chunks(manifest, names, box[0])[rank::world]
+    mine = sample_chunks(manifest, names, box[0], SAMPLE_BYTES)[rank::world]
     problem = None
     try:
         for name, index in mine:

@@ -288,3 +288,35 @@ def test_the_full_check_takes_a_sharded_set_by_its_prefix_and_needs_no_tokenizer
         ["preprocess", "--input", "x.jsonl", "--output-prefix", str(tmp_path / "o")], env=ENV
     )
     expect_error(res, r"--tokenizer is required to preprocess")
+
+
+def test_a_start_samples_each_set_once_however_many_of_its_shards_are_listed(tmp_path, monkeypatch):
+    """The start-up sample is `SAMPLE_BYTES` a set: listing each of a set's 12 shards in
+    data.data_path used to read up to that much per shard (a Pile set of ~150 shards: ~150 GiB at
+    every start). Its healthy twins: the same shards open, and one shard listed alone still gets the
+    whole budget for its own chunks."""
+    monkeypatch.setattr(mf, "CHUNK_BYTES", 256)  # many chunks per file, so the budget binds
+    monkeypatch.setattr(mf, "SAMPLE_BYTES", 256 * 8)  # 8 chunks a set
+    prefix = tmp_path / "data" / "pile"
+    shards = [Path(f"{prefix}_{i:05d}") for i in range(12)]
+    rng = np.random.default_rng(5)
+    for shard in shards:
+        b = IndexedDatasetBuilder(shard, np.uint16)
+        for n in (700, 500):
+            b.add_document(rng.integers(1, 1000, n))
+        b.finalize()
+    write_manifest(prefix, [str(s) for s in shards], FINGERPRINT, 999)
+    read = []
+    real = mf.chunk_digest
+    monkeypatch.setattr(
+        mf, "chunk_digest", lambda path, index, unit: read.append(path) or real(path, index, unit)
+    )
+
+    opened = open_shards(_Data(), [x for s in shards for x in ("1", str(s))])  # a blend of all 12
+    assert len(opened) == 12
+    assert 1 <= len(read) <= 8, f"{len(read)} chunks read for one set of 12 shards (budget 8)"
+    assert len({Path(p).name.split(".")[0] for p in read}) > 1  # the sample spans the listed shards
+
+    read.clear()
+    open_shards(_Data(), [str(shards[3])])
+    assert len(read) == 8 and {Path(p).name for p in read} <= {"pile_00003.bin", "pile_00003.idx"}
