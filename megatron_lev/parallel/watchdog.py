@@ -273,7 +273,9 @@ class Heartbeat:
         Looks for up to `wait` seconds (default three intervals): a rank's reported error (the
         first one), a published abort, or a rank whose counter stood still for 1.5 intervals
         while this rank watched all of them (a live rank beats every interval, also while its
-        main thread fails)."""
+        main thread fails). When every rank beat through those 1.5 intervals, a rank alive in
+        another phase is named at once: as it is then, or as it was when this diagnosis began (a
+        slow rank that caught up just after the timeout is still the one that made it)."""
         if self._store is None:
             return None
         wait = 3 * self.interval if wait is None else wait
@@ -284,6 +286,7 @@ class Heartbeat:
             with contextlib.suppress(Exception):
                 client = self._client()
                 base, start = self._counts(client), time.monotonic()
+                slow_at_start = self.slow_ranks(client)  # the phases when the collective failed
                 while True:
                     for key in (self._key("first_error"), self._key("abort")):
                         if client.check([key]):
@@ -306,9 +309,13 @@ class Heartbeat:
                                 "it died, was killed or is stopped"
                             )
                             return
+                        slow = self.slow_ranks(client) or slow_at_start
+                        if slow:  # every rank beats, one is elsewhere: no need to wait longer
+                            result.append(slow)
+                            return
                         base, start = now, time.monotonic()
                     if time.monotonic() > deadline:
-                        slow = self.slow_ranks(client)
+                        slow = self.slow_ranks(client) or slow_at_start
                         if slow:
                             result.append(slow)
                         return

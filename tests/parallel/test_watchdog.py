@@ -163,3 +163,48 @@ def test_a_stopped_store_host_ends_every_rank(tmp_path):
         assert line.startswith(f"the rendezvous store at 127.0.0.1:{port} (rank 0) did not answer"), line
         assert f"seen by rank {rank}" in line
     assert took < TIMEOUT + 2.5, took
+
+
+def _settle(hbs, phases):
+    for hb, phase in zip(hbs, phases):
+        hb.set_phase(phase)
+    time.sleep(3 * beat_interval(TIMEOUT))  # published at the next beats
+
+
+def test_a_slow_rank_that_caught_up_just_after_the_timeout_is_still_named(store):
+    """Rank 1 was still loading data when rank 0's collective timed out, and reached the collective
+    a moment later: it is named (before, only a rank still slow at the end of the diagnosis was,
+    about 15 s after the timeout with the default 300 s). Named well before the diagnosis' end."""
+    aborts = Aborts()
+    hbs = _ranks(store, 2, aborts, "slow")
+    try:
+        _settle(hbs, ["training step 7", "loading data"])
+
+        def catch_up():
+            time.sleep(0.05)
+            hbs[1].set_phase("training step 7")
+
+        threading.Thread(target=catch_up).start()
+        start = time.monotonic()
+        found = hbs[0].diagnose(wait=10)
+        took = time.monotonic() - start
+    finally:
+        for hb in hbs:
+            hb.stop()
+    assert found is not None and found.startswith("rank 1 is alive (it beats) but still in 'loading data'"), (
+        found
+    )
+    assert "a slow rank, not a dead one" in found
+    assert took < 3, took  # about 1.5 intervals, not the whole wait
+
+
+def test_ranks_in_the_same_phase_name_no_slow_rank(store):
+    """The healthy twin: every rank beats and does the same thing; the diagnosis names nobody."""
+    aborts = Aborts()
+    hbs = _ranks(store, 2, aborts, "same")
+    try:
+        _settle(hbs, ["training step 7", "training step 7"])
+        assert hbs[0].diagnose(wait=1) is None
+    finally:
+        for hb in hbs:
+            hb.stop()
