@@ -180,6 +180,19 @@ EPS_GROUPS: tuple[Group, ...] = (
     ("LEV-EPS", "lev", REGIME_SEEDS[:1], (*LEV_SETTING, SMALL_EPS)),
 )
 
+# Is the zero-shot lead the input layer's? (docs/results/controls/README.md, plan and criteria fixed
+# before its runs): the head-matched controls the clip and eps experiments lack, UNTIED without
+# clipping (to pair with the clip experiment's LEV-C0) and UNTIED and TIED at Adam's eps 1e-10 (to
+# pair with the eps experiment's LEV-EPS), seed 1234 first; then seed 1235 of the eps pair. Their
+# partners computed the loss through the logits, so these do too (model.fused_loss=false).
+LOGITS_LOSS = "model.fused_loss=false"
+CONTROL_GROUPS: tuple[Group, ...] = (
+    ("UNTIED-C0", "untied", REGIME_SEEDS[:1], (*TIED_SETTING, NO_CLIP, LOGITS_LOSS)),
+    ("UNTIED-EPS", "untied", REGIME_SEEDS[:2], (*TIED_SETTING, SMALL_EPS, LOGITS_LOSS)),
+    ("TIED-EPS", "tied", REGIME_SEEDS[:1], (*TIED_SETTING, SMALL_EPS, LOGITS_LOSS)),
+    ("LEV-EPS", "lev", REGIME_SEEDS[1:2], (*LEV_SETTING, SMALL_EPS, LOGITS_LOSS)),
+)
+
 # The budget curve (docs/results/budget/README.md, plan and criteria fixed before its runs): the
 # regime's TIED and LEV trained four times as long on a split four times larger (no sample seen twice),
 # at a constant rate after a fixed 100-step warm-up, so that every evaluated stage is a prefix of the
@@ -248,6 +261,15 @@ PLANS: dict[str, Plan] = {
         tokenizer_hint="tokenizers/gpt-neox-20b.json",
         lambada=False,
         about="the regime's LEV on this code and with Adam's eps at 1e-10, seed 1234",
+    ),
+    "controls": Plan(
+        "controls",
+        REGIME_CONFIG,
+        CONTROL_GROUPS,
+        REGIME_SEEDS,
+        tokenizer_hint="tokenizers/gpt-neox-20b.json",
+        lambada=False,
+        about="UNTIED without clipping, UNTIED and TIED at Adam's eps 1e-10, LEV-EPS seed 1235",
     ),
     "budget": Plan(
         "budget",
