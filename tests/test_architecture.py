@@ -516,3 +516,59 @@ def test_a_planted_forbidden_pair_is_caught_on_a_legal_row(tmp_path):
     assert len(wrong) == 1 and "megatron_lev/convert/reshard.py:2" in wrong[0], wrong
     assert "convert must not import training (planted reason)" in wrong[0]
     assert forbidden_imports(root, pairs, (("convert", "training", "planted"),)) == []
+
+
+# ------------------------------------------------------------------ one reader of the `latest` pointer
+
+POINTER_READER = "megatron_lev.ckpt.layout"  # read_latest: the one rule for what `latest` may name
+
+
+def _names_the_pointer(node: ast.AST) -> bool:
+    return any(
+        (isinstance(n, ast.Constant) and n.value == "latest")
+        or (isinstance(n, ast.Name) and n.id == "LATEST_FILE")
+        for n in ast.walk(node)
+    )
+
+
+def pointer_readers(root: Path, allowed: str = POINTER_READER) -> list[str]:
+    """Sites outside `allowed` that read the `latest` pointer themselves: `.read_text()` / `.open()`
+    of a path joined with it, or `open(...)` of one."""
+    found = []
+    for path in _sources(root):
+        if module_name(path, root) == allowed.replace("megatron_lev", root.name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            fn = node.func
+            if isinstance(fn, ast.Attribute) and fn.attr in ("read_text", "read_bytes", "open"):
+                target = fn.value
+            elif isinstance(fn, ast.Name) and fn.id == "open" and node.args:
+                target = node.args[0]
+            else:
+                continue
+            if isinstance(target, ast.BinOp) and _names_the_pointer(target):
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    return found
+
+
+def test_one_reader_of_the_latest_pointer():
+    readers = pointer_readers(PKG)
+    assert not readers, "read `latest` through ckpt.layout.read_latest: " + "; ".join(readers)
+
+
+def test_a_planted_pointer_reader_is_caught(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "ckpt/layout.py": "def read_latest(root):\n    return (root / LATEST_FILE).read_text()\n",
+            "convert/a.py": "def f(work):\n    return (work / 'latest').read_text().strip()\n",
+            "engine/b.py": "def f(p):\n    return open(p / LATEST_FILE).read()\n",
+            "ckpt/io.py": "def f(root, tag):\n    write(root / LATEST_FILE, tag)\n",
+        },
+    )
+    assert [r.split(":")[0] for r in pointer_readers(root)] == [
+        "megatron_lev/convert/a.py",
+        "megatron_lev/engine/b.py",
+    ]

@@ -107,8 +107,10 @@ def clear_interrupted_start(path: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def read_latest(root: str | os.PathLike) -> tuple[str | None, str | None]:
-    """(tag named by `root/latest`, problem); both None when there is no `latest`."""
+def read_latest(root: str | os.PathLike, any_tag: bool = False) -> tuple[str | None, str | None]:
+    """(tag named by `root/latest`, problem); both None when there is no `latest`. The one reader of
+    the pointer: the trainer's tags are `iter_<n>`; with `any_tag` any one directory name is taken
+    (a DeepSpeed checkpoint another tool saved: `global_step1000`), never a path."""
     pointer = Path(root) / LATEST_FILE
     if not pointer.is_file():
         return None, None
@@ -116,8 +118,9 @@ def read_latest(root: str | os.PathLike) -> tuple[str | None, str | None]:
         text = pointer.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
         return None, f"{pointer} is unreadable ({exc})"
-    if iteration_of(text) is None:
-        return None, f"{pointer} does not name a checkpoint ({text[:40]!r})"
+    named = text and text not in (".", "..") and "/" not in text and "\\" not in text
+    if not named or (not any_tag and iteration_of(text) is None):
+        return None, f"{pointer} does not name a checkpoint tag ({text[:40]!r})"
     return text, None
 
 

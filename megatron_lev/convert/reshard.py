@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_lev.ckpt.layout import read_latest
 from megatron_lev.ckpt.provenance import read_provenance, warn_unrecorded
 from megatron_lev.config import RunConfig, from_dict
 from megatron_lev.convert.llama_names import pad_rows
@@ -405,7 +406,9 @@ def reshard(
                 f"resharded checkpoint loads with loss {got:.6f} but the source gives {ref:.6f}; "
                 "nothing was written"
             )
-        latest = (work / "latest").read_text().strip()
+        latest, problem = read_latest(work)
+        if latest is None:  # written by the save just above: a bug if it is not there
+            raise CheckpointError(f"the resharded checkpoint in {work} has no readable latest ({problem})")
         if out.is_dir():
             out.rmdir()  # empty (checked above)
         os.replace(work, out)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_lev.ckpt.layout import COMPLETE_MARKER, verify_checkpoint
+from megatron_lev.ckpt.layout import COMPLETE_MARKER, LATEST_FILE, read_latest, verify_checkpoint
 from megatron_lev.ckpt.record import CheckpointError
 
 _LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
@@ -70,14 +70,11 @@ def resolve_tag_dir(path: str | os.PathLike, tag: str | None = None) -> Path:
         return tag_dir
     if any(path.glob("*model_states.pt")):
         return path
-    latest = path / "latest"
-    if latest.is_file():
-        name = latest.read_text(errors="replace").strip()
-        if not name or name in (".", "..") or "/" in name or "\\" in name:
-            raise CheckpointError(
-                f"{latest} does not name a checkpoint tag (got {name!r}); write the tag "
-                "(e.g. iter_0001000) into it or pass --tag"
-            )
+    name, problem = read_latest(path, any_tag=True)
+    latest = path / LATEST_FILE
+    if problem:
+        raise CheckpointError(f"{problem}; write the tag (e.g. iter_0001000) into it or pass --tag")
+    if name is not None:
         tag_dir = path / name
         if not tag_dir.is_dir():
             raise CheckpointError(f"{latest} names tag {tag_dir.name!r} but {tag_dir} does not exist")
