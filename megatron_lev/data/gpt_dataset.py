@@ -242,14 +242,20 @@ def _blend(
 
 
 def open_shards(
-    data_cfg, paths: list[str], vocab_size: int | None = None, allow_tokenizer_change: bool = False
+    data_cfg,
+    paths: list[str],
+    vocab_size: int | None = None,
+    allow_tokenizer_change: bool = False,
+    fingerprint: dict | None = None,
 ) -> list[tuple[float, IndexedDataset]]:
     """(weight, shard) of a blend, each checked against its set's manifest and, when
     `data.tokenizer_path` is set, against the run's tokenizer and vocabulary (another tokenizer than
-    the set's is refused unless `allow_tokenizer_change`: `--allow-change tokenizer`)."""
+    the set's is refused unless `allow_tokenizer_change`: `--allow-change tokenizer`). `fingerprint`:
+    the tokenizer's (`tokenizer_fingerprint`), when the caller has it; else it is computed here."""
     blend = parse_blend(list(paths))
-    fingerprint = None
-    if getattr(data_cfg, "tokenizer_path", None):
+    if fingerprint is not None:
+        vocab_size = vocab_size or fingerprint["vocab_size"]
+    elif getattr(data_cfg, "tokenizer_path", None):
         from megatron_lev.data.tokenizers import tokenizer_fingerprint
 
         fingerprint = tokenizer_fingerprint(data_cfg.tokenizer_type, data_cfg.tokenizer_path)
@@ -290,8 +296,11 @@ def build_train_valid_test_datasets(
     cache_dir: str | os.PathLike | None = None,
     vocab_size: int | None = None,
     allow_tokenizer_change: bool = False,
+    fingerprint: dict | None = None,
 ):
     """(train, valid, test) from `data.data_path` split by `data.split`, or valid from `data.valid_data_path`.
+    `fingerprint`: the run's tokenizer fingerprint, when the caller has computed it (computed here
+    once otherwise).
 
     Refuses shard sets without a matching manifest, made with another tokenizer than
     `data.tokenizer_path`, or holding ids at or above `vocab_size` (default: the tokenizer's)."""
@@ -300,11 +309,17 @@ def build_train_valid_test_datasets(
     if any(n < 0 for n in num_samples):
         raise DataError(f"sample counts must be non-negative, got {tuple(num_samples)}")
     cache_dir = cache_dir or data_cfg.cache_dir
-    train_blend = open_shards(data_cfg, data_cfg.data_path, vocab_size, allow_tokenizer_change)
+    if fingerprint is None and getattr(data_cfg, "tokenizer_path", None):
+        from megatron_lev.data.tokenizers import tokenizer_fingerprint
+
+        fingerprint = tokenizer_fingerprint(data_cfg.tokenizer_type, data_cfg.tokenizer_path)
+    train_blend = open_shards(data_cfg, data_cfg.data_path, vocab_size, allow_tokenizer_change, fingerprint)
     n_train, n_valid, n_test = num_samples
     seed = data_cfg.seed
     if data_cfg.valid_data_path:
-        valid_blend = open_shards(data_cfg, data_cfg.valid_data_path, vocab_size, allow_tokenizer_change)
+        valid_blend = open_shards(
+            data_cfg, data_cfg.valid_data_path, vocab_size, allow_tokenizer_change, fingerprint
+        )
         train = _blend(
             "train",
             [(w, ds, (0, ds.num_documents)) for w, ds in train_blend],

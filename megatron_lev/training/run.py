@@ -258,6 +258,13 @@ class _Start:
     resume: StartPoint
     provenance: dict
 
+    @property
+    def tokenizer_fingerprint(self) -> dict | None:
+        """The run's tokenizer fingerprint, from its record (None when the file could not be read:
+        the data checks then make their own, and refuse it in their words)."""
+        record = self.provenance.get("tokenizer")
+        return {k: v for k, v in record.items() if k != "path"} if record else None
+
 
 def resolve_start(run: RunSetup, tokenizer, allow_changes=()) -> tuple[RunPlan, _Start, str]:
     """The plan with the tokenizer's vocabulary and (on a resume with another DP size) the checkpoint's
@@ -367,6 +374,7 @@ def build_data(
         (n_train, n_valid, 0),
         cfg.data.cache_dir,
         allow_tokenizer_change=TOKENIZER in allow_changes,  # the escape the resume check names
+        fingerprint=start.tokenizer_fingerprint,  # the one made from the tokenizer built at setup
     )
     if train_ds is None:
         raise ConfigError(f"data.split={cfg.data.split!r} leaves no training documents")

@@ -4,7 +4,8 @@ vocabulary once (`plan`), however many modules the start-up passes through.
 A real tiny run, in-process in a one-rank gloo group, with every rule and derivation wrapped in a
 counter that calls the real function. Before `plan` the same run validated 4 times (and ran the
 variant's `check_config` 4 times), built the DeepSpeed JSON 3 times, the batch layout 5 times, and
-padded the vocabulary and checked it against the tokenizer twice each.
+padded the vocabulary and checked it against the tokenizer twice each; and the tokenizer was built
+and fingerprinted twice (the run's setup, then the shard checks).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def _replace_everywhere(original, wrapper) -> None:
 def _count_one_train_run(prefix: str, tok: str, out: str) -> dict:
     """Run `megatron-lev train` for each case in this process; the calls counted per run."""
     import megatron_lev.commands.train  # noqa: F401  (load what a run loads before wrapping)
+    import megatron_lev.data.tokenizers as tokenizers
     import megatron_lev.model.vocab as model_vocab
     import megatron_lev.plan as engine_plan
     import megatron_lev.plan.ds_config as engine_config
@@ -65,6 +67,8 @@ def _count_one_train_run(prefix: str, tok: str, out: str) -> dict:
         (engine_config, "batch_layout"),
         (model_vocab, "padded_vocab_size"),
         (engine_plan, "check_vocab"),
+        (tokenizers, "build_tokenizer"),
+        (tokenizers, "tokenizer_fingerprint"),
     ):
         original = getattr(module, name)
         _replace_everywhere(original, _counting(counts, name, original))
@@ -104,3 +108,6 @@ def test_one_train_run_validates_and_derives_once(counted, case):
     assert counts["check_vocab"] == 1, counts  # model.vocab_size against the tokenizer; was 2
     assert counts["variant.check_config"] == 1, counts  # was 4, with RunConfig.validate
     assert counts["variant.check_vocab"] == 1, counts
+    # the tokenizer is read and fingerprinted once a start; the shard checks take that fingerprint
+    assert counts["build_tokenizer"] == 1, counts  # was 2: the run's setup and the shard checks
+    assert counts["tokenizer_fingerprint"] == 1, counts  # was 2 (3 with a separate validation set)
