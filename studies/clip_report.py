@@ -11,6 +11,7 @@ Deterministic output (fixed bootstrap seed, plan order, formats).
 
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from studies.plan_raw import (
     fmt_value,
     read_raw_json,
     save_plot,
+    scale_phrase,
     seed_contrasts,
     seed_interval,
     write_pages,
@@ -435,28 +437,77 @@ def question2(raw: CombinedRaw) -> tuple[str, list[str]]:
     return "between the stated outcomes (one interval above zero)", [reason]
 
 
+CRITERIA_ROW = re.compile(r"^LEV - (TIED|ALBERT-32), (input|target) 1-9: [+-]")
+VERDICT_HEADER = (
+    "| comparison | slice | seed pairs | difference | document 95% | seed-paired 95% |",
+    "|---|---|---|---|---|---|",
+)
+
+
+def _verdict_row(name: str, slice_: str, c: dict | None) -> str:
+    """One comparison with its two intervals in their own columns ("-": not available, or one seed
+    pair, which has no seed-paired interval)."""
+    if c is None or c["mean"] is None:
+        return f"| {name} | {slice_} | - | - | - | - |"
+    seeds = ", ".join(map(str, c["seeds"]))
+    return (
+        f"| {name} | {slice_} | {seeds} | {c['mean']:+.3f} | {rr._interval(c['document'])} | "
+        f"{rr._interval(c['seed'])} |"
+    )
+
+
+def _scale(raw: CombinedRaw) -> str:
+    run = raw.seeds(TIED).get(1234) or next(iter(raw.seeds(TIED).values()), None)
+    tokens, params = raw._raw(run).scale(run) if run is not None else (None, None)
+    return scale_phrase(tokens, params, "the seed pairs in each row")
+
+
 def verdict_markdown(raw: CombinedRaw) -> str:
     lines = ["# Clip: the criteria of the README applied", ""]
     if preliminary := raw.preliminary():
         lines += [f"{preliminary} The outcomes may change when the rest are collected.", ""]
     outcome, reasons, regime_verdict = question1(raw)
+    view = raw.view({LEV_SC: "LEV", TIED: "TIED", ALBERT_R: "ALBERT-32"})
     lines += [
+        "Validation shard, nats per predicted token. Each row prints the document bootstrap 95% over its "
+        "seed pairs and the seed-paired Student-t 95% in separate columns; a row of one seed pair has no "
+        "seed-paired interval (-). The regime's criteria read the document interval only; `C` and the "
+        "head-matched question read both.",
+        "",
         "## 1. Clipping the seed side on its own",
         "",
         f"**{outcome}**",
         "",
-        *[f"- {r}" for r in reasons],
+        f"The regime's criteria on LEV-SC against TIED and ALBERT-32-R: **{regime_verdict}**, at this "
+        f"scale only ({_scale(raw)}).",
+        "",
+        *VERDICT_HEADER,
     ]
+    for side, key in rr.SIDES:
+        for other, shown in (("TIED", TIED), ("ALBERT-32", ALBERT_R)):
+            c = rr.comparison(view, "LEV", other, "mmidx", (key, rr.RARE_BAND))
+            lines.append(_verdict_row(f"{LEV_SC} - {shown}", f"{side} 1-9", c))
+    for name, band in (("overall", None), ("input 1-9", ("input_band", rr.RARE_BAND))):
+        lines.append(_verdict_row(CONTRAST, name, change(raw, "mmidx", band)))
+    # what the regime's criteria said beyond the rows above (a missing comparison, the seed noise)
+    extra = [r.strip() for r in reasons[1:] if not r.startswith("C, ") and not CRITERIA_ROW.match(r.strip())]
+    if extra:
+        lines += ["", *[f"- {r}" for r in extra]]
     c = change(raw, "mmidx")
     setting = "LEV-SC" if c is not None and c["mean"] is not None and c["mean"] < 0 else "LEV (the regime's)"
-    outcome2, reasons2 = question2(raw)
+    outcome2, _ = question2(raw)
     lines += [
         "",
         "## 2. The head matched",
         "",
         f"**{outcome2}**",
         "",
-        *[f"- {r}" for r in reasons2],
+        *VERDICT_HEADER,
+        _verdict_row(
+            f"{LEV_R} - {UNTIED}",
+            "input 1-9",
+            rr.comparison(raw, LEV_R, UNTIED, "mmidx", ("input_band", rr.RARE_BAND)),
+        ),
         "",
         "## The LEV setting the later experiments use",
         "",

@@ -18,7 +18,7 @@ from pathlib import Path
 from megatron_lev.errors import DataError
 from studies import clip_report as cr
 from studies import regime_report as rr
-from studies.plan_raw import PlanRaw, doc_arrays, fmt_value, save_plot, write_pages
+from studies.plan_raw import PlanRaw, doc_arrays, fmt_value, save_plot, scale_phrase, write_pages
 
 PAGES = ("lr.md",)
 READ = 0.01  # README: a difference is read only beyond this (the regime's seed noise, about 0.005)
@@ -130,10 +130,19 @@ def verdict_change(raw: Sources, outcomes: dict) -> tuple[str, list[str]]:
     reasons.append(
         "the regime's input 1-9 criterion (refute when LEV is behind TIED or ALBERT-32 on inputs or "
         f"targets seen 1-9 times): at 1e-3 {'refute' if before else 'not refute'}, at the better rates "
-        f"{'refute' if after else 'not refute'}"
+        f"{'refute' if after else 'not refute'} (seed {SEED} only, at the scale above)"
     )
     changed = changed or bool(before) != bool(after)
     return ("the verdict at this scale changes" if changed else "the regime's verdict stands"), reasons
+
+
+def scale(raw: Sources) -> str:
+    """The scale the verdict rests on, from a TIED run's `metrics.jsonl` (tokens, parameters)."""
+    for group in ("TIED", "TIED-LR05"):
+        run = next((r for r in raw.runs if r["group"] == group), None)
+        if run is not None:
+            return scale_phrase(*raw.raws[run["source"]].scale(run), f"seed {SEED} only")
+    return scale_phrase(None, None, f"seed {SEED} only")
 
 
 def lr_markdown(raw: Sources) -> str:
@@ -160,7 +169,8 @@ def lr_markdown(raw: Sources) -> str:
             if c is not None and c["mean"] is not None:
                 lines.append(f"| {base} | {side} 1-9 | {c['mean']:+.3f} | {rr._interval(c['document'])} |")
     label, reasons = verdict_change(raw, outcomes)
-    lines += ["", f"**{label}** (the README's rule).", "", *(f"- {r}" for r in reasons)]
+    lines += ["", f"**{label}** (the README's rule), at this scale only: {scale(raw)}."]
+    lines += ["", *(f"- {r}" for r in reasons)]
     lines += ["", *runs_lines(raw)]
     return "\n".join(lines) + "\n"
 

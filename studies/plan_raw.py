@@ -145,6 +145,23 @@ class PlanRaw:
     def at(self, run: dict, iteration: int) -> dict | None:
         return next((r for r in self.train_rows(run) if r["iteration"] == iteration), None)
 
+    def scale(self, run: dict) -> tuple[int | None, int | None]:
+        """(tokens trained, parameters) as the run's `metrics.jsonl` logged them: the last logged step's
+        cumulative `tokens` and the `parameters` of its first start event; None where not logged."""
+        tokens = next((r["tokens"] for r in reversed(self.train_rows(run)) if r.get("tokens")), None)
+        events = self._rows(run, "event")
+        params = next((e["parameters"] for e in events if e.get("parameters")), None)
+        return tokens, params
+
+
+def scale_phrase(tokens: int | None, parameters: int | None, seeds: str) -> str:
+    """The scale a result rests on, for a page's sentence: "2.05M tokens a run, TIED's 11.4M parameters,
+    one data sample, <seeds>" from a TIED run's logged tokens and parameters (`PlanRaw.scale`); a
+    number not logged is left out."""
+    parts = [f"{tokens / 1e6:.2f}M tokens a run"] if tokens else []
+    parts += [f"TIED's {parameters / 1e6:.1f}M parameters"] if parameters else []
+    return ", ".join([*parts, "one data sample", seeds])
+
 
 def doc_arrays(result: dict, band: tuple[str, int] | None) -> tuple[np.ndarray, np.ndarray]:
     """Per-document predicted tokens and NLL sums of a result, overall or of one band

@@ -148,6 +148,51 @@ def test_the_pages(tmp_path):
         assert again[name].read_text() == paths[name].read_text()
 
 
+def test_the_verdict_prints_each_interval_in_its_own_column(tmp_path):
+    """No row of verdict.md mixes a document and a seed-paired interval: each has its column, and a
+    comparison of one seed pair (against ALBERT-32-R, seed 1234) has no seed-paired interval."""
+    raw = _raw(tmp_path, lev_sc_shift=0.1 * RARE, lev_r_shift=0.4 * RARE)
+    page = cr.verdict_markdown(raw)
+    header = "| comparison | slice | seed pairs | difference | document 95% | seed-paired 95% |"
+    assert page.count(header) == 2
+    rows = [line for line in page.splitlines() if line.startswith("| LEV") or line.startswith("| C =")]
+    assert len(rows) == 7  # four regime criteria, C overall and input 1-9, LEV-R - UNTIED
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 6, row
+        assert "document" not in row and "seed-paired" not in row, row
+    albert = [r for r in rows if "ALBERT-32-R" in r]
+    assert len(albert) == 2 and all(r.rstrip(" |").endswith("-") for r in albert)
+    assert "| 1234, 1235, 1236 |" in next(r for r in rows if r.startswith("| LEV-R - UNTIED"))
+    # the synthetic runs log no tokens or parameters: the scale names only what it rests on
+    assert "at this scale only (one data sample, the seed pairs in each row)" in page
+
+
+def test_the_scale_comes_from_the_logged_run(tmp_path):
+    """`PlanRaw.scale`: the last logged step's cumulative tokens and the parameters the start logged
+    (a resumed run's second start does not replace them)."""
+    from studies.plan_raw import scale_phrase
+
+    _raw(tmp_path, lev_sc_shift=0.1 * RARE, lev_r_shift=0.4 * RARE)
+    raw = PlanRaw(tmp_path / "clip" / "raw")
+    run = raw.run("TIED", 1234)
+    assert raw.scale(run) == (None, None)
+    rows = [
+        {"kind": "event", "iteration": 0, "event": "start", "parameters": 11_429_568},
+        {"kind": "train", "iteration": 10, "tokens": 20_480, "loss": 5.0},
+        {"kind": "event", "iteration": 10, "event": "start", "parameters": 11_429_568},
+        {"kind": "train", "iteration": 1000, "tokens": 2_048_000, "loss": 4.0},
+    ]
+    (tmp_path / "clip" / "raw" / run["name"] / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows)
+    )
+    scale = PlanRaw(tmp_path / "clip" / "raw").scale(run)
+    assert scale == (2_048_000, 11_429_568)
+    assert scale_phrase(*scale, "seed 1234") == (
+        "2.05M tokens a run, TIED's 11.4M parameters, one data sample, seed 1234"
+    )
+
+
 def test_the_committed_clip_pages_are_those_of_the_committed_raw_files(tmp_path):
     """Every committed page of the clip experiment is the report of its raw files and the regime's."""
     from tests.experiments.committed import assert_pages_regenerate
