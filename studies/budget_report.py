@@ -144,6 +144,19 @@ def reading(c: dict) -> str:
     return "the gap shrinks" if hi < 0 else "the gap does not shrink"
 
 
+def count_scope(tokens: list[int]) -> str:
+    """What the slices' counts are: over the whole training split, which holds more tokens than the full
+    run (the plan's split, `README.md`), so an early stage had seen at most its share of the split."""
+    full = PLAN.stages[-1] * PLAN.tokens_per_step
+    return (
+        "The slices' counts (input 1-9, target band 0) are the token's count in the whole training split, "
+        "not what a stage had seen: the split holds more tokens than the full run's "
+        f"{full / 1e6:.3f}M (one pass covers the run, `README.md`), so the stage at {tokens[0] / 1e6:.3f}M "
+        f"tokens had seen at most {tokens[0] / full:.0%} of the split, and a token counted 1-9 times "
+        "only a fraction of its count."
+    )
+
+
 def report(raw: Path) -> str:
     stages = evaluated(raw)
     tokens = [n * PLAN.tokens_per_step for n in stages]
@@ -156,6 +169,8 @@ def report(raw: Path) -> str:
         f"{BOOTSTRAP_SEED}, one resample of the documents for every stage). `b`: the least-squares "
         f"change of the gap per doubling of tokens over the {len(stages)} stages evaluated"
         + (" (with two, the change from the first to the second)." if len(stages) == 2 else "."),
+        "",
+        count_scope(tokens),
         "",
     ]
     if lacks:

@@ -21,6 +21,7 @@ from studies import regime_report as rr
 from studies.plan_raw import (
     BOOTSTRAP,
     BOOTSTRAP_SEED,
+    COUNT_SCOPE,
     LEVEL,
     PlanRaw,
     fmt_value,
@@ -188,7 +189,7 @@ def bands_markdown(raw: CombinedRaw) -> str:
         "`count_bands`). The paper's buckets: the target's frequency in the training split (its count "
         "over the split's tokens), `< 1e-07` being the paper's rare tokens; on this split that is the "
         "targets never seen in training. Beside each band: the first TIED seed's predicted tokens of the "
-        "band.",
+        f"band. {COUNT_SCOPE}",
     ]
     for kind, label in rr.CORPORA:
         for title, key, labels in _band_sets(raw, kind):
@@ -312,7 +313,7 @@ def rows_markdown(raw: CombinedRaw) -> str:
         "of the rows. The output layer is LEV's and UNTIED's head and TIED's table. A row whose token "
         "is never a training target gets only the softmax's push-down, whose size falls with the row's "
         "logit: where `sqrt(v_hat)` nears `eps`, the step shrinks, and a clip factor `f` scales "
-        "`sqrt(v_hat)` by `f`.",
+        f"`sqrt(v_hat)` by `f`. {COUNT_SCOPE}",
         "",
     ]
     found = [(r, raw.clip.root / r["name"] / "output_rows.json") for r in raw.runs if r["source"] == "clip"]
@@ -472,7 +473,7 @@ def verdict_markdown(raw: CombinedRaw) -> str:
         "Validation shard, nats per predicted token. Each row prints the document bootstrap 95% over its "
         "seed pairs and the seed-paired Student-t 95% in separate columns; a row of one seed pair has no "
         "seed-paired interval (-). The regime's criteria read the document interval only; `C` and the "
-        "head-matched question read both.",
+        f"head-matched question read both. {COUNT_SCOPE}",
         "",
         "## 1. Clipping the seed side on its own",
         "",

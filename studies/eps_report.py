@@ -16,7 +16,7 @@ from megatron_lev.errors import DataError
 from studies import regime_report as rr
 from studies.clip_report import LEV_R, CombinedRaw, with_regime
 from studies.output_rows import FILE as ROWS_FILE
-from studies.plan_raw import read_raw_json, save_plot, write_pages
+from studies.plan_raw import COUNT_SCOPE, read_raw_json, save_plot, write_pages
 
 PAGES = ("eps.md",)
 LEV, LEV_EPS = "LEV", "LEV-EPS"
@@ -99,7 +99,8 @@ def eps_markdown(raw: CombinedRaw) -> str:
         *(f"- {r}" for r in reasons),
         "",
         "Validation shard, nats per predicted token, seed 1234, document bootstrap 95%. LEV and LEV-EPS "
-        "ran on this code; LEV-R and TIED-R are the regime's runs (its clipping DeepSpeed's).",
+        "ran on this code; LEV-R and TIED-R are the regime's runs (its clipping DeepSpeed's). "
+        f"{COUNT_SCOPE}",
         "",
         "| comparison | target | tokens | difference | document 95% |",
         "|---|---|---|---|---|",

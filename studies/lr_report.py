@@ -18,7 +18,7 @@ from pathlib import Path
 from megatron_lev.errors import DataError
 from studies import clip_report as cr
 from studies import regime_report as rr
-from studies.plan_raw import PlanRaw, doc_arrays, fmt_value, save_plot, scale_phrase, write_pages
+from studies.plan_raw import COUNT_SCOPE, PlanRaw, doc_arrays, fmt_value, save_plot, scale_phrase, write_pages
 
 PAGES = ("lr.md",)
 READ = 0.01  # README: a difference is read only beyond this (the regime's seed noise, about 0.005)
@@ -161,7 +161,11 @@ def lr_markdown(raw: Sources) -> str:
     for base, (label, d) in outcomes.items():
         mean = "-" if d is None or d["mean"] is None else f"{d['mean']:+.3f}"
         lines.append(f"| {base} | {mean} | {rr._interval(d['document'] if d else None)} | {label} |")
-    lines += ["", "By band (the same differences on the regime's count bands, validation):", ""]
+    lines += [
+        "",
+        f"By band (the same differences on the regime's count bands, validation). {COUNT_SCOPE}",
+        "",
+    ]
     lines += ["| side | band | d_X | document 95% |", "|---|---|---|---|"]
     for base, low in PAIRS:
         for side, key in SIDES:

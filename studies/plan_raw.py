@@ -21,6 +21,13 @@ LEVEL = 0.95
 TABLE_KEYS = ("rms", "mean_row_ratio", "effective_rank", "effective_rank_centred", "update_ratio")
 
 
+# what a count band counts, said once on every page that uses the bands (`evaluate`'s `count_bands`)
+COUNT_SCOPE = (
+    "A band's count is the token's count in the whole training split, not how many times a run saw it: "
+    "a run that stops before one pass over the split has seen each token only a share of that count."
+)
+
+
 def fmt_value(value, spec: str) -> str:
     """A table cell: `value` in `spec`, or "-" when it is missing or NaN."""
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)

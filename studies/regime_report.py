@@ -17,6 +17,7 @@ from megatron_lev.errors import DataError
 from studies.plan_raw import (
     BOOTSTRAP,
     BOOTSTRAP_SEED,
+    COUNT_SCOPE,
     LEVEL,
     TABLE_KEYS,
     PlanRaw,
@@ -139,7 +140,8 @@ def bands_markdown(raw: PlanRaw) -> str:
         "",
         "Bands of the training count (in the training split's `counts.npy`) of the **target** (the "
         "predicted token) and of the **input** (the token before it, the one the input layer embeds). "
-        "Tokens: predicted tokens of the band in the first seed's evaluation (the same for every run).",
+        "Tokens: predicted tokens of the band in the first seed's evaluation (the same for every run). "
+        f"{COUNT_SCOPE}",
     ]
     for kind, label in CORPORA:
         for side, key in SIDES:
@@ -368,7 +370,7 @@ def verdict_markdown(raw: PlanRaw) -> str:
         "",
         *[f"- {r}" for r in reasons],
         "",
-        "Validation shard; differences in nats, document bootstrap 95% over the seed pairs.",
+        f"Validation shard; differences in nats, document bootstrap 95% over the seed pairs. {COUNT_SCOPE}",
         "",
         SCALE_NOTE,
     ]
@@ -464,7 +466,7 @@ def order_markdown(raw: PlanRaw) -> str:
     lines += [
         "Mean NLL (nats per predicted token), mean ± sd over seeds; differences against BPE order "
         f"(the spec's) with the document bootstrap {LEVEL:.0%} over the seed pairs and the seed-paired "
-        "Student-t interval.",
+        f"Student-t interval. Input bands: the input token's training count. {COUNT_SCOPE}",
         "",
         "| order | seeds | validation NLL | zero-shot NLL |",
         "|---|---|---|---|",

@@ -233,6 +233,8 @@ def test_the_report_of_two_stages_is_one_doubling_and_says_it_is_partial(tmp_pat
     assert c["b"] == pytest.approx(-0.02, abs=0.005) and c["b_ci"][1] < 0
     page = br.report(raw)
     assert "**Partial: 2 of the plan's 4 stages.**" in page
+    # the counts are the split's, not what the first stage (2.048M of the run's 8.192M tokens) saw
+    assert "the stage at 2.048M tokens had seen at most 25% of the split" in page
     assert f"not run: {BUDGET_STAGES[2]:,}, {BUDGET_STAGES[3]:,} steps" in page
     assert "**Overall: the gap shrinks**" in page
     # crossing at 15 doublings of 2.048M tokens: far past twice the full run, so the verdict stands

@@ -138,6 +138,10 @@ def test_the_pages(tmp_path):
     assert sorted(paths) == sorted(cr.PAGES)
     bands = (tmp_path / "out" / "bands.md").read_text()
     assert "the paper's buckets" in bands and "| < 1e-07 |" in bands
+    from studies.plan_raw import COUNT_SCOPE
+
+    for name in ("bands.md", "rows.md", "verdict.md"):  # the pages that use the count bands say what counts
+        assert (tmp_path / "out" / name).read_text().count(COUNT_SCOPE) == 1, name
     clipping = (tmp_path / "out" / "clipping.md").read_text()
     # logged factors for this experiment's runs; derived from the norm (1 / 4) for the regime's
     assert "| lev-sc-s1234 | 2 | 2/2 | 0.900 | 0.200 |" in clipping
