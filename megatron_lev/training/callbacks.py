@@ -367,7 +367,7 @@ class Checkpointer(Callback):
         for cb in trainer.callbacks:
             if cb.state_key is not None:
                 train_state[cb.state_key] = cb.state_dict()
-        client = {"train_state": train_state, "config": trainer.cfg.to_dict()}
+        client = {"train_state": train_state}  # the config is the tag's config.yaml (record), not a copy here
         set_phase(f"saving checkpoint {tag_for(trainer.state.iteration)}")  # named if a peer times out
         save_checkpoint(
             trainer.engine,
