@@ -170,10 +170,11 @@ def refusal(layout: Layout, data: DataSet, extra: list[str]) -> str | None:
 
     try:
         from megatron_lev.plan.ds_config import validate_training
-    except ImportError:  # moved: the run itself will refuse what RunConfig.validate lets through
+    except ImportError:  # moved: the run itself will refuse what validate_config lets through
+        from megatron_lev.plan import validate_config
 
         def validate_training(cfg, world, cuda):
-            cfg.validate(world)
+            validate_config(cfg, world)
 
     try:
         cfg = load_config([TINY], run_overrides(data, ROOT / "runs" / "unused", layout, 1, extra))

@@ -14,7 +14,7 @@ def write(tmp_path, text, name="run.yaml"):
 
 
 def test_defaults_validate():
-    cfg = RunConfig().validate(world_size=1)
+    cfg = RunConfig().validate()
     assert cfg.model.embedding == "lev"
     assert cfg.model.lev.k == 3 and cfg.model.lev.d_seed == 128 and cfg.model.lev.kappa == 16
 
@@ -98,20 +98,27 @@ def test_refused_combinations(overrides, message):
 
 
 def test_world_size_layout_checks():
-    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by tensor x pipeline = 2 x 2"):
-        load_config(
-            [],
-            ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"],
-            world_size=6,
-        )
+    """The layout of a world size is the plan's rule, with `parallel.layout`'s arithmetic (one owner)."""
+    from megatron_lev.parallel.layout import ParallelLayoutError
+    from megatron_lev.plan import validate_config
+    from megatron_lev.plan.ds_config import data_parallel_size
+
+    def checked(overrides, world):
+        return validate_config(load_config([], overrides, validate=False), world)
+
+    with pytest.raises(
+        ConfigError, match=r"world size 6 is not divisible by tensor x pipeline parallel size = 2 x 2"
+    ):
+        checked(["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"], 6)
     with pytest.raises(
         ConfigError, match=r"global_batch_size=6 is not divisible by train.micro_batch_size x DP = 4 x 1"
     ):
-        load_config([], ["train.global_batch_size=6"], world_size=1)
-    cfg = load_config(
-        [], ["parallel.tensor_model_parallel_size=2", "train.global_batch_size=16"], world_size=8
-    )
-    assert cfg.data_parallel_size(8) == 4
+        checked(["train.global_batch_size=6"], 1)
+    with pytest.raises(ParallelLayoutError, match=r"world size 0 is out of range"):
+        checked([], 0)
+    cfg = checked(["parallel.tensor_model_parallel_size=2", "train.global_batch_size=16"], 8)
+    assert data_parallel_size(cfg, 8) == 4
+    assert load_config([], ["parallel.tensor_model_parallel_size=2"]).parallel.tensor_model_parallel_size == 2
 
 
 def test_override_syntax_errors():

@@ -8,6 +8,8 @@ import time
 from megatron_lev.commands.config_cmd import add_config_arguments, config_files_and_overrides
 from megatron_lev.config import load_config
 from megatron_lev.errors import ConfigError, UserError
+from megatron_lev.plan import validate_config
+from megatron_lev.plan.ds_config import data_parallel_size
 
 
 class FlagError(UserError):
@@ -35,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def samples_from_config(cfg, world_size: int) -> tuple[int, int, int]:
     """The sample counts a run draws: train_iters x global batch; evaluation likewise."""
     t = cfg.train
-    gbs = t.global_batch_size or t.micro_batch_size * cfg.data_parallel_size(world_size)
+    gbs = t.global_batch_size or t.micro_batch_size * data_parallel_size(cfg, world_size)
     if t.train_iters is None:
         raise ConfigError("train.train_iters is not set: pass --num-samples TRAIN VALID TEST")
     evals = t.train_iters // t.eval_interval + 1 if t.eval_interval else 1
@@ -50,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
     if args.num_samples and any(n < 0 for n in args.num_samples):
         raise FlagError(f"--num-samples must be non-negative, got {' '.join(map(str, args.num_samples))}")
     files, overrides = config_files_and_overrides(args)
-    cfg = load_config(files, overrides, world_size=args.world_size)
+    cfg = validate_config(load_config(files, overrides, validate=False), args.world_size)
     num = tuple(args.num_samples) if args.num_samples else samples_from_config(cfg, args.world_size)
     start = time.monotonic()
     splits = build_train_valid_test_datasets(cfg.data, cfg.model.seq_length, num)

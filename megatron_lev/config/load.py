@@ -29,11 +29,11 @@ from megatron_lev.resources import config_path
 def load_config(
     paths: str | os.PathLike | list | None = None,
     overrides: list[str] | None = None,
-    world_size: int | None = None,
     validate: bool = True,
 ) -> RunConfig:
     """Merge YAML files (later wins), apply dotted overrides, type-check, validate (the generic
-    rules; `validate=False` leaves that to the caller, e.g. `plan.validate_run`).
+    rules; `validate=False` leaves that to the caller, e.g. `plan.validate_run`). The rules of a
+    world size (the layout, the batch over data parallelism) are the plan's: `plan.validate_config`.
 
     A path that does not exist is looked up among the packaged configs (`tiny.yaml`,
     `pretrain/configs/models/200m.yaml`): see `megatron_lev.resources`.
@@ -53,7 +53,7 @@ def load_config(
     cfg = from_dict(RunConfig, merged, prefix="")
     _check_length_override(cfg, given)
     if validate:
-        cfg.validate(world_size)
+        cfg.validate()
     return cfg
 
 

@@ -33,18 +33,12 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-    def validate(self, world_size: int | None = None) -> RunConfig:
-        """Check every section and the combinations; `world_size` adds the layout checks.
+    def validate(self) -> RunConfig:
+        """Check every section and the combinations.
 
-        The generic rules only: the embedding variant's own rules belong to its class and run with
-        these in `plan.validate_config` / `validate_run`."""
-        if world_size is not None and (
-            isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
-        ):
-            raise ConfigError(
-                f"world size {world_size!r} is out of range: must be an integer >= 1 "
-                "(the number of processes)"
-            )
+        The generic rules only: the embedding variant's own rules belong to its class, and the layout
+        of a world size (TP x PP x DP, the batch over DP) to `parallel.layout` and the plan; both run
+        with these in `plan.validate_config` / `validate_run`."""
         for section in (self.model, self.parallel, self.data, self.train, self.logging):
             section.validate()
         m, p, t = self.model, self.parallel, self.train
@@ -73,26 +67,7 @@ class RunConfig:
                 "train.precision=bf16 with pipeline parallelism needs parallel.zero_stage=1 "
                 "(DeepSpeed cannot reload bf16 + pipeline + ZeRO-0 optimizer state)"
             )
-        if world_size is not None:
-            mp = tp * p.pipeline_model_parallel_size
-            if world_size % mp:
-                raise ConfigError(
-                    f"world size {world_size} is not divisible by tensor x pipeline = {tp} x "
-                    f"{p.pipeline_model_parallel_size} = {mp}: world = TP x PP x DP"
-                )
-            dp = world_size // mp
-            if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
-                raise ConfigError(
-                    f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                    f"train.micro_batch_size x DP = {t.micro_batch_size} x {dp}: change the global "
-                    "batch or the micro-batch so that gradient accumulation is a whole number"
-                )
         return self
-
-    def data_parallel_size(self, world_size: int) -> int:
-        return world_size // (
-            self.parallel.tensor_model_parallel_size * self.parallel.pipeline_model_parallel_size
-        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

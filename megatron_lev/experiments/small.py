@@ -19,6 +19,7 @@ from megatron_lev.demo.steps import Step, StepRunner, read_marker
 from megatron_lev.errors import ConfigError
 from megatron_lev.experiments.grid import SMALL_CONFIG, variant_label
 from megatron_lev.model.embeddings import REGISTRY
+from megatron_lev.plan import validate_config
 from megatron_lev.resources import config_path
 from megatron_lev.utils.io import atomic_write_text
 
@@ -172,7 +173,8 @@ class SmallGrid:
         return base + list(self.overrides) + list(extra)
 
     def run_config(self, variant: str, run: Path | None = None, extra: list[str] | tuple[str, ...] = ()):
-        return load_config(self.config, self.train_overrides(variant, run, extra), world_size=self.nproc)
+        cfg = load_config(self.config, self.train_overrides(variant, run, extra), validate=False)
+        return validate_config(cfg, self.nproc)
 
     def _python(self, *args: str) -> list[str]:
         return [sys.executable, "-m", *args]

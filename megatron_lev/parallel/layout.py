@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_lev.errors import ConfigError
 
-class ParallelLayoutError(ValueError):
+
+class ParallelLayoutError(ConfigError):
     """The world size does not factor into TP x PP x DP, or a sizes-only layout was asked for a group."""
 
 
@@ -26,7 +28,12 @@ def rank_of(pp_rank: int, dp_rank: int, tp_rank: int, tp: int, dp: int) -> int:
 
 
 def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
-    """Validate `world = TP x PP x DP`; return DP."""
+    """Validate `world = TP x PP x DP`; return DP. The one statement of the rule (the plan's checks,
+    the DeepSpeed JSON's batch, a resume's batch and the layout itself use it)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ParallelLayoutError(
+            f"world size {world_size!r} is out of range: must be an integer >= 1 (the number of processes)"
+        )
     if tp < 1 or pp < 1:
         raise ParallelLayoutError(f"tensor ({tp}) and pipeline ({pp}) parallel sizes must be >= 1")
     if world_size % (tp * pp):

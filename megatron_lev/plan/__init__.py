@@ -33,7 +33,7 @@ from megatron_lev.data.manifest import manifest_path
 from megatron_lev.errors import ConfigError
 from megatron_lev.model.embeddings import REGISTRY, embedding_class
 from megatron_lev.model.vocab import padded_vocab_size
-from megatron_lev.plan.ds_config import batch_layout, build_ds_config
+from megatron_lev.plan.ds_config import batch_layout, build_ds_config, data_parallel_size
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class RunPlan:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.cfg.data_parallel_size(self.world_size)
+        return data_parallel_size(self.cfg, self.world_size)
 
     def with_global_batch(self, global_batch: int) -> RunPlan:
         """The plan with `train.global_batch_size` set (a resume on another DP size keeps the
@@ -103,6 +103,8 @@ def validate_config(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     variant's (`check_config`; `check_vocab` too when `model.vocab_size` fixes the vocabulary).
     `world_size` adds the layout checks. Returns `cfg`."""
     _model_rules(cfg, world_size)
+    if world_size is not None:
+        batch_layout(cfg, world_size)  # the global batch over DP (a run's is in its DeepSpeed JSON)
     return cfg
 
 
@@ -144,8 +146,11 @@ def check_vocab(cfg: RunConfig, tokenizer_vocab: int) -> int:
 
 
 def _model_rules(cfg: RunConfig, world_size: int | None) -> int | None:
-    """Generic and variant rules; the padded vocabulary when `model.vocab_size` fixes it (else None)."""
-    cfg.validate(world_size)
+    """Generic, layout and variant rules; the padded vocabulary when `model.vocab_size` fixes it (else
+    None)."""
+    cfg.validate()
+    if world_size is not None:
+        data_parallel_size(cfg, world_size)  # world = TP x PP x DP
     # the variant's own rules (and the error for an unknown model.embedding) come from its class
     variant = embedding_class(cfg.model.embedding)
     _implied_group_rules(cfg, variant)

@@ -15,6 +15,7 @@ from typing import Any
 
 from megatron_lev.config import RunConfig, set_dotted
 from megatron_lev.errors import ConfigError
+from megatron_lev.parallel.layout import data_parallel_size as layout_dp
 from megatron_lev.resources import DS_CONFIG_DIR, ds_config_template
 
 # keys the run builds itself; a template must not carry them
@@ -27,9 +28,15 @@ _FORBIDDEN = {
 }
 
 
+def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
+    """DP of a run of `world_size` processes under `cfg`'s TP and PP (`parallel.layout`'s rule)."""
+    p = cfg.parallel
+    return layout_dp(world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+
+
 def batch_layout(cfg: RunConfig, world_size: int) -> tuple[int, int, int]:
     """(micro batch per rank, gradient accumulation steps, global batch in sequences)."""
-    dp = cfg.data_parallel_size(world_size)
+    dp = data_parallel_size(cfg, world_size)
     micro = cfg.train.micro_batch_size
     global_batch = cfg.train.global_batch_size or micro * dp
     if global_batch % (micro * dp):

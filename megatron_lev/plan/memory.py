@@ -40,6 +40,7 @@ from pathlib import Path
 
 from megatron_lev.config import RunConfig
 from megatron_lev.errors import ConfigError
+from megatron_lev.plan.ds_config import data_parallel_size
 
 SKIP_ENV = "MEGATRON_LEV_NO_MEMORY_CHECK"
 FRAMEWORK_BYTES = 512 << 20
@@ -99,7 +100,7 @@ def estimate_memory(cfg: RunConfig, world_size: int, vocab: int, *, cuda: bool) 
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    dp = max(cfg.data_parallel_size(world_size), 1)
+    dp = data_parallel_size(cfg, world_size)
     params = parameter_count(m, vocab)["total"] / (tp * pp)
     half = t.precision in ("bf16", "fp16")
     weight_bytes = 2 if half else 4

@@ -37,6 +37,7 @@ from megatron_lev.ckpt.layout import (
 from megatron_lev.ckpt.record import SavedBatch, saved_batch
 from megatron_lev.errors import CheckpointDataError, ConfigError
 from megatron_lev.log import get_logger
+from megatron_lev.plan.ds_config import data_parallel_size
 from megatron_lev.training.resume_checks import (
     TOKENIZER,
     check_resume_config,
@@ -82,7 +83,7 @@ class StartPoint:
         """The log line for a resume whose batch layout differs from the checkpoint's, else None."""
         if self.saved is None or self.global_batch is None:
             return None
-        dp, micro = cfg.data_parallel_size(world_size), cfg.train.micro_batch_size
+        dp, micro = data_parallel_size(cfg, world_size), cfg.train.micro_batch_size
         gas = self.global_batch // (micro * dp)
         s = self.saved
         if (dp, micro, gas, self.global_batch) == (
@@ -153,7 +154,7 @@ def keep_global_batch(path: str | os.PathLike, saved: SavedBatch, cfg, world_siz
     line naming what works) a layout that cannot make it, and a DP change under ZeRO >= 1."""
     t, p = cfg.train, cfg.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    dp, micro = cfg.data_parallel_size(world_size), t.micro_batch_size
+    dp, micro = data_parallel_size(cfg, world_size), t.micro_batch_size
     where = f"{path} (saved on DP={saved.data_parallel_size})"
     if dp != saved.data_parallel_size and p.zero_stage >= 1:
         out = f"{Path(path).parent}_dp{dp}"

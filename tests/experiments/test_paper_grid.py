@@ -23,7 +23,7 @@ from megatron_lev.experiments.grid import (
     submission_script,
 )
 from megatron_lev.model.embeddings import REGISTRY
-from megatron_lev.plan import validate_run
+from megatron_lev.plan import validate_config, validate_run
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = {
@@ -39,7 +39,7 @@ def _resolved(run):
     for item in run.overrides():
         key, _, value = item.partition("=")
         overrides.append(f"{key}={DATA.get(value, value) if value.startswith('$') else value}")
-    return load_config(ROOT / run.config, overrides, world_size=run.world_size)
+    return validate_config(load_config(ROOT / run.config, overrides, validate=False), run.world_size)
 
 
 def test_eighteen_runs_all_valid_at_their_layout():

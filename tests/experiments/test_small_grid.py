@@ -100,7 +100,7 @@ def test_every_variant_trains_the_same_run_but_for_the_embedding(tmp_path):
         for section, key in (("train", "save"), ("logging", "output_dir")):
             assert v in d[section].pop(key)
     assert all(d == cfgs["tied"] for d in cfgs.values())
-    small = load_config(ROOT / "pretrain/configs/experiments/small/small.yaml", world_size=1)
+    small = load_config(ROOT / "pretrain/configs/experiments/small/small.yaml")
     assert small.train.train_tokens and not small.train.chinchilla
 
 
@@ -199,7 +199,7 @@ def _small_counts(vocab: int):
     from megatron_lev.model.flops import parameter_count
     from megatron_lev.model.vocab import padded_vocab_size
 
-    cfg = load_config(ROOT / "pretrain/configs/experiments/small/small.yaml", world_size=1).model
+    cfg = load_config(ROOT / "pretrain/configs/experiments/small/small.yaml").model
     padded = padded_vocab_size(vocab, cfg, 1)
     totals = {v: parameter_count(cfg, padded, v)["total"] for v in REGISTRY}
     widths = {
