@@ -57,6 +57,11 @@ class RunPlan:
     cuda: bool = False  # the run trains on GPUs (the memory check warns instead of refusing)
 
     @property
+    def save_dir(self) -> str:
+        """Where the run saves its checkpoints (and resumes from, unless train.load)."""
+        return save_dir_of(self.cfg)
+
+    @property
     def data_parallel_size(self) -> int:
         return data_parallel_size(self.cfg, self.world_size)
 
@@ -239,9 +244,14 @@ def with_id_order_counts(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, model=model)
 
 
+def save_dir_of(cfg: RunConfig) -> str:
+    """`train.save`, else `<logging.output_dir>/checkpoints`: the one statement of the default."""
+    return cfg.train.save or str(Path(cfg.logging.output_dir) / "checkpoints")
+
+
 def _has_checkpoint(cfg: RunConfig) -> bool:
     """Whether the run's save or load directory holds a complete checkpoint (it would resume)."""
-    save = cfg.train.save or str(Path(cfg.logging.output_dir) / "checkpoints")  # as the trainer does
+    save = save_dir_of(cfg)
     load = cfg.train.load
     if load and iteration_of(Path(load).name) is not None:  # train.load names one checkpoint
         named = any(c.complete and c.tag == Path(load).name for c in list_checkpoints(Path(load).parent))

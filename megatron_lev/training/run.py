@@ -167,7 +167,7 @@ def setup(plan: RunPlan, held: contextlib.ExitStack) -> RunSetup:
         heartbeat_timeout_s=cfg.parallel.heartbeat_timeout_s,
     )
     out = Path(cfg.logging.output_dir)
-    save_dir = cfg.train.save or str(out / "checkpoints")
+    save_dir = plan.save_dir
     lock_run_dirs(held, cfg, save_dir)  # one run at a time writes metrics, logs and checkpoints here
     setup_logging(log_dir=out / "logs" if cfg.logging.log_all_ranks else None)
     if plan.world_size != env.world_size:  # validated by the caller: nothing is checked twice
