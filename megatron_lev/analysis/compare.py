@@ -93,6 +93,21 @@ def _as_seeds(results: dict[str, dict | list[dict]]) -> dict[str, list[dict]]:
     return {name: (list(r) if isinstance(r, (list, tuple)) else [r]) for name, r in results.items()}
 
 
+COMPARISON_NOTE = (
+    "rel. change = perplexity / baseline perplexity - 1, seed i against the baseline's seed i, "
+    "averaged over seeds (sd: over seeds); seed-paired interval: Student t over the per-seed "
+    "changes; bootstrap interval: percentiles of the seed-averaged change over resamples of the "
+    "evaluated documents (the same resample for every model); tokens-to-target = first point "
+    "(linearly interpolated) where a run's loss reaches the baseline's final loss"
+)
+DECOMPOSITION_DEFINITION = (
+    "gain of a term = (1 - perplexity of the variant that adds the ingredient / "
+    "perplexity of the variant before it) x 100, seed i against seed i; positive: the ingredient "
+    "lowers perplexity. The terms multiply (1 - total) = prod (1 - term), so they add up to the "
+    "total only approximately"
+)
+
+
 def compare_results(
     results: dict[str, dict | list[dict]],
     curves: dict[str, Curve] | None = None,
@@ -113,35 +128,14 @@ def compare_results(
     `decomposition`: None computes it when ALBERT, FLAT-MLP, FACT-MLP and LEV are all present;
     True requires them.
     """
-    if baseline not in results:
-        raise DataError(
-            f"--baseline {baseline!r} is not among the runs {sorted(results)}: name one run "
-            f"{baseline}=EVAL_JSON, or pass --baseline NAME"
-        )
-    seeds = _as_seeds(results)
+    seeds = _paired_seeds(results, baseline)
     sources = {
         name: (sources or {}).get(name) or [f"{name} seed {i + 1}" for i in range(len(rs))]
         for name, rs in seeds.items()
     }
-    n_seeds = len(seeds[baseline])
-    for name, rs in seeds.items():
-        if len(rs) != n_seeds:
-            raise DataError(
-                f"{name} has {len(rs)} seed(s) but {baseline} has {n_seeds}: seeds are paired in the "
-                f"order given (seed i with {baseline}'s seed i); give every run the same number of "
-                "eval.json files"
-            )
-    base = seeds[baseline]
     curves = curves or {}
-    target = None
-    if curves:
-        if baseline not in curves:
-            raise DataError(
-                f"--curves: tokens-to-target needs the baseline's loss curve ({baseline}=PATH in --curves)"
-            )
-        target = float(curves[baseline].loss[-1])
-    base_tokens = tokens_to_target(curves[baseline], target) if target is not None else None
-    labels = [b["bucket"] for b in base[0].get("buckets", [])]
+    target, base_tokens = _target(curves, baseline)
+    labels = [b["bucket"] for b in seeds[baseline][0].get("buckets", [])]
 
     steps = _decomposition_steps(seeds, decomposition)
     boot, boot_info = document_bootstrap(
@@ -153,92 +147,124 @@ def compare_results(
             seeds[name], seeds[ref], bucket, k, boot and boot[name], boot and boot[ref], level, sign
         )
 
-    rows = []
-    for name, rs in seeds.items():
-        first = {b["bucket"]: b for b in rs[0].get("buckets", [])}
-        per_bucket = []
-        for k, lab in enumerate(labels, 1):
-            ppls = [perplexity_at(r, lab) for r in rs]
-            ppl_mean, ppl_sd = mean_sd(ppls) if None not in ppls else (None, None)
-            change = paired(name, baseline, lab, k)
-            per_bucket.append(
-                {
-                    "bucket": lab,
-                    "tokens": first[lab]["tokens"] if lab in first else None,
-                    "perplexity": ppl_mean,
-                    "perplexity_sd": ppl_sd,
-                    "rel_change_pct": change["mean"],
-                    "rel_change": change,
-                }
-            )
-        ppl_mean, ppl_sd = mean_sd([r["perplexity"] for r in rs])
-        change = paired(name, baseline, None, 0)
-        row = {
-            "name": name,
-            "seeds": len(rs),
-            "sources": sources[name],
-            "perplexity": ppl_mean,
-            "perplexity_sd": ppl_sd,
-            "perplexity_per_seed": [r["perplexity"] for r in rs],
-            "rel_change_pct": change["mean"],
-            "rel_change": change,
-            "buckets": per_bucket,
-        }
-        if name in curves:
-            t = tokens_to_target(curves[name], target)
-            row.update(
-                tokens_to_target=t,
-                x_label=curves[name].x_label,
-                final_loss=float(curves[name].loss[-1]),
-                tokens_ratio=(t / base_tokens) if t is not None and base_tokens else None,
-            )
-        rows.append(row)
-
-    decomp = None
-    if steps is not None:
-        terms = []
-        for term, ref, var, paper_label, paper_gain in steps:
-            terms.append(
-                {
-                    "term": term,
-                    "variant": var,
-                    "reference": ref,
-                    "paper_label": paper_label,
-                    "paper_gain_pct": paper_gain,
-                    "gain": paired(var, ref, None, 0, -1.0),
-                    "buckets": [
-                        {"bucket": lab, "gain": paired(var, ref, lab, k, -1.0)}
-                        for k, lab in enumerate(labels, 1)
-                    ],
-                }
-            )
-        first_ref, last_var = steps[0][1], steps[-1][2]
-        decomp = {
-            "terms": terms,
-            "total": {
-                "variant": last_var,
-                "reference": first_ref,
-                "gain": paired(last_var, first_ref, None, 0, -1),
-            },
-            "definition": "gain of a term = (1 - perplexity of the variant that adds the ingredient / "
-            "perplexity of the variant before it) x 100, seed i against seed i; positive: the ingredient "
-            "lowers perplexity. The terms multiply (1 - total) = prod (1 - term), so they add up to the "
-            "total only approximately",
-        }
+    rows = [
+        _run_row(name, rs, labels, baseline, paired, sources[name], curves, target, base_tokens)
+        for name, rs in seeds.items()
+    ]
     return {
         "baseline": baseline,
         "target_loss": target,
         "bucket_labels": labels,
-        "seeds": n_seeds,
+        "seeds": len(seeds[baseline]),
         "confidence": level,
         "bootstrap": boot_info,
         "rows": rows,
-        "decomposition": decomp,
-        "note": "rel. change = perplexity / baseline perplexity - 1, seed i against the baseline's seed i, "
-        "averaged over seeds (sd: over seeds); seed-paired interval: Student t over the per-seed "
-        "changes; bootstrap interval: percentiles of the seed-averaged change over resamples of the "
-        "evaluated documents (the same resample for every model); tokens-to-target = first point "
-        "(linearly interpolated) where a run's loss reaches the baseline's final loss",
+        "decomposition": None if steps is None else _decomposition_table(steps, labels, paired),
+        "note": COMPARISON_NOTE,
+    }
+
+
+def _paired_seeds(results: dict[str, dict | list[dict]], baseline: str) -> dict[str, list[dict]]:
+    """name -> its results, one per seed; refused unless the baseline is there and every run has as
+    many seeds as it (seed i is paired with the baseline's seed i)."""
+    if baseline not in results:
+        raise DataError(
+            f"--baseline {baseline!r} is not among the runs {sorted(results)}: name one run "
+            f"{baseline}=EVAL_JSON, or pass --baseline NAME"
+        )
+    seeds = _as_seeds(results)
+    n_seeds = len(seeds[baseline])
+    for name, rs in seeds.items():
+        if len(rs) != n_seeds:
+            raise DataError(
+                f"{name} has {len(rs)} seed(s) but {baseline} has {n_seeds}: seeds are paired in the "
+                f"order given (seed i with {baseline}'s seed i); give every run the same number of "
+                "eval.json files"
+            )
+    return seeds
+
+
+def _target(curves: dict[str, Curve], baseline: str) -> tuple[float | None, float | None]:
+    """(the baseline's final loss, the tokens it took to reach it), or Nones without curves."""
+    if not curves:
+        return None, None
+    if baseline not in curves:
+        raise DataError(
+            f"--curves: tokens-to-target needs the baseline's loss curve ({baseline}=PATH in --curves)"
+        )
+    target = float(curves[baseline].loss[-1])
+    return target, tokens_to_target(curves[baseline], target)
+
+
+def _run_row(name, rs, labels, baseline, paired, sources, curves, target, base_tokens) -> dict:
+    """One run's row: perplexity over seeds and its change against the baseline, overall and per
+    bucket, and its tokens-to-target when it has a curve."""
+    first = {b["bucket"]: b for b in rs[0].get("buckets", [])}
+    per_bucket = []
+    for k, lab in enumerate(labels, 1):
+        ppls = [perplexity_at(r, lab) for r in rs]
+        ppl_mean, ppl_sd = mean_sd(ppls) if None not in ppls else (None, None)
+        change = paired(name, baseline, lab, k)
+        per_bucket.append(
+            {
+                "bucket": lab,
+                "tokens": first[lab]["tokens"] if lab in first else None,
+                "perplexity": ppl_mean,
+                "perplexity_sd": ppl_sd,
+                "rel_change_pct": change["mean"],
+                "rel_change": change,
+            }
+        )
+    ppl_mean, ppl_sd = mean_sd([r["perplexity"] for r in rs])
+    change = paired(name, baseline, None, 0)
+    row = {
+        "name": name,
+        "seeds": len(rs),
+        "sources": sources,
+        "perplexity": ppl_mean,
+        "perplexity_sd": ppl_sd,
+        "perplexity_per_seed": [r["perplexity"] for r in rs],
+        "rel_change_pct": change["mean"],
+        "rel_change": change,
+        "buckets": per_bucket,
+    }
+    if name in curves:
+        t = tokens_to_target(curves[name], target)
+        row.update(
+            tokens_to_target=t,
+            x_label=curves[name].x_label,
+            final_loss=float(curves[name].loss[-1]),
+            tokens_ratio=(t / base_tokens) if t is not None and base_tokens else None,
+        )
+    return row
+
+
+def _decomposition_table(steps, labels, paired) -> dict:
+    """The gain of each ingredient (variant against the one before it), overall and per bucket, and
+    the total from the first reference to the last variant."""
+    terms = [
+        {
+            "term": term,
+            "variant": var,
+            "reference": ref,
+            "paper_label": paper_label,
+            "paper_gain_pct": paper_gain,
+            "gain": paired(var, ref, None, 0, -1.0),
+            "buckets": [
+                {"bucket": lab, "gain": paired(var, ref, lab, k, -1.0)} for k, lab in enumerate(labels, 1)
+            ],
+        }
+        for term, ref, var, paper_label, paper_gain in steps
+    ]
+    first_ref, last_var = steps[0][1], steps[-1][2]
+    return {
+        "terms": terms,
+        "total": {
+            "variant": last_var,
+            "reference": first_ref,
+            "gain": paired(last_var, first_ref, None, 0, -1),
+        },
+        "definition": DECOMPOSITION_DEFINITION,
     }
 
 
