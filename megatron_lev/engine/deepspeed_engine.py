@@ -44,7 +44,7 @@ from megatron_lev.errors import CheckpointDataError, ConfigError
 from megatron_lev.optim import GuardedAdamW, all_finite, param_groups, squared_norm
 from megatron_lev.parallel.layout import ParallelLayout
 from megatron_lev.parallel.session import set_phase
-from megatron_lev.plan import RunPlan, clip_group_rules, param_group_rules
+from megatron_lev.plan import RunPlan
 
 GROUP_FILLER = "param_group_filler"
 
@@ -459,7 +459,7 @@ def build_engine(plan: RunPlan, model: nn.Module, layout: ParallelLayout) -> Dee
     check_layout(plan, layout)
     pipeline = cfg.parallel.pipeline_model_parallel_size > 1
     model = apply_compile(apply_activation_checkpointing(model, cfg.model), cfg.model)
-    groups = _optimizer_groups(cfg, model, plan.ds_config, pipeline)
+    groups = _optimizer_groups(plan, model, pipeline)
     # the groups' own parameters, by name: ZeRO replaces a group's "params" with its flat partition
     named_groups = [(g.get("name", str(i)), list(g["params"])) for i, g in enumerate(groups)]
     t = cfg.train
@@ -486,7 +486,7 @@ def build_engine(plan: RunPlan, model: nn.Module, layout: ParallelLayout) -> Dee
         ds_engine,
         optimizer,
         [(g.get("clip", 0), params) for g, (_, params) in zip(groups, named_groups, strict=True)],
-        clip_group_rules(cfg),
+        list(plan.clip_rules),
         t.clip_grad,
         engine.step_device(),
         fp16=t.precision == "fp16",
@@ -511,18 +511,18 @@ def check_layout(plan: RunPlan, layout: ParallelLayout) -> None:
         )
 
 
-def _optimizer_groups(cfg: RunConfig, model: nn.Module, ds_config: dict, pipeline: bool) -> list[dict]:
-    """The optimizer's parameter groups (`optim.param_groups`), the same on every stage of a pipeline
-    under a per-group ZeRO optimizer; empty groups left out."""
+def _optimizer_groups(plan: RunPlan, model: nn.Module, pipeline: bool) -> list[dict]:
+    """The optimizer's parameter groups (`optim.param_groups`, by the plan's rules), the same on every
+    stage of a pipeline under a per-group ZeRO optimizer; empty groups left out."""
     canonical = (lambda name: STAGE_PREFIX.sub("", name, count=1)) if pipeline else str
     groups = param_groups(
         model,
-        cfg.train.weight_decay,
+        plan.cfg.train.weight_decay,
         keep_empty=pipeline,
-        rules=param_group_rules(cfg),
+        rules=list(plan.param_rules),
         canonical=canonical,
-        clip_rules=clip_group_rules(cfg),
+        clip_rules=list(plan.clip_rules),
     )
-    if pipeline and uses_zero_optimizer_per_group(ds_config):
+    if pipeline and uses_zero_optimizer_per_group(plan.ds_config):
         groups = same_groups_on_every_stage(model, groups)
     return [g for g in groups if g["params"]]

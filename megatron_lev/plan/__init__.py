@@ -55,6 +55,16 @@ class RunPlan:
     padded_vocab: int | None = None  # true_vocab rounded up to make_vocab_size_divisible_by x TP
     tokenizer_vocab: int | None = None  # set by `with_vocab`
     cuda: bool = False  # the run trains on GPUs (the memory check warns instead of refusing)
+    # the optimizer's groups and the clip groups by parameter name (`param_group_rules`,
+    # `clip_group_rules`): resolved once when the plan is made, read by the engine
+    param_rules: tuple[ParamGroupRule, ...] | None = None
+    clip_rules: tuple[ClipGroupRule, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.param_rules is None:
+            object.__setattr__(self, "param_rules", tuple(param_group_rules(self.cfg)))
+        if self.clip_rules is None:
+            object.__setattr__(self, "clip_rules", tuple(clip_group_rules(self.cfg)))
 
     @property
     def save_dir(self) -> str:
