@@ -114,6 +114,8 @@ def report_writer(plan: str):
         from studies.lr_report import write_lr_report as write
     elif plan == "eps":
         from studies.eps_report import write_eps_report as write
+    elif plan == "controls":
+        from studies.controls_report import write_controls_report as write
     else:
         from studies.study_report import write_report as write
     return write
