@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_lev.model.embeddings.base import InputEmbedding
+from megatron_lev.model.embeddings.base import InputEmbedding, find_input_embedding
 from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 from megatron_lev.training.hooks import Callback, Control, StepRecord
 from megatron_lev.utils import matrix
@@ -124,9 +124,9 @@ class TrainingDynamics(Callback):
 
     def on_train_begin(self, trainer: Trainer, control: Control) -> None:
         self._measured = None
-        found = [m for m in trainer.engine.module.modules() if isinstance(m, InputEmbedding)]
+        found = find_input_embedding(trainer.engine.module)
         # under a pipeline the first stage computes the table (the last may hold a tied copy)
-        self.embedding = found[0] if found and self.layout.pp_rank == 0 else None
+        self.embedding = found if self.layout.pp_rank == 0 else None
         if self.embedding is not None:
             vocab = min(self.vocab_size or self.embedding.vocab_size, self.embedding.vocab_size)
             device = next(self.embedding.parameters()).device

@@ -33,6 +33,7 @@ from megatron_lev.engine.build import build_model
 from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, build_engine, disable_cpu_shm_comm
 from megatron_lev.errors import ConfigError, DataError, LockedError, UserError
 from megatron_lev.log import get_logger, setup_logging
+from megatron_lev.model.embeddings.base import find_input_embedding
 from megatron_lev.parallel import state
 from megatron_lev.parallel.layout import SINGLE, ParallelLayout
 from megatron_lev.plan import RunPlan
@@ -60,12 +61,6 @@ from megatron_lev.utils import dist as ranks
 from megatron_lev.utils.lock import DIR_LOCK_NAME, exclusive_lock
 
 log = get_logger(__name__)
-
-
-def find_input_embedding(model: nn.Module) -> nn.Module | None:
-    from megatron_lev.model.embeddings.base import InputEmbedding
-
-    return next((m for m in model.modules() if isinstance(m, InputEmbedding)), None)
 
 
 def pretrain(

@@ -200,3 +200,9 @@ class InputEmbedding(nn.Module, abc.ABC):
     def tied_output_weight(self) -> nn.Parameter | None:
         """The (vocab-parallel) table the output head reuses when `ties_output_head`; else None."""
         return None
+
+
+def find_input_embedding(model: nn.Module) -> InputEmbedding | None:
+    """The first `InputEmbedding` among `model`'s modules (under a pipeline, the first stage's; the
+    last stage may hold a tied copy), or None (a stage without one)."""
+    return next((m for m in model.modules() if isinstance(m, InputEmbedding)), None)
