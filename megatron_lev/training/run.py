@@ -1,9 +1,10 @@
 """`pretrain(plan)`, the run's composition root, in three parts (LitGPT's setup -> main -> fit):
 
-    setup(plan, held)  -> RunSetup   environment, process group, directory locks, logging, and the
-                                     `ParallelLayout` (`parallel.state.initialize_model_parallel`)
-    build(setup, ...)  -> RunParts   tokenizer (and the plan's vocabulary), start point, model,
-                                     engine, data, callbacks, trainer: each given the layout
+    setup(plan, held)  -> RunSetup   environment, process group, directory locks, logging, the
+                                     `ParallelLayout` (`parallel.state.initialize_model_parallel`),
+                                     the tokenizer and the start point: the final plan (its
+                                     vocabulary, the batch a resume keeps)
+    build(setup, ...)  -> RunParts   model, engine, data, callbacks, trainer: each given the layout
     fit(parts)         -> TrainResult  resume, the loop (`Trainer.train`), the start/end records
 
 Order matters for users: everything that can be checked from the config and the
@@ -15,11 +16,13 @@ vocabulary, batch layout, DeepSpeed JSON) is taken from the plan, not computed a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,8 +90,8 @@ def pretrain(
     watcher = PreemptionWatcher().install()  # before the slow start-up: Slurm's notice may come early
     try:
         with contextlib.ExitStack() as held:  # the locks of the run's directories
-            run = setup(plan, held)
-            return fit(build(run, watcher, allow_changes, extra, init_weights))
+            run = setup(plan, held, allow_changes)
+            return fit(build(run, watcher, extra, init_weights))
     finally:
         watcher.uninstall()
 
@@ -132,7 +135,8 @@ InitWeights = Callable[[nn.Module, RunConfig, ParallelLayout, int], dict] | None
 
 @dataclass(frozen=True)
 class RunSetup:
-    """What `setup` produced: the validated plan, this rank's layout and where the run writes."""
+    """What `setup` produced: the final plan (the tokenizer's vocabulary, the batch a resume keeps),
+    this rank's layout, where the run writes, the tokenizer, and where the run starts."""
 
     plan: RunPlan
     layout: ParallelLayout
@@ -140,15 +144,21 @@ class RunSetup:
     device: torch.device
     out: Path
     save_dir: str
+    tokenizer: Any = None  # set once the process group is up (`setup`)
+    start: _Start | None = None
+    load_dir: str = ""
+    allow_changes: tuple[str, ...] = ()  # config keys a resume may change (`--allow-change`)
 
     @property
     def world(self) -> int:
         return self.plan.world_size
 
 
-def setup(plan: RunPlan, held: contextlib.ExitStack) -> RunSetup:
-    """Environment, process group, directory locks (held until `held` closes), logging, and the
-    parallel layout (collective: every rank creates the process groups)."""
+def setup(plan: RunPlan, held: contextlib.ExitStack, allow_changes=()) -> RunSetup:
+    """Environment, process group, directory locks (held until `held` closes), logging, the parallel
+    layout (collective: every rank creates the process groups), then the tokenizer and the start
+    point, which settle the plan: its vocabulary and, on a resume with another DP size, the batch.
+    The plan `setup` returns is final; `build` only builds."""
     from megatron_lev.resources import checkout_root
 
     root = checkout_root()
@@ -180,7 +190,20 @@ def setup(plan: RunPlan, held: contextlib.ExitStack) -> RunSetup:
         env.source,
         dev,
     )
-    return RunSetup(plan, layout, env.rank, dev, out, save_dir)
+    from megatron_lev.data.tokenizers import build_tokenizer
+
+    run = RunSetup(plan, layout, env.rank, dev, out, save_dir)
+    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_path)
+    # model.vocab_size against the tokenizer, the padding, the variant's rules at that vocabulary
+    plan, start, load_dir = resolve_start(run, tokenizer, allow_changes)
+    return dataclasses.replace(
+        run,
+        plan=plan,
+        tokenizer=tokenizer,
+        start=start,
+        load_dir=load_dir,
+        allow_changes=tuple(allow_changes),
+    )
 
 
 @dataclass
@@ -197,20 +220,14 @@ class RunParts:
 def build(
     run: RunSetup,
     watcher: PreemptionWatcher,
-    allow_changes=(),
     extra_callbacks: Sequence[Callback] = (),
     init_weights: InitWeights = None,
 ) -> RunParts:
-    """Tokenizer (the plan takes its vocabulary), start point, model (warm-started where asked),
-    engine, data, callbacks, trainer."""
-    from megatron_lev.data.tokenizers import build_tokenizer
+    """Model (warm-started where asked), engine, data, callbacks, trainer, from `setup`'s final plan."""
     from megatron_lev.model.flops import flops_per_token, parameter_count
     from megatron_lev.parallel.random import model_parallel_manual_seed
 
-    cfg = run.plan.cfg
-    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_path)
-    # model.vocab_size against the tokenizer, the padding, the variant's rules at that vocabulary
-    plan, start, load_dir = resolve_start(run, tokenizer, allow_changes)
+    plan, start, load_dir, tokenizer = run.plan, run.start, run.load_dir, run.tokenizer
     cfg = plan.cfg
     model_parallel_manual_seed(cfg.train.seed, run.layout)
     model = build_model(plan, run.layout)
@@ -222,7 +239,7 @@ def build(
     embedding = find_input_embedding(model)
     probe = EmbeddingProbe(embedding) if embedding is not None else None
     engine = build_engine(plan, model, run.layout)
-    data = build_data(run, plan, budget, start, tokenizer, allow_changes, n_params)
+    data = build_data(run, plan, budget, start, tokenizer, run.allow_changes, n_params)
     writer = MetricsWriter(run.out, enabled=run.rank == 0, tensorboard=cfg.logging.tensorboard)
     checkpointer = Checkpointer.from_config(cfg.train, run.save_dir, load_dir)
     checkpointer.provenance = start.provenance
