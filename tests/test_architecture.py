@@ -572,3 +572,47 @@ def test_a_planted_pointer_reader_is_caught(tmp_path):
         "megatron_lev/convert/a.py",
         "megatron_lev/engine/b.py",
     ]
+
+
+# ------------------------------------------------------------------ plans are made in plan/
+
+
+def plan_makers(root: Path) -> list[str]:
+    """Sites outside `plan/` that construct a `RunPlan` or settle a plan's vocabulary or batch
+    (`with_vocab`, `with_global_batch`) outside a run's `setup`."""
+    found = []
+    for path in _sources(root):
+        module = module_name(path, root)
+        if package_of(module) == "plan":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+            if name == "RunPlan":
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno} RunPlan(")
+            elif name in ("with_vocab", "with_global_batch") and module != f"{root.name}.training.run":
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno} .{name}(")
+    return found
+
+
+def test_plans_are_made_in_plan_and_settled_in_setup():
+    makers = plan_makers(PKG)
+    assert not makers, "make plans with plan.validate_run / model_plan: " + "; ".join(makers)
+
+
+def test_a_planted_plan_maker_is_caught(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "plan/__init__.py": "class RunPlan:\n    pass\n\ndef make():\n    return RunPlan()\n",
+            "convert/a.py": "from megatron_lev.plan import RunPlan\n\ndef f():\n    return RunPlan()\n",
+            "engine/b.py": "def f(plan):\n    return plan.with_vocab(3)\n",
+            "training/run.py": "def setup(plan):\n    return plan.with_vocab(3)\n",
+        },
+    )
+    assert [r.split(":")[0] for r in plan_makers(root)] == [
+        "megatron_lev/convert/a.py",
+        "megatron_lev/engine/b.py",
+    ]

@@ -45,7 +45,7 @@ from megatron_lev.model.canonical import canonical_state_dict_spec
 from megatron_lev.model.embeddings.id_order import BUFFER as ID_RANK
 from megatron_lev.model.vocab import padded_vocab_size
 from megatron_lev.parallel.layout import ParallelLayout
-from megatron_lev.plan import validate_config
+from megatron_lev.plan import model_plan, validate_config
 
 _DS_KEYS = {
     "module",
@@ -177,7 +177,7 @@ def reshard_worker(
     cfg = engine_config(saved_cfg, world)
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     src = open_checkpoint(src_path, tag, config)
-    plan = target_plan(cfg, world, src.vocab_size)
+    plan = model_plan(cfg, world, src.vocab_size)
     layout = state.initialize_model_parallel(tp, pp)
     torch.manual_seed(cfg.train.seed)
     model = build_model(plan, layout)
@@ -202,27 +202,6 @@ def reshard_worker(
     fresh = build_engine(plan, build_model(plan, layout), layout)
     load_checkpoint(fresh, out_root, tag_for(iteration))
     return fresh.loss(check_ids[:, :-1], check_ids[:, 1:])
-
-
-def target_plan(cfg: RunConfig, world: int, vocab: int):
-    """The `RunPlan` of the target layout: the model's rules (`validate_config`), the padded vocabulary
-    and the DeepSpeed JSON for `world` processes; no training rules (nothing is trained)."""
-    from megatron_lev.plan import RunPlan
-    from megatron_lev.plan.ds_config import build_ds_config
-
-    validate_config(cfg)
-    ds_config = build_ds_config(cfg, world)
-    return RunPlan(
-        cfg=cfg,
-        world_size=world,
-        micro_batch=ds_config["train_micro_batch_size_per_gpu"],
-        gas=ds_config["gradient_accumulation_steps"],
-        global_batch=ds_config["train_batch_size"],
-        ds_config=ds_config,
-        true_vocab=vocab,
-        padded_vocab=padded_vocab_size(vocab, cfg.model, cfg.parallel.tensor_model_parallel_size),
-        tokenizer_vocab=vocab,
-    )
 
 
 def fill_from_source(

@@ -344,6 +344,25 @@ def _param_group_rules(cfg: RunConfig) -> None:
             )
 
 
+def model_plan(cfg: RunConfig, world: int, vocab: int) -> RunPlan:
+    """The plan of a model laid out over `world` processes that is not trained (a reshard's target):
+    the model's rules (`validate_config`), the padded vocabulary of `vocab` and the DeepSpeed JSON;
+    no training or data rules."""
+    validate_config(cfg)
+    ds_config = build_ds_config(cfg, world)
+    return RunPlan(
+        cfg=cfg,
+        world_size=world,
+        micro_batch=ds_config["train_micro_batch_size_per_gpu"],
+        gas=ds_config["gradient_accumulation_steps"],
+        global_batch=ds_config["train_batch_size"],
+        ds_config=ds_config,
+        true_vocab=vocab,
+        padded_vocab=padded_vocab_size(vocab, cfg.model, cfg.parallel.tensor_model_parallel_size),
+        tokenizer_vocab=vocab,
+    )
+
+
 def plan_for_model(cfg: RunConfig, vocab: int | None, world: int = 1, *, cuda: bool = False) -> RunPlan:
     """`validate_run` for code that builds a model or an engine from a config that names no data
     (benchmarks, tools, tests): placeholder data and tokenizer paths, which nothing reads, and the
