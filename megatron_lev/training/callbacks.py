@@ -39,7 +39,7 @@ from megatron_lev.training.health import (
 )
 from megatron_lev.training.hooks import Callback, Control, SkipSave, StepRecord, TrainResult, TrainState
 from megatron_lev.training.metrics import MetricsWriter, memory_stats, throughput
-from megatron_lev.training.resume import StartPoint, choose_start
+from megatron_lev.training.resume import StartPoint
 from megatron_lev.training.schedule import learning_rate
 from megatron_lev.training.signals import PREEMPTED_EXIT_CODE, PreemptionWatcher
 from megatron_lev.utils.progress import on_terminal
@@ -317,15 +317,10 @@ class Checkpointer(Callback):
         """The run's checkpointer: `train.save_interval`, `train.keep_last`, `train.save_initial`."""
         return cls(save_dir, load_dir, train.save_interval, train.keep_last, train.save_initial)
 
-    def resume(self, trainer: Trainer, start: StartPoint | None = None, allow_changes=()) -> None:
-        """Load the checkpoint `start` names (by default the newest one that verifies) into `trainer`:
-        the engine's model and optimizer, the loop's `TrainState` and the callbacks' states."""
-        if not self.load_dir and not self.save_dir:
-            return
-        if start is None:
-            start = choose_start(
-                self.load_dir, self.save_dir, trainer.cfg, allow_changes, trainer.engine.owned_files()
-            )
+    def resume(self, trainer: Trainer, start: StartPoint) -> None:
+        """Load the checkpoint `start` names (`training.resume.choose_start`, chosen at the run's set-up)
+        into `trainer`: the engine's model and optimizer, the loop's `TrainState` and the callbacks'
+        states."""
         if start.tag is None:
             return
         client = load_checkpoint(trainer.engine, start.root, start.tag)

@@ -109,8 +109,17 @@ def toy_trainer(
 
 
 def resume(trainer: Trainer) -> None:
-    """Load the newest checkpoint into `trainer` through its Checkpointer (as `pretrain` does)."""
-    trainer.callback(Checkpointer).resume(trainer)
+    """Load the newest checkpoint into `trainer` through its Checkpointer, chosen as a run's set-up
+    chooses it (`choose_start`, then `Checkpointer.resume`, as `pretrain` does)."""
+    from megatron_lev.training.resume import choose_start
+
+    checkpointer = trainer.callback(Checkpointer)
+    if not checkpointer.load_dir and not checkpointer.save_dir:
+        return
+    start = choose_start(
+        checkpointer.load_dir, checkpointer.save_dir, trainer.cfg, (), trainer.engine.owned_files()
+    )
+    checkpointer.resume(trainer, start)
 
 
 def optimizer_snapshot(optimizer) -> list[torch.Tensor]:
