@@ -94,3 +94,10 @@ def test_the_page(tmp_path):
     assert "| < 1e-07 | LEV-C0 - UNTIED-C0 |" in page and "| < 1e-07 | LEV-EPS - UNTIED-EPS |" in page
     again = ctl.write_controls_report(raw_dir, tmp_path / "again")["controls.md"].read_text()
     assert again == page
+
+
+def test_the_committed_controls_page_is_that_of_the_committed_raw_files(tmp_path):
+    """The committed controls.md is the report of results/controls/raw and the other experiments' raw."""
+    from tests.experiments.committed import assert_pages_regenerate
+
+    assert_pages_regenerate(ctl.write_controls_report, "controls", ctl.PAGES, tmp_path, plots=False)
