@@ -92,22 +92,32 @@ mlev_signal_name() {
     esac
 }
 
+# The lines srun writes for the tasks it reports as failed ("srun: error: n1: task 1: Killed").
+MLEV_SRUN_TASK_ERROR='^srun: error: [^ ]+: tasks? [0-9][0-9,-]*: '
+
+# mlev_srun_error_parts LINE: such a line's node, tasks ("1", "0-3,5") and words, in MLEV_NODE,
+# MLEV_TASKS and MLEV_WHAT.
+mlev_srun_error_parts() {
+    local rest=${1#srun: error: }
+    MLEV_NODE=${rest%%: *}
+    rest=${rest#*: }
+    MLEV_TASKS=${rest%%: *}
+    MLEV_WHAT=${rest#*: }
+    MLEV_TASKS=${MLEV_TASKS#tasks }
+    MLEV_TASKS=${MLEV_TASKS#task }
+}
+
 # mlev_report_failed_tasks LOG OFFSET: after a failed step whose output starts at byte OFFSET
 # of LOG, name each task srun reported ("srun: error: n1: task 1: Killed") with its rank, node,
 # exit status or signal, and the last lines of its output (srun --label prefixes them "1: ").
 mlev_report_failed_tasks() {
-    local log=$1 offset=$2 line rest node tasks what ranks parts part r
+    local log=$1 offset=$2 line node tasks what ranks parts part r
     local lines=${MLEV_TAIL_LINES:-10}
     [ -f "$log" ] || return 0
-    tail -c +"$((offset + 1))" "$log" | grep -E '^srun: error: [^ ]+: tasks? [0-9][0-9,-]*: ' |
+    tail -c +"$((offset + 1))" "$log" | grep -E "$MLEV_SRUN_TASK_ERROR" |
         while IFS= read -r line; do
-            rest=${line#srun: error: }
-            node=${rest%%: *}
-            rest=${rest#*: }
-            tasks=${rest%%: *}
-            what=${rest#*: }
-            tasks=${tasks#tasks }
-            tasks=${tasks#task }
+            mlev_srun_error_parts "$line"
+            node=$MLEV_NODE tasks=$MLEV_TASKS what=$MLEV_WHAT
             ranks=()
             IFS=, read -ra parts <<<"$tasks"
             for part in "${parts[@]}"; do
@@ -201,19 +211,12 @@ mlev_count_failure() {
 # mlev_failure_cause LOG OFFSET STATUS: one line for the log of a restart: the first task srun
 # reported as failed in the step's output (from byte OFFSET of LOG), else the step's status.
 mlev_failure_cause() {
-    local log=$1 offset=$2 status=$3 line rest node tasks what
-    line=$( (tail -c +"$((offset + 1))" "$log" 2>/dev/null || true) |
-        grep -E -m 1 '^srun: error: [^ ]+: tasks? [0-9][0-9,-]*: ' || true)
+    local log=$1 offset=$2 status=$3 line
+    line=$( (tail -c +"$((offset + 1))" "$log" 2>/dev/null || true) | grep -E -m 1 "$MLEV_SRUN_TASK_ERROR" || true)
     if [ -z "$line" ]; then
         echo "the step exited with status $status"
         return 0
     fi
-    rest=${line#srun: error: }
-    node=${rest%%: *}
-    rest=${rest#*: }
-    tasks=${rest%%: *}
-    what=${rest#*: }
-    tasks=${tasks#tasks }
-    tasks=${tasks#task }
-    echo "rank $tasks (node $node) $(mlev_signal_name "$what")"
+    mlev_srun_error_parts "$line"
+    echo "rank $MLEV_TASKS (node $MLEV_NODE) $(mlev_signal_name "$MLEV_WHAT")"
 }

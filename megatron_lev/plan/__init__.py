@@ -132,20 +132,30 @@ def validate_run(
     padded = _model_rules(cfg, world_size)
     _training_rules(cfg, cuda)
     cfg = with_id_order_counts(cfg)
-    ds_config = build_ds_config(cfg, world_size)  # refuses a template that conflicts with the run
-    plan = RunPlan(
-        cfg=cfg,
-        world_size=world_size,
-        # the batch layout as build_ds_config wrote it (plan.ds_config.batch_layout)
-        micro_batch=ds_config["train_micro_batch_size_per_gpu"],
-        gas=ds_config["gradient_accumulation_steps"],
-        global_batch=ds_config["train_batch_size"],
-        ds_config=ds_config,
+    plan = _plan(
+        cfg,
+        world_size,
         true_vocab=cfg.model.vocab_size if padded is not None else None,
         padded_vocab=padded,
         cuda=cuda,
     )
     return plan.with_vocab(tokenizer_vocab) if tokenizer_vocab is not None else plan
+
+
+def _plan(cfg: RunConfig, world_size: int, **fields) -> RunPlan:
+    """The `RunPlan` of a validated `cfg` over `world_size` processes: its DeepSpeed JSON (which refuses
+    a template that conflicts with the run) and the batch layout as that JSON has it
+    (`plan.ds_config.batch_layout`), with `fields` (the vocabulary, the device)."""
+    ds_config = build_ds_config(cfg, world_size)
+    return RunPlan(
+        cfg=cfg,
+        world_size=world_size,
+        micro_batch=ds_config["train_micro_batch_size_per_gpu"],
+        gas=ds_config["gradient_accumulation_steps"],
+        global_batch=ds_config["train_batch_size"],
+        ds_config=ds_config,
+        **fields,
+    )
 
 
 def check_vocab(cfg: RunConfig, tokenizer_vocab: int) -> int:
@@ -349,14 +359,9 @@ def model_plan(cfg: RunConfig, world: int, vocab: int) -> RunPlan:
     the model's rules (`validate_config`), the padded vocabulary of `vocab` and the DeepSpeed JSON;
     no training or data rules."""
     validate_config(cfg)
-    ds_config = build_ds_config(cfg, world)
-    return RunPlan(
-        cfg=cfg,
-        world_size=world,
-        micro_batch=ds_config["train_micro_batch_size_per_gpu"],
-        gas=ds_config["gradient_accumulation_steps"],
-        global_batch=ds_config["train_batch_size"],
-        ds_config=ds_config,
+    return _plan(
+        cfg,
+        world,
         true_vocab=vocab,
         padded_vocab=padded_vocab_size(vocab, cfg.model, cfg.parallel.tensor_model_parallel_size),
         tokenizer_vocab=vocab,

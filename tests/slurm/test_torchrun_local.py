@@ -87,6 +87,15 @@ def test_torchrun_local_does_not_restart_a_config_error(tmp_path):
     assert "not restarting: status 2 is an error a restart cannot cure" in out and "restart after" not in out
 
 
+def _lib(command: str) -> str:
+    """The output of `command` run in bash after sourcing slurm/lib.sh (the launchers' shared rules)."""
+    proc = subprocess.run(
+        ["bash", "-c", f'source "{ROOT / "slurm" / "lib.sh"}" && {command}'], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
 def test_failures_outside_the_window_do_not_count(tmp_path):
     """The limit ends a crash loop, never a long run that fails now and then: three failures a
     day ago and this one make 1 within the hour."""
@@ -95,21 +104,9 @@ def test_failures_outside_the_window_do_not_count(tmp_path):
     record = tmp_path / "failures"
     now = int(time.time())
     record.write_text("".join(f"{now - 86400 + i} status 1: old\n" for i in range(3)))
-    lib = ROOT / "slurm" / "lib.sh"
-    count = subprocess.run(
-        ["bash", "-c", f'source "{lib}" && mlev_count_failure "{record}" 3600 status 1: now'],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    assert count == "1"
-    count = subprocess.run(
-        ["bash", "-c", f'source "{lib}" && mlev_count_failure "{record}" 100000 status 1: again'],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    assert count == "5" and len(record.read_text().splitlines()) == 5
+    assert _lib(f'mlev_count_failure "{record}" 3600 status 1: now') == "1"
+    assert _lib(f'mlev_count_failure "{record}" 100000 status 1: again') == "5"
+    assert len(record.read_text().splitlines()) == 5
 
 
 @pytest.mark.parametrize(
@@ -127,10 +124,13 @@ def test_failures_outside_the_window_do_not_count(tmp_path):
 def test_failure_kind_from_the_ranks_reports(tmp_path, reports, status, kind):
     for rank, text in reports.items():
         (tmp_path / f"rank{rank}").write_text(text + "\n")
-    out = subprocess.run(
-        ["bash", "-c", f'source "{ROOT / "slurm" / "lib.sh"}" && mlev_failure_kind "{tmp_path}" {status}'],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    assert out == kind
+    assert _lib(f'mlev_failure_kind "{tmp_path}" {status}') == kind
+
+
+def test_the_cause_of_a_restart_names_the_first_failed_task(tmp_path):
+    log = tmp_path / "step.log"
+    log.write_text(
+        "0: before\nsrun: error: n2: tasks 1-2: Killed\nsrun: error: n1: task 0: Exited with exit code 1\n"
+    )
+    assert _lib(f'mlev_failure_cause "{log}" 0 137') == "rank 1-2 (node n2) was killed by SIGKILL"
+    assert _lib(f'mlev_failure_cause "{log}" 99999 1') == "the step exited with status 1"
