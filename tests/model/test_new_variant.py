@@ -58,9 +58,7 @@ def registered(monkeypatch):
 def test_a_new_variant_validates_builds_trains_and_counts(registered, variant, capsys):
     assert cli_main(["config", f"model.embedding={variant}"]) == 0
     assert f"embedding: {variant}" in capsys.readouterr().out
-    cfg = load_config(
-        None, [f"model.embedding={variant}", "model.make_vocab_size_divisible_by=64"], world_size=1
-    )
+    cfg = load_config(None, [f"model.embedding={variant}", "model.make_vocab_size_divisible_by=64"])
     torch.manual_seed(0)
     model = build_model(plan_for(cfg, 1000), SINGLE)
     assert isinstance(model.embedding, REGISTRY[variant])
