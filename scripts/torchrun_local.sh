@@ -14,8 +14,9 @@
 # Exit status: the trainer's. A preempted run (SIGTERM or SIGUSR1, to this script or to the
 # ranks) exits 75 so a scheduler can requeue it; torchrun itself reports any failed rank as
 # 1, so each rank writes its status into $MEGATRON_LEV_EXIT_DIR and this script passes a 75
-# through when no rank reported another failure, and any other status every rank reported
-# alike (3: stopped at the skip limit). A rank that wrote no status was killed (out
+# through when no rank reported another failure, any other status every rank reported
+# alike (3: stopped at the skip limit), else the status of a rank whose error a restart cannot
+# cure (2: a config error on one rank, whose siblings torchrun then stopped). A rank that wrote no status was killed (out
 # of memory, a crash): unless this script forwarded a preemption signal, that is a failure,
 # even if torchrun then stopped the other ranks while they were starting up (they report 75).
 #
@@ -75,7 +76,7 @@ stopped=0    # any signal at all (Ctrl-C included): no restart after it
 
 # launch ATTEMPT: torchrun once (logs under $log_dir/attemptN), then `status`, the run's exit status
 launch() {
-    local attempt=$1 reports=$exit_dir/attempt$1 pid sig f code kind preempted=0 other=0 missing=0 reported
+    local attempt=$1 reports=$exit_dir/attempt$1 pid sig f code kind preempted=0 other=0 missing=0 reported fatal
     shift
     mkdir -p "$reports" "$log_dir/attempt$attempt"
     export MEGATRON_LEV_EXIT_DIR=$reports
@@ -119,17 +120,25 @@ launch() {
     if [ "$signalled" = 1 ] && [ "$preempted" = 0 ] && [ "$other" = 0 ]; then
         preempted=1  # torchrun was stopped before any rank reported (still starting up)
     fi
+    fatal=$(for f in "$reports"/rank*; do
+        [ -e "$f" ] && read -r code kind <"$f" && [ "$kind" = fatal ] && echo "$code"
+    done | head -n 1 || true)
+    reported=$(for f in "$reports"/rank*; do [ -e "$f" ] && read -r code _ <"$f" && echo "$code"; done |
+        sort -u | grep -vx 0 || true)
     if [ "$preempted" = 1 ] && [ "$other" = 0 ]; then
         echo "[torchrun_local] preempted: exiting with status 75 (requeue)" >&2
         status=75
-    elif [ "$missing" = 0 ] && [ "$preempted" = 0 ]; then
+    elif [ "$missing" = 0 ] && [ "$preempted" = 0 ] && [ -n "$reported" ] &&
+        [ "$(printf '%s\n' "$reported" | wc -l)" = 1 ]; then
         # every rank reported, one and the same failure (3: the skip limit; 2: a config error):
         # that status, not torchrun's 1, so a wrapper or a scheduler can tell them apart
-        reported=$(for f in "$reports"/rank*; do read -r code _ <"$f" && echo "$code"; done | sort -u | grep -vx 0 || true)
-        if [ -n "$reported" ] && [ "$(printf '%s\n' "$reported" | wc -l)" = 1 ]; then
-            echo "[torchrun_local] every rank exited with status $reported" >&2
-            status=$reported
-        fi
+        echo "[torchrun_local] every rank exited with status $reported" >&2
+        status=$reported
+    elif [ -n "$fatal" ]; then
+        # an error a restart cannot cure on one rank (a config error; the siblings torchrun then
+        # stopped report 75): its status, not torchrun's 1, and never a requeue
+        echo "[torchrun_local] a rank exited with status $fatal, an error a restart cannot cure" >&2
+        status=$fatal
     fi
 }
 

@@ -193,7 +193,7 @@ def test_a_config_error_ends_the_job_at_once_without_a_restart(slurm_cluster, ti
     job = submit_pretrain(
         slurm_cluster,
         tmp_path,
-        ["--nodes=1", "--ntasks-per-node=2", "--time=5"],
+        ["--nodes=1", "--ntasks-per-node=2", "--time=5", "--signal=USR1@30"],
         args,
         env={"RESTART_DELAY": "0"},
     )
