@@ -50,7 +50,7 @@ read -ra entry <<<"${ENTRY:--m megatron_lev train}"
 echo "[torchrun_local] $NPROC process(es), python $python"
 
 # shellcheck source=slurm/lib.sh
-source "$root/slurm/lib.sh"  # mlev_failure_kind, mlev_count_failure: the Slurm script's restart rules
+source "$root/slurm/lib.sh"  # mlev_fatal_status, mlev_failure_kind, mlev_count_failure: the Slurm script's rules
 max_failures=${MAX_FAILURES:-3} failure_window=${FAILURE_WINDOW:-3600} restart_delay=${RESTART_DELAY:-10}
 for value in "$max_failures" "$failure_window" "$restart_delay"; do
     [[ $value =~ ^[0-9]+$ ]] || { echo "[torchrun_local] error: MAX_FAILURES, FAILURE_WINDOW and RESTART_DELAY take whole numbers (got '$value')" >&2; exit 2; }
@@ -120,9 +120,7 @@ launch() {
     if [ "$signalled" = 1 ] && [ "$preempted" = 0 ] && [ "$other" = 0 ]; then
         preempted=1  # torchrun was stopped before any rank reported (still starting up)
     fi
-    fatal=$(for f in "$reports"/rank*; do
-        [ -e "$f" ] && read -r code kind <"$f" && [ "$kind" = fatal ] && echo "$code"
-    done | head -n 1 || true)
+    fatal=$(mlev_fatal_status "$reports" "")
     reported=$(for f in "$reports"/rank*; do [ -e "$f" ] && read -r code _ <"$f" && echo "$code"; done |
         sort -u | grep -vx 0 || true)
     if [ "$preempted" = 1 ] && [ "$other" = 0 ]; then

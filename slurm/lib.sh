@@ -174,12 +174,12 @@ mlev_step() {
 
 # ---- restart after a failure: what a restart can cure, and how often within a window ----
 
-# mlev_failure_kind EXIT_DIR STATUS: "fatal" when a rank reported an exit that a restart cannot cure
-# (a config, data or checkpoint error, or the run's own health checks stopping it), else "crash".
+# mlev_fatal_status EXIT_DIR STATUS: the status of the first rank whose exit a restart cannot cure
+# (a config, data or checkpoint error, or the run's own health checks stopping it), else nothing.
 # Each rank writes "<status> <kind>" into EXIT_DIR as it exits (megatron_lev/training/signals.py:
-# exit_kind); a rank killed outright writes nothing. With no report at all the status decides:
-# 2 (a usage or launch error) and 3 (the skip limit) are fatal, anything else a crash.
-mlev_failure_kind() {
+# exit_kind); a rank killed outright writes nothing. A report without a kind, or no report at all
+# (then STATUS, the step's), counts 2 (a usage or launch error) and 3 (the skip limit) as fatal.
+mlev_fatal_status() {
     local dir=$1 status=$2 f code kind reported=0
     for f in "$dir"/rank*; do
         [ -e "$f" ] || continue
@@ -187,15 +187,19 @@ mlev_failure_kind() {
         code='' kind=''
         read -r code kind <"$f" || true
         if [ "$kind" = fatal ] || { [ -z "$kind" ] && { [ "$code" = 2 ] || [ "$code" = 3 ]; }; }; then
-            echo fatal
+            echo "$code"
             return 0
         fi
     done
     if [ "$reported" = 0 ] && { [ "$status" = 2 ] || [ "$status" = 3 ]; }; then
-        echo fatal
-    else
-        echo crash
+        echo "$status"
     fi
+}
+
+# mlev_failure_kind EXIT_DIR STATUS: "fatal" when a rank's exit is one a restart cannot cure
+# (mlev_fatal_status), else "crash".
+mlev_failure_kind() {
+    if [ -n "$(mlev_fatal_status "$1" "$2")" ]; then echo fatal; else echo crash; fi
 }
 
 # mlev_count_failure FILE WINDOW CAUSE...: append this failure (epoch seconds, then CAUSE) to FILE and

@@ -325,22 +325,31 @@ _GETTER = re.compile(
 )
 
 
+def _calls(root: Path):
+    """(module, path relative to the package's parent, call node, the called name) of every call in
+    every module under `root`: what the site checks below walk."""
+    for path in _sources(root):
+        module, where = module_name(path, root), path.relative_to(root.parent)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                yield module, where, node, fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+
+
 def state_readers(root: Path, allowed=STATE_USERS) -> list[str]:
     """Sites in modules outside `allowed` that import `parallel.state` (in any form) or call a
     Megatron-style parallel-state getter."""
     state = f"{root.name}.parallel.state"
     found = []
     for path in _sources(root):
-        if module_name(path, root) in allowed:
-            continue
-        where = path.relative_to(root.parent)
-        found += [f"{where}:{line} imports {name}" for name, line in imports_of(path, root) if name == state]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Call):
-                fn = node.func
-                name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
-                if _GETTER.match(name):
-                    found.append(f"{where}:{node.lineno} calls {name}()")
+        if module_name(path, root) not in allowed:
+            where = path.relative_to(root.parent)
+            found += [f"{where}:{line} imports {n}" for n, line in imports_of(path, root) if n == state]
+    found += [
+        f"{where}:{node.lineno} calls {name}()"
+        for module, where, node, name in _calls(root)
+        if module not in allowed and _GETTER.match(name)
+    ]
     return sorted(set(found))
 
 
@@ -535,21 +544,17 @@ def pointer_readers(root: Path, allowed: str = POINTER_READER) -> list[str]:
     """Sites outside `allowed` that read the `latest` pointer themselves: `.read_text()` / `.open()`
     of a path joined with it, or `open(...)` of one."""
     found = []
-    for path in _sources(root):
-        if module_name(path, root) == allowed.replace("megatron_lev", root.name):
+    for module, where, node, name in _calls(root):
+        if module == allowed.replace("megatron_lev", root.name):
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if not isinstance(node, ast.Call):
-                continue
-            fn = node.func
-            if isinstance(fn, ast.Attribute) and fn.attr in ("read_text", "read_bytes", "open"):
-                target = fn.value
-            elif isinstance(fn, ast.Name) and fn.id == "open" and node.args:
-                target = node.args[0]
-            else:
-                continue
-            if isinstance(target, ast.BinOp) and _names_the_pointer(target):
-                found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+        if isinstance(node.func, ast.Attribute) and name in ("read_text", "read_bytes", "open"):
+            target = node.func.value
+        elif isinstance(node.func, ast.Name) and name == "open" and node.args:
+            target = node.args[0]
+        else:
+            continue
+        if isinstance(target, ast.BinOp) and _names_the_pointer(target):
+            found.append(f"{where}:{node.lineno}")
     return found
 
 
@@ -581,19 +586,13 @@ def plan_makers(root: Path) -> list[str]:
     """Sites outside `plan/` that construct a `RunPlan` or settle a plan's vocabulary or batch
     (`with_vocab`, `with_global_batch`) outside a run's `setup`."""
     found = []
-    for path in _sources(root):
-        module = module_name(path, root)
+    for module, where, node, name in _calls(root):
         if package_of(module) == "plan":
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if not isinstance(node, ast.Call):
-                continue
-            fn = node.func
-            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
-            if name == "RunPlan":
-                found.append(f"{path.relative_to(root.parent)}:{node.lineno} RunPlan(")
-            elif name in ("with_vocab", "with_global_batch") and module != f"{root.name}.training.run":
-                found.append(f"{path.relative_to(root.parent)}:{node.lineno} .{name}(")
+        if name == "RunPlan":
+            found.append(f"{where}:{node.lineno} RunPlan(")
+        elif name in ("with_vocab", "with_global_batch") and module != f"{root.name}.training.run":
+            found.append(f"{where}:{node.lineno} .{name}(")
     return found
 
 

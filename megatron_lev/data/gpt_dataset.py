@@ -241,6 +241,15 @@ def _blend(
     return BlendedDataset(children, arrays["dataset_index"], arrays["dataset_sample_index"])
 
 
+def _fingerprint(data_cfg) -> dict | None:
+    """The fingerprint of `data.tokenizer_path` (None when the config names no tokenizer)."""
+    if not getattr(data_cfg, "tokenizer_path", None):
+        return None
+    from megatron_lev.data.tokenizers import tokenizer_fingerprint
+
+    return tokenizer_fingerprint(data_cfg.tokenizer_type, data_cfg.tokenizer_path)
+
+
 def open_shards(
     data_cfg,
     paths: list[str],
@@ -253,12 +262,8 @@ def open_shards(
     the set's is refused unless `allow_tokenizer_change`: `--allow-change tokenizer`). `fingerprint`:
     the tokenizer's (`tokenizer_fingerprint`), when the caller has it; else it is computed here."""
     blend = parse_blend(list(paths))
+    fingerprint = fingerprint or _fingerprint(data_cfg)
     if fingerprint is not None:
-        vocab_size = vocab_size or fingerprint["vocab_size"]
-    elif getattr(data_cfg, "tokenizer_path", None):
-        from megatron_lev.data.tokenizers import tokenizer_fingerprint
-
-        fingerprint = tokenizer_fingerprint(data_cfg.tokenizer_type, data_cfg.tokenizer_path)
         vocab_size = vocab_size or fingerprint["vocab_size"]
     out = []
     manifests = verify_shard_sets(  # one start-up sample of each set's chunks, however many shards listed
@@ -309,10 +314,7 @@ def build_train_valid_test_datasets(
     if any(n < 0 for n in num_samples):
         raise DataError(f"sample counts must be non-negative, got {tuple(num_samples)}")
     cache_dir = cache_dir or data_cfg.cache_dir
-    if fingerprint is None and getattr(data_cfg, "tokenizer_path", None):
-        from megatron_lev.data.tokenizers import tokenizer_fingerprint
-
-        fingerprint = tokenizer_fingerprint(data_cfg.tokenizer_type, data_cfg.tokenizer_path)
+    fingerprint = fingerprint or _fingerprint(data_cfg)  # once, for the training and validation shards
     train_blend = open_shards(data_cfg, data_cfg.data_path, vocab_size, allow_tokenizer_change, fingerprint)
     n_train, n_valid, n_test = num_samples
     seed = data_cfg.seed

@@ -183,15 +183,16 @@ def verify_shard_sets(prefixes: list[str | os.PathLike], **kwargs) -> list[dict]
     once: its files' sizes, and one start-up sample of chunks over the shards of it that are listed.
     The shards of a set written in many (`P_00000`, `P_00001`, ...) share its `SAMPLE_BYTES`, so
     listing a set's 150 shards costs a start what one shard would, not 150 GiB of reading."""
-    keys = [str(find_manifest(prefix)[0] or prefix) for prefix in prefixes]
+    found = [find_manifest(prefix) for prefix in prefixes]  # each manifest read once a prefix
+    keys = [str(f[0] or prefix) for f, prefix in zip(found, prefixes)]
     listed: dict[str, list[str]] = {}
     for key, prefix in zip(keys, prefixes):
         listed.setdefault(key, []).append(Path(prefix).name)
     seen: set[str] = set()
     manifests = []
-    for key, prefix in zip(keys, prefixes):
+    for key, prefix, f in zip(keys, prefixes, found):
         manifests.append(
-            verify_shard_set(prefix, sample_shards=listed[key], set_checked=key in seen, **kwargs)
+            verify_shard_set(prefix, sample_shards=listed[key], set_checked=key in seen, found=f, **kwargs)
         )
         seen.add(key)
     return manifests
@@ -205,6 +206,7 @@ def verify_shard_set(
     allow_tokenizer_change: bool = False,
     sample_shards: list[str] | None = None,
     set_checked: bool = False,
+    found: tuple | None = None,
 ) -> dict:
     """Refuse a shard whose set has no manifest, whose files differ from it (size always, sha256
     once per file version), whose tokenizer differs from `tokenizer_fp`, or whose largest token
@@ -212,9 +214,9 @@ def verify_shard_set(
     and the set's, or those of every shard named in `sample_shards` (names in the set: one
     sample for the shards of a set a run lists, `verify_shard_sets`); `set_checked`: an earlier call
     of the same start checked the set's files (sizes and sample), only the listing and the
-    tokenizer remain."""
+    tokenizer remain; `found`: `find_manifest(prefix)`, when the caller has read it."""
     shard = Path(prefix)
-    path, manifest, others = find_manifest(shard)
+    path, manifest, others = found if found is not None else find_manifest(shard)
     if manifest is None:
         if others and not Path(f"{shard}.bin").exists() and not Path(f"{shard}.idx").exists():
             listed = read_manifest(others[0])["shards"]
@@ -320,7 +322,8 @@ def sample_chunks(manifest: dict, names: list[str], seed: int, budget: int = SAM
         picked = lasts
     else:  # more files than the budget holds chunks: the other lasts join the random draw
         picked = rng.sample(lasts, max(slots // 2, 1))
-        pool += [c for c in lasts if c not in set(picked)]
+        chosen = set(picked)
+        pool += [c for c in lasts if c not in chosen]
     room = slots - len(picked)
     if pool and room > 0:
         picked = picked + rng.sample(pool, min(room, len(pool)))

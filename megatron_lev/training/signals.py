@@ -38,11 +38,11 @@ def _log():
 # data or checkpoint error, or a run stopped by its own health checks) or "crash" (anything a restart
 # from the last checkpoint can cure: a peer that died, a collective that timed out, an uncaught
 # exception such as a CUDA or NCCL error). A rank killed outright writes nothing.
-EXIT_KINDS = ("done", "preempted", "fatal", "crash")
 
 
 def exit_kind(code: int, exc: BaseException | None = None) -> str:
-    """The kind of exit (`EXIT_KINDS`) of a rank that ends with status `code`, raised by `exc` if any."""
+    """The kind of exit (done, preempted, fatal or crash: above) of a rank that ends with status
+    `code`, raised by `exc` if any."""
     from megatron_lev.errors import DistributedError, UserError
 
     if code == 0:

@@ -254,14 +254,14 @@ def test_a_tokenizer_that_really_differs_is_refused_and_its_escape_works_end_to_
     assert "resumed from" in res.err, res.err[-3000:]
 
 
-def _sharded_set(prefix: Path) -> list[Path]:
-    """A set written in two shards (`P_00000`, `P_00001`) under one manifest `P.manifest.json`, as
-    `preprocess --shard-documents` writes it."""
-    shards = [Path(f"{prefix}_{i:05d}") for i in range(2)]
-    rng = np.random.default_rng(3)
+def _sharded_set(prefix: Path, count: int = 2, lengths=(120, 80), seed: int = 3) -> list[Path]:
+    """A set written in `count` shards (`P_00000`, `P_00001`, ...) of documents of `lengths` under one
+    manifest `P.manifest.json`, as `preprocess --shard-documents` writes it."""
+    shards = [Path(f"{prefix}_{i:05d}") for i in range(count)]
+    rng = np.random.default_rng(seed)
     for shard in shards:
         b = IndexedDatasetBuilder(shard, np.uint16)
-        for n in (120, 80):
+        for n in lengths:
             b.add_document(rng.integers(1, 1000, n))
         b.finalize()
     write_manifest(prefix, [str(s) for s in shards], FINGERPRINT, 999)
@@ -297,15 +297,7 @@ def test_a_start_samples_each_set_once_however_many_of_its_shards_are_listed(tmp
     whole budget for its own chunks."""
     monkeypatch.setattr(mf, "CHUNK_BYTES", 256)  # many chunks per file, so the budget binds
     monkeypatch.setattr(mf, "SAMPLE_BYTES", 256 * 8)  # 8 chunks a set
-    prefix = tmp_path / "data" / "pile"
-    shards = [Path(f"{prefix}_{i:05d}") for i in range(12)]
-    rng = np.random.default_rng(5)
-    for shard in shards:
-        b = IndexedDatasetBuilder(shard, np.uint16)
-        for n in (700, 500):
-            b.add_document(rng.integers(1, 1000, n))
-        b.finalize()
-    write_manifest(prefix, [str(s) for s in shards], FINGERPRINT, 999)
+    shards = _sharded_set(tmp_path / "data" / "pile", count=12, lengths=(700, 500), seed=5)
     read = []
     real = mf.chunk_digest
     monkeypatch.setattr(
