@@ -46,6 +46,13 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/study", help="study directory (data, runs, logs, .steps)")
     p.add_argument("--config", default=None, help="run config (default: the study's, study.yaml)")
     p.add_argument("--runs", nargs="+", default=[], metavar="NAME", help="only these runs (study plan)")
+    p.add_argument(
+        "--max-stage",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a staged plan: its stages up to iteration N only (the same command without it goes on)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +100,8 @@ def _study(args: argparse.Namespace, lanes: int = 1):
     extra = {"config": Path(args.config)} if args.config else {}
     if args.tokenizer:
         extra["tokenizer"] = Path(args.tokenizer)
+    if args.max_stage is not None:
+        extra["max_stage"] = args.max_stage
     return Study(
         Path(args.data_dir), Path(args.out), lanes=lanes, runs=list(args.runs), plan=args.plan, **extra
     )

@@ -113,6 +113,13 @@ class Plan:
     # spaced iterations (the full run's length, train.exit_interval the spacing), evaluated at each
     stages: tuple[int, ...] = ()
     tokens_per_step: int = 0  # the config's global batch x sequence length (staged plans)
+    # a staged plan's cool-down: from each stage's checkpoint a branch that decays the rate (WSD) over
+    # this share of the stage's steps, in its own directory, exported and evaluated like the stage
+    cooldown: float = 0.0
+
+    def cooldown_iters(self, stage: int) -> int:
+        """The length of the cool-down branch from the checkpoint at iteration `stage` (0: none)."""
+        return round(stage * self.cooldown)
 
 
 # The regime experiment (docs/results/regime/README.md): GPT-NeoX's vocabulary, a model whose input
@@ -214,6 +221,17 @@ BUDGET_GROUPS: tuple[Group, ...] = (
     ("LEV", "lev", REGIME_SEEDS[:1], _constant_rate(LEV_SETTING)),
 )
 
+# The budget curve cooled down (docs/results/cooldown/README.md, plan and criteria fixed before its
+# runs): the budget plan's runs, the same commands, on its seed and one more; from each stage's
+# checkpoint a branch decays the rate to the floor over 10% of the stage's steps (WSD, linear), and
+# the branch is evaluated by band as the stage is. The budget's runs computed the loss through the
+# logits, so these do too: seed 1234's stages are then the budget's runs again, step for step.
+COOLDOWN_SHARE = 0.1
+COOLDOWN_GROUPS: tuple[Group, ...] = (
+    ("TIED", "tied", REGIME_SEEDS[:2], (*_constant_rate(TIED_SETTING), LOGITS_LOSS)),
+    ("LEV", "lev", REGIME_SEEDS[:2], (*_constant_rate(LEV_SETTING), LOGITS_LOSS)),
+)
+
 PLANS: dict[str, Plan] = {
     "study": Plan(
         "study", STUDY_CONFIG, GROUPS, SEEDS, about="the small grid's variants with seeds and LEV controls"
@@ -283,6 +301,19 @@ PLANS: dict[str, Plan] = {
         stages=BUDGET_STAGES,
         tokens_per_step=REGIME_TOKENS_PER_STEP,
     ),
+    "cooldown": Plan(
+        "cooldown",
+        REGIME_CONFIG,
+        COOLDOWN_GROUPS,
+        REGIME_SEEDS,
+        tokenizer_hint="tokenizers/gpt-neox-20b.json",
+        lambada=False,
+        about="the budget plan's runs on two seeds, each stage also cooled down (WSD over 10% of its steps)",
+        max_chars_per_subset=BUDGET_MAX_CHARS,
+        stages=BUDGET_STAGES,
+        tokens_per_step=REGIME_TOKENS_PER_STEP,
+        cooldown=COOLDOWN_SHARE,
+    ),
     "order": Plan(
         "order",
         PILOT_CONFIG,
@@ -323,17 +354,30 @@ def stage_suffix(iterations: int) -> str:
     return f"-i{iterations}"
 
 
+def cooldown_name(run: StudyRun | str, iterations: int) -> str:
+    """The name (step names, run directory) of `run`'s cool-down branch from the stage at
+    `iterations`: `<run>-cool-i<iterations>`."""
+    return f"{getattr(run, 'name', run)}-cool{stage_suffix(iterations)}"
+
+
 def run_step_names(run: StudyRun, plan: str | Plan = "study") -> dict[str, str]:
     """{marker label: step name} of one run: `train`, `convert`, `evaluate`, `geometry`, or for a
     staged plan each of the first three per stage (`train-i2000`, ...) and `geometry` once."""
     stages = get_plan(plan).stages
     if not stages:
         return {kind: f"{kind}-{run.name}" for kind in RUN_STEPS}
+    spec = get_plan(plan)
     names = {
         f"{kind}{stage_suffix(n)}": f"{kind}-{run.name}{stage_suffix(n)}"
         for n in stages
         for kind in RUN_STEPS[:3]
     }
+    if spec.cooldown:
+        names |= {
+            f"{kind}-cool{stage_suffix(n)}": f"{kind}-{cooldown_name(run, n)}"
+            for n in stages
+            for kind in RUN_STEPS[:3]
+        }
     return {**names, "geometry": f"geometry-{run.name}"}
 
 

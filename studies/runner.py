@@ -32,6 +32,7 @@ from studies.plans import (
     Plan,
     StudyRun,
     assign_lanes,
+    cooldown_name,
     get_plan,
     select_runs,
     stage_suffix,
@@ -52,6 +53,7 @@ class Study:
     lambada_max_passages: int = LAMBADA_MAX_PASSAGES
     plan: str = "study"  # a key of PLANS
     tokenizer: Path | None = None  # None: a SentencePiece model trained on the split (plans without a hint)
+    max_stage: int | None = None  # a staged plan: run its stages up to this iteration only (None: all)
 
     def __post_init__(self) -> None:
         self.data_dir, self.out = Path(self.data_dir), Path(self.out)
@@ -148,12 +150,19 @@ class Study:
             )
         if stages != tuple(stages[0] * (k + 1) for k in range(len(stages))):
             raise ConfigError(f"the {self.spec.name} plan's stages {stages} are not evenly spaced")
+        if self.max_stage is not None and self.max_stage not in stages:
+            raise ConfigError(
+                f"--max-stage {self.max_stage}: not a stage of the {self.spec.name} plan "
+                f"({', '.join(map(str, stages))})"
+            )
         length = (
             f"train.train_tokens={stages[-1] * self.spec.tokens_per_step}",
             f"train.exit_interval={stages[0]}",
         )
         steps = []
         for n in stages:
+            if self.max_stage is not None and n > self.max_stage:
+                break
             steps += self.grid.run_steps(
                 run.name,
                 run.variant,
@@ -165,7 +174,32 @@ class Study:
                 stage=stage_suffix(n),
                 tag=tag_for(n),
             )
+            if self.spec.cooldown:  # before the next stage moves on from this stage's checkpoint
+                steps += self.cooldown_steps(run, n)
         return steps
+
+    def cooldown_steps(self, run: StudyRun, stage: int) -> list[Step]:
+        """Train, export and evaluate the cool-down branch of `run` from its checkpoint at `stage`:
+        the run's command (so the same data order and the same rates up to `stage`) resumed from that
+        checkpoint into its own directory, with a WSD schedule that decays linearly to the floor
+        (`train.min_lr`) over the plan's share of the stage's steps. The trainer accepts it as a branch
+        (every past update had the rate the new schedule gives it) without `--allow-change`."""
+        decay = self.spec.cooldown_iters(stage)
+        branch = (
+            f"train.train_tokens={(stage + decay) * self.spec.tokens_per_step}",
+            "train.lr_decay_style=wsd",
+            f"train.lr_wsd_decay_iters={decay}",
+            "train.lr_wsd_decay_style=linear",
+            f"train.load={self.run_dir(run) / 'checkpoints' / tag_for(stage)}",
+        )
+        name = cooldown_name(run, stage)
+        return self.grid.run_steps(
+            name,
+            run.variant,
+            self.out / "runs" / name,
+            (*run.overrides, *branch),
+            label=f"{run.group} cooled down from {stage} steps",
+        )
 
     def all_steps(self) -> list[Step]:
         return self.data_steps() + [s for run in self.selected for s in self.run_steps(run)]
@@ -185,6 +219,7 @@ class Study:
             "--plan",
             self.plan,
             *(["--tokenizer", str(self.tokenizer)] if self.tokenizer is not None else []),
+            *(["--max-stage", str(self.max_stage)] if self.max_stage is not None else []),
             "--lane",
             str(lane),
             "--runs",
