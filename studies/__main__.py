@@ -125,6 +125,8 @@ def report_writer(plan: str):
         from studies.eps_report import write_eps_report as write
     elif plan == "controls":
         from studies.controls_report import write_controls_report as write
+    elif plan == "cooldown":
+        from studies.cooldown_report import write_cooldown_report as write
     else:
         from studies.study_report import write_report as write
     return write

@@ -11,7 +11,17 @@ from pathlib import Path
 from megatron_lev.demo.steps import read_marker
 from megatron_lev.errors import UserError
 from megatron_lev.utils.io import atomic_write_json, atomic_write_text
-from studies.plans import PLANS, RUN_STEPS, Plan, StudyRun, get_plan, run_step_names, stage_suffix, study_plan
+from studies.plans import (
+    PLANS,
+    RUN_STEPS,
+    Plan,
+    StudyRun,
+    cooldown_name,
+    get_plan,
+    run_step_names,
+    stage_suffix,
+    study_plan,
+)
 from studies.runner import PLAN_FILE, recorded_plan
 
 MAX_RAW_BYTES = 5_000_000  # a raw file larger than this is not a small result file
@@ -169,11 +179,17 @@ def collect_study(out: Path, raw: Path, log=print, plan: str | Plan | None = Non
             "metrics.jsonl": src / "metrics.jsonl",
             "config.yaml": src / "config.yaml",
         }
+        for n in cooled_stages(state, run, plan):  # a cool-down branch: its evaluation and its log
+            branch = out / "runs" / cooldown_name(run, n)
+            files[f"eval-cool{stage_suffix(n)}.json"] = branch / "eval" / "eval.json"
+            files[f"metrics-cool{stage_suffix(n)}.jsonl"] = branch / "metrics.jsonl"
         if done[run.name]:
             files["geometry.json"] = src / "geometry" / "geometry.json"
         if plan_stages and not (done[run.name] and len(stages) == len(plan_stages)):
             partial.append(run.name)
-            for stale in ("geometry.json", *(f"eval{stage_suffix(n)}.json" for n in plan_stages)):
+            olds = [f"eval{i}{stage_suffix(n)}.json" for n in plan_stages for i in ("", "-cool")]
+            olds += [f"metrics-cool{stage_suffix(n)}.jsonl" for n in plan_stages]
+            for stale in ("geometry.json", *olds):
                 if stale not in files and (raw / run.name / stale).is_file():  # an earlier collection's
                     (raw / run.name / stale).unlink()
         for name, path in files.items():
@@ -225,6 +241,18 @@ def collect_study(out: Path, raw: Path, log=print, plan: str | Plan | None = Non
             + ("" if done[name] else "; no geometry")
         )
     return sizes
+
+
+def cooled_stages(state: Path, run: StudyRun, plan: str | Plan) -> list[int]:
+    """The stages (iterations) of a run whose cool-down branch is trained, exported and evaluated (a
+    plan with `cooldown`); [] otherwise."""
+    names = run_step_names(run, plan)
+    return [
+        n
+        for n in get_plan(plan).stages
+        if f"evaluate-cool{stage_suffix(n)}" in names
+        and all(read_marker(state / f"{names[f'{k}-cool{stage_suffix(n)}']}.json") for k in RUN_STEPS[:3])
+    ]
 
 
 def evaluated_stages(state: Path, run: StudyRun, plan: str | Plan) -> list[int]:
