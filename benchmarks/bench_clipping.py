@@ -32,12 +32,12 @@ def _trainer(cfg, vocab: int, steps: int, deepspeed_clips: bool):
     from megatron_lev.engine.build import build_model
     from megatron_lev.engine.deepspeed_engine import build_engine
     from megatron_lev.parallel.layout import SINGLE
-    from megatron_lev.plan import plan_for_model
+    from megatron_lev.plan import model_plan
     from megatron_lev.training.schedule import Budget
     from megatron_lev.training.trainer import TrainData, Trainer
 
-    plan = plan_for_model(cfg, vocab)
-    engine = build_engine(plan, build_model(plan, SINGLE), SINGLE)
+    plan = model_plan(cfg, 1, vocab)
+    engine = build_engine(plan, build_model(plan.model_spec, SINGLE), SINGLE)
     if deepspeed_clips:  # unhook the project's clipper; DeepSpeed clips as it did before it
         ds = engine.ds_engine
         ds._take_model_step = type(ds)._take_model_step.__get__(ds)

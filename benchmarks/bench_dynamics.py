@@ -51,10 +51,10 @@ def _trainer(config: Path, embedding: str, vocab: int, steps: int, out: str):
     ]
     cfg = load_config([config], over)
     from megatron_lev.parallel.layout import SINGLE
-    from megatron_lev.plan import plan_for_model
+    from megatron_lev.plan import model_plan
 
-    plan = plan_for_model(cfg, vocab)
-    engine = build_engine(plan, build_model(plan, SINGLE), SINGLE)
+    plan = model_plan(cfg, 1, vocab)
+    engine = build_engine(plan, build_model(plan.model_spec, SINGLE), SINGLE)
     t, seq = cfg.train, cfg.model.seq_length
     gen = torch.Generator().manual_seed(0)
 

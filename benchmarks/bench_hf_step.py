@@ -45,7 +45,7 @@ def build_cases(shape: str, batch: int, compile_: bool, fused: bool):
     from megatron_lev.engine.compile import apply_compile
     from megatron_lev.model.vocab import padded_vocab_size
     from megatron_lev.parallel.layout import SINGLE
-    from megatron_lev.plan import plan_for_model
+    from megatron_lev.plan import model_spec
 
     cfg = load_config(
         [str(SHAPES[shape])],
@@ -64,7 +64,7 @@ def build_cases(shape: str, batch: int, compile_: bool, fused: bool):
     inputs, labels = tokens[:, :-1], tokens[:, 1:]  # (B, S) each
 
     def ours():
-        return build_model(plan_for_model(cfg, real), SINGLE)
+        return build_model(model_spec(cfg, real), SINGLE)
 
     def hf():
         from transformers import LlamaForCausalLM

@@ -54,9 +54,9 @@ def child(args) -> None:
     bt = _bench_train()
     cfg = bt._config(args, args.embedding)
     from megatron_lev.parallel.layout import SINGLE
-    from megatron_lev.plan import plan_for_model
+    from megatron_lev.plan import model_spec
 
-    model = build_model(plan_for_model(cfg, args.vocab), SINGLE)
+    model = build_model(model_spec(cfg, args.vocab), SINGLE)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
     step = bt.bare_step(model, opt, bt._batches(args, args.vocab, torch.device("cpu")), cfg.train.clip_grad)
 

@@ -29,7 +29,7 @@ from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.model.flops import flops_per_token, parameter_count
 from megatron_lev.model.vocab import padded_vocab_size
 from megatron_lev.parallel.layout import SINGLE
-from megatron_lev.plan import plan_for_model
+from megatron_lev.plan import model_spec
 from megatron_lev.utils.io import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def main() -> None:
     for variant in args.variants:
         cfg = load_config([args.config], [f"model.embedding={variant}"])
         cfgs[variant] = cfg.model
-        models[variant] = build_model(plan_for_model(cfg, args.vocab_size), SINGLE)
+        models[variant] = build_model(model_spec(cfg, args.vocab_size), SINGLE)
         opts[variant] = torch.optim.AdamW(models[variant].parameters(), lr=1e-4)
     seq = next(iter(cfgs.values())).seq_length
     vocab = padded_vocab_size(args.vocab_size, next(iter(cfgs.values())), 1)

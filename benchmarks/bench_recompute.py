@@ -48,7 +48,7 @@ def one(case: str, seq: int, batch: int, steps: int, documents: bool) -> dict:
     from megatron_lev.engine.build import build_model
     from megatron_lev.engine.recompute import apply_activation_checkpointing
     from megatron_lev.parallel.layout import SINGLE
-    from megatron_lev.plan import plan_for_model
+    from megatron_lev.plan import model_spec
 
     torch.set_num_threads(1)
     over = [
@@ -61,7 +61,7 @@ def one(case: str, seq: int, batch: int, steps: int, documents: bool) -> dict:
         *CASES[case],
     ]
     cfg = load_config(None, over)
-    model = apply_activation_checkpointing(build_model(plan_for_model(cfg, 2048), SINGLE), cfg.model).train()
+    model = apply_activation_checkpointing(build_model(model_spec(cfg, 2048), SINGLE), cfg.model).train()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 2048, (batch, seq + 1), generator=gen)
     extra = {}

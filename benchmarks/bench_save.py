@@ -42,11 +42,11 @@ def measure(shape: str, saves: int) -> dict:
     from megatron_lev.engine.build import build_model
     from megatron_lev.engine.deepspeed_engine import build_engine
     from megatron_lev.parallel.layout import SINGLE
-    from megatron_lev.plan import plan_for_model
+    from megatron_lev.plan import model_plan
 
     cfg = load_config([str(SHAPES[shape])], ["train.eval_interval=0", "model.embedding=lev"])
-    plan = plan_for_model(cfg, NEOX)
-    engine = build_engine(plan, build_model(plan, SINGLE), SINGLE)
+    plan = model_plan(cfg, 1, NEOX)
+    engine = build_engine(plan, build_model(plan.model_spec, SINGLE), SINGLE)
     gen = torch.Generator().manual_seed(0)
     seq, micro = cfg.model.seq_length, plan.micro_batch
 

@@ -68,10 +68,10 @@ def bare_loop(args, cfg, vocab: int, device) -> tuple[float, float]:
     from megatron_lev.engine.build import build_model
     from megatron_lev.engine.recompute import apply_activation_checkpointing
     from megatron_lev.parallel.layout import SINGLE
-    from megatron_lev.plan import plan_for_model
+    from megatron_lev.plan import model_spec
 
     # checkpointed as the engine would (build_engine applies it), so both loops run the same model
-    model = build_model(plan_for_model(cfg, vocab, cuda=device.type == "cuda"), SINGLE)
+    model = build_model(model_spec(cfg, vocab), SINGLE)
     model = apply_activation_checkpointing(model, cfg.model).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
     return _timed(
@@ -99,13 +99,13 @@ def trainer_loop(args, cfg, vocab: int, device, out: str) -> tuple[float, float]
     from megatron_lev.engine.build import build_model
     from megatron_lev.engine.deepspeed_engine import build_engine
     from megatron_lev.parallel.layout import SINGLE
-    from megatron_lev.plan import plan_for_model
+    from megatron_lev.plan import model_plan
     from megatron_lev.training.metrics import MetricsWriter
     from megatron_lev.training.schedule import Budget
     from megatron_lev.training.trainer import TrainData, Trainer
 
-    plan = plan_for_model(cfg, vocab, cuda=device.type == "cuda")
-    engine = build_engine(plan, build_model(plan, SINGLE), SINGLE)
+    plan = model_plan(cfg, 1, vocab, cuda=device.type == "cuda")
+    engine = build_engine(plan, build_model(plan.model_spec, SINGLE), SINGLE)
     tokens = args.micro_batch * args.seq
     trainer = Trainer(
         cfg,

@@ -172,13 +172,13 @@ def _trainer(cfg, vocab: int, device, micro: int, steps: int, world: int = 1, la
     from megatron_lev.engine.build import build_model
     from megatron_lev.engine.deepspeed_engine import build_engine
     from megatron_lev.parallel.layout import SINGLE
-    from megatron_lev.plan import plan_for_model
+    from megatron_lev.plan import model_plan
     from megatron_lev.training.schedule import Budget as StepBudget
     from megatron_lev.training.trainer import TrainData, Trainer
 
     layout = layout or SINGLE
-    plan = plan_for_model(cfg, vocab, world, cuda=device.type == "cuda")
-    engine = build_engine(plan, build_model(plan, layout), layout)
+    plan = model_plan(cfg, world, vocab, cuda=device.type == "cuda")
+    engine = build_engine(plan, build_model(plan.model_spec, layout), layout)
     return Trainer(
         cfg,
         engine,

@@ -615,3 +615,46 @@ def test_a_planted_plan_maker_is_caught(tmp_path):
         "megatron_lev/convert/a.py",
         "megatron_lev/engine/b.py",
     ]
+
+
+# ------------------------------------------------------------------ models are built from a spec
+
+
+def model_constructors(root: Path) -> list[str]:
+    """Sites outside `model/` and `engine/build.py` that construct a `GPTModel` themselves instead of
+    `build_model(spec, layout)` from a `ModelSpec`."""
+    return [
+        f"{where}:{node.lineno} GPTModel("
+        for module, where, node, name in _calls(root)
+        if name == "GPTModel" and package_of(module) != "model" and module != f"{root.name}.engine.build"
+    ]
+
+
+def test_the_package_builds_models_from_a_spec_and_no_code_fakes_a_run():
+    makers = model_constructors(PKG)
+    assert not makers, "build a model with engine.build.build_model(spec, layout): " + "; ".join(makers)
+    fakes = [
+        f"{path.relative_to(PKG.parent)}"
+        for top in ("tests", "benchmarks", "tools", "megatron_lev")
+        for path in sorted((PKG.parent / top).rglob("*.py"))
+        if path.name != "test_architecture.py" and re.search(r"unused-(data|tokenizer)", path.read_text())
+    ]
+    assert not fakes, (
+        "build a model with plan.model_spec(cfg, vocab), not a run with placeholder paths: "
+        + ", ".join(fakes)
+    )
+
+
+GPT = "from megatron_lev.model.gpt import GPTModel"
+
+
+def test_a_planted_model_constructor_is_caught(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "model/gpt.py": "class GPTModel:\n    pass\n\ndef f():\n    return GPTModel()\n",
+            "engine/build.py": f"{GPT}\n\ndef b(s):\n    return GPTModel(s)\n",
+            "convert/a.py": f"{GPT}\n\ndef f(c):\n    return GPTModel(c, 8)\n",
+        },
+    )
+    assert [r.split(":")[0] for r in model_constructors(root)] == ["megatron_lev/convert/a.py"]

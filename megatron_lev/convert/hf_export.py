@@ -53,6 +53,7 @@ from megatron_lev.engine.checkpoint_files import CheckpointError, resolve_tag_di
 from megatron_lev.errors import UserError
 from megatron_lev.log import get_logger
 from megatron_lev.model.embeddings.id_order import BUFFER as ID_RANK
+from megatron_lev.parallel.layout import SINGLE
 
 log = get_logger(__name__)
 
@@ -355,10 +356,10 @@ def materialized_table(src: SourceCheckpoint, params: dict[str, torch.Tensor]) -
 
 def source_model(src: SourceCheckpoint, progress: bool = True) -> torch.nn.Module:
     """The project's `GPTModel` at TP = 1 / PP = 1 (fp32) holding the merged checkpoint weights."""
-    from megatron_lev.model.gpt import GPTModel
+    from megatron_lev.engine.build import build_model
 
     with torch.device("meta"):  # the loss leaves the padding rows out, as in training and the export
-        model = GPTModel(src.cfg.model, src.padded_vocab, true_vocab_size=src.vocab_size)
+        model = build_model(src.model_spec, SINGLE)
     state = {name: _fp32(t) for name, t in iter_canonical(src, progress)}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
@@ -450,10 +451,10 @@ def probe_model(
     RMS sqrt(norm_eps) (so the norms' eps matters). A trained checkpoint may show none of these yet.
     `buffers` (`stored_buffers`): the checkpoint's persistent buffers, e.g. LEV's token order, which a
     model built from the config alone may not have (a `frequency` order's counts file)."""
-    from megatron_lev.model.gpt import GPTModel
+    from megatron_lev.engine.build import build_model
 
     torch.manual_seed(seed)
-    model = GPTModel(src.cfg.model, src.padded_vocab, true_vocab_size=src.vocab_size).float().eval()
+    model = build_model(src.model_spec, SINGLE).float().eval()
     if buffers:
         model.load_state_dict(buffers, strict=False)
     gen = torch.Generator().manual_seed(seed)

@@ -55,8 +55,10 @@ def model_config_from_hf(config, make_vocab_size_divisible_by: int = 128) -> Mod
 
 def import_hf_llama(source: str | os.PathLike | torch.nn.Module, make_vocab_size_divisible_by: int = 128):
     """A TP = 1 `GPTModel` holding the weights of a Llama model; returns `(model, model_cfg)`."""
+    from megatron_lev.engine.build import build_model
     from megatron_lev.model.embeddings import embedding_class
-    from megatron_lev.model.gpt import GPTModel
+    from megatron_lev.parallel.layout import SINGLE
+    from megatron_lev.plan.spec import ModelSpec
 
     if isinstance(source, torch.nn.Module):
         hf_model = source
@@ -75,6 +77,6 @@ def import_hf_llama(source: str | os.PathLike | torch.nn.Module, make_vocab_size
         hf_state.pop("lm_head.weight", None)
     state = from_hf(hf_state, cfg, padded, tied=tied)
     with torch.device("meta"):
-        model = GPTModel(cfg, padded, true_vocab_size=cfg.vocab_size)  # padding rows stay out of the loss
+        model = build_model(ModelSpec(cfg, padded, cfg.vocab_size), SINGLE)  # the loss keeps the true rows
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval(), cfg

@@ -46,6 +46,7 @@ from megatron_lev.model.embeddings.id_order import BUFFER as ID_RANK
 from megatron_lev.model.vocab import padded_vocab_size
 from megatron_lev.parallel.layout import ParallelLayout
 from megatron_lev.plan import model_plan, validate_config
+from megatron_lev.plan.spec import ModelSpec
 
 _DS_KEYS = {
     "module",
@@ -180,7 +181,7 @@ def reshard_worker(
     plan = model_plan(cfg, world, src.vocab_size)
     layout = state.initialize_model_parallel(tp, pp)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(plan, layout)
+    model = build_model(plan.model_spec, layout)
     local = fill_from_source(model, src, cfg, layout)
     engine = build_engine(plan, model, layout)
     if optim is not None:
@@ -199,7 +200,7 @@ def reshard_worker(
     if check_ids is None:
         return None
     torch.manual_seed(cfg.train.seed)
-    fresh = build_engine(plan, build_model(plan, layout), layout)
+    fresh = build_engine(plan, build_model(plan.model_spec, layout), layout)
     load_checkpoint(fresh, out_root, tag_for(iteration))
     return fresh.loss(check_ids[:, :-1], check_ids[:, 1:])
 
@@ -290,12 +291,13 @@ def optimizer_shards(
 
 def reference_loss(src: SourceCheckpoint, cfg: RunConfig, ids: torch.Tensor) -> float:
     """The merged source model at TP = 1 with the target's vocabulary padding: the loss to reproduce."""
-    from megatron_lev.model.gpt import GPTModel
+    from megatron_lev.engine.build import build_model
+    from megatron_lev.parallel.layout import SINGLE
 
     padded = padded_vocab_size(src.vocab_size, cfg.model, cfg.parallel.tensor_model_parallel_size)
     specs = canonical_state_dict_spec(cfg.model, padded, true_vocab_size=src.vocab_size)
     with torch.device("meta"):
-        model = GPTModel(cfg.model, padded, seed=cfg.train.seed, true_vocab_size=src.vocab_size)
+        model = build_model(ModelSpec(cfg.model, padded, src.vocab_size, seed=cfg.train.seed), SINGLE)
     state = {
         n: adapt_rows(n, t.float() if t.is_floating_point() else t, specs[n].shape, src.vocab_size)
         for n, t in iter_canonical(src, False)

@@ -37,6 +37,7 @@ from megatron_lev.model.canonical import ParamSpec, canonical_state_dict_spec
 from megatron_lev.model.embeddings import InputEmbedding, embedding_class
 from megatron_lev.model.stages import stage_specs
 from megatron_lev.model.vocab import base_vocab_size, padded_vocab_size
+from megatron_lev.plan.spec import ModelSpec
 from megatron_lev.utils.progress import progress_bar
 
 
@@ -54,6 +55,12 @@ class SourceCheckpoint:
         """The vocabulary padded as for one process (`model.vocab.base_vocab_size`): LEV's codebooks,
         reference ids and token order, whatever the source TP size."""
         return base_vocab_size(self.padded_vocab, self.vocab_size, self.cfg.model)
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        """The source model at TP = PP = 1 (`engine.build.build_model`): its config's model with the
+        checkpoint's padded rows, the loss keeping the tokenizer's."""
+        return ModelSpec(self.cfg.model, self.padded_vocab, self.vocab_size)
 
     @property
     def num_layers(self) -> int:

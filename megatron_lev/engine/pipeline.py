@@ -33,12 +33,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from megatron_lev.config import RunConfig
 from megatron_lev.engine.recompute import checkpointed
 from megatron_lev.model.head import vocab_parallel_loss
 from megatron_lev.model.loss import lm_loss, real_vocab_size
 from megatron_lev.model.stages import BlockStage, StageSpec, stage_specs
 from megatron_lev.parallel.layout import ParallelLayout
+from megatron_lev.plan.spec import ModelSpec
 
 STAGE_PREFIX = re.compile(r"^(?:\d+|tied_modules\.[^.]+)\.")  # a PipelineModule's layer (or tied) prefix
 TIED_WEIGHT_ATTR = "tied_weight"  # what a shared stage calls the tensor its copies share (StageSpec)
@@ -84,18 +84,6 @@ class FusedPipelineLoss:
         return mean
 
 
-def document_inputs(data_cfg) -> tuple[str, ...]:
-    """Names of the document tensors that follow `input_ids` in a pipeline batch, in order."""
-    return tuple(
-        name
-        for name, on in (
-            ("position_ids", data_cfg.reset_position_ids),
-            ("document_ids", data_cfg.reset_attention_mask),
-        )
-        if on
-    )
-
-
 def layer_specs(stages: list[StageSpec]) -> list:
     """DeepSpeed's `LayerSpec` / `TiedLayerSpec` for each stage (built later, only on the rank owning it)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
@@ -118,29 +106,23 @@ def layer_specs(stages: list[StageSpec]) -> list:
     return out
 
 
-def build_pipeline(
-    cfg: RunConfig,
-    vocab_size: int,
-    layout: ParallelLayout,
-    topology=None,
-    true_vocab_size: int | None = None,
-):
-    """A `deepspeed.pipe.PipelineModule` for `cfg` (already validated) on `layout`; `vocab_size` is padded.
+def build_pipeline(spec: ModelSpec, layout: ParallelLayout, topology=None):
+    """A `deepspeed.pipe.PipelineModule` of `spec` (already validated) on `layout`.
 
-    `true_vocab_size` (the tokenizer's, default: no padding) is what the loss keeps. DeepSpeed's
-    topology is the layout's (the same rank order) unless `topology` is given.
+    The loss keeps `spec.true_vocab` rows of the padded vocabulary. DeepSpeed's topology is the
+    layout's (the same rank order) unless `topology` is given.
     """
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     _wrap_process_group()
-    m, p = cfg.model, cfg.parallel
+    m = spec.model
     if topology is None:
         topology = PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
     stages = stage_specs(
-        m, vocab_size, cfg.train.seed, document_inputs(cfg.data), layout, true_vocab_size, m.fused_loss
+        m, spec.padded_vocab, spec.seed, spec.documents, layout, spec.true_vocab, m.fused_loss
     )
-    real = real_vocab_size(vocab_size, true_vocab_size)
+    real = real_vocab_size(spec.padded_vocab, spec.true_vocab)
     if m.fused_loss:
         loss_fn = FusedPipelineLoss(real, m.loss_chunk_tokens or None, layout)
     else:
@@ -150,7 +132,7 @@ def build_pipeline(
         layers=layer_specs(stages),
         topology=topology,
         loss_fn=loss_fn,
-        partition_method=_partition_method(p.partition_method),
+        partition_method=_partition_method(spec.partition_method),
         activation_checkpoint_interval=m.checkpoint_num_layers if m.activation_checkpointing else 0,
         activation_checkpoint_func=checkpointed,
         checkpointable_layers=[BlockStage.__name__],

@@ -4,7 +4,7 @@
     ...                                                                    # process group, tokenizer
     plan = plan.with_vocab(tokenizer.vocab_size)                          # the vocabulary's rules
     layout = initialize_model_parallel(tp, pp)                            # parallel.state: the groups
-    model = build_model(plan, layout)
+    model = build_model(plan.model_spec, layout)
     engine = build_engine(plan, model, layout)
 
 Each rule runs once per run, here and nowhere else on the way to the trainer:
@@ -34,6 +34,7 @@ from megatron_lev.errors import ConfigError
 from megatron_lev.model.embeddings import REGISTRY, embedding_class
 from megatron_lev.model.vocab import padded_vocab_size
 from megatron_lev.plan.ds_config import batch_layout, build_ds_config, data_parallel_size
+from megatron_lev.plan.spec import ModelSpec, document_inputs
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,23 @@ class RunPlan:
             object.__setattr__(self, "param_rules", tuple(param_group_rules(self.cfg)))
         if self.clip_rules is None:
             object.__setattr__(self, "clip_rules", tuple(clip_group_rules(self.cfg)))
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        """What building this run's model reads (`engine.build.build_model`)."""
+        if self.padded_vocab is None or self.true_vocab is None:
+            raise ValueError("the plan has no vocabulary yet: call plan.with_vocab(tokenizer_vocab) first")
+        p = self.cfg.parallel
+        return ModelSpec(
+            self.cfg.model,
+            self.padded_vocab,
+            self.true_vocab,
+            seed=self.cfg.train.seed,
+            documents=document_inputs(self.cfg.data),
+            partition_method=p.partition_method,
+            tp=p.tensor_model_parallel_size,
+            pp=p.pipeline_model_parallel_size,
+        )
 
     @property
     def save_dir(self) -> str:
@@ -354,27 +372,46 @@ def _param_group_rules(cfg: RunConfig) -> None:
             )
 
 
-def model_plan(cfg: RunConfig, world: int, vocab: int) -> RunPlan:
-    """The plan of a model laid out over `world` processes that is not trained (a reshard's target):
-    the model's rules (`validate_config`), the padded vocabulary of `vocab` and the DeepSpeed JSON;
-    no training or data rules."""
+def model_plan(cfg: RunConfig, world: int, vocab: int | None, *, cuda: bool = False) -> RunPlan:
+    """The plan of a model laid out over `world` processes that is not trained from data here (a
+    reshard's target; the engine of a test or a benchmark): the model's rules (`validate_config`), the
+    padded vocabulary of `vocab` (None: no vocabulary, for an engine over another module) and the
+    DeepSpeed JSON; no training or data rules, and no data or tokenizer path is needed."""
     validate_config(cfg)
+    if vocab is None:
+        return _plan(cfg, world, cuda=cuda)
     return _plan(
         cfg,
         world,
         true_vocab=vocab,
         padded_vocab=padded_vocab_size(vocab, cfg.model, cfg.parallel.tensor_model_parallel_size),
         tokenizer_vocab=vocab,
+        cuda=cuda,
     )
 
 
-def plan_for_model(cfg: RunConfig, vocab: int | None, world: int = 1, *, cuda: bool = False) -> RunPlan:
-    """`validate_run` for code that builds a model or an engine from a config that names no data
-    (benchmarks, tools, tests): placeholder data and tokenizer paths, which nothing reads, and the
-    tokenizer's `vocab` (None: no vocabulary yet)."""
-    data = dataclasses.replace(
-        cfg.data,
-        data_path=cfg.data.data_path or ["unused-data"],
-        tokenizer_path=cfg.data.tokenizer_path or "unused-tokenizer",
+def model_spec(cfg: RunConfig, vocab: int, world: int | None = None) -> ModelSpec:
+    """The spec of a model that is not trained here (converters, tests, benchmarks): the model's rules
+    (`validate_config`'s; with `world`, that it is TP x PP x DP), the vocabulary's at the padded size
+    of the tokenizer's `vocab`, and the id-order counts a `frequency` order ranks by. No training or
+    data rule, and nothing faked: a config that names no data builds its model as it is."""
+    lev = cfg.model.lev
+    if lev.id_order == "frequency" and lev.id_order_counts is None and not cfg.data.data_path:
+        raise ConfigError(
+            "model.lev.id_order=frequency ranks token ids by training counts: set model.lev.id_order_counts "
+            "to a training split's counts.npy (or data.data_path) to build this model"
+        )
+    _model_rules(cfg, world)
+    cfg = with_id_order_counts(cfg)
+    true_vocab = check_vocab(cfg, vocab)
+    p = cfg.parallel
+    return ModelSpec(
+        cfg.model,
+        _vocab_rules(cfg, true_vocab),
+        true_vocab,
+        seed=cfg.train.seed,
+        documents=document_inputs(cfg.data),
+        partition_method=p.partition_method,
+        tp=p.tensor_model_parallel_size,
+        pp=p.pipeline_model_parallel_size,
     )
-    return validate_run(dataclasses.replace(cfg, data=data), world, cuda=cuda, tokenizer_vocab=vocab)

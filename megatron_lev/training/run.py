@@ -230,7 +230,7 @@ def build(
     plan, start, load_dir, tokenizer = run.plan, run.start, run.load_dir, run.tokenizer
     cfg = plan.cfg
     model_parallel_manual_seed(cfg.train.seed, run.layout)
-    model = build_model(plan, run.layout)
+    model = build_model(plan.model_spec, run.layout)
     if cfg.train.init_from:
         warm_start(model, plan, run, start, init_weights)
     n_params = parameter_count(cfg.model, plan.padded_vocab)["total"]

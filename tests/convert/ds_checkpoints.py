@@ -89,7 +89,7 @@ def make_checkpoints(root: str, tokenizer: str, text: str) -> dict:
     from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, disable_cpu_shm_comm
     from megatron_lev.engine.mpu import TensorParallelMPU
     from megatron_lev.parallel import state
-    from tests.plans import plan_for
+    from megatron_lev.plan import model_spec
 
     disable_cpu_shm_comm()
     train, held_out = text_batches(tokenizer, text)
@@ -98,7 +98,7 @@ def make_checkpoints(root: str, tokenizer: str, text: str) -> dict:
     for variant in PIPELINE_VARIANTS:
         cfg = run_config(variant, tokenizer, 2, 2, 1)
         torch.manual_seed(cfg.train.seed)
-        model = build_model(plan_for(cfg, 50277, layout.world_size), layout)
+        model = build_model(model_spec(cfg, 50277, layout.world_size), layout)
         engine, *_ = deepspeed.initialize(
             model=model,
             optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -120,7 +120,7 @@ def make_checkpoints(root: str, tokenizer: str, text: str) -> dict:
     layout = state.initialize_model_parallel(2, 1)
     cfg = run_config(ZERO3_VARIANT, tokenizer, 2, 1, 3, precision="bf16")
     torch.manual_seed(cfg.train.seed)
-    model = build_model(plan_for(cfg, 50277, layout.world_size), layout)
+    model = build_model(model_spec(cfg, 50277, layout.world_size), layout)
     engine, *_ = deepspeed.initialize(
         model=model,
         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),

@@ -37,7 +37,7 @@ def _make(root: str, tokenizer: str, text: str, counts: str) -> dict:
     from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, disable_cpu_shm_comm
     from megatron_lev.engine.mpu import TensorParallelMPU
     from megatron_lev.parallel import state
-    from tests.plans import plan_for
+    from megatron_lev.plan import model_spec
 
     disable_cpu_shm_comm()
     train, held_out = text_batches(tokenizer, text)
@@ -61,7 +61,7 @@ def _make(root: str, tokenizer: str, text: str, counts: str) -> dict:
     layout = state.initialize_model_parallel(2, 2)
     cfg = config(2, 2, 1, "fp32", "model.lev.id_order=frequency", f"model.lev.id_order_counts={counts}")
     torch.manual_seed(cfg.train.seed)
-    model = build_model(plan_for(cfg, VOCAB, layout.world_size), layout)
+    model = build_model(model_spec(cfg, VOCAB, layout.world_size), layout)
     engine, *_ = deepspeed.initialize(
         model=model,
         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -77,7 +77,7 @@ def _make(root: str, tokenizer: str, text: str, counts: str) -> dict:
     layout = state.initialize_model_parallel(2, 1)
     cfg = config(2, 1, 3, "bf16", "model.lev.id_order=random", "model.lev.id_order_seed=5")
     torch.manual_seed(cfg.train.seed)
-    model = build_model(plan_for(cfg, VOCAB, layout.world_size), layout)
+    model = build_model(model_spec(cfg, VOCAB, layout.world_size), layout)
     engine, *_ = deepspeed.initialize(
         model=model,
         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),

@@ -35,14 +35,14 @@ def _engine(cfg):
     from megatron_lev.engine.build import build_model
     from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
     from megatron_lev.parallel import state
-    from tests.plans import plan_for
+    from megatron_lev.plan import model_plan
 
     disable_cpu_shm_comm()
     p = cfg.parallel
     layout = state.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
-    plan = plan_for(cfg, VOCAB, layout.world_size)
+    plan = model_plan(cfg, layout.world_size, VOCAB)
     torch.manual_seed(cfg.train.seed)
-    return build_engine(plan, build_model(plan, layout), layout)
+    return build_engine(plan, build_model(plan.model_spec, layout), layout)
 
 
 def _train(engine, batches: list[torch.Tensor]) -> list[float]:

@@ -11,7 +11,7 @@ from megatron_lev.engine.build import build_model
 from megatron_lev.engine.compile import apply_compile
 from megatron_lev.model.block import TransformerBlock
 from megatron_lev.parallel.layout import SINGLE
-from tests.plans import plan_for
+from megatron_lev.plan import model_spec
 
 SMALL = [
     "model.num_layers=2",
@@ -25,7 +25,7 @@ SMALL = [
 
 def _run(compiled: bool):
     cfg = load_config(None, [*SMALL, f"model.compile={str(compiled).lower()}"])
-    model = apply_compile(build_model(plan_for(cfg, 200), SINGLE), cfg.model)
+    model = apply_compile(build_model(model_spec(cfg, 200), SINGLE), cfg.model)
     ids = torch.randint(0, 200, (2, 33), generator=torch.Generator().manual_seed(0))
     loss = model(ids[:, :-1], ids[:, 1:], reduction="mean")
     loss.backward()
@@ -54,5 +54,5 @@ def test_compile_with_activation_checkpointing_is_refused_in_one_line():
 def test_compile_is_off_by_default_and_applying_it_twice_changes_nothing():
     cfg = load_config(None, SMALL)
     assert cfg.model.compile is False
-    model = apply_compile(build_model(plan_for(cfg, 200), SINGLE), cfg.model)
+    model = apply_compile(build_model(model_spec(cfg, 200), SINGLE), cfg.model)
     assert not any(getattr(m, "_compiled_call_impl", None) for m in model.modules())

@@ -15,8 +15,8 @@ from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.model.documents import block_causal_mask, cu_seqlens
 from megatron_lev.model.loss import masked_mean
 from megatron_lev.parallel.layout import SINGLE
+from megatron_lev.plan import model_spec
 from megatron_lev.testing import run_distributed
-from tests.plans import plan_for
 
 EOD, VOCAB, SEQ = 0, 208, 24
 SMALL = [
@@ -46,7 +46,7 @@ CASES = {
 def _model(case, extra=()):
     """The plain model, checkpointed as the engine would when the case asks for it."""
     cfg = load_config(None, SMALL + CASES[case] + list(extra))
-    return apply_activation_checkpointing(build_model(plan_for(cfg, VOCAB), SINGLE), cfg.model)
+    return apply_activation_checkpointing(build_model(model_spec(cfg, VOCAB), SINGLE), cfg.model)
 
 
 def _packed(lengths=(5, 9, 1, 13, 7, 8, 5), rows=2, seed=0):
@@ -226,7 +226,7 @@ def _pipeline_worker(case):
             f"model.seq_length={SEQ - 1}",
         ],
     )
-    pipe = build_model(plan_for(cfg, VOCAB, layout.world_size), layout)
+    pipe = build_model(model_spec(cfg, VOCAB, layout.world_size), layout)
     ds_config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": ACCUM,

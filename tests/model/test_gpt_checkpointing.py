@@ -8,7 +8,7 @@ from megatron_lev.engine.build import build_model
 from megatron_lev.engine.recompute import CheckpointedStages, apply_activation_checkpointing
 from megatron_lev.parallel.layout import SINGLE
 from megatron_lev.parallel.random import model_parallel_manual_seed
-from tests.plans import plan_for
+from megatron_lev.plan import model_spec
 
 BASE = [
     "model.embedding=untied",
@@ -21,7 +21,7 @@ BASE = [
 
 def _loss_and_grads(overrides, ids):
     cfg = load_config(None, BASE + overrides)
-    model = apply_activation_checkpointing(build_model(plan_for(cfg, 96), SINGLE), cfg.model)
+    model = apply_activation_checkpointing(build_model(model_spec(cfg, 96), SINGLE), cfg.model)
     runs = []  # one per block forward: recomputation runs a checkpointed block again in backward
     for block in model.layers:
         block.register_forward_pre_hook(lambda *_: runs.append(1))
@@ -48,7 +48,7 @@ def test_checkpointed_blocks_equal_plain_blocks_with_dropout():
 
 def test_checkpointing_groups_blocks_and_keeps_names():
     cfg = load_config(None, BASE + ["model.activation_checkpointing=true", "model.checkpoint_num_layers=2"])
-    model = build_model(plan_for(cfg, 96), SINGLE)
+    model = build_model(model_spec(cfg, 96), SINGLE)
     names, params = list(model.state_dict()), dict(model.named_parameters())
     assert apply_activation_checkpointing(model, cfg.model) is model
     apply_activation_checkpointing(model, cfg.model)  # a second time changes nothing
@@ -63,7 +63,7 @@ def test_checkpointing_groups_blocks_and_keeps_names():
 
 def test_bf16_forward_backward_close_to_fp32():
     ids = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(2))
-    model = build_model(plan_for(load_config(None, BASE), 96), SINGLE)
+    model = build_model(model_spec(load_config(None, BASE), 96), SINGLE)
     ref = model(ids[:, :-1], ids[:, 1:])
     model = model.to(torch.bfloat16)
     loss = model(ids[:, :-1], ids[:, 1:])

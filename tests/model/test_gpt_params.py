@@ -11,7 +11,7 @@ from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.model.flops import flops_per_token, parameter_count
 from megatron_lev.model.vocab import padded_vocab_size
 from megatron_lev.parallel.layout import SINGLE
-from tests.plans import plan_for
+from megatron_lev.plan import model_spec
 
 
 @pytest.mark.parametrize("embedding", tuple(REGISTRY))
@@ -27,7 +27,7 @@ def test_parameter_count_equals_the_built_model(embedding):
             "model.min_compressed_width=1",  # tiny widths on purpose: the counts are under test
         ],
     )
-    model = build_model(plan_for(cfg, 1000), SINGLE)
+    model = build_model(model_spec(cfg, 1000), SINGLE)
     assert parameter_count(cfg.model, 1024)["total"] == sum(p.numel() for p in model.parameters())
 
 
@@ -78,7 +78,7 @@ def test_params_command_prints_every_variant(capsys):
 
 def test_forward_shapes_and_loss_against_f_cross_entropy():
     cfg = load_config(None, ["model.embedding=untied", "model.make_vocab_size_divisible_by=8"])
-    model = build_model(plan_for(cfg, 64), SINGLE)
+    model = build_model(model_spec(cfg, 64), SINGLE)
     ids = torch.randint(0, 64, (2, 10))
     logits = model(ids)
     assert logits.shape == (2, 10, 64)

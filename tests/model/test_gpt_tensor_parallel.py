@@ -8,8 +8,8 @@ from megatron_lev.engine.build import build_model
 from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.model.canonical import canonical_state_dict_spec, merge_tp_shards
 from megatron_lev.parallel.layout import SINGLE
+from megatron_lev.plan import model_spec
 from megatron_lev.testing import run_distributed
-from tests.plans import plan_for
 
 VOCAB = 208  # already a multiple of 8 x TP: TP = 1 and TP = 2 pad it alike
 SMALL = [
@@ -45,7 +45,7 @@ def _run(case, tp, ids, layout=SINGLE):
     from megatron_lev.parallel.mappings import gather_from_tensor_parallel_region
 
     cfg = _config(case, tp)
-    model = apply_activation_checkpointing(build_model(plan_for(cfg, VOCAB, tp), layout), cfg.model)
+    model = apply_activation_checkpointing(build_model(model_spec(cfg, VOCAB, tp), layout), cfg.model)
     logits = model(ids)
     loss = model(ids[:, :-1], ids[:, 1:])
     loss.mean().backward()
@@ -107,14 +107,14 @@ def _run_padded(case, tp, ids, layout=SINGLE):
     cfg = load_config(None, SMALL + PADDED_CASES[case] + [f"parallel.tensor_model_parallel_size={tp}"])
     from megatron_lev.parallel.mappings import gather_from_tensor_parallel_region
 
-    plan = plan_for(cfg, TOKENS, tp)
-    model = build_model(plan, layout)
+    spec = model_spec(cfg, TOKENS, tp)
+    model = build_model(spec, layout)
     logits = model(ids)
     loss = model(ids[:, :-1], ids[:, 1:])
     loss.mean().backward()
     grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
     full = gather_from_tensor_parallel_region(logits.detach(), layout)[..., :TOKENS]
-    return plan.padded_vocab, full.numpy(), loss.detach().numpy(), grads
+    return spec.padded_vocab, full.numpy(), loss.detach().numpy(), grads
 
 
 def _padded_worker(ids):

@@ -12,7 +12,7 @@ from megatron_lev.model.embeddings import REGISTRY, InputEmbedding, check_token_
 from megatron_lev.model.flops import parameter_count
 from megatron_lev.parallel.layers import VocabParallelEmbedding
 from megatron_lev.parallel.layout import SINGLE
-from tests.plans import plan_for
+from megatron_lev.plan import model_spec
 
 
 class ScaledEmbedding(InputEmbedding):
@@ -60,7 +60,7 @@ def test_a_new_variant_validates_builds_trains_and_counts(registered, variant, c
     assert f"embedding: {variant}" in capsys.readouterr().out
     cfg = load_config(None, [f"model.embedding={variant}", "model.make_vocab_size_divisible_by=64"])
     torch.manual_seed(0)
-    model = build_model(plan_for(cfg, 1000), SINGLE)
+    model = build_model(model_spec(cfg, 1000), SINGLE)
     assert isinstance(model.embedding, REGISTRY[variant])
     tied = REGISTRY[variant].ties_output_head
     assert hasattr(model, "output_head") != tied  # tied: no head module, the embedding stage's table

@@ -9,8 +9,8 @@ from megatron_lev.engine.pipeline import stage_modules
 from megatron_lev.errors import ConfigError
 from megatron_lev.model.canonical import canonical_state_dict_spec
 from megatron_lev.parallel.layout import SINGLE
+from megatron_lev.plan import model_spec
 from megatron_lev.testing import run_distributed
-from tests.plans import plan_for
 
 VOCAB = 208  # a multiple of 8 x TP for TP 1 and 2, so every layout pads it alike
 MICRO, ACCUM, SEQ, STEPS, LR = 2, 2, 16, 5, 1e-3
@@ -56,7 +56,7 @@ def _adamw(params):
 
 def _reference_losses(embedding):
     """PP = 1, TP = 1, plain torch: the mean per-token loss of each step's micro-batches."""
-    model = build_model(plan_for(_config(embedding, 1, 1), VOCAB), SINGLE)
+    model = build_model(model_spec(_config(embedding, 1, 1), VOCAB), SINGLE)
     opt, losses = _adamw(model.parameters()), []
     for step in _batches():
         opt.zero_grad()
@@ -77,7 +77,7 @@ def _pipeline_worker(tp, pp, embeddings, extra=()):
     out = {}
     for embedding in embeddings:
         cfg = _config(embedding, tp, pp, extra)
-        pipe = build_model(plan_for(cfg, VOCAB, dist.get_world_size()), layout)
+        pipe = build_model(model_spec(cfg, VOCAB, dist.get_world_size()), layout)
         spec = canonical_state_dict_spec(cfg.model, VOCAB, layout)  # names and TP-local shapes map onto it
         for name, param in (kv for stage in stage_modules(pipe) for kv in stage.named_parameters()):
             entry = spec[name]
@@ -175,6 +175,6 @@ def test_bad_layouts_are_refused_before_any_process_group(overrides, match):
     p = cfg.parallel
     with pytest.raises(ConfigError, match=match):
         build_model(
-            plan_for(cfg, VOCAB, p.tensor_model_parallel_size * p.pipeline_model_parallel_size), SINGLE
+            model_spec(cfg, VOCAB, p.tensor_model_parallel_size * p.pipeline_model_parallel_size), SINGLE
         )
     assert not dist.is_initialized()

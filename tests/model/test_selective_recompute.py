@@ -13,7 +13,7 @@ from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.errors import ConfigError
 from megatron_lev.parallel.layout import SINGLE
 from megatron_lev.parallel.random import model_parallel_manual_seed
-from tests.plans import plan_for
+from megatron_lev.plan import model_spec
 
 SMALL = [
     "model.num_layers=2",
@@ -28,7 +28,7 @@ SMALL = [
 
 def _run(extra):
     cfg = load_config(None, [*SMALL, *extra])
-    model = apply_activation_checkpointing(build_model(plan_for(cfg, 200), SINGLE), cfg.model).train()
+    model = apply_activation_checkpointing(build_model(model_spec(cfg, 200), SINGLE), cfg.model).train()
     ids = torch.randint(0, 200, (2, 65), generator=torch.Generator().manual_seed(0))
     position_ids = torch.arange(64).repeat(2, 1) % 32  # two documents per row: a document mask
     document_ids = (torch.arange(64) // 32).repeat(2, 1)

@@ -13,9 +13,9 @@ from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.model.gpt import GPTModel
 from megatron_lev.model.stages import BlockStage, stage_specs
 from megatron_lev.parallel.layout import SINGLE
+from megatron_lev.plan import model_spec
 from megatron_lev.testing import run_distributed
 from tests.model.test_pipeline import MICRO, VOCAB, _adamw, _config
-from tests.plans import plan_for
 
 
 @pytest.mark.parametrize("embedding", tuple(REGISTRY))
@@ -60,7 +60,7 @@ def _layer_files_worker(root: str, embeddings):
     layout = state.initialize_model_parallel(1, 2)
     blocks = {}
     for embedding in embeddings:
-        pipe = build_model(plan_for(_config(embedding, 1, 2), VOCAB, layout.world_size), layout)
+        pipe = build_model(model_spec(_config(embedding, 1, 2), VOCAB, layout.world_size), layout)
         blocks[embedding] = [type(f).__name__ for f in pipe.forward_funcs].count(BlockStage.__name__)
         ds_config = {
             "train_micro_batch_size_per_gpu": MICRO,
@@ -83,7 +83,7 @@ def test_pp2_layer_files_hold_canonical_names_and_the_plain_model_weights(tmp_pa
     )
     for embedding in embeddings:
         assert [r[embedding] for r in results] == [1, 1]  # "uniform": one block per stage
-        reference = build_model(plan_for(_config(embedding, 1, 1), VOCAB), SINGLE).state_dict()
+        reference = build_model(model_spec(_config(embedding, 1, 1), VOCAB), SINGLE).state_dict()
         files = find_files(tmp_path / embedding / "t")
         assert files.kind == "pipeline" and files.tp == 1
         seen = set()

@@ -10,8 +10,8 @@ from megatron_lev.model.canonical import canonical_state_dict_spec, merge_tp_sha
 from megatron_lev.model.loss import masked_mean, token_losses
 from megatron_lev.parallel.fused_cross_entropy import chunk_tokens_for, fused_linear_cross_entropy
 from megatron_lev.parallel.layout import SINGLE
+from megatron_lev.plan import model_spec
 from megatron_lev.testing import run_distributed
-from tests.plans import plan_for
 
 B, S, D, ROWS = 3, 17, 32, 256
 REL = 1e-6  # fp32: relative to the largest entry of each gradient
@@ -120,7 +120,7 @@ def _model_grads(embedding, fused, tp=1, layout=SINGLE, chunk=5):
             f"parallel.tensor_model_parallel_size={tp}",
         ],
     )
-    model = build_model(plan_for(cfg, TOKENS, tp), layout)
+    model = build_model(model_spec(cfg, TOKENS, tp), layout)
     ids = torch.randint(0, TOKENS, (2, 17), generator=torch.Generator().manual_seed(3))
     mask = torch.ones(2, 16)
     mask[1, 5:9] = 0
@@ -207,7 +207,7 @@ def _pp_worker(embeddings):
                     "parallel.zero_stage=1",
                 ],
             )
-            pipe = build_model(plan_for(cfg, TOKENS, 2), layout)
+            pipe = build_model(model_spec(cfg, TOKENS, 2), layout)
             ds_config = {
                 "train_micro_batch_size_per_gpu": 2,
                 "gradient_accumulation_steps": 2,

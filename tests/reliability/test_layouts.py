@@ -165,11 +165,11 @@ def _padded_vocab_probe(embedding: str, layout=None) -> dict:
     from megatron_lev.engine.build import build_model
     from megatron_lev.parallel.layers import vocab_range
     from megatron_lev.parallel.layout import SINGLE
-    from tests.plans import plan_for
+    from megatron_lev.plan import model_spec
 
     layout = layout or SINGLE
     tp = layout.tp
-    model = build_model(plan_for(_tiny_model_config(embedding, tp), TOKENIZER_VOCAB, tp), layout)
+    model = build_model(model_spec(_tiny_model_config(embedding, tp), TOKENIZER_VOCAB, tp), layout)
     ids = torch.randint(0, TOKENIZER_VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
     loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
     loss.backward()

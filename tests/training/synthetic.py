@@ -41,7 +41,7 @@ def train_synthetic(cfg, out: str, vocab: int) -> list[dict] | None:
     p, t, seq = cfg.parallel, cfg.train, cfg.model.seq_length
     layout = state.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
     plan = validate_run(cfg, world, cuda=False).with_vocab(vocab)
-    engine = build_engine(plan, build_model(plan, layout), layout)
+    engine = build_engine(plan, build_model(plan.model_spec, layout), layout)
     data = synthetic_batches(layout.dp, layout.dp_rank, vocab, t.micro_batch_size, seq)
     global_batch = plan.global_batch
     writer = MetricsWriter(out, rank == 0, cfg.logging.tensorboard)

@@ -187,13 +187,13 @@ def _by_hand() -> list[dict]:
     from megatron_lev.engine.build import build_model
     from megatron_lev.optim import param_groups
     from megatron_lev.parallel.layout import SINGLE
+    from megatron_lev.plan import model_spec
     from megatron_lev.training.schedule import learning_rate
-    from tests.plans import plan_for
     from tests.training.synthetic import synthetic_batches
 
     cfg = clip_cfg("lev", **HAND_GROUPS)
     t, m = cfg.train, cfg.model
-    model = build_model(plan_for(cfg, VOCAB), SINGLE)
+    model = build_model(model_spec(cfg, VOCAB), SINGLE)
     groups = param_groups(model, t.weight_decay)
     opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     member = {n: g for g, names in GROUP_OF.items() for n in names}

@@ -91,12 +91,12 @@ def _by_hand(embedding: str) -> list[dict]:
     from megatron_lev.engine.build import build_model
     from megatron_lev.optim import param_groups
     from megatron_lev.parallel.layout import SINGLE
+    from megatron_lev.plan import model_spec
     from megatron_lev.training.schedule import learning_rate
-    from tests.plans import plan_for
 
     cfg = _cfg(embedding)
     t = cfg.train
-    model = build_model(plan_for(cfg, VOCAB), SINGLE)
+    model = build_model(model_spec(cfg, VOCAB), SINGLE)
     groups = param_groups(model, t.weight_decay)
     opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     names = {id(p): n for n, p in model.named_parameters()}

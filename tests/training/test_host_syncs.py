@@ -41,11 +41,11 @@ def _tiny(variant: str):
     from megatron_lev.engine.build import build_model
     from megatron_lev.engine.deepspeed_engine import build_engine
     from megatron_lev.parallel.layout import SINGLE
+    from megatron_lev.plan import model_plan
     from megatron_lev.training.metrics import MetricsWriter
     from megatron_lev.training.run import default_callbacks
     from megatron_lev.training.schedule import Budget
     from megatron_lev.training.trainer import TrainData, Trainer
-    from tests.plans import plan_for
     from tests.training.conftest import TINY
 
     cfg = load_config(
@@ -68,8 +68,8 @@ def _tiny(variant: str):
             f"logging.log_interval={LOG_INTERVAL}",
         ],
     )
-    plan = plan_for(cfg, VOCAB)
-    engine = build_engine(plan, build_model(plan, SINGLE), SINGLE)
+    plan = model_plan(cfg, 1, VOCAB)
+    engine = build_engine(plan, build_model(plan.model_spec, SINGLE), SINGLE)
     gen = torch.Generator().manual_seed(0)
 
     def batches(consumed: int = 0):

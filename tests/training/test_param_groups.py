@@ -183,14 +183,14 @@ def _one_step(tokenizer: str, extra: tuple[str, ...]) -> dict[str, torch.Tensor]
     from megatron_lev.engine.build import build_model
     from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
     from megatron_lev.parallel.layout import SINGLE
+    from megatron_lev.plan import model_plan
     from tests.convert.ds_checkpoints import run_config
-    from tests.plans import plan_for
 
     disable_cpu_shm_comm()
     cfg = run_config("lev", tokenizer, 1, 1, 1, extra=extra)
     torch.manual_seed(cfg.train.seed)
-    plan = plan_for(cfg, 50277)
-    model = build_model(plan, SINGLE)
+    plan = model_plan(cfg, 1, 50277)
+    model = build_model(plan.model_spec, SINGLE)
     engine = build_engine(plan, model, SINGLE)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine.set_lr(1e-3)

@@ -59,13 +59,13 @@ def _engine_protocol() -> dict:
     from megatron_lev.engine import Engine
     from megatron_lev.engine.deepspeed_engine import DeepSpeedEngine, build_engine, disable_cpu_shm_comm
     from megatron_lev.parallel import state
-    from tests.plans import plan_for
+    from megatron_lev.plan import model_plan
     from tests.training.toy import ToyLM, toy_config
 
     disable_cpu_shm_comm()
     layout = state.initialize_model_parallel(1, 1)
     cfg = toy_config(0, iters=1)
-    engine = build_engine(plan_for(cfg, None), ToyLM(), layout)
+    engine = build_engine(model_plan(cfg, 1, None), ToyLM(), layout)
     finite = engine.weights_finite()
     with torch.no_grad():
         next(engine.module.parameters()).view(-1)[0] = float("inf")

@@ -13,6 +13,7 @@ from torch import nn
 from megatron_lev.config import RunConfig
 from megatron_lev.engine.deepspeed_engine import build_engine, disable_cpu_shm_comm
 from megatron_lev.parallel import state
+from megatron_lev.plan import model_plan
 from megatron_lev.plan.ds_config import batch_layout
 from megatron_lev.testing.faults import FaultInjection
 from megatron_lev.training.callbacks import Checkpointer
@@ -20,7 +21,6 @@ from megatron_lev.training.metrics import MetricsWriter
 from megatron_lev.training.run import default_callbacks
 from megatron_lev.training.schedule import Budget
 from megatron_lev.training.trainer import TrainData, Trainer
-from tests.plans import plan_for
 
 SEQ = 8
 
@@ -81,7 +81,7 @@ def toy_trainer(
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = state.initialize_model_parallel(1, 1)
     torch.manual_seed(init_seed)
-    engine = build_engine(plan_for(cfg, None, world), ToyLM(), layout)
+    engine = build_engine(model_plan(cfg, world, None), ToyLM(), layout)
     micro, gas, global_batch = batch_layout(cfg, world)
 
     def batches(consumed: int):
