@@ -61,7 +61,15 @@ def test_three_functions_in_two_files_with_one_upward_call(tmp_path):
         },
     )
     got = numbers(root, "megatron_lev.low.b:start", "cfg")
-    assert got == {"stops": 3, "files": 2, "climbs": 1, "descents": 0, "edges": 2, "unresolved": 0}
+    assert got == {
+        "stops": 3,
+        "files": 2,
+        "climbs": 1,
+        "descents": 0,
+        "edges": 2,
+        "unresolved": 0,
+        "returns": 3,
+    }
     w = walk_tool.walk(root, "megatron_lev.low.b:start", "cfg")
     assert list(w.stops) == ["megatron_lev.low.b:start", "megatron_lev.low.b:mid", "megatron_lev.top.a:leaf"]
     assert w.report()["_climbs"] == [("megatron_lev.low.b:mid", "megatron_lev.top.a:leaf", 1, 0)]
@@ -197,3 +205,62 @@ def test_the_command_line_prints_json_and_the_list(tmp_path, capsys):
     assert "megatron_lev.low.b:mid" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         walk_tool.main(["--root", str(root), "megatron_lev.low.b:start", "nope"])
+
+
+def test_a_value_is_followed_into_a_record_and_out_of_it(tmp_path):
+    """`fit(build(plan))`: the record `build` returns carries the plan into `fit`; there a field read
+    by tuple assignment, typed by the record's annotation, enters the method called on it; a builtin's
+    result (`len(plan)`) carries nothing."""
+    root = plant(
+        tmp_path,
+        {
+            "top/run.py": """
+                from dataclasses import dataclass
+                from megatron_lev.low.trainer import Trainer
+
+                @dataclass
+                class Parts:
+                    trainer: Trainer
+                    n: int
+
+                def start(plan, other):
+                    fit(build(plan))
+                    ignored(len(plan))
+
+                def build(plan):
+                    return Parts(Trainer(plan), 3)
+
+                def fit(parts: Parts):
+                    trainer, n = parts.trainer, parts.n
+                    trainer.train()
+
+                def ignored(n): pass
+            """,
+            "low/trainer.py": """
+                class Trainer:
+                    def __init__(self, plan):
+                        self.plan = plan
+
+                    def train(self):
+                        return step(self.plan)
+
+                def step(plan):
+                    return plan
+            """,
+        },
+    )
+    w = walk_tool.walk(root, "megatron_lev.top.run:start", "plan")
+    assert sorted(s.split(":")[1] for s in w.stops) == [
+        "Parts.__init__",
+        "Trainer.__init__",
+        "Trainer.train",
+        "build",
+        "fit",
+        "start",
+        "step",
+    ]
+    assert sorted(w.returns) == [
+        "megatron_lev.low.trainer:Trainer.train",
+        "megatron_lev.low.trainer:step",
+        "megatron_lev.top.run:build",
+    ]

@@ -13,8 +13,17 @@ Definitions:
   the parameters that received the value, plus local names assigned (`x = ...`, `x: T = ...`, also
   tuple targets) in the same function from a tracked name, an attribute chain or subscript of one,
   a conditional/boolean expression with such a branch (`run.cfg if p else run`), or a call that
-  receives one (`x = f(run)`); assignments are read once, in source order, so a chain of them is
-  followed. Nested functions and lambdas are read as part of their enclosing function.
+  receives one (`x = f(run)`, also nested: `Parts(Trainer(run), 3)`), element by element where a
+  tuple meets a tuple (`a, b = run.a, other`); assignments are read once, in source order, so a
+  chain of them is followed. Nested functions and lambdas are read as part of their enclosing
+  function.
+- Records: a value goes into a record and comes out of it. An argument that is the result of a
+  package call which received the value carries it on (`fit(build(run))`: the record `build` returns
+  holds the run; a builtin's result, `len(run)`, does not), an object an attribute of the value is
+  stored on holds it (`self.plan = plan`), and a name bound to a field of a typed record takes the
+  type the record's class annotates for that field (`trainer = parts.trainer` with `trainer:
+  Trainer` in `RunParts`), so a method called on it is entered.
+- Returns: the functions entered whose `return` carries the value (or a record holding it).
 - A stop is a function of the package entered with the flowing value; each function counts once,
   however many paths or parameters reach it (the start is a stop). A class called as a
   constructor is entered at its `__init__` (its own or a base class's in the package); a class
@@ -39,8 +48,9 @@ Definitions:
   callbacks, dynamic dispatch) are counted as unresolved, once per call site.
 
 What it cannot see: values stored on `self` or in containers and read back in a method not entered
-with that object as `self` (`self.cfg` read in a method reached only through `cfg`),
-quoted annotations, return values travelling up to the caller, `*args`/`**kwargs` forwarding at
+with that object as `self` (`self.cfg` read in a method reached only through `cfg`), quoted
+annotations, a return travelling up to a caller that did not pass the value (the start's callers),
+`*args`/`**kwargs` forwarding at
 the call site, callbacks, registries, `getattr`/`importlib`, inheritance overrides (it takes the
 class it can name, not the runtime subclass), and methods on values of unknown type.
 """
@@ -160,12 +170,24 @@ def carries(expr: ast.AST, tracked: set[str], calls: bool = False) -> bool:
         return carries(expr.body, tracked, calls) or carries(expr.orelse, tracked, calls)
     if isinstance(expr, ast.BoolOp):
         return any(carries(v, tracked, calls) for v in expr.values)
-    if calls and isinstance(expr, ast.Call):
-        return any(carries(a, tracked) for a in [*expr.args, *(k.value for k in expr.keywords)])
+    if calls and isinstance(expr, ast.Call):  # nested: `Parts(Trainer(plan), 3)` holds the plan
+        return any(carries(a, tracked, calls) for a in [*expr.args, *(k.value for k in expr.keywords)])
     if isinstance(expr, ast.Starred):
         return False
     chain = isinstance(expr, ast.Attribute | ast.Subscript | ast.Name)
     return chain and chain_base(expr) in tracked
+
+
+def pairs(targets: list[ast.AST], value: ast.AST) -> list[tuple[ast.AST, ast.AST]]:
+    """(target, value) of an assignment, element by element where a tuple meets a tuple
+    (`a, b = x.a, x.b`)."""
+    out = []
+    for t in targets:
+        if isinstance(t, ast.Tuple) and isinstance(value, ast.Tuple) and len(t.elts) == len(value.elts):
+            out += list(zip(t.elts, value.elts, strict=True))
+        else:
+            out.append((t, value))
+    return out
 
 
 def params_of(fn: FuncDef) -> tuple[list[str], set[str], str | None, str | None]:
@@ -184,6 +206,7 @@ class Walk:
         self.edges: dict[tuple[str, str], None] = {}
         self.unresolved: set[tuple[str, int, int]] = set()
         self.seen: set[tuple[str, str, str]] = set()
+        self.returns: dict[str, None] = {}  # functions that return the value (or a record holding it)
 
     def row(self, mod: str) -> int | None:
         parts = mod.split(".")
@@ -213,17 +236,39 @@ class Walk:
         out = []
         nodes = (n for n in ast.walk(fn) if hasattr(n, "col_offset"))
         for node in sorted(nodes, key=lambda n: (n.lineno, n.col_offset)):
-            if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            if isinstance(node, ast.Return) and node.value is not None:
                 if carries(node.value, tracked, calls=True):
-                    tracked.update(names)
+                    self.returns.setdefault(f"{mod}:{qual}")
+            elif isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target, value in pairs(targets, node.value):
+                    # a name bound, or the object an attribute is stored on (`self.plan = plan`,
+                    # `parts.model = m`): that object holds the value from here on (a record)
+                    names = [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
+                    if carries(value, tracked, calls=True):
+                        tracked.update(names)
+                    if isinstance(target, ast.Name) and (found := self.field_type(value, types, mod)):
+                        types[target.id] = found  # `trainer = parts.trainer`: RunParts's `trainer: Trainer`
                 if isinstance(node.value, ast.Call) and len(names) == 1:
                     if found := self.class_of(node.value.func, mod, local, returns=True):
                         types[names[0]] = found
             elif isinstance(node, ast.Call):
                 out += self.follow(node, mod, qual, cls, local, tracked, types)
         return out
+
+    def field_type(self, value: ast.AST, types: dict, mod: str) -> tuple[str, str] | None:
+        """The class of `obj.field` where `obj`'s class is known and annotates `field` in its body
+        (a dataclass record's field: `RunParts.trainer: Trainer`)."""
+        if not (isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name)):
+            return None
+        owner = types.get(value.value.id)
+        if owner is None:
+            return None
+        for cmod, cls in self.index.mro(*owner):
+            for item in self.index.modules[cmod].defs[cls].body:
+                if isinstance(item, ast.AnnAssign) and getattr(item.target, "id", None) == value.attr:
+                    return self.class_of(item.annotation, cmod, {})
+        return None
 
     def class_of(
         self, expr, mod: str, local: dict[str, str], returns: bool = False
@@ -244,8 +289,17 @@ class Walk:
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
             base = func.value.id
             receiver_flows = base in tracked and (base in types or (base == "self" and cls))
-        flowing = [i for i, a in enumerate(call.args) if carries(a, tracked)]
-        kws = [k.arg for k in call.keywords if k.arg and carries(k.value, tracked)]
+
+        # an argument carries the value when it is (a chain of) a tracked name, or the result of a
+        # package call that received one: a record packed with it (`fit(build(run))`), or what a
+        # function returned (not a builtin's result: `len(cfg)`)
+        def carried(arg: ast.AST) -> bool:
+            if isinstance(arg, ast.Call) and self.index.resolve_expr(arg.func, mod, local) is not None:
+                return carries(arg, tracked, calls=True)
+            return carries(arg, tracked)
+
+        flowing = [i for i, a in enumerate(call.args) if carried(a)]
+        kws = [k.arg for k in call.keywords if k.arg and carried(k.value)]
         if not (flowing or kws or receiver_flows):
             return []
         target, bound = None, False
@@ -303,6 +357,7 @@ class Walk:
             "descents": len(descents),
             "edges": len(self.edges),
             "unresolved": len(self.unresolved),
+            "returns": len(self.returns),
             "_climbs": climbs,
             "_descents": descents,
         }
