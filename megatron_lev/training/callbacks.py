@@ -325,11 +325,7 @@ class Checkpointer(Callback):
             return
         client = load_checkpoint(trainer.engine, start.root, start.tag)
         st = client.get("train_state", {})
-        trainer.state = TrainState(
-            iteration=int(st["iteration"]),
-            consumed_samples=int(st["consumed_samples"]),
-            consumed_tokens=int(st.get("consumed_tokens", 0)),
-        )
+        trainer.state = TrainState.from_state_dict(st)
         for cb in trainer.callbacks:
             if cb.state_key is not None:
                 cb.load_state_dict(st.get(cb.state_key, {}))
@@ -358,7 +354,7 @@ class Checkpointer(Callback):
             if trainer.rank == 0:
                 log.warning("%s", skip)
             return
-        train_state = {k: v for k, v in vars(trainer.state).items()}
+        train_state = trainer.state.state_dict()
         for cb in trainer.callbacks:
             if cb.state_key is not None:
                 train_state[cb.state_key] = cb.state_dict()

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from megatron_lev.errors import ConfigError
@@ -62,11 +62,27 @@ class TrainResult:
 
 @dataclass
 class TrainState:
-    """What a checkpoint must carry besides model, optimizer and callback states to resume exactly."""
+    """What a checkpoint must carry besides model, optimizer and callback states to resume exactly.
+    A new field is saved and restored with no other change (`state_dict` / `from_state_dict`); a
+    checkpoint saved before the field existed restores its default."""
 
     iteration: int = 0
     consumed_samples: int = 0
     consumed_tokens: int = 0
+
+    REQUIRED = ("iteration", "consumed_samples")  # every checkpoint has these: a missing one is damage
+
+    def state_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> TrainState:
+        """The state a checkpoint's `train_state` records (a KeyError where a required field is
+        missing); fields an older checkpoint lacks take their defaults."""
+        missing = [k for k in cls.REQUIRED if k not in state]
+        if missing:
+            raise KeyError(f"the checkpoint's train_state has no {', '.join(missing)}")
+        return cls(**{f.name: int(state[f.name]) for f in fields(cls) if f.name in state})
 
 
 @dataclass
