@@ -163,7 +163,7 @@ class Study:
         for n in stages:
             if self.max_stage is not None and n > self.max_stage:
                 break
-            steps += self.grid.run_steps(
+            stage = self.grid.run_steps(
                 run.name,
                 run.variant,
                 self.run_dir(run),
@@ -174,8 +174,10 @@ class Study:
                 stage=stage_suffix(n),
                 tag=tag_for(n),
             )
-            if self.spec.cooldown:  # before the next stage moves on from this stage's checkpoint
-                steps += self.cooldown_steps(run, n)
+            # the branch right after the stage's training (before the next stage moves on from its
+            # checkpoint), and evaluated before the stage: a session that stops early keeps the branch
+            cool = self.cooldown_steps(run, n) if self.spec.cooldown else []
+            steps += stage[:1] + cool + stage[1:]
         return steps
 
     def cooldown_steps(self, run: StudyRun, stage: int) -> list[Step]:

@@ -46,11 +46,15 @@ def test_each_stage_is_followed_by_its_branch_from_its_own_checkpoint(tmp_path):
     per_stage = [
         f"{k}-{run.name}{s}"
         for n in BUDGET_STAGES
-        for s in (f"-i{n}", f"-cool-i{n}")
-        for k in ("train", "convert", "evaluate")
+        for k, s in (
+            ("train", f"-i{n}"),
+            *((k, f"-cool-i{n}") for k in ("train", "convert", "evaluate")),
+            ("convert", f"-i{n}"),
+            ("evaluate", f"-i{n}"),
+        )
     ]
-    # the stage run's geometry follows its last stage, before that stage's branch
-    assert names == [*per_stage[:-3], f"geometry-{run.name}", *per_stage[-3:]]
+    # each stage trains, then its branch trains and is evaluated, then the stage is; geometry last
+    assert names == [*per_stage, f"geometry-{run.name}"]
     steps = {s.name: s for s in study.run_steps(run)}
     n = BUDGET_STAGES[1]
     branch = study.out / "runs" / f"{run.name}-cool-i{n}"
@@ -72,7 +76,7 @@ def test_each_stage_is_followed_by_its_branch_from_its_own_checkpoint(tmp_path):
 def test_max_stage_runs_the_first_stages_only_and_refuses_another_number(tmp_path):
     run = study_plan("cooldown")[0]
     names = [s.name for s in _study(tmp_path, max_stage=2000).run_steps(run)]
-    assert names[-1] == f"evaluate-{run.name}-cool-i2000" and not any("i3000" in n for n in names)
+    assert names[-1] == f"evaluate-{run.name}-i2000" and not any("i3000" in n for n in names)
     assert not any(n.startswith("geometry") for n in names)
     with pytest.raises(ConfigError, match="--max-stage 1500: not a stage"):
         _study(tmp_path, max_stage=1500).run_steps(run)
