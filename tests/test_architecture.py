@@ -658,3 +658,54 @@ def test_a_planted_model_constructor_is_caught(tmp_path):
         },
     )
     assert [r.split(":")[0] for r in model_constructors(root)] == ["megatron_lev/convert/a.py"]
+
+
+# ------------------------------------------------------------------ the phase is passed
+
+
+def session_readers(root: Path) -> list[str]:
+    """Sites outside `parallel/session.py` that read the joined session from afar (`current()`,
+    `_SESSION`) instead of being passed its phase reporter (`phase_reporter()`, called once by the
+    composition root, `training/run.py`)."""
+    session = f"{root.name}.parallel.session"
+    found = []
+    for path in _sources(root):
+        module = module_name(path, root)
+        if module == session:
+            continue
+        where = path.relative_to(root.parent)
+        text = path.read_text()
+        found += [f"{where}: _SESSION" for _ in re.findall(r"\b_SESSION\b", text)[:1]]
+        for _mod, w, node, name in _calls_in(path, root):
+            if name == "current" or (name == "phase_reporter" and module != f"{root.name}.training.run"):
+                found.append(f"{w}:{node.lineno} {name}()")
+    return found
+
+
+def _calls_in(path: Path, root: Path):
+    module, where = module_name(path, root), path.relative_to(root.parent)
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            fn = node.func
+            yield module, where, node, fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+
+
+def test_the_session_phase_is_passed_not_read_from_afar():
+    readers = session_readers(PKG)
+    assert not readers, "pass the phase reporter from training/run.py: " + "; ".join(readers)
+
+
+REPORTER = "from megatron_lev.parallel.session import phase_reporter"
+SESSION = "from megatron_lev.parallel import session"
+
+
+def test_a_planted_session_reader_is_caught(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "parallel/session.py": "_SESSION = None\n\ndef current():\n    return _SESSION\n",
+            "training/run.py": f"{REPORTER}\n\ndef b():\n    return phase_reporter()\n",
+            "ckpt/io.py": f"{SESSION}\n\ndef f():\n    session.current().set_phase('x')\n",
+        },
+    )
+    assert [r.split(":")[0] for r in session_readers(root)] == ["megatron_lev/ckpt/io.py"]

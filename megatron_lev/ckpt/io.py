@@ -15,6 +15,7 @@ import random
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from megatron_lev.ckpt.layout import (
 from megatron_lev.ckpt.provenance import PROVENANCE_FILE
 from megatron_lev.errors import CheckpointDataError
 from megatron_lev.log import get_logger
-from megatron_lev.parallel.session import set_phase
+from megatron_lev.parallel.session import no_phase
 from megatron_lev.utils import dist as ranks
 from megatron_lev.utils.io import (
     DiskFullError,
@@ -206,6 +207,7 @@ def save_checkpoint(
     keep_last: int,
     config_yaml: str | None = None,
     provenance: dict[str, Any] | None = None,
+    phase: Callable[[str], None] = no_phase,
 ) -> Path:
     """Collective: save through the engine (`Engine.save`), then (after a barrier) checksum every file
     into the completion marker, point `latest`, prune. A step that fails on one rank raises on every rank.
@@ -244,7 +246,7 @@ def save_checkpoint(
             except Exception as exc:  # noqa: BLE001 - shared with every rank below
                 error = _save_error(exc, root, path)
     ranks.raise_on_every_rank(error)  # also the barrier: `started` is on disk before any rank writes
-    set_phase(f"saving checkpoint {tag}: writing this rank's files")  # what a peer's timeout names
+    phase(f"saving checkpoint {tag}: writing this rank's files")  # what a peer's timeout names
     try:
         engine.save(root, tag, client_state)
         atomic_save_torch(capture_rng_state(), path / f"rng_state_rank{ranks.rank()}.pt")
@@ -254,7 +256,7 @@ def save_checkpoint(
             atomic_write_json(path / PROVENANCE_FILE, provenance)
     except Exception as exc:  # noqa: BLE001 - a full disk surfaces as OSError or torch's RuntimeError
         error = _save_error(exc, root, path)
-    set_phase(f"saving checkpoint {tag}: its files written, waiting for the other ranks'")
+    phase(f"saving checkpoint {tag}: its files written, waiting for the other ranks'")
     ranks.raise_on_every_rank(error)  # every rank's files are on disk
     saved = time.perf_counter()
     files = file_checksums(path, checkpoint_files(path))

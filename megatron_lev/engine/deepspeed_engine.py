@@ -21,7 +21,7 @@ import contextlib
 import copy
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from megatron_lev.engine.recompute import apply_activation_checkpointing
 from megatron_lev.errors import CheckpointDataError, ConfigError
 from megatron_lev.optim import GuardedAdamW, all_finite, param_groups, squared_norm
 from megatron_lev.parallel.layout import ParallelLayout
-from megatron_lev.parallel.session import set_phase
+from megatron_lev.parallel.session import no_phase
 from megatron_lev.plan import RunPlan
 
 GROUP_FILLER = "param_group_filler"
@@ -138,6 +138,7 @@ class DeepSpeedEngine:
         self.device = next(iter(ds_engine.module.parameters())).device
         self.groups = [(name, list(params)) for name, params in groups]  # the optimizer's, by name
         self._probe = None  # engine.step_probe.StepProbe, built at the first measured step
+        self.phase: Callable[[str], None] = no_phase  # set by build_engine: what a save reports
         self.clipper: GradClipper | None = None  # set by build_engine: every step's clipping
         self.last_spike: torch.Tensor | None = None  # the window the last spike was judged against
 
@@ -323,7 +324,7 @@ class DeepSpeedEngine:
         """Collective: this rank's DeepSpeed files of checkpoint `root/tag` (no `latest` file).
 
         DeepSpeed's checkpoint engine commits once a rank's files are written, before the save's last
-        barrier: the rank's phase then says so (`parallel.session.set_phase`), so a peer's timeout in
+        barrier: the rank's phase then says so (`self.phase`), so a peer's timeout in
         that barrier can tell a rank still writing (slow) from one waiting."""
         ckpt_engine = getattr(self.ds_engine, "checkpoint_engine", None)
         commit = getattr(ckpt_engine, "commit", None)
@@ -331,7 +332,9 @@ class DeepSpeedEngine:
         if commit is not None:
 
             def committed(*args, **kwargs):
-                set_phase(f"saving checkpoint {tag}: this rank's files written, waiting for the other ranks'")
+                self.phase(
+                    f"saving checkpoint {tag}: this rank's files written, waiting for the other ranks'"
+                )
                 return commit(*args, **kwargs)
 
             ckpt_engine.commit = committed
@@ -443,7 +446,9 @@ def _quiet_deepspeed_logger(deepspeed) -> None:
         logger.addFilter(_UntestedOptimizerNotice())
 
 
-def build_engine(plan: RunPlan, model: nn.Module, layout: ParallelLayout) -> DeepSpeedEngine:
+def build_engine(
+    plan: RunPlan, model: nn.Module, layout: ParallelLayout, phase: Callable[[str], None] = no_phase
+) -> DeepSpeedEngine:
     """`DeepSpeedEngine` over `model`, from the `RunPlan` (its DeepSpeed JSON and batch layout, derived
     once by `plan.validate_run`) and this rank's `layout` (`parallel.state`; DeepSpeed's `mpu`
     and the clipper read it).
@@ -482,6 +487,7 @@ def build_engine(plan: RunPlan, model: nn.Module, layout: ParallelLayout) -> Dee
     engine = DeepSpeedEngine(
         ds_engine, optimizer, cfg, pipeline=pipeline, gas=plan.gas, groups=named_groups, layout=layout
     )
+    engine.phase = phase  # what this rank's saves report (`parallel.session.phase_reporter`)
     engine.clipper = GradClipper(
         ds_engine,
         optimizer,

@@ -62,17 +62,25 @@ class Session:
     heartbeat: Heartbeat | None
     saved_timeouts: dict[str, object]
 
+    def set_phase(self, phase: str) -> None:
+        """What this rank is doing now, for a peer's diagnosis of a timeout (`Heartbeat.set_phase`); a
+        no-op without a heartbeat."""
+        if self.heartbeat is not None:
+            self.heartbeat.set_phase(phase)
+
 
 _SESSION: Session | None = None
 _LEFT_GROUP = False  # `shutdown` left a group of several ranks: `end_process` skips finalization
 
 
-def set_phase(phase: str) -> None:
-    """What this rank is doing now, for a peer's diagnosis of a timeout (`Heartbeat.set_phase`); a
-    no-op without a heartbeat."""
-    session = _SESSION
-    if session is not None and session.heartbeat is not None:
-        session.heartbeat.set_phase(phase)
+def no_phase(phase: str) -> None:
+    """A phase reporter for code that runs without a session (tests, tools): says nothing."""
+
+
+def phase_reporter() -> Callable[[str], None]:
+    """The joined session's `set_phase` (no_phase without one): the composition root takes it once and
+    passes it to what reports its phase (the trainer, the engine's save, `ckpt.io.save_checkpoint`)."""
+    return _SESSION.set_phase if _SESSION is not None else no_phase
 
 
 def current() -> Session | None:

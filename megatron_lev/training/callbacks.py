@@ -28,7 +28,6 @@ import torch
 from megatron_lev.ckpt.io import load_checkpoint, save_checkpoint
 from megatron_lev.ckpt.layout import tag_for
 from megatron_lev.log import get_logger
-from megatron_lev.parallel.session import set_phase
 from megatron_lev.training.health import (
     AllStepsSkipped,
     NonFiniteWeights,
@@ -359,7 +358,9 @@ class Checkpointer(Callback):
             if cb.state_key is not None:
                 train_state[cb.state_key] = cb.state_dict()
         client = {"train_state": train_state}  # the config is the tag's config.yaml (record), not a copy here
-        set_phase(f"saving checkpoint {tag_for(trainer.state.iteration)}")  # named if a peer times out
+        trainer.set_phase(
+            f"saving checkpoint {tag_for(trainer.state.iteration)}"
+        )  # named if a peer times out
         save_checkpoint(
             trainer.engine,
             self.save_dir,
@@ -368,8 +369,9 @@ class Checkpointer(Callback):
             self.keep_last,
             config_yaml=trainer.cfg.to_yaml(),
             provenance=self.provenance,
+            phase=trainer.set_phase,
         )
-        set_phase(f"saved checkpoint {tag_for(trainer.state.iteration)}")
+        trainer.set_phase(f"saved checkpoint {tag_for(trainer.state.iteration)}")
         self.saved_at = trainer.state.iteration
 
     def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:

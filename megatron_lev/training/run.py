@@ -39,6 +39,7 @@ from megatron_lev.log import get_logger, setup_logging
 from megatron_lev.model.embeddings.base import find_input_embedding
 from megatron_lev.parallel import state
 from megatron_lev.parallel.layout import SINGLE, ParallelLayout
+from megatron_lev.parallel.session import phase_reporter
 from megatron_lev.plan import RunPlan
 from megatron_lev.training.callbacks import (
     Checkpointer,
@@ -238,7 +239,8 @@ def build(
     log_model(plan, n_params, budget)
     embedding = find_input_embedding(model)
     probe = EmbeddingProbe(embedding) if embedding is not None else None
-    engine = build_engine(plan, model, run.layout)
+    phase = phase_reporter()  # the session's: what this rank is doing, for a peer's diagnosis
+    engine = build_engine(plan, model, run.layout, phase)
     data = build_data(run, plan, budget, start, tokenizer, run.allow_changes, n_params)
     writer = MetricsWriter(run.out, enabled=run.rank == 0, tensorboard=cfg.logging.tensorboard)
     checkpointer = Checkpointer.from_config(cfg.train, run.save_dir, load_dir)
@@ -259,6 +261,7 @@ def build(
         device=run.device,
         save_dir=run.save_dir,
         load_dir=load_dir,
+        phase=phase,
     )
     return RunParts(trainer, checkpointer, start.resume, writer, n_params)
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_lev.config import RunConfig
 from megatron_lev.engine import Engine
 from megatron_lev.log import get_logger
-from megatron_lev.parallel.session import set_phase
+from megatron_lev.parallel.session import no_phase
 from megatron_lev.training.health import NonFiniteWeights
 from megatron_lev.training.hooks import Callback, Control, StepRecord, TrainResult, TrainState
 from megatron_lev.training.metrics import perplexity
@@ -56,8 +56,10 @@ class Trainer:
         device: torch.device,
         save_dir: str | None = None,
         load_dir: str | None = None,
+        phase: Callable[[str], None] = no_phase,
     ) -> None:
         self.cfg, self.engine, self.budget, self.data = cfg, engine, budget, data
+        self.set_phase = phase  # what this rank is doing, for a peer's diagnosis (`parallel.session`)
         self.world_size, self.device = world_size, device
         self.save_dir, self.load_dir = save_dir, load_dir  # named in messages (the checkpointer has its own)
         self.callbacks = sorted(callbacks, key=lambda cb: cb.order)  # stable: list order within an order
@@ -170,7 +172,7 @@ class Trainer:
         return {"loss": loss, "ppl": perplexity(loss)}
 
     def validate(self, iteration: int) -> None:
-        set_phase(f"validation at iteration {iteration}")
+        self.set_phase(f"validation at iteration {iteration}")
         metrics = self.evaluate()
         if metrics is not None:
             self._call("on_validation", iteration, metrics)
@@ -188,7 +190,7 @@ class Trainer:
             batches = self.data.train(self.state.consumed_samples) if not control.stop else None
             while not control.stop and self.state.iteration < total_iters:
                 it = self.state.iteration + 1
-                set_phase(f"training step {it}")  # named if a peer's collective times out
+                self.set_phase(f"training step {it}")  # named if a peer's collective times out
                 self._call("on_step_begin", it)
                 start = time.perf_counter()
                 self.pending.append(self.device_step(batches))
