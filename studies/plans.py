@@ -18,6 +18,7 @@ the same output directory (distinct step names), so an interrupted study resumes
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -232,6 +233,19 @@ COOLDOWN_GROUPS: tuple[Group, ...] = (
     ("LEV", "lev", REGIME_SEEDS[:2], (*_constant_rate(LEV_SETTING), LOGITS_LOSS)),
 )
 
+BUDGET_PLAN = Plan(
+    "budget",
+    REGIME_CONFIG,
+    BUDGET_GROUPS,
+    REGIME_SEEDS,
+    tokenizer_hint="tokenizers/gpt-neox-20b.json",
+    lambada=False,
+    about="the regime's TIED and LEV at 4x the tokens, constant rate, evaluated at 1k-4k steps",
+    max_chars_per_subset=BUDGET_MAX_CHARS,
+    stages=BUDGET_STAGES,
+    tokens_per_step=REGIME_TOKENS_PER_STEP,
+)
+
 PLANS: dict[str, Plan] = {
     "study": Plan(
         "study", STUDY_CONFIG, GROUPS, SEEDS, about="the small grid's variants with seeds and LEV controls"
@@ -289,29 +303,12 @@ PLANS: dict[str, Plan] = {
         lambada=False,
         about="UNTIED without clipping, UNTIED and TIED at Adam's eps 1e-10, LEV-EPS seed 1235",
     ),
-    "budget": Plan(
-        "budget",
-        REGIME_CONFIG,
-        BUDGET_GROUPS,
-        REGIME_SEEDS,
-        tokenizer_hint="tokenizers/gpt-neox-20b.json",
-        lambada=False,
-        about="the regime's TIED and LEV at 4x the tokens, constant rate, evaluated at 1k-4k steps",
-        max_chars_per_subset=BUDGET_MAX_CHARS,
-        stages=BUDGET_STAGES,
-        tokens_per_step=REGIME_TOKENS_PER_STEP,
-    ),
-    "cooldown": Plan(
-        "cooldown",
-        REGIME_CONFIG,
-        COOLDOWN_GROUPS,
-        REGIME_SEEDS,
-        tokenizer_hint="tokenizers/gpt-neox-20b.json",
-        lambada=False,
+    "budget": BUDGET_PLAN,
+    "cooldown": dataclasses.replace(
+        BUDGET_PLAN,
+        name="cooldown",
+        groups=COOLDOWN_GROUPS,
         about="the budget plan's runs on two seeds, each stage also cooled down (WSD over 10% of its steps)",
-        max_chars_per_subset=BUDGET_MAX_CHARS,
-        stages=BUDGET_STAGES,
-        tokens_per_step=REGIME_TOKENS_PER_STEP,
         cooldown=COOLDOWN_SHARE,
     ),
     "order": Plan(

@@ -329,11 +329,16 @@ def _calls(root: Path):
     """(module, path relative to the package's parent, call node, the called name) of every call in
     every module under `root`: what the site checks below walk."""
     for path in _sources(root):
-        module, where = module_name(path, root), path.relative_to(root.parent)
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Call):
-                fn = node.func
-                yield module, where, node, fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+        yield from _calls_in(path, root)
+
+
+def _calls_in(path: Path, root: Path):
+    """`_calls` of one module."""
+    module, where = module_name(path, root), path.relative_to(root.parent)
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            fn = node.func
+            yield module, where, node, fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
 
 
 def state_readers(root: Path, allowed=STATE_USERS) -> list[str]:
@@ -648,16 +653,18 @@ def test_the_package_builds_models_from_a_spec_and_no_code_fakes_a_run():
 GPT = "from megatron_lev.model.gpt import GPTModel"
 
 
+def _flagged_files(tmp_path: Path, files: dict[str, str], finder) -> list[str]:
+    """The files `finder` flags in a planted tree of `files`."""
+    return [r.split(":")[0] for r in finder(_tree(tmp_path, files))]
+
+
 def test_a_planted_model_constructor_is_caught(tmp_path):
-    root = _tree(
-        tmp_path,
-        {
-            "model/gpt.py": "class GPTModel:\n    pass\n\ndef f():\n    return GPTModel()\n",
-            "engine/build.py": f"{GPT}\n\ndef b(s):\n    return GPTModel(s)\n",
-            "convert/a.py": f"{GPT}\n\ndef f(c):\n    return GPTModel(c, 8)\n",
-        },
-    )
-    assert [r.split(":")[0] for r in model_constructors(root)] == ["megatron_lev/convert/a.py"]
+    files = {
+        "model/gpt.py": "class GPTModel:\n    pass\n\ndef f():\n    return GPTModel()\n",
+        "engine/build.py": f"{GPT}\n\ndef b(s):\n    return GPTModel(s)\n",
+        "convert/a.py": f"{GPT}\n\ndef f(c):\n    return GPTModel(c, 8)\n",
+    }
+    assert _flagged_files(tmp_path, files, model_constructors) == ["megatron_lev/convert/a.py"]
 
 
 # ------------------------------------------------------------------ the phase is passed
@@ -682,14 +689,6 @@ def session_readers(root: Path) -> list[str]:
     return found
 
 
-def _calls_in(path: Path, root: Path):
-    module, where = module_name(path, root), path.relative_to(root.parent)
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Call):
-            fn = node.func
-            yield module, where, node, fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
-
-
 def test_the_session_phase_is_passed_not_read_from_afar():
     readers = session_readers(PKG)
     assert not readers, "pass the phase reporter from training/run.py: " + "; ".join(readers)
@@ -700,12 +699,9 @@ SESSION = "from megatron_lev.parallel import session"
 
 
 def test_a_planted_session_reader_is_caught(tmp_path):
-    root = _tree(
-        tmp_path,
-        {
-            "parallel/session.py": "_SESSION = None\n\ndef current():\n    return _SESSION\n",
-            "training/run.py": f"{REPORTER}\n\ndef b():\n    return phase_reporter()\n",
-            "ckpt/io.py": f"{SESSION}\n\ndef f():\n    session.current().set_phase('x')\n",
-        },
-    )
-    assert [r.split(":")[0] for r in session_readers(root)] == ["megatron_lev/ckpt/io.py"]
+    files = {
+        "parallel/session.py": "_SESSION = None\n\ndef current():\n    return _SESSION\n",
+        "training/run.py": f"{REPORTER}\n\ndef b():\n    return phase_reporter()\n",
+        "ckpt/io.py": f"{SESSION}\n\ndef f():\n    session.current().set_phase('x')\n",
+    }
+    assert _flagged_files(tmp_path, files, session_readers) == ["megatron_lev/ckpt/io.py"]
