@@ -224,3 +224,10 @@ def test_a_checkpoint_spread_wider_than_the_trend_leaves_it_unresolved_and_two_s
     )
     assert found is not None and float(found[1]) == pytest.approx(0.105, abs=0.005) and float(found[2]) > 0
     assert "(Student t, 1 df): the gap grows when cooled" in page
+
+
+def test_the_committed_cooled_page_is_that_of_the_committed_raw_files(tmp_path):
+    from studies import cooldown_report as cr
+    from tests.experiments.committed import assert_pages_regenerate
+
+    assert_pages_regenerate(cr.write_cooldown_report, "cooldown", cr.PAGES, tmp_path, plots=False)
