@@ -8,6 +8,7 @@ python -m studies report results/cooldown/raw docs/results/cooldown   # cooled.m
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from pathlib import Path
@@ -37,13 +38,20 @@ WINDOW = 300  # the trainer's validations in the last WINDOW steps before a stag
 Z = 1.96
 
 
-def _has(raw: Path, run: str, stage: int, kind: str) -> bool:
-    return (raw / run / f"eval{KINDS[kind]}{stage_suffix(stage)}.json").is_file()
+def _path(raw: Path, run: str, stage: int, kind: str) -> Path:
+    return raw / run / f"eval{KINDS[kind]}{stage_suffix(stage)}.json"
+
+
+@functools.lru_cache(maxsize=32)
+def _read(path: Path, mtime_ns: int) -> dict:
+    """An evaluation file, read once however many slices and buckets the report takes from it."""
+    return read_raw_json(path)
 
 
 def _result(raw: Path, run: str, stage: int, kind: str, corpus: str = "mmidx") -> dict:
-    path = raw / run / f"eval{KINDS[kind]}{stage_suffix(stage)}.json"
-    found = next((r for r in read_raw_json(path).get("results", []) if r.get("corpus_kind") == corpus), None)
+    path = _path(raw, run, stage, kind)
+    mtime = path.stat().st_mtime_ns if path.is_file() else 0
+    found = next((r for r in _read(path, mtime).get("results", []) if r.get("corpus_kind") == corpus), None)
     if found is None:
         raise DataError(f"{path}: no {corpus} result")
     return found
@@ -55,7 +63,9 @@ def seeds_and_stages(raw: Path) -> dict[int, tuple[int, ...]]:
     out = {}
     for seed in SEEDS:
         runs = (f"tied-s{seed}", f"lev-s{seed}")
-        stages = tuple(n for n in PLAN.stages if all(_has(raw, r, n, kind) for r in runs for kind in KINDS))
+        stages = tuple(
+            n for n in PLAN.stages if all(_path(raw, r, n, kind).is_file() for r in runs for kind in KINDS)
+        )
         if stages:
             out[seed] = stages
     if not out:
@@ -111,7 +121,7 @@ def seed_curve(raw: Path, seed: int, stages, band=None, corpus: str = "mmidx") -
     def boot(t, d):
         return d[idx].sum(axis=1) / np.maximum(t[idx].sum(axis=1), 1e-300)
 
-    out: dict = {"stages": list(stages), "tokens": float(per["constant"][0][0].sum())}
+    out: dict = {"stages": list(stages)}
     boots = {}
     for kind, arrays in per.items():
         out[kind] = [point(t, d) for t, d in arrays]

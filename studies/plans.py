@@ -226,7 +226,8 @@ BUDGET_GROUPS: tuple[Group, ...] = (
 # runs): the budget plan's runs, the same commands, on its seed and one more; from each stage's
 # checkpoint a branch decays the rate to the floor over 10% of the stage's steps (WSD, linear), and
 # the branch is evaluated by band as the stage is. The budget's runs computed the loss through the
-# logits, so these do too: seed 1234's stages are then the budget's runs again, step for step.
+# logits, so these do too: seed 1234's stages are the budget's commands (on this code their losses
+# match the budget's to about 1e-7, not bit for bit; docs/results/cooldown/README.md).
 COOLDOWN_SHARE = 0.1
 COOLDOWN_GROUPS: tuple[Group, ...] = (
     ("TIED", "tied", REGIME_SEEDS[:2], (*_constant_rate(TIED_SETTING), LOGITS_LOSS)),
@@ -360,10 +361,10 @@ def cooldown_name(run: StudyRun | str, iterations: int) -> str:
 def run_step_names(run: StudyRun, plan: str | Plan = "study") -> dict[str, str]:
     """{marker label: step name} of one run: `train`, `convert`, `evaluate`, `geometry`, or for a
     staged plan each of the first three per stage (`train-i2000`, ...) and `geometry` once."""
-    stages = get_plan(plan).stages
+    spec = get_plan(plan)
+    stages = spec.stages
     if not stages:
         return {kind: f"{kind}-{run.name}" for kind in RUN_STEPS}
-    spec = get_plan(plan)
     names = {
         f"{kind}{stage_suffix(n)}": f"{kind}-{run.name}{stage_suffix(n)}"
         for n in stages

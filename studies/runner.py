@@ -65,6 +65,11 @@ class Study:
                 f"the {spec.name} plan uses a given tokenizer: pass --tokenizer "
                 f"<shared data>/{spec.tokenizer_hint}"
             )
+        if self.max_stage is not None and self.max_stage not in spec.stages:
+            raise ConfigError(
+                f"--max-stage {self.max_stage}: not a stage of the {spec.name} plan "
+                + (f"({', '.join(map(str, spec.stages))})" if spec.stages else "(it has no stages)")
+            )
         chars = spec.max_chars_per_subset
         sized = {} if chars is None else {"max_chars_per_subset": chars}
         self.grid = SmallGrid(
@@ -150,11 +155,6 @@ class Study:
             )
         if stages != tuple(stages[0] * (k + 1) for k in range(len(stages))):
             raise ConfigError(f"the {self.spec.name} plan's stages {stages} are not evenly spaced")
-        if self.max_stage is not None and self.max_stage not in stages:
-            raise ConfigError(
-                f"--max-stage {self.max_stage}: not a stage of the {self.spec.name} plan "
-                f"({', '.join(map(str, stages))})"
-            )
         length = (
             f"train.train_tokens={stages[-1] * self.spec.tokens_per_step}",
             f"train.exit_interval={stages[0]}",

@@ -34,7 +34,7 @@ from megatron_lev.errors import ConfigError
 from megatron_lev.model.embeddings import REGISTRY, embedding_class
 from megatron_lev.model.vocab import padded_vocab_size
 from megatron_lev.plan.ds_config import batch_layout, build_ds_config, data_parallel_size
-from megatron_lev.plan.spec import ModelSpec, document_inputs
+from megatron_lev.plan.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -72,17 +72,7 @@ class RunPlan:
         """What building this run's model reads (`engine.build.build_model`)."""
         if self.padded_vocab is None or self.true_vocab is None:
             raise ValueError("the plan has no vocabulary yet: call plan.with_vocab(tokenizer_vocab) first")
-        p = self.cfg.parallel
-        return ModelSpec(
-            self.cfg.model,
-            self.padded_vocab,
-            self.true_vocab,
-            seed=self.cfg.train.seed,
-            documents=document_inputs(self.cfg.data),
-            partition_method=p.partition_method,
-            tp=p.tensor_model_parallel_size,
-            pp=p.pipeline_model_parallel_size,
-        )
+        return ModelSpec.of(self.cfg, self.padded_vocab, self.true_vocab)
 
     @property
     def save_dir(self) -> str:
@@ -401,17 +391,7 @@ def model_spec(cfg: RunConfig, vocab: int, world: int | None = None) -> ModelSpe
             "model.lev.id_order=frequency ranks token ids by training counts: set model.lev.id_order_counts "
             "to a training split's counts.npy (or data.data_path) to build this model"
         )
-    _model_rules(cfg, world)
+    padded = _model_rules(cfg, world)  # padded and checked already when model.vocab_size fixes it
     cfg = with_id_order_counts(cfg)
     true_vocab = check_vocab(cfg, vocab)
-    p = cfg.parallel
-    return ModelSpec(
-        cfg.model,
-        _vocab_rules(cfg, true_vocab),
-        true_vocab,
-        seed=cfg.train.seed,
-        documents=document_inputs(cfg.data),
-        partition_method=p.partition_method,
-        tp=p.tensor_model_parallel_size,
-        pp=p.pipeline_model_parallel_size,
-    )
+    return ModelSpec.of(cfg, padded or _vocab_rules(cfg, true_vocab), true_vocab)

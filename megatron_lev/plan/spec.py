@@ -36,3 +36,19 @@ class ModelSpec:
     partition_method: str = "parameters"  # parallel.partition_method: blocks over pipeline stages
     tp: int = 1
     pp: int = 1
+
+    @classmethod
+    def of(cls, cfg, padded_vocab: int, true_vocab: int) -> ModelSpec:
+        """The spec of a validated run config's model (`RunConfig`) at these vocabulary sizes: the seed,
+        the document tensors, the partition rule and TP x PP from their sections."""
+        p = cfg.parallel
+        return cls(
+            cfg.model,
+            padded_vocab,
+            true_vocab,
+            seed=cfg.train.seed,
+            documents=document_inputs(cfg.data),
+            partition_method=p.partition_method,
+            tp=p.tensor_model_parallel_size,
+            pp=p.pipeline_model_parallel_size,
+        )

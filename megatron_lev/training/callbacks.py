@@ -358,9 +358,8 @@ class Checkpointer(Callback):
             if cb.state_key is not None:
                 train_state[cb.state_key] = cb.state_dict()
         client = {"train_state": train_state}  # the config is the tag's config.yaml (record), not a copy here
-        trainer.set_phase(
-            f"saving checkpoint {tag_for(trainer.state.iteration)}"
-        )  # named if a peer times out
+        tag = tag_for(trainer.state.iteration)
+        trainer.set_phase(f"saving checkpoint {tag}")  # named if a peer times out
         save_checkpoint(
             trainer.engine,
             self.save_dir,
@@ -371,7 +370,7 @@ class Checkpointer(Callback):
             provenance=self.provenance,
             phase=trainer.set_phase,
         )
-        trainer.set_phase(f"saved checkpoint {tag_for(trainer.state.iteration)}")
+        trainer.set_phase(f"saved checkpoint {tag}")
         self.saved_at = trainer.state.iteration
 
     def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:

@@ -80,6 +80,10 @@ def test_max_stage_runs_the_first_stages_only_and_refuses_another_number(tmp_pat
     assert not any(n.startswith("geometry") for n in names)
     with pytest.raises(ConfigError, match="--max-stage 1500: not a stage"):
         _study(tmp_path, max_stage=1500).run_steps(run)
+    with pytest.raises(
+        ConfigError, match="--max-stage 1000: not a stage of the study plan .it has no stages"
+    ):
+        Study(tmp_path / "pile", tmp_path / "study", plan="study", max_stage=1000)
     lane = _study(tmp_path, max_stage=2000).lane_command(1, [run])
     assert lane[lane.index("--max-stage") + 1] == "2000"
 
