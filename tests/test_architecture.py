@@ -705,3 +705,38 @@ def test_a_planted_session_reader_is_caught(tmp_path):
         "ckpt/io.py": f"{SESSION}\n\ndef f():\n    session.current().set_phase('x')\n",
     }
     assert _flagged_files(tmp_path, files, session_readers) == ["megatron_lev/ckpt/io.py"]
+
+
+# ------------------------------------------------------------------ the RNG tracker is the model's
+
+
+def process_wide_trackers(root: Path) -> list[str]:
+    """Module-level RNG trackers (an `RNGStatesTracker(...)` assigned at module scope): a tracker is
+    made per model (`parallel.random.tp_rng_tracker`, called by `build_model`) and passed down, so no
+    module keeps one for code elsewhere to read."""
+    found = []
+    for path in _sources(root):
+        where = path.relative_to(root.parent)
+        for node in ast.parse(path.read_text(), str(path)).body:
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            if isinstance(value, ast.Call) and getattr(value.func, "id", "") == "RNGStatesTracker":
+                found.append(f"{where}:{node.lineno} a module-level RNGStatesTracker")
+    return found
+
+
+def test_no_rng_tracker_is_process_wide():
+    trackers = process_wide_trackers(PKG)
+    assert not trackers, "make the tracker per model (tp_rng_tracker) and pass it: " + "; ".join(trackers)
+
+
+TRACKER = "from megatron_lev.parallel.random import RNGStatesTracker"
+
+
+def test_a_planted_process_wide_tracker_is_caught(tmp_path):
+    files = {
+        "parallel/random.py": (
+            "class RNGStatesTracker:\n    pass\n\ndef t():\n    return RNGStatesTracker()\n"
+        ),
+        "model/a.py": f"{TRACKER}\n\n_T = RNGStatesTracker()\n",
+    }
+    assert _flagged_files(tmp_path, files, process_wide_trackers) == ["megatron_lev/model/a.py"]

@@ -9,13 +9,17 @@ before the engine loads.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pickle
 import random
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ import torch
 from megatron_lev.ckpt.layout import (
     COMPLETE_MARKER,
     CONFIG_FILE,
+    DIGESTS_PREFIX,
     LATEST_FILE,
     STARTED_MARKER,
     checkpoint_files,
@@ -36,11 +41,13 @@ from megatron_lev.ckpt.layout import (
     prune_checkpoints,
     read_latest,
     read_marker,
+    share_checksums,
     tag_for,
 )
 from megatron_lev.ckpt.provenance import PROVENANCE_FILE
 from megatron_lev.errors import CheckpointDataError
 from megatron_lev.log import get_logger
+from megatron_lev.parallel.random import RNGStatesTracker
 from megatron_lev.parallel.session import no_phase
 from megatron_lev.utils import dist as ranks
 from megatron_lev.utils.io import (
@@ -56,11 +63,10 @@ _LOW_SPACE = 16 << 20  # bytes: after a failed write, less than this free means 
 log = get_logger(__name__)
 
 
-def capture_rng_state() -> dict[str, Any]:
+def capture_rng_state(tracker: RNGStatesTracker | None = None) -> dict[str, Any]:
     """Every RNG a training step may draw from, for this rank, as tensors and plain numbers
-    (so the file loads with `torch.load(weights_only=True)`)."""
-    from megatron_lev.parallel.random import get_rng_tracker
-
+    (so the file loads with `torch.load(weights_only=True)`): the process's streams and the model's
+    `tracker` (`model.rng`; None for a model without one)."""
     version, py_state, gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     return {
@@ -79,13 +85,18 @@ def capture_rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         # this rank's device only: a resume may see another number of GPUs per task than the save did
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": get_rng_tracker().get_states(),
+        "tracker": tracker.get_states() if tracker is not None else {},
     }
 
 
-def restore_rng_state(states: dict[str, Any]) -> None:
-    from megatron_lev.parallel.random import get_rng_tracker
+def model_rng(engine) -> RNGStatesTracker | None:
+    """The RNG tracker of the model `engine` trains (`model.rng`, made by `engine.build_model`); None
+    for a model built without one."""
+    return getattr(getattr(engine, "module", None), "rng", None)
 
+
+def restore_rng_state(states: dict[str, Any], tracker: RNGStatesTracker | None = None) -> None:
+    """Set the process's streams and the model's `tracker` to what `capture_rng_state` recorded."""
     py = states["python"]
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
     npy = states["numpy"]
@@ -99,8 +110,8 @@ def restore_rng_state(states: dict[str, Any]) -> None:
             here = torch.cuda.current_device()
             cuda = cuda[here] if here < len(cuda) else cuda[0]
         torch.cuda.set_rng_state(cuda)
-    if states.get("tracker"):
-        get_rng_tracker().set_states(states["tracker"])
+    if states.get("tracker") and tracker is not None:
+        tracker.set_states(states["tracker"])
 
 
 def load_rng_file(path: str | PathLike) -> dict[str, Any]:
@@ -214,6 +225,62 @@ def save_checkpoint(
 
     `config_yaml` and `provenance` (`ckpt.provenance`: the data and tokenizer the weights were trained
     on) are written by rank 0 into the tag directory, covered by the marker's checksums."""
+    return begin_save(engine, root, iteration, client_state, keep_last, config_yaml, provenance, phase).wait()
+
+
+@dataclass
+class PendingSave:
+    """A save whose files every rank has written; its completion may still be running on a background
+    thread: every rank checksums its share of the files, and rank 0 merges the shares into the
+    `complete` marker, points `latest` and prunes. Until it ends the tag is not complete, so nothing
+    reads it and a resume takes the checkpoint before.
+
+    `wait()` is collective: every rank calls it (before the next save, and when training ends); a
+    completion that failed on any rank raises on every rank."""
+
+    path: Path
+    completion: Future  # this rank's part; rank 0's result is the seconds the completion took
+    started: float  # perf_counter at the save's start
+    written: float  # perf_counter when every rank's files were on disk
+    stop: threading.Event = field(default_factory=threading.Event)  # set by `abandon`
+
+    def done(self) -> bool:
+        return self.completion.done()
+
+    def wait(self) -> Path:
+        ranks.raise_on_every_rank(self.completion.exception())
+        if ranks.rank() == 0:
+            log.info(
+                "saved checkpoint %s: files written in %.1fs, completed (checksums, latest) in %.2fs",
+                self.path,
+                self.written - self.started,
+                self.completion.result(),
+            )
+        return self.path
+
+    def abandon(self) -> BaseException | None:
+        """Not collective (after an exception, when peers may be gone): let this rank's part end without
+        waiting for the others' checksums; its error, if any. The tag stays incomplete unless rank 0
+        had every share."""
+        self.stop.set()
+        return self.completion.exception()
+
+
+def begin_save(
+    engine,
+    root: str | PathLike,
+    iteration: int,
+    client_state: dict[str, Any],
+    keep_last: int,
+    config_yaml: str | None = None,
+    provenance: dict[str, Any] | None = None,
+    phase: Callable[[str], None] = no_phase,
+    background: Executor | None = None,
+) -> PendingSave:
+    """Collective: the first part of `save_checkpoint` (the `started` marker, every rank's files, a
+    barrier), then its completion on rank 0: on `background` (an executor, e.g. one worker thread)
+    when given, so the caller goes on while the checksums run, else here. Call `wait()` on the result
+    before the next save."""
     root = Path(root)
     tag = tag_for(iteration)
     path = root / tag
@@ -234,6 +301,8 @@ def save_checkpoint(
                         log.info("%s was left by an interrupted save: saving it again", path)
                 remove_stale_temps(root, LATEST_FILE)
                 (path / COMPLETE_MARKER).unlink(missing_ok=True)
+                for stale in path.glob(f"{DIGESTS_PREFIX}*.json"):  # a killed background completion's
+                    stale.unlink()
                 atomic_write_json(
                     path / STARTED_MARKER,
                     {
@@ -249,7 +318,7 @@ def save_checkpoint(
     phase(f"saving checkpoint {tag}: writing this rank's files")  # what a peer's timeout names
     try:
         engine.save(root, tag, client_state)
-        atomic_save_torch(capture_rng_state(), path / f"rng_state_rank{ranks.rank()}.pt")
+        atomic_save_torch(capture_rng_state(model_rng(engine)), path / f"rng_state_rank{ranks.rank()}.pt")
         if ranks.rank() == 0 and config_yaml is not None:
             atomic_write_text(path / CONFIG_FILE, config_yaml)
         if ranks.rank() == 0 and provenance is not None:
@@ -258,36 +327,104 @@ def save_checkpoint(
         error = _save_error(exc, root, path)
     phase(f"saving checkpoint {tag}: its files written, waiting for the other ranks'")
     ranks.raise_on_every_rank(error)  # every rank's files are on disk
-    saved = time.perf_counter()
-    files = file_checksums(path, checkpoint_files(path))
-    if ranks.rank() == 0:
+    written = time.perf_counter()
+    pending = PendingSave(path, Future(), start, written)
+    rank, world = ranks.rank(), ranks.world_size()
+    if background is None:  # here: the ranks share the checksums (collective), rank 0 completes
+        files = file_checksums(path, checkpoint_files(path))
         try:
-            atomic_write_json(
-                path / COMPLETE_MARKER,
-                {
-                    "iteration": iteration,
-                    "world_size": ranks.world_size(),
-                    "time": time.time(),
-                    "files": files,
-                },
+            pending.completion.set_result(
+                _finish_save(root, path, iteration, keep_last, files, written) if rank == 0 else 0.0
             )
-            atomic_write_text(root / LATEST_FILE, tag + "\n")
-        except OSError as exc:
-            (path / COMPLETE_MARKER).unlink(missing_ok=True)
-            error = _save_error(exc, root, path)
-        else:
-            try:
-                prune_checkpoints(root, keep_last, current=tag)
-            except OSError as exc:  # the save is complete; old checkpoints stay until the next save
-                log.warning("could not prune old checkpoints under %s (%s)", root, exc)
-    ranks.raise_on_every_rank(error)
-    log.info(
-        "saved checkpoint %s in %.1fs (checksums %.2fs)",
-        path,
-        time.perf_counter() - start,
-        time.perf_counter() - saved,
-    )
-    return path
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by `wait`
+            pending.completion.set_exception(exc)
+        return pending
+    names = checkpoint_files(path)  # every rank's files are on disk: the same list on every rank
+    if rank == 0:
+        args = (root, path, iteration, keep_last, names, world, written, pending.stop)
+        pending.completion = background.submit(_complete_in_background, *args)
+    else:
+        pending.completion = background.submit(_checksum_share, path, names, rank, world)
+    return pending
+
+
+def _digests(path: Path, rank: int) -> Path:
+    return path / f"{DIGESTS_PREFIX}{rank}.json"
+
+
+def _checksum_share(path: Path, names: list[str], rank: int, world: int) -> float:
+    """Every rank, on its background thread: checksum this rank's share of `names` into its digests
+    file (or the error, so rank 0 does not wait for it); raises that error here too."""
+    try:
+        record = {"files": [list(entry) for entry in share_checksums(path, names, rank, world)]}
+    except CheckpointDataError as exc:
+        record = {"error": str(exc)}
+    atomic_write_json(_digests(path, rank), record)
+    if "error" in record:
+        raise CheckpointDataError(record["error"])
+    return 0.0
+
+
+def _complete_in_background(
+    root: Path,
+    path: Path,
+    iteration: int,
+    keep_last: int,
+    names: list[str],
+    world: int,
+    written: float,
+    stop: threading.Event,
+    patience: float = 1800.0,
+) -> float:
+    """Rank 0's background thread: its own share, then every rank's digests file (a peer gone silent
+    for `patience` seconds fails the completion), then `_finish_save`. No collective."""
+    _checksum_share(path, names, 0, world)
+    files: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + patience
+    for rank in range(world):
+        digests = _digests(path, rank)
+        while not digests.is_file():
+            if stop.wait(0.05):
+                raise CheckpointDataError(f"checkpoint {path} was left incomplete: the run ended first")
+            if time.monotonic() > deadline:
+                raise CheckpointDataError(
+                    f"checkpoint {path} was left incomplete: rank {rank} wrote no checksums in "
+                    f"{patience:.0f}s"
+                )
+        record = json.loads(digests.read_text(encoding="utf-8"))
+        if "error" in record:
+            raise CheckpointDataError(f"{record['error']} (on rank {rank})")
+        files.update({n: {"size": size, "sha256": digest} for n, size, digest in record["files"]})
+    seconds = _finish_save(root, path, iteration, keep_last, dict(sorted(files.items())), written)
+    for rank in range(world):
+        _digests(path, rank).unlink(missing_ok=True)
+    return seconds
+
+
+def _finish_save(
+    root: Path, path: Path, iteration: int, keep_last: int, files: dict[str, dict[str, Any]], written: float
+) -> float:
+    """Rank 0, with every file's checksum: the `complete` marker, `latest`, pruning; the seconds since
+    the files were `written`. No collective."""
+    try:
+        atomic_write_json(
+            path / COMPLETE_MARKER,
+            {
+                "iteration": iteration,
+                "world_size": ranks.world_size(),
+                "time": time.time(),
+                "files": files,
+            },
+        )
+        atomic_write_text(root / LATEST_FILE, path.name + "\n")
+    except OSError as exc:
+        (path / COMPLETE_MARKER).unlink(missing_ok=True)
+        raise _save_error(exc, root, path) from exc
+    try:
+        prune_checkpoints(root, keep_last, current=path.name)
+    except OSError as exc:  # the save is complete; old checkpoints stay until the next save
+        log.warning("could not prune old checkpoints under %s (%s)", root, exc)
+    return time.perf_counter() - written
 
 
 def load_checkpoint(engine, root: str | PathLike, tag: str) -> dict[str, Any]:
@@ -298,7 +435,7 @@ def load_checkpoint(engine, root: str | PathLike, tag: str) -> dict[str, Any]:
     rng = load_rng_file(rng_path) if rng_path.is_file() else None  # before DeepSpeed touches anything
     client_state = engine.load(root, tag)
     if rng is not None:
-        restore_rng_state(rng)
+        restore_rng_state(rng, model_rng(engine))
     else:
         log.warning("%s not found (different world size?): RNG streams are not restored", rng_path.name)
     try:

@@ -33,6 +33,9 @@ from megatron_lev.utils.io import TEMP_MARK, sha256_file, temp_owner, temp_write
 
 COMPLETE_MARKER = "complete"
 STARTED_MARKER = "started"
+# a rank's share of a save's checksums, while the save completes in the background (`ckpt.io.begin_save`):
+# `checksums-rank<r>.json`, removed when rank 0 has merged them into the `complete` marker
+DIGESTS_PREFIX = "checksums-rank"
 LATEST_FILE = "latest"
 CONFIG_FILE = "config.yaml"
 _TAG_RE = re.compile(r"^iter_(\d+)$")
@@ -163,22 +166,28 @@ def checkpoint_files(path: str | os.PathLike) -> list[str]:
     for p in path.rglob("*"):
         rel = p.relative_to(path).as_posix()
         if p.is_file() and rel not in (COMPLETE_MARKER, STARTED_MARKER) and TEMP_MARK not in p.name:
-            names.append(rel)
+            if not (rel.startswith(DIGESTS_PREFIX) and rel.endswith(".json")):
+                names.append(rel)
     return sorted(names)
+
+
+def share_checksums(path: str | os.PathLike, names: list[str], rank: int, world: int) -> list[tuple]:
+    """`(name, size, sha256)` of rank `rank`'s share of `names` (every `world`-th file); no collective.
+    A file that cannot be read is a CheckpointDataError naming the checkpoint."""
+    path = Path(path)
+    try:
+        return [(n, os.path.getsize(path / n), sha256_file(path / n)) for n in names[rank::world]]
+    except OSError as exc:
+        raise CheckpointDataError(f"cannot checksum the files of checkpoint {path} ({exc})") from exc
 
 
 def file_checksums(path: str | os.PathLike, names: list[str]) -> dict[str, dict[str, Any]]:
     """Collective: `{name: {"size", "sha256"}}`; each rank hashes every world-size-th file."""
-    path = Path(path)
     mine, error = [], None
     try:
-        mine = [
-            (n, os.path.getsize(path / n), sha256_file(path / n))
-            for n in names[ranks.rank() :: ranks.world_size()]
-        ]
-    except OSError as exc:
-        error = CheckpointDataError(f"cannot checksum the files of checkpoint {path} ({exc})")
-        error.__cause__ = exc
+        mine = share_checksums(path, names, ranks.rank(), ranks.world_size())
+    except CheckpointDataError as exc:
+        error = exc
     ranks.raise_on_every_rank(error)
     return {n: {"size": size, "sha256": digest} for n, size, digest in ranks.gather_lists(mine)}
 

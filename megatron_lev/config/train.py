@@ -91,6 +91,9 @@ class TrainConfig:
     save_interval: int = ranged(0, count("0 saves only at the end", lo=0))  # 0: only at the end
     save_initial: bool = False  # also save the initial weights (iteration 0), e.g. for `geometry`
     keep_last: int = ranged(2, count())
+    # complete a save (the checksums into its `complete` marker, `latest`, pruning) on a background
+    # thread while training goes on; the next save, and the end of training, wait for it
+    async_save: bool = False
     eval_interval: int = ranged(0, count("0 turns evaluation off", lo=0))
     # save and exit (status 0) at every multiple of this many iterations before the last (Megatron's
     # --exit-interval): a long run in stages, each a prefix of it (the same data order and schedule)

@@ -10,6 +10,7 @@ from megatron_lev.engine.pipeline import build_pipeline
 from megatron_lev.errors import ConfigError
 from megatron_lev.model.gpt import GPTModel
 from megatron_lev.parallel.layout import ParallelLayout
+from megatron_lev.parallel.random import tp_rng_tracker
 from megatron_lev.plan.spec import ModelSpec
 
 
@@ -22,6 +23,9 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, topology=None) -> nn.Mo
     The spec was validated and its vocabulary padded where it was made: nothing is checked or derived
     again, but the layout must be the spec's. The padding rows are left out of the loss (see
     `parallel.cross_entropy`).
+
+    Either model carries its RNG tracker as `model.rng` (`parallel.random.tp_rng_tracker(spec.seed,
+    layout)`): its attention dropout and recompute use it, and a checkpoint saves it.
     """
     if (layout.tp, layout.pp) != (spec.tp, spec.pp):
         raise ConfigError(
@@ -33,8 +37,14 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, topology=None) -> nn.Mo
                 else ": call megatron_lev.parallel.state.initialize_model_parallel(tp, pp)"
             )
         )
+    rng = tp_rng_tracker(spec.seed, layout)
     if spec.pp == 1:
         return GPTModel(
-            spec.model, spec.padded_vocab, seed=spec.seed, true_vocab_size=spec.true_vocab, layout=layout
+            spec.model,
+            spec.padded_vocab,
+            seed=spec.seed,
+            true_vocab_size=spec.true_vocab,
+            layout=layout,
+            rng=rng,
         )
-    return build_pipeline(spec, layout, topology)
+    return build_pipeline(spec, layout, topology, rng)

@@ -38,6 +38,7 @@ from megatron_lev.model.head import vocab_parallel_loss
 from megatron_lev.model.loss import lm_loss, real_vocab_size
 from megatron_lev.model.stages import BlockStage, StageSpec, stage_specs
 from megatron_lev.parallel.layout import ParallelLayout
+from megatron_lev.parallel.random import tp_rng_tracker
 from megatron_lev.plan.spec import ModelSpec
 
 STAGE_PREFIX = re.compile(r"^(?:\d+|tied_modules\.[^.]+)\.")  # a PipelineModule's layer (or tied) prefix
@@ -106,8 +107,9 @@ def layer_specs(stages: list[StageSpec]) -> list:
     return out
 
 
-def build_pipeline(spec: ModelSpec, layout: ParallelLayout, topology=None):
-    """A `deepspeed.pipe.PipelineModule` of `spec` (already validated) on `layout`.
+def build_pipeline(spec: ModelSpec, layout: ParallelLayout, topology=None, rng=None):
+    """A `deepspeed.pipe.PipelineModule` of `spec` (already validated) on `layout`, carrying its RNG
+    tracker as `rng` (`rng`, else a new `parallel.random.tp_rng_tracker(spec.seed, layout)`).
 
     The loss keeps `spec.true_vocab` rows of the padded vocabulary. DeepSpeed's topology is the
     layout's (the same rank order) unless `topology` is given.
@@ -119,8 +121,10 @@ def build_pipeline(spec: ModelSpec, layout: ParallelLayout, topology=None):
     m = spec.model
     if topology is None:
         topology = PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
+    if rng is None:
+        rng = tp_rng_tracker(spec.seed, layout)
     stages = stage_specs(
-        m, spec.padded_vocab, spec.seed, spec.documents, layout, spec.true_vocab, m.fused_loss
+        m, spec.padded_vocab, spec.seed, spec.documents, layout, spec.true_vocab, m.fused_loss, rng
     )
     real = real_vocab_size(spec.padded_vocab, spec.true_vocab)
     if m.fused_loss:
@@ -128,16 +132,18 @@ def build_pipeline(spec: ModelSpec, layout: ParallelLayout, topology=None):
     else:
         loss_fn = functools.partial(pipeline_loss, vocab_size=real, layout=layout)
     # each stage seeds itself (layer_seed), so DeepSpeed's own per-layer seeding stays off
-    return PipelineModule(
+    pipe = PipelineModule(
         layers=layer_specs(stages),
         topology=topology,
         loss_fn=loss_fn,
         partition_method=_partition_method(spec.partition_method),
         activation_checkpoint_interval=m.checkpoint_num_layers if m.activation_checkpointing else 0,
-        activation_checkpoint_func=checkpointed,
+        activation_checkpoint_func=functools.partial(checkpointed, rng=rng),
         checkpointable_layers=[BlockStage.__name__],
         seed_layers=False,
     )
+    pipe.rng = rng
+    return pipe
 
 
 def stage_modules(pipe: nn.Module) -> list[nn.Module]:

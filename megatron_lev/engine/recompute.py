@@ -18,6 +18,7 @@ checkpointed run draws the same dropout masks, and gives the same losses and gra
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -28,18 +29,21 @@ from megatron_lev.config import ModelConfig
 from megatron_lev.model.attention import ParallelAttention
 from megatron_lev.model.gpt import GPTModel
 from megatron_lev.model.stages import BlockStage
-from megatron_lev.parallel.random import get_rng_tracker
+from megatron_lev.parallel.random import RNGStatesTracker
 
 
-def checkpointed(function, *args):
+def checkpointed(function, *args, rng: RNGStatesTracker | None = None):
     """Run `function(*args)` without storing its activations; recompute them in backward.
 
-    torch's non-reentrant checkpoint replays the default RNG; this also replays the
-    tensor-parallel RNG stream (attention dropout), so the recomputation draws the same masks.
+    torch's non-reentrant checkpoint replays the default RNG; this also replays the model's
+    tensor-parallel RNG stream (`rng`, the model's tracker: attention dropout), so the recomputation
+    draws the same masks.
     """
     if not torch.is_grad_enabled():
         return function(*args)
-    tracker = get_rng_tracker()
+    if rng is None:
+        return checkpoint(function, *args, use_reentrant=False)
+    tracker = rng
     states = tracker.get_states()
     calls = [0]
 
@@ -62,12 +66,14 @@ def checkpointed(function, *args):
 class CheckpointedStages(nn.Module):
     """Consecutive stages run as one; in training, through `checkpointed` (recomputed in backward).
 
-    Takes and returns what the stages do: a hidden state, or `(h, *document tensors)`.
+    Takes and returns what the stages do: a hidden state, or `(h, *document tensors)`. `rng` is the
+    model's tracker, whose TP stream the recomputation replays.
     """
 
-    def __init__(self, stages: list[nn.Module]):
+    def __init__(self, stages: list[nn.Module], rng: RNGStatesTracker | None = None):
         super().__init__()
         self.stages = nn.ModuleList(stages)
+        self.rng = rng
 
     def _run(self, *inputs):
         x = inputs[0] if len(inputs) == 1 else inputs
@@ -78,7 +84,7 @@ class CheckpointedStages(nn.Module):
     def forward(self, x):
         if not self.training:
             return self._run(x)
-        return checkpointed(self._run, *(x if isinstance(x, tuple) else (x,)))
+        return checkpointed(self._run, *(x if isinstance(x, tuple) else (x,)), rng=self.rng)
 
 
 def apply_activation_checkpointing(model: nn.Module, model_cfg: ModelConfig) -> nn.Module:
@@ -92,7 +98,7 @@ def apply_activation_checkpointing(model: nn.Module, model_cfg: ModelConfig) -> 
     if model_cfg.recompute_attention:  # selective: the attention cores of every block, any model
         for module in model.modules():
             if isinstance(module, ParallelAttention):
-                module.recompute_core = checkpointed
+                module.recompute_core = functools.partial(checkpointed, rng=module.rng)
     if not model_cfg.activation_checkpointing or not isinstance(model, GPTModel):
         return model
     if any(isinstance(stage, CheckpointedStages) for stage in model.stages):
@@ -103,7 +109,7 @@ def apply_activation_checkpointing(model: nn.Module, model_cfg: ModelConfig) -> 
         if not blocks:
             stages += run
             continue
-        groups = (CheckpointedStages(run[i : i + size]) for i in range(0, len(run), size))
+        groups = (CheckpointedStages(run[i : i + size], model.rng) for i in range(0, len(run), size))
         stages += [group.train(model.training) for group in groups]
     model.stages = stages
     return model

@@ -25,7 +25,7 @@ from megatron_lev.model.documents import Documents
 from megatron_lev.model.rotary import RotaryEmbedding, apply_rotary
 from megatron_lev.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_lev.parallel.layout import SINGLE, ParallelLayout
-from megatron_lev.parallel.random import get_rng_tracker
+from megatron_lev.parallel.random import RNGStatesTracker
 
 try:  # optional, CUDA only
     from flash_attn import flash_attn_func, flash_attn_varlen_func
@@ -39,8 +39,19 @@ def use_flash_attention(x: torch.Tensor) -> bool:
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_layers_for_init: int, layout: ParallelLayout = SINGLE):
+    """`rng` is the model's tracker (`parallel.random.tp_rng_tracker`): attention dropout draws from its
+    model-parallel stream, which differs between TP ranks. Without one (a lone module) dropout draws
+    from the default stream."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_layers_for_init: int,
+        layout: ParallelLayout = SINGLE,
+        rng: RNGStatesTracker | None = None,
+    ):
         super().__init__()
+        self.rng = rng
         tp = layout.tp
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.kv_heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -91,7 +102,7 @@ class ParallelAttention(nn.Module):
         separate = documents is not None and documents.separate_attention
         p = self.dropout if self.training else 0.0
         with (
-            get_rng_tracker().fork() if p > 0 else contextlib.nullcontext()
+            self.rng.fork() if p > 0 and self.rng is not None else contextlib.nullcontext()
         ):  # dropout on this rank's own heads
             if use_flash_attention(q) and separate:
                 cu, longest = documents.cu_seqlens()  # every document of every row, end to end

@@ -12,19 +12,27 @@ from megatron_lev.model.documents import Documents
 from megatron_lev.model.mlp import ParallelSwiGLU
 from megatron_lev.model.norm import RMSNorm
 from megatron_lev.parallel.layout import SINGLE, ParallelLayout
-from megatron_lev.parallel.random import seeded
+from megatron_lev.parallel.random import RNGStatesTracker, seeded
 
 
 class TransformerBlock(nn.Module):
-    """`x + attn(norm(x))`, then `+ mlp(norm(x))`. Built from its own seed (see `layer_seed`)."""
+    """`x + attn(norm(x))`, then `+ mlp(norm(x))`. Built from its own seed (see `layer_seed`); `rng` is
+    the model's tracker, whose TP stream attention dropout draws from."""
 
-    def __init__(self, cfg: ModelConfig, layer_index: int, seed: int, layout: ParallelLayout = SINGLE):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_index: int,
+        seed: int,
+        layout: ParallelLayout = SINGLE,
+        rng: RNGStatesTracker | None = None,
+    ):
         super().__init__()
         self.layer_index = layer_index
         self.hidden_dropout = cfg.hidden_dropout
         with seeded(seed):
             self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-            self.attention = ParallelAttention(cfg, cfg.num_layers, layout)
+            self.attention = ParallelAttention(cfg, cfg.num_layers, layout, rng)
             self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
             self.mlp = ParallelSwiGLU(cfg, cfg.num_layers, layout)
 

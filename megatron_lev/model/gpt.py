@@ -32,6 +32,7 @@ from megatron_lev.config import ModelConfig
 from megatron_lev.model.loss import masked_mean, real_vocab_size, token_losses
 from megatron_lev.model.stages import DOCUMENT_TENSORS, stage_specs
 from megatron_lev.parallel.layout import SINGLE, ParallelLayout
+from megatron_lev.parallel.random import RNGStatesTracker, tp_rng_tracker
 
 
 class GPTModel(nn.Module):
@@ -40,6 +41,8 @@ class GPTModel(nn.Module):
     `true_vocab_size` is the tokenizer's vocabulary (default: no padding): the loss masks the
     logits of the padding rows, so every TP size trains the objective of the exported model.
     `layout` (default: one process) is the `ParallelLayout` this rank's shards belong to.
+    `rng` (default: a new one from `seed` and the layout's TP rank) is the model's RNG tracker, kept as
+    `self.rng`: attention dropout draws from its TP stream, and a checkpoint saves it.
 
     `stages` are the built stages in forward order: stage modules, and for a tied head the
     embedding stage's `head_logits`. They are not registered as submodules (their modules are,
@@ -54,14 +57,19 @@ class GPTModel(nn.Module):
         seed: int = 1234,
         true_vocab_size: int | None = None,
         layout: ParallelLayout = SINGLE,
+        rng: RNGStatesTracker | None = None,
     ):
         super().__init__()
         self.cfg, self.vocab_size, self.layout = model_cfg, vocab_size, layout
+        self.rng = rng if rng is not None else tp_rng_tracker(seed, layout)
         self.true_vocab_size = real_vocab_size(vocab_size, true_vocab_size)
         modules: dict[str, nn.Module] = {}  # in stage order: embedding, layers, final_norm, output_head
         shared: dict[str, nn.Module] = {}  # tied_key -> the stage built for its first use
         stages: list[Callable] = []
-        for spec in stage_specs(model_cfg, vocab_size, seed, DOCUMENT_TENSORS, layout, true_vocab_size):
+        specs = stage_specs(
+            model_cfg, vocab_size, seed, DOCUMENT_TENSORS, layout, true_vocab_size, rng=self.rng
+        )
+        for spec in specs:
             if spec.tied_key in shared:  # a second use of a shared stage: the tied head
                 stages.append(getattr(shared[spec.tied_key], spec.tied_forward))
                 continue

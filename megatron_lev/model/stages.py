@@ -35,7 +35,7 @@ from megatron_lev.model.head import VocabParallelHead, vocab_parallel_logits, vo
 from megatron_lev.model.norm import RMSNorm
 from megatron_lev.model.vocab import base_vocab_size
 from megatron_lev.parallel.layout import SINGLE, ParallelLayout
-from megatron_lev.parallel.random import seeded
+from megatron_lev.parallel.random import RNGStatesTracker, seeded
 
 TIED_EMBEDDING = "embedding"  # the tied_key of the input table the head reuses
 DOCUMENT_TENSORS = ("position_ids", "document_ids")  # what may travel beside the hidden state, in order
@@ -122,10 +122,11 @@ class BlockStage(nn.Module):
         seed: int,
         document_inputs: tuple[str, ...] = (),
         layout: ParallelLayout = SINGLE,
+        rng: RNGStatesTracker | None = None,
     ):
         super().__init__()
         self.index, self.document_inputs = index, tuple(document_inputs)
-        block = TransformerBlock(model_cfg, index, layer_seed(seed, "block", index), layout)
+        block = TransformerBlock(model_cfg, index, layer_seed(seed, "block", index), layout, rng)
         self.layers = nn.ModuleDict({str(index): block})
 
     @property
@@ -195,6 +196,7 @@ def stage_specs(
     layout: ParallelLayout = SINGLE,
     true_vocab_size: int | None = None,
     deferred_head: bool = False,
+    rng: RNGStatesTracker | None = None,
 ) -> list[StageSpec]:
     """The model's stages in order (see the module doc); `vocab_size` is the padded size.
 
@@ -203,13 +205,14 @@ def stage_specs(
     `true_vocab_size` (default: every row real) gives the embedding its one-process vocabulary.
     `deferred_head`: the last stage passes the hidden state on (`DeferredHeadStage`, `head_hidden`), for a
     pipeline whose `loss_fn` runs the head fused with the loss.
+    `rng`: the model's tracker (`parallel.random.tp_rng_tracker`), shared by every block's attention.
     """
     tied = embedding_class(model_cfg.embedding).ties_output_head
     base = base_vocab_size(vocab_size, true_vocab_size, model_cfg)
     embedding = (model_cfg, vocab_size, seed, layout, base)
     specs = [StageSpec(EmbeddingStage, embedding, TIED_EMBEDDING if tied else None)]
     specs += [
-        StageSpec(BlockStage, (model_cfg, i, seed, tuple(document_inputs), layout))
+        StageSpec(BlockStage, (model_cfg, i, seed, tuple(document_inputs), layout, rng))
         for i in range(model_cfg.num_layers)
     ]
     specs.append(StageSpec(FinalNormStage, (model_cfg,)))

@@ -5,9 +5,13 @@ Two streams, as in Megatron:
   work (and `init_sharded_`, which draws full tensors) is the same everywhere and
   TP = N initialises exactly like TP = 1;
 - a *model-parallel* stream, seeded `seed + 2718 + tp_rank`, is used (via
-  `get_rng_tracker().fork()`) for randomness that must differ between TP ranks,
-  e.g. dropout on a rank's own attention heads.
+  `rng.fork()`) for randomness that must differ between TP ranks, e.g. dropout on a
+  rank's own attention heads.
 `fork()` swaps the CPU generator, and the current CUDA device's when CUDA is in use.
+
+The model-parallel stream belongs to the model: `engine.build_model` makes one tracker per model
+(`tp_rng_tracker`), hands it to every attention module and to the recompute wrapper, and leaves it
+on the model as `model.rng`, where a checkpoint saves and restores it. No tracker is process-wide.
 """
 
 from __future__ import annotations
@@ -45,10 +49,6 @@ class RNGStatesTracker:
         self.states: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.seeds: set[int] = set()
 
-    def reset(self) -> None:
-        self.states.clear()
-        self.seeds.clear()
-
     def add(self, name: str, seed: int) -> None:
         if name in self.states:
             raise ValueError(f"RNG state {name!r} already exists")
@@ -72,7 +72,7 @@ class RNGStatesTracker:
         """Run the block on the named stream; the default stream is left untouched."""
         if name not in self.states:
             raise KeyError(
-                f"RNG state {name!r} was not added; call model_parallel_manual_seed(seed, layout) first"
+                f"RNG state {name!r} was not added; make the tracker with tp_rng_tracker(seed, layout)"
             )
         saved = _get_state()
         _set_state(self.states[name])
@@ -83,21 +83,19 @@ class RNGStatesTracker:
             _set_state(saved)
 
 
-_TRACKER = RNGStatesTracker()
+def tp_rng_tracker(seed: int, layout: ParallelLayout) -> RNGStatesTracker:
+    """A tracker holding this TP rank's model-parallel stream (`seed + 2718 + layout.tp_rank`); the
+    default streams are left as they are."""
+    tracker = RNGStatesTracker()
+    tracker.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + layout.tp_rank)
+    return tracker
 
 
-def get_rng_tracker() -> RNGStatesTracker:
-    return _TRACKER
-
-
-def model_parallel_manual_seed(seed: int, layout: ParallelLayout) -> None:
-    """Seed the default stream with `seed` (same on all TP ranks) and the TP stream per rank (`layout`'s
-    TP rank)."""
+def manual_seed(seed: int) -> None:
+    """Seed the default streams (CPU, and CUDA when present) with `seed`: the same on every TP rank."""
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed(seed)
-    _TRACKER.reset()
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + layout.tp_rank)
 
 
 @contextlib.contextmanager
@@ -113,13 +111,3 @@ def seeded(seed: int) -> Iterator[None]:
         yield
     finally:
         torch.set_rng_state(saved)
-
-
-def dropout(x: torch.Tensor, p: float, training: bool, tensor_parallel: bool) -> torch.Tensor:
-    """Dropout drawn from the TP stream when `tensor_parallel` (x is a rank's own shard), else the default."""
-    if p == 0.0 or not training:
-        return x
-    if tensor_parallel and MODEL_PARALLEL_RNG in _TRACKER.states:
-        with _TRACKER.fork():
-            return torch.nn.functional.dropout(x, p, True)
-    return torch.nn.functional.dropout(x, p, True)

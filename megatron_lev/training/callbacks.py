@@ -19,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_lev.ckpt.io import load_checkpoint, save_checkpoint
+from megatron_lev.ckpt.io import PendingSave, begin_save, load_checkpoint
 from megatron_lev.ckpt.layout import tag_for
 from megatron_lev.log import get_logger
 from megatron_lev.training.health import (
@@ -292,7 +293,13 @@ class Checkpointer(Callback):
     steps, when asked (`control.save`: before a stop) and at the end (never twice for one iteration),
     keeping the newest `keep_last`; with `save_initial` also the initial weights (iteration 0) before
     the first step. Every callback's `on_before_save` runs before it writes (the guard refuses
-    non-finite weights there)."""
+    non-finite weights there).
+
+    With `async_save` a save returns once every rank's files are written; rank 0 completes it (the
+    checksums into the `complete` marker, `latest`, pruning) on a background thread while the steps go
+    on. The next save, and the end of training, wait for it (collective), so saves complete in order
+    and a run never ends with a save incomplete. Until it completes the tag is not read: a run killed
+    meanwhile resumes from the checkpoint before."""
 
     order = 10
 
@@ -303,6 +310,7 @@ class Checkpointer(Callback):
         save_interval: int,
         keep_last: int,
         save_initial: bool = False,
+        async_save: bool = False,
     ):
         self.save_dir, self.load_dir = save_dir, load_dir
         self.save_interval, self.keep_last = save_interval, keep_last
@@ -310,11 +318,17 @@ class Checkpointer(Callback):
         self.saved_at = -1
         self.provenance: dict | None = None  # `ckpt.provenance` record written with every save
         self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
+        self.async_save = async_save
+        self.pending: PendingSave | None = None  # the last save, until its completion is waited for
+        self._completer: ThreadPoolExecutor | None = None  # async_save: rank 0's completion thread
 
     @classmethod
     def from_config(cls, train: TrainConfig, save_dir: str | None, load_dir: str | None) -> Checkpointer:
-        """The run's checkpointer: `train.save_interval`, `train.keep_last`, `train.save_initial`."""
-        return cls(save_dir, load_dir, train.save_interval, train.keep_last, train.save_initial)
+        """The run's checkpointer: `train.save_interval`, `train.keep_last`, `train.save_initial`,
+        `train.async_save`."""
+        return cls(
+            save_dir, load_dir, train.save_interval, train.keep_last, train.save_initial, train.async_save
+        )
 
     def resume(self, trainer: Trainer, start: StartPoint) -> None:
         """Load the checkpoint `start` names (`training.resume.choose_start`, chosen at the run's set-up)
@@ -359,8 +373,11 @@ class Checkpointer(Callback):
                 train_state[cb.state_key] = cb.state_dict()
         client = {"train_state": train_state}  # the config is the tag's config.yaml (record), not a copy here
         tag = tag_for(trainer.state.iteration)
+        self.wait_for_save(trainer)  # the last one completes first: `latest` and pruning stay in order
         trainer.set_phase(f"saving checkpoint {tag}")  # named if a peer times out
-        save_checkpoint(
+        if self.async_save and self._completer is None:
+            self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-complete")
+        self.pending = begin_save(
             trainer.engine,
             self.save_dir,
             trainer.state.iteration,
@@ -369,13 +386,38 @@ class Checkpointer(Callback):
             config_yaml=trainer.cfg.to_yaml(),
             provenance=self.provenance,
             phase=trainer.set_phase,
+            background=self._completer,
         )
+        if not self.async_save:
+            self.wait_for_save(trainer)
         trainer.set_phase(f"saved checkpoint {tag}")
         self.saved_at = trainer.state.iteration
+
+    def wait_for_save(self, trainer: Trainer) -> None:
+        """Collective: wait until the last save is complete (`PendingSave.wait`; raises on every rank if
+        its completion failed)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            if not pending.done():
+                trainer.set_phase(f"completing checkpoint {pending.path.name}")
+            pending.wait()
 
     def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
         if result.exit_code == 0:
             trainer.save()
+        self.wait_for_save(trainer)
+
+    def on_close(self, trainer: Trainer) -> None:
+        # after an exception too: rank 0's completion runs to its end (no collective here; a completion
+        # that failed leaves its tag incomplete, which a resume passes over)
+        pending, self.pending = self.pending, None
+        if pending is not None and pending.completion is not None:
+            error = pending.completion.exception()
+            if error is not None:
+                log.warning("checkpoint %s did not complete: %s", pending.path, error)
+        if self._completer is not None:
+            self._completer.shutdown(wait=True)
+            self._completer = None
 
 
 # ---------------------------------------------------------------------- validation

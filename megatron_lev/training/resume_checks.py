@@ -45,6 +45,7 @@ FREE_KEYS = frozenset(
         "train.save_interval",
         "train.save_initial",
         "train.keep_last",
+        "train.async_save",
         "train.eval_interval",
         "train.eval_iters",
         "train.exit_interval",

@@ -226,11 +226,11 @@ def build(
 ) -> RunParts:
     """Model (warm-started where asked), engine, data, callbacks, trainer, from `setup`'s final plan."""
     from megatron_lev.model.flops import flops_per_token, parameter_count
-    from megatron_lev.parallel.random import model_parallel_manual_seed
+    from megatron_lev.parallel.random import manual_seed
 
     plan, start, load_dir, tokenizer = run.plan, run.start, run.load_dir, run.tokenizer
     cfg = plan.cfg
-    model_parallel_manual_seed(cfg.train.seed, run.layout)
+    manual_seed(cfg.train.seed)  # the default streams; the model makes its own TP stream (`model.rng`)
     model = build_model(plan.model_spec, run.layout)
     if cfg.train.init_from:
         warm_start(model, plan, run, start, init_weights)

@@ -7,7 +7,6 @@ from megatron_lev.config import load_config
 from megatron_lev.engine.build import build_model
 from megatron_lev.engine.recompute import CheckpointedStages, apply_activation_checkpointing
 from megatron_lev.parallel.layout import SINGLE
-from megatron_lev.parallel.random import model_parallel_manual_seed
 from megatron_lev.plan import model_spec
 
 BASE = [
@@ -25,7 +24,7 @@ def _loss_and_grads(overrides, ids):
     runs = []  # one per block forward: recomputation runs a checkpointed block again in backward
     for block in model.layers:
         block.register_forward_pre_hook(lambda *_: runs.append(1))
-    model_parallel_manual_seed(9, SINGLE)  # the same dropout masks on both runs, from both streams
+    torch.manual_seed(9)  # the same masks on both runs: this stream, and the new model's own TP stream
     loss = model(ids[:, :-1], ids[:, 1:]).mean()
     loss.backward()
     assert len(runs) == len(model.layers) * (2 if cfg.model.activation_checkpointing else 1)

@@ -65,11 +65,21 @@ def test_prune_keeps_the_newest_complete_and_newer_partials(tmp_path):
 
 def test_rng_state_round_trip():
     from megatron_lev.parallel.layout import SINGLE
-    from megatron_lev.parallel.random import model_parallel_manual_seed
+    from megatron_lev.parallel.random import tp_rng_tracker
 
-    model_parallel_manual_seed(7, SINGLE)
-    saved = ckio.capture_rng_state()
-    a = (random.random(), np.random.rand(), torch.rand(3))
-    ckio.restore_rng_state(saved)
-    b = (random.random(), np.random.rand(), torch.rand(3))
-    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+    tracker = tp_rng_tracker(7, SINGLE)  # a model's
+    saved = ckio.capture_rng_state(tracker)
+
+    def draws():
+        with tracker.fork():
+            tp = torch.rand(3)
+        return random.random(), np.random.rand(), torch.rand(3), tp
+
+    a = draws()
+    ckio.restore_rng_state(saved, tracker)
+    b = draws()
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+    other = tp_rng_tracker(8, SINGLE)  # another model's tracker takes the saved stream
+    ckio.restore_rng_state(saved, other)
+    with other.fork():
+        assert torch.equal(torch.rand(3), a[3])
