@@ -7,6 +7,7 @@ from megatron_lev.config import load_config
 from megatron_lev.engine.build import build_model
 from megatron_lev.engine.pipeline import stage_modules
 from megatron_lev.errors import ConfigError
+from megatron_lev.model.attention import ParallelAttention
 from megatron_lev.model.canonical import canonical_state_dict_spec
 from megatron_lev.parallel.layout import SINGLE
 from megatron_lev.plan import model_spec
@@ -78,6 +79,8 @@ def _pipeline_worker(tp, pp, embeddings, extra=()):
     for embedding in embeddings:
         cfg = _config(embedding, tp, pp, extra)
         pipe = build_model(model_spec(cfg, VOCAB, dist.get_world_size()), layout)
+        attention = [m for m in pipe.modules() if isinstance(m, ParallelAttention)]
+        assert attention and all(a.rng is pipe.rng for a in attention)  # the pipeline's own TP stream
         spec = canonical_state_dict_spec(cfg.model, VOCAB, layout)  # names and TP-local shapes map onto it
         for name, param in (kv for stage in stage_modules(pipe) for kv in stage.named_parameters()):
             entry = spec[name]

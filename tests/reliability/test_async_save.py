@@ -68,6 +68,20 @@ def test_a_failed_background_completion_raises_at_the_wait_and_leaves_the_tag_in
     assert ck.resume_candidates(root)[0] == [ck.tag_for(2)]
 
 
+def test_shares_left_by_a_killed_completion_are_not_merged_into_the_tag_saved_again(tmp_path):
+    root = tmp_path / "ckpt"
+    tag = root / ck.tag_for(4)
+    tag.mkdir(parents=True)
+    (tag / ck.STARTED_MARKER).write_text("{}")  # a save of iteration 4 was killed mid-completion
+    for rank in (0, 1):  # a two-rank run's shares; a rerun's rank 0 could read a stale peer's
+        (tag / f"checksums-rank{rank}.json").write_text('{"files": [["stub_rank0.pt", 1, "0"]]}')
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        ckio.begin_save(StubEngine(), root, 4, {}, keep_last=2, background=pool).wait()
+    assert ck.verify_checkpoint(tag) == []  # the new save's own checksums
+    assert not list(tag.glob("checksums-rank*"))
+    assert "checksums-rank0.json" not in ck.checkpoint_files(tag)
+
+
 def _two_ranks_background(root: str, failing_rank: int | None):
     import torch.distributed as dist
 
