@@ -27,7 +27,6 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,16 +89,15 @@ def measure(shape: str, saves: int) -> dict:
             engines.append(timing["engine"])
             sizes.append(sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()))
             sync_steps.append(timed(engine.train_batch, data)[1])
-        with ThreadPoolExecutor(max_workers=1) as pool:  # async_save: the loop waits for less
-            pending = None
-            for i in range(1, saves + 1):
-                waited = timed(pending.wait)[1] if pending is not None else 0.0
-                pending, seconds = timed(
-                    ckio.begin_save, engine, root / "async", i, _client(i), keep_last=1, background=pool
-                )
-                blocked.append(waited + seconds)
-                async_steps.append(timed(engine.train_batch, data)[1])  # beside the completion
-            blocked[-1] += timed(pending.wait)[1]  # what the end of training waits for
+        pending = None  # async_save: the loop waits for less
+        for i in range(1, saves + 1):
+            waited = timed(pending.wait)[1] if pending is not None else 0.0
+            pending, seconds = timed(
+                ckio.begin_save, engine, root / "async", i, _client(i), keep_last=1, background=True
+            )
+            blocked.append(waited + seconds)
+            async_steps.append(timed(engine.train_batch, data)[1])  # beside the completion
+        blocked[-1] += timed(pending.wait)[1]  # what the end of training waits for
     finally:
         shutil.rmtree(root, ignore_errors=True)
     median = statistics.median

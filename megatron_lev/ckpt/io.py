@@ -2,13 +2,16 @@
 
 `save_checkpoint` writes the `started` marker, lets the engine write its files, checksums every
 file into the `complete` marker, points `latest` and prunes (`ckpt.layout`); a step that fails on
-one rank raises on every rank. `load_checkpoint` reads the RNG file with `weights_only=True`
-before the engine loads.
+one rank raises on every rank. `begin_save` is its first part: with `background=True` it returns
+once every rank's files are written and the checksums, the marker, `latest` and pruning run on
+threads (`PendingSave`; `train.async_save`). `load_checkpoint` reads the RNG file with
+`weights_only=True` before the engine loads.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import pickle
@@ -18,7 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -230,40 +233,63 @@ def save_checkpoint(
 
 @dataclass
 class PendingSave:
-    """A save whose files every rank has written; its completion may still be running on a background
-    thread: every rank checksums its share of the files, and rank 0 merges the shares into the
-    `complete` marker, points `latest` and prunes. Until it ends the tag is not complete, so nothing
-    reads it and a resume takes the checkpoint before.
+    """A save whose files every rank has written; its completion may still be running on background
+    threads: every rank checksums its share of the files (`share`), and rank 0 merges the shares into
+    the `complete` marker, points `latest` and prunes (`finish`). Until then the tag is not complete,
+    so nothing reads it and a resume takes the checkpoint before.
 
-    `wait()` is collective: every rank calls it (before the next save, and when training ends); a
-    completion that failed on any rank raises on every rank."""
+    `wait()` is collective: every rank calls it (before the next save, and when training ends). The
+    ranks first agree that every share was written (a rank that could not write its share stops rank
+    0's merge), then on rank 0's merge; a failure on any rank raises on every rank."""
 
     path: Path
-    completion: Future  # this rank's part; rank 0's result is the seconds the completion took
+    share: Future  # this rank's share of the checksums
+    finish: Future | None  # rank 0: the merge, `latest`, pruning; its result is the seconds since `written`
     started: float  # perf_counter at the save's start
     written: float  # perf_counter when every rank's files were on disk
-    stop: threading.Event = field(default_factory=threading.Event)  # set by `abandon`
+    stop: threading.Event = field(default_factory=threading.Event)  # ends rank 0's wait for the shares
 
     def done(self) -> bool:
-        return self.completion.done()
+        return self.share.done() and (self.finish is None or self.finish.done())
 
     def wait(self) -> Path:
-        ranks.raise_on_every_rank(self.completion.exception())
-        if ranks.rank() == 0:
+        try:
+            ranks.raise_on_every_rank(self.share.exception())
+        except BaseException:
+            self.stop.set()  # a share will not come: rank 0's merge stops waiting for it
+            raise
+        ranks.raise_on_every_rank(self.finish.exception() if self.finish is not None else None)
+        if self.finish is not None:
             log.info(
                 "saved checkpoint %s: files written in %.1fs, completed (checksums, latest) in %.2fs",
                 self.path,
                 self.written - self.started,
-                self.completion.result(),
+                self.finish.result(),
             )
         return self.path
 
     def abandon(self) -> BaseException | None:
-        """Not collective (after an exception, when peers may be gone): let this rank's part end without
-        waiting for the others' checksums; its error, if any. The tag stays incomplete unless rank 0
-        had every share."""
+        """Not collective (after an exception, when peers may be gone): stop waiting for other ranks'
+        shares and let this rank's threads end; the first error, if any. The tag stays incomplete unless
+        rank 0 already had every share."""
         self.stop.set()
-        return self.completion.exception()
+        errors = [f.exception() for f in (self.share, self.finish) if f is not None]
+        return next((e for e in errors if e is not None), None)
+
+
+def _in_thread(name: str, fn: Callable[..., Any], *args) -> Future:
+    """Run `fn(*args)` on a new daemon thread (one that never holds up the process's exit: a save left
+    incomplete is never read); its result or exception in the returned future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 def begin_save(
@@ -275,12 +301,11 @@ def begin_save(
     config_yaml: str | None = None,
     provenance: dict[str, Any] | None = None,
     phase: Callable[[str], None] = no_phase,
-    background: Executor | None = None,
+    background: bool = False,
 ) -> PendingSave:
     """Collective: the first part of `save_checkpoint` (the `started` marker, every rank's files, a
-    barrier), then its completion on rank 0: on `background` (an executor, e.g. one worker thread)
-    when given, so the caller goes on while the checksums run, else here. Call `wait()` on the result
-    before the next save."""
+    barrier), then its completion: with `background`, on threads, so the caller goes on while the
+    checksums run; else here. Call `wait()` on the result before the next save."""
     root = Path(root)
     tag = tag_for(iteration)
     path = root / tag
@@ -328,23 +353,24 @@ def begin_save(
     phase(f"saving checkpoint {tag}: its files written, waiting for the other ranks'")
     ranks.raise_on_every_rank(error)  # every rank's files are on disk
     written = time.perf_counter()
-    pending = PendingSave(path, Future(), start, written)
     rank, world = ranks.rank(), ranks.world_size()
-    if background is None:  # here: the ranks share the checksums (collective), rank 0 completes
-        files = file_checksums(path, checkpoint_files(path))
-        try:
-            pending.completion.set_result(
-                _finish_save(root, path, iteration, keep_last, files, written) if rank == 0 else 0.0
-            )
-        except Exception as exc:  # noqa: BLE001 - raised on every rank by `wait`
-            pending.completion.set_exception(exc)
-        return pending
+    if not background:  # here: the ranks share the checksums (collective), rank 0 completes
+        share: Future = Future()
+        share.set_result(file_checksums(path, checkpoint_files(path)))
+        finish: Future | None = None
+        if rank == 0:
+            finish = Future()
+            try:
+                finish.set_result(_finish_save(root, path, iteration, keep_last, share.result(), written))
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by `wait`
+                finish.set_exception(exc)
+        return PendingSave(path, share, finish, start, written)
     names = checkpoint_files(path)  # every rank's files are on disk: the same list on every rank
+    share = _in_thread(f"checksums {tag}", _checksum_share, path, names, rank, world)
+    pending = PendingSave(path, share, None, start, written)
     if rank == 0:
         args = (root, path, iteration, keep_last, names, world, written, pending.stop)
-        pending.completion = background.submit(_complete_in_background, *args)
-    else:
-        pending.completion = background.submit(_checksum_share, path, names, rank, world)
+        pending.finish = _in_thread(f"complete {tag}", _complete_in_background, *args)
     return pending
 
 
@@ -352,17 +378,28 @@ def _digests(path: Path, rank: int) -> Path:
     return path / f"{DIGESTS_PREFIX}{rank}.json"
 
 
-def _checksum_share(path: Path, names: list[str], rank: int, world: int) -> float:
-    """Every rank, on its background thread: checksum this rank's share of `names` into its digests
-    file (or the error, so rank 0 does not wait for it); raises that error here too."""
+def _names_digest(names: list[str]) -> str:
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()
+
+
+def _checksum_share(path: Path, names: list[str], rank: int, world: int) -> None:
+    """Every rank, on a background thread: checksum this rank's share of `names` into its digests file,
+    or write the error there so rank 0 does not wait for the share; raises that error here too."""
     try:
-        record = {"files": [list(entry) for entry in share_checksums(path, names, rank, world)]}
-    except CheckpointDataError as exc:
-        record = {"error": str(exc)}
-    atomic_write_json(_digests(path, rank), record)
-    if "error" in record:
-        raise CheckpointDataError(record["error"])
-    return 0.0
+        record = {
+            "names": _names_digest(names),
+            "files": [list(entry) for entry in share_checksums(path, names, rank, world)],
+        }
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0 through the file, and raised below
+        record, error = {"error": str(exc)}, exc
+    else:
+        error = None
+    try:
+        atomic_write_json(_digests(path, rank), record)
+    except OSError as exc:  # rank 0 does not get the share; `PendingSave.wait` tells it
+        raise _save_error(exc, path.parent, path) from exc
+    if error is not None:
+        raise error
 
 
 def _complete_in_background(
@@ -376,16 +413,16 @@ def _complete_in_background(
     stop: threading.Event,
     patience: float = 1800.0,
 ) -> float:
-    """Rank 0's background thread: its own share, then every rank's digests file (a peer gone silent
-    for `patience` seconds fails the completion), then `_finish_save`. No collective."""
-    _checksum_share(path, names, 0, world)
+    """Rank 0's background thread: every rank's digests file (its own included), checked to cover
+    exactly the files rank 0 listed, then `_finish_save`. Stops when `stop` is set (a share will not
+    come) or a peer is silent for `patience` seconds. No collective."""
     files: dict[str, dict[str, Any]] = {}
     deadline = time.monotonic() + patience
     for rank in range(world):
         digests = _digests(path, rank)
         while not digests.is_file():
             if stop.wait(0.05):
-                raise CheckpointDataError(f"checkpoint {path} was left incomplete: the run ended first")
+                raise CheckpointDataError(f"checkpoint {path} was left incomplete: a rank's checksums failed")
             if time.monotonic() > deadline:
                 raise CheckpointDataError(
                     f"checkpoint {path} was left incomplete: rank {rank} wrote no checksums in "
@@ -394,7 +431,14 @@ def _complete_in_background(
         record = json.loads(digests.read_text(encoding="utf-8"))
         if "error" in record:
             raise CheckpointDataError(f"{record['error']} (on rank {rank})")
+        if record.get("names") != _names_digest(names):
+            raise CheckpointDataError(
+                f"checkpoint {path} was left incomplete: rank {rank} listed other files than rank 0 "
+                "(a shared file system that showed the ranks different directory contents)"
+            )
         files.update({n: {"size": size, "sha256": digest} for n, size, digest in record["files"]})
+    if sorted(files) != names:
+        raise CheckpointDataError(f"checkpoint {path} was left incomplete: the shares do not cover its files")
     seconds = _finish_save(root, path, iteration, keep_last, dict(sorted(files.items())), written)
     for rank in range(world):
         _digests(path, rank).unlink(missing_ok=True)

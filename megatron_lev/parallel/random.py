@@ -54,10 +54,11 @@ class RNGStatesTracker:
             raise ValueError(f"RNG state {name!r} already exists")
         if seed in self.seeds:
             raise ValueError(f"seed {seed} is already used by another RNG state")
-        saved = _get_state()
-        torch.manual_seed(seed)
-        self.states[name] = _get_state()
-        _set_state(saved)
+        # the states `torch.manual_seed(seed)` would give the default generators, made on private ones so
+        # that no generator of the process is touched (all CUDA devices' included)
+        cpu = torch.Generator().manual_seed(seed).get_state()
+        cuda = torch.Generator(device="cuda").manual_seed(seed).get_state() if _cuda() else None
+        self.states[name] = (cpu, cuda)
         self.seeds.add(seed)
 
     def get_states(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:

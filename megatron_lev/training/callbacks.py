@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -320,7 +319,6 @@ class Checkpointer(Callback):
         self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
         self.async_save = async_save
         self.pending: PendingSave | None = None  # the last save, until its completion is waited for
-        self._completer: ThreadPoolExecutor | None = None  # async_save: rank 0's completion thread
 
     @classmethod
     def from_config(cls, train: TrainConfig, save_dir: str | None, load_dir: str | None) -> Checkpointer:
@@ -375,8 +373,6 @@ class Checkpointer(Callback):
         tag = tag_for(trainer.state.iteration)
         self.wait_for_save(trainer)  # the last one completes first: `latest` and pruning stay in order
         trainer.set_phase(f"saving checkpoint {tag}")  # named if a peer times out
-        if self.async_save and self._completer is None:
-            self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-complete")
         self.pending = begin_save(
             trainer.engine,
             self.save_dir,
@@ -386,7 +382,7 @@ class Checkpointer(Callback):
             config_yaml=trainer.cfg.to_yaml(),
             provenance=self.provenance,
             phase=trainer.set_phase,
-            background=self._completer,
+            background=self.async_save,
         )
         if not self.async_save:
             self.wait_for_save(trainer)
@@ -408,16 +404,13 @@ class Checkpointer(Callback):
         self.wait_for_save(trainer)
 
     def on_close(self, trainer: Trainer) -> None:
-        # after an exception too: rank 0's completion runs to its end (no collective here; a completion
-        # that failed leaves its tag incomplete, which a resume passes over)
+        # only after an exception is a save still pending: no collective here (peers may be gone); rank
+        # 0 completes it if every share is already in, else the tag stays incomplete and is not read
         pending, self.pending = self.pending, None
-        if pending is not None and pending.completion is not None:
-            error = pending.completion.exception()
+        if pending is not None:
+            error = pending.abandon()
             if error is not None:
                 log.warning("checkpoint %s did not complete: %s", pending.path, error)
-        if self._completer is not None:
-            self._completer.shutdown(wait=True)
-            self._completer = None
 
 
 # ---------------------------------------------------------------------- validation
@@ -610,6 +603,8 @@ class Preemption(Callback):
     def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
         if result.reason == "preempted" and result.iteration > 0 and trainer.steps_run:
             checkpointer = trainer.callback(Checkpointer)
+            if checkpointer is not None:
+                checkpointer.wait_for_save(trainer)  # an async_save is complete before it is called saved
             saved = checkpointer is None or checkpointer.saved_at == result.iteration
             log.warning(
                 "preempted at iteration %d: %s, exiting with status %d",

@@ -67,3 +67,14 @@ def test_each_model_owns_its_tracker_and_every_attention_uses_it():
     torch.manual_seed(1)
     third = one(ids[:, :-1], ids[:, 1:])  # model one's stream moved on: other attention masks
     assert not torch.equal(first, third)
+
+
+def test_a_new_tracker_leaves_the_default_stream_alone_and_starts_where_manual_seed_would():
+    torch.manual_seed(4)
+    before = torch.get_rng_state()
+    tracker = tp_rng_tracker(100, SINGLE)  # stream 100 + 2718
+    assert torch.equal(torch.get_rng_state(), before)
+    with tracker.fork():
+        drawn = torch.rand(5)
+    torch.manual_seed(100 + 2718)
+    assert torch.equal(drawn, torch.rand(5))
