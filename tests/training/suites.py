@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_lev.ckpt.layout import verify_checkpoint
 from megatron_lev.config import load_config
 from megatron_lev.model.embeddings import REGISTRY
 from megatron_lev.testing.faults import FaultInjection
@@ -28,6 +29,7 @@ LAYOUTS = {
     "zero1": {"parallel.zero_stage": 1},
     "zero2": {"parallel.zero_stage": 2},
     "zero3": {"parallel.zero_stage": 3},
+    "zero1_async": {"parallel.zero_stage": 1, "train.async_save": True},  # saves completed on threads
     "pp2_bf16": {
         "parallel.pipeline_model_parallel_size": 2,
         "parallel.zero_stage": 1,
@@ -168,6 +170,8 @@ def _save_and_resume(prefix: str, tok: str, out: Path, extra: dict) -> dict:
         "resumed": resumed.losses,
         "codes": (full.exit_code, resumed.exit_code),
         "latest": (out / "ckpt" / "latest").read_text().strip(),
+        # collective: the ranks share the checksums
+        "verified": {p.name: verify_checkpoint(p) for p in sorted((out / "ckpt").glob("iter_*"))},
     }
     if dist.get_rank() == 0:
         result["logged"] = train_losses(out)
