@@ -417,6 +417,7 @@ def _complete_in_background(
     exactly the files rank 0 listed, then `_finish_save`. Stops when `stop` is set (a share will not
     come) or a peer is silent for `patience` seconds. No collective."""
     files: dict[str, dict[str, Any]] = {}
+    listed = _names_digest(names)
     deadline = time.monotonic() + patience
     for rank in range(world):
         digests = _digests(path, rank)
@@ -431,14 +432,12 @@ def _complete_in_background(
         record = json.loads(digests.read_text(encoding="utf-8"))
         if "error" in record:
             raise CheckpointDataError(f"{record['error']} (on rank {rank})")
-        if record.get("names") != _names_digest(names):
+        if record.get("names") != listed:  # so the shares cover exactly `names`
             raise CheckpointDataError(
                 f"checkpoint {path} was left incomplete: rank {rank} listed other files than rank 0 "
                 "(a shared file system that showed the ranks different directory contents)"
             )
         files.update({n: {"size": size, "sha256": digest} for n, size, digest in record["files"]})
-    if sorted(files) != names:
-        raise CheckpointDataError(f"checkpoint {path} was left incomplete: the shares do not cover its files")
     seconds = _finish_save(root, path, iteration, keep_last, dict(sorted(files.items())), written)
     for rank in range(world):
         _digests(path, rank).unlink(missing_ok=True)

@@ -38,7 +38,7 @@ from megatron_lev.model.head import vocab_parallel_loss
 from megatron_lev.model.loss import lm_loss, real_vocab_size
 from megatron_lev.model.stages import BlockStage, StageSpec, stage_specs
 from megatron_lev.parallel.layout import ParallelLayout
-from megatron_lev.parallel.random import tp_rng_tracker
+from megatron_lev.parallel.random import RNGStatesTracker
 from megatron_lev.plan.spec import ModelSpec
 
 STAGE_PREFIX = re.compile(r"^(?:\d+|tied_modules\.[^.]+)\.")  # a PipelineModule's layer (or tied) prefix
@@ -107,9 +107,9 @@ def layer_specs(stages: list[StageSpec]) -> list:
     return out
 
 
-def build_pipeline(spec: ModelSpec, layout: ParallelLayout, topology=None, rng=None):
-    """A `deepspeed.pipe.PipelineModule` of `spec` (already validated) on `layout`, carrying its RNG
-    tracker as `rng` (`rng`, else a new `parallel.random.tp_rng_tracker(spec.seed, layout)`).
+def build_pipeline(spec: ModelSpec, layout: ParallelLayout, topology, rng: RNGStatesTracker):
+    """A `deepspeed.pipe.PipelineModule` of `spec` (already validated) on `layout`, carrying the model's
+    RNG tracker `rng` (`parallel.random.tp_rng_tracker`, made by `engine.build.build_model`) as `rng`.
 
     The loss keeps `spec.true_vocab` rows of the padded vocabulary. DeepSpeed's topology is the
     layout's (the same rank order) unless `topology` is given.
@@ -121,8 +121,6 @@ def build_pipeline(spec: ModelSpec, layout: ParallelLayout, topology=None, rng=N
     m = spec.model
     if topology is None:
         topology = PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
-    if rng is None:
-        rng = tp_rng_tracker(spec.seed, layout)
     stages = stage_specs(
         m, spec.padded_vocab, spec.seed, spec.documents, layout, spec.true_vocab, m.fused_loss, rng
     )

@@ -294,11 +294,11 @@ class Checkpointer(Callback):
     the first step. Every callback's `on_before_save` runs before it writes (the guard refuses
     non-finite weights there).
 
-    With `async_save` a save returns once every rank's files are written; rank 0 completes it (the
-    checksums into the `complete` marker, `latest`, pruning) on a background thread while the steps go
-    on. The next save, and the end of training, wait for it (collective), so saves complete in order
-    and a run never ends with a save incomplete. Until it completes the tag is not read: a run killed
-    meanwhile resumes from the checkpoint before."""
+    With `async_save` a save returns once every rank's files are written; while the steps go on,
+    every rank checksums its share of the files on a background thread and rank 0 merges the shares
+    into the `complete` marker, points `latest` and prunes. The next save, and the end of training,
+    wait for it (collective), so saves complete in order and a run never ends with a save incomplete.
+    Until it completes the tag is not read: a run killed meanwhile resumes from the checkpoint before."""
 
     order = 10
 
