@@ -5,6 +5,7 @@ python -m studies run --data-dir ../shared/data/minipile --out runs/study --lane
 python -m studies run --plan pilot --data-dir ../shared/data/minipile --out runs/pilot
 python -m studies collect runs/pilot results/pilot/raw    # the plan `run` recorded in runs/pilot
 python -m studies rows runs/clip results/clip/raw          # Adam's state of the output rows
+python -m studies calibrate runs/cooldown results/cooldown/raw   # zero-shot NLL by softmax temperature
 python -m studies report results/study/raw docs/results/study
 
 A study directory that an earlier checkout's `python -m studies run` started is the same here: the
@@ -86,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
         "raw", metavar="RAW_DIR", help="the collected raw files (RAW_DIR/<run>/output_rows.json)"
     )
     rows.add_argument("--tag", default=None, help="checkpoint tag (default: each run's latest)")
+    cal = sub.add_parser(
+        "calibrate",
+        help="a staged study's checkpoints on its zero-shot corpus at a grid of softmax temperatures",
+    )
+    cal.add_argument("out", metavar="OUT", help="the study directory (--out of run)")
+    cal.add_argument("raw", metavar="RAW_DIR", help="the collected raw files; records go beside them")
+    cal.add_argument("--runs", nargs="+", default=None, metavar="NAME", help="only these runs")
+    cal.add_argument("--seq-len", type=int, default=256, help="as the study's evaluate step")
     report = sub.add_parser("report", help="every table of the write-up from RAW_DIR alone")
     report.add_argument("raw", metavar="RAW_DIR")
     report.add_argument("out", metavar="OUT_DIR")
@@ -163,6 +172,11 @@ def run(args: argparse.Namespace) -> int:
         from studies.output_rows import collect_rows
 
         collect_rows(Path(args.out), Path(args.raw), tag=args.tag)
+        return 0
+    if args.action == "calibrate":
+        from studies.calibrate import calibrate_study
+
+        calibrate_study(Path(args.out), Path(args.raw), args.runs, args.seq_len, log=lambda m: print(m, flush=True))
         return 0
     if args.action == "collect":
         collect.collect_study(Path(args.out), Path(args.raw), plan=args.plan)
