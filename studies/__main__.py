@@ -176,7 +176,9 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         from studies.calibrate import calibrate_study
 
-        calibrate_study(Path(args.out), Path(args.raw), args.runs, args.seq_len, log=lambda m: print(m, flush=True))
+        calibrate_study(
+            Path(args.out), Path(args.raw), args.runs, args.seq_len, log=lambda m: print(m, flush=True)
+        )
         return 0
     if args.action == "collect":
         collect.collect_study(Path(args.out), Path(args.raw), plan=args.plan)

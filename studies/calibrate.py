@@ -63,7 +63,7 @@ def calibrate_study(
         if not (model_dir / "config.json").is_file():
             raise DataError(f"{model_dir}: no exported model for {run}{kind} at {n} steps (its convert step)")
         start = time.time()
-        tokenizer = load_tokenizer(model_dir / "tokenizer.json")
+        tokenizer = load_tokenizer(model_dir)  # as the study's evaluate step reads it (no --tokenizer)
         docs = RecordLengths(TokenizedCorpus([corpus], tokenizer))
         nll, entropy, targets, _ = temperature_losses(
             sequence_batches(docs, seq_len, 4), hf_model_fn(model_dir), TEMPERATURES, progress=False

@@ -306,7 +306,12 @@ def plot(raw: Path, out: Path) -> Path:
 
 def write_cooldown_report(raw: Path, out: Path, plots: bool = True) -> dict[str, Path]:
     raw, out = Path(raw), Path(out)
-    written = write_pages(out, {"cooled.md": report(raw)})
+    from studies import calibration_report
+
+    pages = {"cooled.md": report(raw)}
+    if calibration_report.has_records(raw):
+        pages["calibration.md"] = calibration_report.report(raw)
+    written = write_pages(out, pages)
     if plots:
         written["cooled.png"] = plot(raw, out)
     return written

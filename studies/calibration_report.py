@@ -1,0 +1,228 @@
+"""The cool-down plan's temperature follow-up (`docs/results/cooldown/calibration.md`): each
+checkpoint's zero-shot loss at T = 1 and at a cross-fitted temperature, its entropy, and the two
+readings `docs/results/cooldown/README.md` fixed before the measurement: (a) the LEV seed gap and
+(b) LEV - TIED on the rarest targets, at T = 1 and cross-fitted.
+
+python -m studies calibrate runs/cooldown results/cooldown/raw   # the records
+python -m studies report results/cooldown/raw docs/results/cooldown
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from megatron_lev.analysis.calibration import best_temperature, cross_fitted, mean_entropy, mean_nll_at
+from studies.calibrate import RECORD, read_record
+from studies.plan_raw import paired_differences, seed_interval
+from studies.plans import PLANS
+
+PLAN = PLANS["cooldown"]
+SEEDS = (1234, 1235)
+BRANCHES = {"constant": "", "cooled": "-cool"}
+RAREST = 0  # the paper's bucket below 1e-7
+ALL = None
+
+
+def records(raw: Path) -> dict[tuple[str, str, int], dict]:
+    """{(run, branch, stage): record} of every temperature record in `raw`."""
+    out = {}
+    for run_dir in sorted(p for p in raw.iterdir() if p.is_dir()):
+        for branch, kind in BRANCHES.items():
+            for n in PLAN.stages:
+                path = run_dir / RECORD.format(kind=kind, n=n)
+                if path.is_file():
+                    out[(run_dir.name, branch, n)] = read_record(path)
+    return out
+
+
+def as_result(record: dict, how: str) -> dict:
+    """A record as the per-document result `paired_differences` reads: at T = 1 (`how="t1"`) or at
+    the cross-fitted temperature (`how="cf"`)."""
+    if how == "t1":
+        i = record["temperatures"].index(1.0)
+        nll, bucket = record["nll_sum"][i], record["bucket_nll_sum"][i]
+    else:
+        fit = cross_fitted(record)
+        nll, bucket = fit["nll_sum"].tolist(), fit["bucket_nll_sum"].tolist()
+    doc = {
+        "tokens": record["tokens"],
+        "nll_sum": nll,
+        "bucket_tokens": record["bucket_tokens"],
+        "bucket_nll_sum": bucket,
+    }
+    return {"name": record.get("run", "?"), "per_document": doc}
+
+
+def difference(a: dict, b: dict, how: str, bucket: int | None) -> tuple[float, tuple[float, float] | None]:
+    """Mean NLL of `a` minus `b` (records over the same documents) and its document interval."""
+    diffs, ci = paired_differences(
+        [(as_result(a, how), as_result(b, how))], None if bucket is None else ("bucket", bucket)
+    )
+    return (diffs[0] if diffs else float("nan")), ci
+
+
+def _cell(v: float, ci) -> str:
+    return f"{v:+.3f}" if ci is None else f"{v:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+
+
+def _below(ci) -> bool:
+    return ci is not None and ci[1] < 0
+
+
+def _above_or_zero(ci) -> bool:
+    return ci is None or ci[1] >= 0
+
+
+def reading_a(have: dict) -> tuple[str, list[tuple[int, float, float]]]:
+    """(a): G and Gc at the constant-rate stages both LEV seeds have; the reading."""
+    rows = []
+    for n in PLAN.stages:
+        pair = [have.get((f"lev-s{s}", "constant", n)) for s in (1235, 1234)]
+        if None in pair:
+            continue
+        g, _ = difference(*pair, "t1", ALL)
+        gc, _ = difference(*pair, "cf", ALL)
+        rows.append((n, g, gc))
+    if len(rows) < 2:
+        return "open (needs both LEV seeds at stages 1 and 2)", rows
+    first_two = rows[:2]
+    if all(abs(gc) <= g / 3 for _, g, gc in first_two):
+        return "sharpness explains it", rows
+    if any(gc >= 2 * g / 3 for _, g, gc in first_two):
+        return "it does not", rows
+    return "partly", rows
+
+
+def reading_b(have: dict) -> tuple[str, list[tuple]]:
+    """(b): D and Dc below 1e-7 per seed, stage and branch; the reading over those where D's interval
+    lies below zero."""
+    rows = []
+    for seed in SEEDS:
+        for branch in BRANCHES:
+            for n in PLAN.stages:
+                lev, tied = have.get((f"lev-s{seed}", branch, n)), have.get((f"tied-s{seed}", branch, n))
+                if lev is None or tied is None:
+                    continue
+                d, dci = difference(lev, tied, "t1", RAREST)
+                dc, dcci = difference(lev, tied, "cf", RAREST)
+                rows.append((seed, branch, n, d, dci, dc, dcci))
+    led = [r for r in rows if _below(r[4])]
+    if not rows:
+        return "open (no pair of records)", rows
+    if not led:
+        return "no lead at T = 1 to read", rows
+    if all(_above_or_zero(r[6]) for r in led):
+        return "the lead is sharpness", rows
+    if all(_below(r[6]) for r in led):
+        return "the lead survives calibration", rows
+    return "mixed", rows
+
+
+def report(raw: Path) -> str:
+    have = records(raw)
+    a, a_rows = reading_a(have)
+    b, b_rows = reading_b(have)
+    lines = [
+        "# Zero-shot loss by softmax temperature: is the seed's effect on LEV sharpness?",
+        "",
+        "Written by `python -m studies report results/cooldown/raw docs/results/cooldown` from the "
+        "temperature records `python -m studies calibrate runs/cooldown results/cooldown/raw` wrote "
+        "(`studies/calibration_report.py`). The zero-shot corpus (never trained on), every predicted "
+        "token; nats per token. `T = 1`: the model as it is; cross-fitted: each document scored at the "
+        "grid temperature that minimises the loss of the documents of the other parity. Brackets: "
+        "document-bootstrap 95% (1000 resamples, seed 0). The readings are the README's, fixed before "
+        "the measurement.",
+        "",
+        "## Readings",
+        "",
+        f"- **(a) the LEV seed gap**: {a}.",
+        f"- **(b) LEV - TIED below 1e-7**: {b}.",
+        "",
+        "## Each checkpoint",
+        "",
+        "| run | branch | stage | NLL at T = 1 | cross-fitted | fitted T (even, odd docs) | "
+        "best T (all docs) | entropy at T = 1 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (run, branch, n), rec in sorted(have.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        fit = cross_fitted(rec)
+        cf = float(np.sum(fit["nll_sum"]) / np.sum(rec["tokens"]))
+        lines.append(
+            f"| {run} | {branch} | {n:,} | {mean_nll_at(rec):.3f} | {cf:.3f} | "
+            f"{fit['fit'][0]:.2f}, {fit['fit'][1]:.2f} | {best_temperature(rec):.2f} | "
+            f"{mean_entropy(rec):.3f} |"
+        )
+    lines += [
+        "",
+        "## (a) LEV seed 1235 - LEV seed 1234, overall, constant rate",
+        "",
+        "| stage | G at T = 1 | Gc cross-fitted | Gc / G |",
+        "|---|---|---|---|",
+    ]
+    for n, g, gc in a_rows:
+        lines.append(f"| {n:,} | {g:+.3f} | {gc:+.3f} | {gc / g:+.2f} |")
+    lines += [
+        "",
+        "## (b) LEV - TIED below 1e-7, per seed",
+        "",
+        "| seed | branch | stage | D at T = 1 | Dc cross-fitted |",
+        "|---|---|---|---|---|",
+    ]
+    for seed, branch, n, d, dci, dc, dcci in b_rows:
+        lines.append(f"| {seed} | {branch} | {n:,} | {_cell(d, dci)} | {_cell(dc, dcci)} |")
+    lines += [
+        "",
+        "## LEV - TIED by the paper's buckets, over the seeds (reported, deciding nothing)",
+        "",
+        "Per seed at T = 1 and cross-fitted; where both seeds have the checkpoint, their mean with a "
+        "Student-t interval over the seeds (1 df).",
+        "",
+        "| target | branch | stage | T = 1 per seed | mean (t, 1 df) | cross-fitted per seed "
+        "| mean (t, 1 df) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    first = next(iter(have.values()), None)
+    labels = ["overall"] + (
+        [_bucket_label(first["bucket_edges"], k) for k in range(len(first["bucket_edges"]) + 1)]
+        if first
+        else []
+    )
+    for k, label in enumerate(labels):
+        bucket = None if k == 0 else k - 1
+        for branch in BRANCHES:
+            for n in PLAN.stages:
+                cells = []
+                for how in ("t1", "cf"):
+                    per = []
+                    for seed in SEEDS:
+                        lev, tied = (
+                            have.get((f"lev-s{seed}", branch, n)),
+                            have.get((f"tied-s{seed}", branch, n)),
+                        )
+                        if lev is not None and tied is not None:
+                            per.append((seed, difference(lev, tied, how, bucket)[0]))
+                    if not per:
+                        break
+                    ci = seed_interval([v for _, v in per])
+                    mean = sum(v for _, v in per) / len(per)
+                    cells += [
+                        ", ".join(f"{v:+.3f} ({s})" for s, v in per),
+                        _cell(mean, ci) if ci is not None else "-",
+                    ]
+                if len(cells) == 4:
+                    lines.append(f"| {label} | {branch} | {n:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _bucket_label(edges: list[float], k: int) -> str:
+    if k == 0:
+        return f"< {edges[0]:g}"
+    if k == len(edges):
+        return f">= {edges[-1]:g}"
+    return f"[{edges[k - 1]:g}, {edges[k]:g})"
+
+
+def has_records(raw: Path) -> bool:
+    return bool(records(Path(raw)))
