@@ -15,7 +15,7 @@ import numpy as np
 
 from megatron_lev.analysis.calibration import best_temperature, cross_fitted, mean_entropy, mean_nll_at
 from megatron_lev.errors import DataError
-from studies.calibrate import RECORD, read_record
+from studies.calibrate import EVAL, RECORD, check_record, read_record, text_result
 from studies.plan_raw import paired_differences, seed_interval
 from studies.plans import PLANS
 
@@ -27,14 +27,17 @@ ALL = None
 
 
 def records(raw: Path) -> dict[tuple[str, str, int], dict]:
-    """{(run, branch, stage): record} of every temperature record in `raw`."""
+    """{(run, branch, stage): record} of every temperature record in `raw`, each checked against the
+    evaluation beside it."""
     out = {}
     for run_dir in sorted(p for p in raw.iterdir() if p.is_dir()):
         for branch, kind in BRANCHES.items():
             for n in PLAN.stages:
                 path = run_dir / RECORD.format(kind=kind, n=n)
                 if path.is_file():
-                    out[(run_dir.name, branch, n)] = read_record(path)
+                    record = read_record(path)
+                    check_record(record, text_result(run_dir / EVAL.format(kind=kind, n=n)), path)
+                    out[(run_dir.name, branch, n)] = record
     return out
 
 

@@ -86,6 +86,8 @@ def test_a_collected_stage_without_its_exported_model_is_named(tmp_path, tiny_ll
     ):
         calibrate_study(out, raw, seq_len=16, log=lambda m: None)
     assert (raw / "lev-s1234" / "calibration-i1000.json").is_file()  # what came before it was kept
+    with pytest.raises(DataError, match=r"--runs lev-s9: no collected run of that name"):
+        calibrate_study(out, raw, runs=["lev-s1234", "lev-s9"], log=lambda m: None)
 
 
 def _bigram_model(temperature: float, vocab: int = 40, n_docs: int = 60, doc_len: int = 50, seed: int = 0):
@@ -132,52 +134,112 @@ def test_each_parity_is_scored_at_the_temperature_the_other_parity_fits():
         "temperatures": temps,
         "tokens": [1] * 6,
         "nll_sum": nll.tolist(),
-        "bucket_nll_sum": nll[:, None, :].tolist(),
-        "bucket_tokens": [[1] * 6],
+        "bucket_nll_sum": np.stack([nll, nll + 100 * np.arange(6)], axis=1).tolist(),  # (T, 2, docs)
+        "bucket_tokens": [[1] * 6, [1] * 6],
     }
     fit = cross_fitted(record)
     assert fit["fit"] == (2.0, 0.8)  # the even documents get the odd ones' temperature
     np.testing.assert_array_equal(fit["nll_sum"], [3.0, 3.0] * 3)  # each at its worst: no leak
-    np.testing.assert_array_equal(fit["bucket_nll_sum"], [[3.0, 3.0] * 3])
+    np.testing.assert_array_equal(fit["bucket_nll_sum"], [[3.0] * 6, [3.0 + 100 * d for d in range(6)]])
 
 
-def _write_record(raw, run: str, kind: str, stage: int, at_one: float, at_hot: float, docs: int = 20) -> None:
-    """A record over `docs` documents of 2 tokens in each of the 5 buckets, every token's loss
-    `at_one` at T = 1 and `at_hot` at T = 1.5 (in every bucket)."""
-    bucket_tokens = [[2] * docs for _ in range(5)]
-    bucket = [[[2 * v] * docs for _ in range(5)] for v in (at_one, at_hot)]
+MULT = 1 + 0.1 * np.sin(np.arange(20))  # every document's losses scaled alike: intervals with width
+
+
+def _write_record(raw, run: str, kind: str, stage: int, one: tuple, hot: tuple) -> None:
+    """A record and its evaluation over 20 documents of 2 tokens in each of the 5 buckets; `one` and
+    `hot` = (loss of a target below 1e-7, loss of any other target) at T = 1 and at T = 1.5."""
+    rows = [[2 * v * m for m in MULT] for v in (one[0], hot[0])]
+    others = [[2 * v * m for m in MULT] for v in (one[1], hot[1])]
     record = {
         "temperatures": [1.0, 1.5],
         "bucket_edges": [1e-7, 1e-6, 1e-5, 1e-4],
-        "tokens": [10] * docs,
-        "bucket_tokens": bucket_tokens,
-        "nll_sum": [[10 * v] * docs for v in (at_one, at_hot)],
-        "bucket_nll_sum": bucket,
-        "entropy_sum": [50.0] * docs,
+        "tokens": [10] * 20,
+        "bucket_tokens": [[2] * 20 for _ in range(5)],
+        "nll_sum": [[r + 4 * o for r, o in zip(rows[t], others[t])] for t in (0, 1)],
+        "bucket_nll_sum": [[rows[t]] + [others[t]] * 4 for t in (0, 1)],
+        "entropy_sum": [50.0] * 20,
     }
     (raw / run).mkdir(parents=True, exist_ok=True)
     (raw / run / f"calibration{kind}-i{stage}.json").write_text(json.dumps(record))
+    per_doc = {"tokens": record["tokens"], "nll_sum": record["nll_sum"][0]}
+    result = {"results": [{"corpus_kind": "text", "per_document": per_doc}]}
+    (raw / run / f"eval{kind}-i{stage}.json").write_text(json.dumps(result))
+
+
+LEV_1234 = ((14.0, 5.0), (14.2, 5.1))  # best at T = 1 (overall 68 against 69.2 a document)
 
 
 @pytest.mark.parametrize(
-    "tied_hot, reading",
-    [(14.0, "the lead is sharpness"), (14.5, "the lead survives calibration")],
+    "tied_rare_hot, reading",
+    [
+        ((14.0, 14.0), "the lead is sharpness"),  # cross-fitted, TIED at 1.5 matches LEV
+        ((14.5, 14.5), "the lead survives calibration"),
+        ((14.0, 14.5), "mixed"),  # per seed
+    ],
 )
-def test_the_follow_ups_readings(tmp_path, tied_hot, reading):
+def test_the_follow_ups_reading_b(tmp_path, tied_rare_hot, reading):
     from studies import calibration_report as cal
 
     for stage in (1000, 2000):
         for kind in ("", "-cool"):
-            _write_record(tmp_path, "lev-s1234", kind, stage, 14.0, 14.2)  # best at T = 1
-            _write_record(tmp_path, "lev-s1235", kind, stage, 14.6, 14.0)  # flatter is better
-            for seed in (1234, 1235):
-                _write_record(tmp_path, f"tied-s{seed}", kind, stage, 15.0, tied_hot)
+            _write_record(tmp_path, "lev-s1234", kind, stage, *LEV_1234)
+            _write_record(tmp_path, "lev-s1235", kind, stage, (14.6, 5.3), (14.0, 5.0))
+            for seed, rare in zip((1234, 1235), tied_rare_hot):
+                _write_record(tmp_path, f"tied-s{seed}", kind, stage, (15.0, 5.0), (rare, 4.9))
     page = cal.report(tmp_path)
     assert "- **(a) the LEV seed gap**: sharpness explains it." in page
     assert f"- **(b) LEV - TIED below 1e-7**: {reading}." in page
-    assert "| 1,000 | +0.600 | +0.000 | +0.00 |" in page  # G, Gc, their ratio
-    # TIED is fitted at 1.5 on both parities, LEV seed 1234 at 1.0
-    assert "| tied-s1234 | constant | 1,000 | 15.000 | " + f"{tied_hot:.3f} | 1.50, 1.50 | 1.50 |" in page
-    assert "| lev-s1234 | constant | 1,000 | 14.000 | 14.000 | 1.00, 1.00 | 1.00 |" in page
-    a, _ = cal.reading_a({k: v for k, v in cal.records(tmp_path).items() if k[0] != "lev-s1235"})
-    assert a.startswith("open")
+    g = (2 * 14.6 + 8 * 5.3 - 68) / 10 * MULT.mean()
+    assert f"| 1,000 | {g:+.3f} [" in page and "| +0.000 [+0.000, +0.000] | +0.00 |" in page
+    # the rarest bucket is read, not the others (where LEV and TIED differ by 0 at T = 1)
+    assert f"| 1234 | constant | 1,000 | {-MULT.mean():+.3f} [" in page
+    assert "| tied-s1234 | constant | 1,000 | " in page and "| 1.50, 1.50 | 1.50 |" in page
+    assert "| lev-s1234 | constant | 1,000 | " in page and "| 1.00, 1.00 | 1.00 |" in page
+    # without the cooled records of one seed, (b) is not read
+    for stage in (1000, 2000):
+        (tmp_path / "tied-s1235" / f"calibration-cool-i{stage}.json").unlink()
+    assert cal.reading_b(cal.records(tmp_path))[0].startswith("open")
+
+
+@pytest.mark.parametrize(
+    "lev_1235, reading",
+    [
+        (((14.6, 5.3), (14.0, 5.2)), "partly"),  # Gc = 0.16 of G = 0.36
+        (((14.6, 5.3), (14.6, 5.3)), "it does not"),  # no temperature helps
+        (((13.0, 4.8), (13.0, 4.8)), "open (G is not positive"),  # seed 1235 ahead
+    ],
+)
+def test_the_follow_ups_reading_a(tmp_path, lev_1235, reading):
+    from studies import calibration_report as cal
+
+    for stage in (1000, 2000):
+        _write_record(tmp_path, "lev-s1234", "", stage, *LEV_1234)
+        _write_record(tmp_path, "lev-s1235", "", stage, *lev_1235)
+    assert cal.reading_a(cal.records(tmp_path))[0].startswith(reading)
+    (tmp_path / "lev-s1235" / "calibration-i1000.json").unlink()  # stage 1 of one seed missing
+    _write_record(tmp_path, "lev-s1234", "", 3000, *LEV_1234)
+    _write_record(tmp_path, "lev-s1235", "", 3000, *lev_1235)
+    assert cal.reading_a(cal.records(tmp_path))[0].startswith("open (needs both LEV seeds")
+
+
+def test_a_record_that_is_not_its_evaluations_is_refused(tmp_path):
+    from studies import calibration_report as cal
+
+    _write_record(tmp_path, "lev-s1234", "", 1000, *LEV_1234)
+    healthy = tmp_path / "copy"  # the same record and evaluation at another path are read
+    shutil.copytree(tmp_path / "lev-s1234", healthy / "lev-s1234")
+    assert len(cal.records(healthy)) == 1
+    path = tmp_path / "lev-s1234" / "calibration-i1000.json"
+    record = json.loads(path.read_text())
+    record["nll_sum"][0][3] += 0.5
+    path.write_text(json.dumps(record))
+    with pytest.raises(
+        DataError, match=r"calibration-i1000.json: its T = 1 loss differs from the evaluation"
+    ):
+        cal.records(tmp_path)
+    record["nll_sum"][0][3] -= 0.5
+    record["tokens"][0] += 1
+    path.write_text(json.dumps(record))
+    with pytest.raises(DataError, match=r"token counts are not those of the evaluation beside it"):
+        cal.records(tmp_path)
