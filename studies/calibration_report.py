@@ -176,6 +176,7 @@ def report(raw: Path) -> str:
     for n, g, gc, gci, gcci in a_rows:
         ratio = f"{gc / g:+.2f}" if g else "-"
         lines.append(f"| {n:,} | {_cell(g, gci)} | {_cell(gc, gcci)} | {ratio} |")
+    lines += _spread(have)
     lines += [
         "",
         "## (b) LEV - TIED below 1e-7, per seed",
@@ -227,6 +228,38 @@ def report(raw: Path) -> str:
                 if len(cells) == 4:
                     lines.append(f"| {label} | {branch} | {n:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _spread(have: dict, top: int = 10) -> list[str]:
+    """Where the LEV seed gap sits among the documents: the share of documents worse on seed 1235,
+    the median per-token difference of a document, and the share of the total difference the `top`
+    documents that move most carry; at T = 1 and cross-fitted, with the T = 1 entropy of the first
+    200 documents (the look that prompted the follow-up)."""
+    lines = [
+        "",
+        "### Where G sits among the documents",
+        "",
+        f"| stage | temperature | documents worse on seed 1235 | median per document | share of G in the "
+        f"{top} documents that move most | entropy, first 200 documents (1234, 1235) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in PLAN.stages:
+        new, old = (have.get((f"lev-s{s}", "constant", n)) for s in (1235, 1234))
+        if new is None or old is None:
+            continue
+        tokens = np.asarray(old["tokens"], dtype=np.float64)
+        ent = [float(np.sum(r["entropy_sum"][:200]) / np.sum(r["tokens"][:200])) for r in (old, new)]
+        for how, label in (("t1", "T = 1"), ("cf", "cross-fitted")):
+            diff = np.asarray(as_result(new, how)["per_document"]["nll_sum"]) - np.asarray(
+                as_result(old, how)["per_document"]["nll_sum"]
+            )
+            per_token = diff[tokens > 0] / tokens[tokens > 0]
+            moved = np.sort(diff)[::-1][:top].sum() / diff.sum() if diff.sum() else float("nan")
+            lines.append(
+                f"| {n:,} | {label} | {np.mean(per_token > 0):.0%} | {np.median(per_token):+.3f} | "
+                f"{moved:.0%} | " + (f"{ent[0]:.2f}, {ent[1]:.2f} |" if how == "t1" else "- |")
+            )
+    return lines
 
 
 def _bucket_label(edges: list[float], k: int) -> str:
