@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_lev.analysis.calibration import best_temperature, cross_fitted, mean_entropy, mean_nll_at
+from megatron_lev.analysis.perplexity import bucket_labels
 from megatron_lev.errors import DataError
 from studies.calibrate import EVAL, RECORD, check_record, read_record, text_result
 from studies.plan_raw import paired_differences, seed_interval
@@ -198,11 +199,7 @@ def report(raw: Path) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     first = next(iter(have.values()), None)
-    labels = ["overall"] + (
-        [_bucket_label(first["bucket_edges"], k) for k in range(len(first["bucket_edges"]) + 1)]
-        if first
-        else []
-    )
+    labels = ["overall"] + (bucket_labels(tuple(first["bucket_edges"])) if first else [])
     for k, label in enumerate(labels):
         bucket = None if k == 0 else k - 1
         for branch in BRANCHES:
@@ -260,14 +257,6 @@ def _spread(have: dict, top: int = 10) -> list[str]:
                 f"{moved:.0%} | " + (f"{ent[0]:.2f}, {ent[1]:.2f} |" if how == "t1" else "- |")
             )
     return lines
-
-
-def _bucket_label(edges: list[float], k: int) -> str:
-    if k == 0:
-        return f"< {edges[0]:g}"
-    if k == len(edges):
-        return f">= {edges[-1]:g}"
-    return f"[{edges[k - 1]:g}, {edges[k]:g})"
 
 
 def has_records(raw: Path) -> bool:
