@@ -32,7 +32,7 @@ from studies.plans import PLANS, stage_suffix, study_plan
 
 PLAN = PLANS["cooldown"]
 SEEDS = tuple(dict.fromkeys(r.seed for r in study_plan("cooldown")))  # the seeds the plan runs
-PAGES = ("cooled.md",)
+PAGES = ("cooled.md", "calibration.md")  # calibration.md: from the records `studies calibrate` writes
 KINDS = {"constant": "", "cooled": "-cool"}  # the file infix of a stage's and of its branch's evaluation
 WINDOW = 300  # the trainer's validations in the last WINDOW steps before a stage give s_ckpt
 Z = 1.96
