@@ -217,13 +217,15 @@ def report(raw: Path) -> str:
                     f"{_fmt(c['b_cooled'], wide, 4) if wide else '-'} | {reading(c['bc_decide'])} |"
                 )
         lines.append("")
-    lines += _over_seeds(have, curves)
+    lines += _over_seeds(have, curves, raw)
     lines += _zero_shot(raw, have)
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _over_seeds(have: dict, curves: dict) -> list[str]:
-    both = [s for s, st in have.items() if len(st) >= 2]
+def _over_seeds(have: dict, curves: dict, raw: Path) -> list[str]:
+    """The readings: what cooling moves at each stage every seed has; the cooled trend over the seeds,
+    each seed's `bc` fitted over the stages they all have (the seeds' slopes over the same tokens);
+    and a seed with more stages than that, alone over all of its stages (widened)."""
     common = sorted(set.intersection(*(set(have[s]) for s in have))) if have else []
     lines = ["## Readings", ""]
     moved = []
@@ -237,19 +239,27 @@ def _over_seeds(have: dict, curves: dict) -> list[str]:
         lines.append(
             f"- **Stage {n:,}: cooling {verdict}** (overall d per seed: {', '.join(_fmt(d) for d in ds)})."
         )
-    if len(both) >= 2:
-        bcs = [curves[s, "overall"]["b_cooled"] for s in both]
+    seeds = list(have) if len(common) >= 2 else []
+    if len(seeds) >= 2:
+        bcs = [
+            curves[s, "overall"]["b_cooled"]
+            if len(have[s]) == len(common)
+            else seed_curve(raw, s, tuple(common))["b_cooled"]
+            for s in seeds
+        ]
         ci = seed_interval(bcs)
+        span = f"stages {common[0]:,}-{common[-1]:,}"
         lines.append(
-            f"- **Over seeds {', '.join(map(str, both))}**: bc = {_fmt(float(np.mean(bcs)), ci, 4)} "
-            f"(Student t, {len(both) - 1} df): {reading(ci)}."
+            f"- **Over seeds {', '.join(map(str, seeds))}** ({span}): bc = "
+            f"{_fmt(float(np.mean(bcs)), ci, 4)} (Student t, {len(seeds) - 1} df): {reading(ci)}."
         )
-    elif both:
-        c = curves[both[0], "overall"]
+    alone = [s for s in have if len(have[s]) >= 2 and (len(seeds) < 2 or len(have[s]) > len(common))]
+    for s in alone:
+        c = curves[s, "overall"]
         lines.append(
-            f"- **Seed {both[0]} alone**: bc = {_fmt(c['b_cooled'], c['bc_decide'], 4)} (widened): "
-            f"{reading(c['bc_decide'])}; b at a constant rate on the same runs = "
-            f"{_fmt(c['b_constant'], c['b_constant_ci'], 4)} (documents)."
+            f"- **Seed {s} alone** (stages {have[s][0]:,}-{have[s][-1]:,}): bc = "
+            f"{_fmt(c['b_cooled'], c['bc_decide'], 4)} (widened): {reading(c['bc_decide'])}; b at a "
+            f"constant rate on the same runs = {_fmt(c['b_constant'], c['b_constant_ci'], 4)} (documents)."
         )
     return [*lines, ""]
 

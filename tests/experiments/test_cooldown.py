@@ -223,11 +223,33 @@ def test_a_checkpoint_spread_wider_than_the_trend_leaves_it_unresolved_and_two_s
         seeds=(1234, 1235),
     )
     page = cr.report(two)
-    found = re.search(
-        r"\*\*Over seeds 1234, 1235\*\*: bc = ([+-][0-9.]+) \[([+-][0-9.]+), ([+-][0-9.]+)\]", page
-    )
+    over = r"\*\*Over seeds 1234, 1235\*\* \(stages 1,000-2,000\): bc = ([+-][0-9.]+) \[([+-][0-9.]+), "
+    found = re.search(over, page)
     assert found is not None and float(found[1]) == pytest.approx(0.105, abs=0.005) and float(found[2]) > 0
-    assert "(Student t, 1 df): the gap grows when cooled" in page
+    assert "(Student t, 1 df): the gap grows when cooled" in page and "alone" not in page
+
+
+def test_a_seed_with_more_stages_is_read_over_the_common_stages_with_the_others_and_alone(tmp_path):
+    from studies import cooldown_report as cr
+
+    raw = _raw(
+        tmp_path,
+        lambda k: 0.0,
+        lambda k, s: 0.1 * (k - 1) * (1 if s == 1234 else 1.1),
+        seeds=(1234, 1235),
+        stages=BUDGET_STAGES[:3],
+    )
+    for side in ("tied", "lev"):  # seed 1235 stops at stage 2
+        for infix in ("", "-cool"):
+            (raw / f"{side}-s1235" / f"eval{infix}-i{BUDGET_STAGES[2]}.json").unlink()
+    page = cr.report(raw)
+    found = re.search(r"\*\*Over seeds 1234, 1235\*\* \(stages 1,000-2,000\): bc = ([+-][0-9.]+) ", page)
+    assert found is not None and float(found[1]) == pytest.approx(
+        0.105, abs=0.005
+    )  # not seed 1234's 3-stage fit
+    alone = re.search(r"\*\*Seed 1234 alone\*\* \(stages 1,000-3,000\): bc = ([+-][0-9.]+) ", page)
+    three = cr.seed_curve(raw, 1234, BUDGET_STAGES[:3])["b_cooled"]
+    assert alone is not None and float(alone[1]) == pytest.approx(three, abs=5e-5) and three > 0.11
 
 
 def test_the_committed_cooled_page_is_that_of_the_committed_raw_files(tmp_path):
