@@ -72,11 +72,11 @@ def calibrate_study(
             raise DataError(f"{model_dir}: no exported model for {run}{kind} at {n} steps (its convert step)")
         start = time.time()
         result = text_result(raw / run / EVAL.format(kind=kind, n=n))
-        seq_len = int(result.get("seq_len") or seq_len)  # the window the evaluation used
+        window = int(result.get("seq_len") or seq_len)  # the window the evaluation used
         tokenizer = load_tokenizer(model_dir)  # as the study's evaluate step reads it (no --tokenizer)
         docs = RecordLengths(TokenizedCorpus([corpus], tokenizer))
         nll, entropy, targets, _ = temperature_losses(
-            sequence_batches(docs, seq_len, 4), hf_model_fn(model_dir), TEMPERATURES, progress=False
+            sequence_batches(docs, window, 4), hf_model_fn(model_dir), TEMPERATURES, progress=False
         )
         record = temperature_record(nll, entropy, targets, TEMPERATURES, docs.lengths, counts)
         record.update(
@@ -85,7 +85,7 @@ def calibrate_study(
                 "branch": "cooled" if kind else "constant",
                 "stage": n,
                 "corpus": CORPUS,
-                "seq_len": seq_len,
+                "seq_len": window,
                 "command": f"python -m studies calibrate <study> <raw> (model {run}{kind} at {n} steps)",
             }
         )

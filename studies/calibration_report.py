@@ -15,7 +15,6 @@ import numpy as np
 
 from megatron_lev.analysis.calibration import best_temperature, cross_fitted, mean_entropy, mean_nll_at
 from megatron_lev.analysis.perplexity import bucket_labels
-from megatron_lev.errors import DataError
 from studies.calibrate import EVAL, RECORD, check_record, read_record, text_result
 from studies.plan_raw import paired_differences, seed_interval
 from studies.plans import PLANS
@@ -46,11 +45,7 @@ def as_result(record: dict, how: str) -> dict:
     """A record as the per-document result `paired_differences` reads: at T = 1 (`how="t1"`) or at
     the cross-fitted temperature (`how="cf"`)."""
     if how == "t1":
-        if 1.0 not in record["temperatures"]:
-            raise DataError(
-                f"record of {record.get('run', '?')}: T = 1 is not on its grid {record['temperatures']}"
-            )
-        i = record["temperatures"].index(1.0)
+        i = record["temperatures"].index(1.0)  # on the grid: `records` checked it
         nll, bucket = record["nll_sum"][i], record["bucket_nll_sum"][i]
     else:
         fit = cross_fitted(record)
@@ -133,8 +128,9 @@ def reading_b(have: dict) -> tuple[str, list[tuple]]:
     return "mixed", rows
 
 
-def report(raw: Path) -> str:
-    have = records(raw)
+def report(raw: Path, have: dict | None = None) -> str:
+    """The page; `have`: the records of `raw` when the caller has read them already."""
+    have = records(raw) if have is None else have
     a, a_rows = reading_a(have)
     b, b_rows = reading_b(have)
     lines = [
@@ -257,7 +253,3 @@ def _spread(have: dict, top: int = 10) -> list[str]:
                 f"{moved:.0%} | " + (f"{ent[0]:.2f}, {ent[1]:.2f} |" if how == "t1" else "- |")
             )
     return lines
-
-
-def has_records(raw: Path) -> bool:
-    return bool(records(Path(raw)))

@@ -319,8 +319,9 @@ def write_cooldown_report(raw: Path, out: Path, plots: bool = True) -> dict[str,
     from studies import calibration_report
 
     pages = {"cooled.md": report(raw)}
-    if calibration_report.has_records(raw):
-        pages["calibration.md"] = calibration_report.report(raw)
+    have = calibration_report.records(raw)  # read and checked once
+    if have:
+        pages["calibration.md"] = calibration_report.report(raw, have)
     written = write_pages(out, pages)
     if plots:
         written["cooled.png"] = plot(raw, out)
