@@ -47,9 +47,11 @@ def run_distributed(
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results.
 
-    The rendezvous port is one the system called free a moment before the ranks bind it; when another
-    process of the test session took it in between (EADDRINUSE), the ranks are started once more on a
-    new port: a port race, not the code under test."""
+    The rendezvous port is one the system called free a moment before the ranks bind it. Another
+    process of the test session can take it in between: rank 0 then fails to bind it (EADDRINUSE),
+    or a peer reaches the other process's socket first and cannot join (gloo's mesh is closed by a
+    stranger). Either failure comes before `fn` runs, so the ranks are started once more on a new
+    port: a port race, not the code under test."""
     import torch.multiprocessing  # noqa: F401 - before the start method is chosen, as run_workers does
 
     for attempt in range(2):
@@ -58,10 +60,15 @@ def run_distributed(
                 fn, world_size, args, kwargs, timeout=timeout, env=env, start_method=start_method()
             )
         except WorkerError as exc:
-            if attempt == 0 and "EADDRINUSE" in f"{exc} {exc.traceback or ''}":
+            if attempt == 0 and _port_race(f"{exc} {exc.traceback or ''}"):
                 continue
             _raise(exc, world_size)
     raise AssertionError("unreachable")
+
+
+def _port_race(text: str) -> bool:
+    """The first failure was the rendezvous: binding its port, or joining the group on it."""
+    return "EADDRINUSE" in text or "could not join the process group" in text
 
 
 def _raise(exc: WorkerError, world_size: int) -> None:

@@ -125,3 +125,16 @@ def test_the_user_launcher_reports_one_line_naming_the_rank():
         run_workers(_user_error_on_rank_one, world_size=2, timeout=60)
     assert re.fullmatch(r"rank 1 of 2 failed( \(then .* too\))?: model.hidden_size=7 is odd", str(info.value))
     assert info.value.exit_code == 2
+
+
+def test_only_a_rendezvous_failure_is_taken_for_a_port_race():
+    from megatron_lev.parallel.session import _rendezvous_error
+    from megatron_lev.testing.distributed import _port_race
+
+    mesh = RuntimeError(
+        "Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer [127.0.0.1]:38573"
+    )
+    joined = _rendezvous_error(mesh, 1, 2, "127.0.0.1", 45527, 30.0)
+    assert _port_race(str(joined))  # a peer reached a stranger's socket: start again on a new port
+    assert _port_race("RuntimeError: ... EADDRINUSE ...")
+    assert not _port_race("ValueError: boom on rank one")  # the code under test: reported at once
