@@ -47,11 +47,11 @@ def run_distributed(
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results.
 
-    The rendezvous port is one the system called free a moment before the ranks bind it. Another
+    The rendezvous port is one the system called free a moment before the ranks bind it, and another
     process of the test session can take it in between: rank 0 then fails to bind it (EADDRINUSE),
-    or a peer reaches the other process's socket first and cannot join (gloo's mesh is closed by a
-    stranger). Either failure comes before `fn` runs, so the ranks are started once more on a new
-    port: a port race, not the code under test."""
+    and a peer may fail to join the group (once in a full suite: gloo's mesh "closed by peer"; the
+    port race is the likely cause, not a proven one). Either failure comes before `fn` runs, so the
+    ranks are started once more on a new port; a second failure is reported."""
     import torch.multiprocessing  # noqa: F401 - before the start method is chosen, as run_workers does
 
     for attempt in range(2):

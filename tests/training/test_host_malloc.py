@@ -5,7 +5,7 @@ for every such buffer) stays.
 
 How many steps the heap takes to reach its peak depends on where the interpreter's own small
 allocations land between the buffers: here it grew over the first 3-6 of 10 steps (twelve probes),
-and once, in a full suite, a 64 and a 32 MiB buffer were faulted in at step 8-10. So the probe runs
+and once, in a full suite, 96 MiB were faulted in over steps 8-10. So the probe runs
 20 steps and the test asks what the switch promises: steps served wholly from the heap, and a
 bounded growth where glibc's default faults every step in again."""
 
