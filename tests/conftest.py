@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,33 @@ SLOW_TESTS = (
     "reliability/test_checkpoint.py::test_torchrun_local_rank_killed_at_start_up_is_a_failure",
     "reliability/test_checkpoint.py::test_disk_full_during_save_names_the_path_and_keeps_the_previous",
 )
+
+
+# A whole run holds up to about 3.3 GB under the temporary directory at once (measured with
+# pyproject's tmp_path_retention_policy = "failed"; 10 GB when every directory is kept).
+PEAK_TMP_GB = 3.3
+
+
+def pytest_report_header(config):
+    """One line on the temporary directory's free space; a second line when it has less than twice that.
+
+    Only a warning: a selection of tests needs much less than the whole run, and a full disk shows
+    itself as `No space left on device` in the tests that write, which this line then explains."""
+    given = config.getoption("basetemp", None)
+    where = Path(given or os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir()).absolute()
+    probe = where
+    while not probe.exists() and probe != probe.parent:  # --basetemp is made later
+        probe = probe.parent
+    free_gb = shutil.disk_usage(probe).free / 1e9
+    lines = [
+        f"temporary directory: {where}, {free_gb:.1f} GB free (a whole run holds up to {PEAK_TMP_GB} GB)"
+    ]
+    if free_gb < 2 * PEAK_TMP_GB:
+        lines.append(
+            f"WARNING: {where} has {free_gb:.1f} GB free; tests that write checkpoints may fail with "
+            "'No space left on device': free space there or give --basetemp on a larger disk"
+        )
+    return lines
 
 
 def pytest_configure(config):
