@@ -68,9 +68,9 @@ SLOW_TESTS = (
 )
 
 
-# A whole run holds up to about 3.3 GB under the temporary directory at once (measured with
-# pyproject's tmp_path_retention_policy = "failed"; 10 GB when every directory is kept).
-PEAK_TMP_GB = 3.3
+# A whole run holds up to about 3.2 GiB under the temporary directory at once (the disk's growth over
+# a run with pyproject's tmp_path_retention_policy = "failed"; 9.9 GiB when every directory is kept).
+PEAK_TMP_GIB = 3.2
 
 
 def pytest_report_header(config):
@@ -83,13 +83,13 @@ def pytest_report_header(config):
     probe = where
     while not probe.exists() and probe != probe.parent:  # --basetemp is made later
         probe = probe.parent
-    free_gb = shutil.disk_usage(probe).free / 1e9
+    free_gib = shutil.disk_usage(probe).free / 2**30
     lines = [
-        f"temporary directory: {where}, {free_gb:.1f} GB free (a whole run holds up to {PEAK_TMP_GB} GB)"
+        f"temporary directory: {where}, {free_gib:.1f} GiB free (a whole run holds up to {PEAK_TMP_GIB} GiB)"
     ]
-    if free_gb < 2 * PEAK_TMP_GB:
+    if free_gib < 2 * PEAK_TMP_GIB:
         lines.append(
-            f"WARNING: {where} has {free_gb:.1f} GB free; tests that write checkpoints may fail with "
+            f"WARNING: {where} has {free_gib:.1f} GiB free; tests that write checkpoints may fail with "
             "'No space left on device': free space there or give --basetemp on a larger disk"
         )
     return lines
